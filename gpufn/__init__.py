@@ -1,0 +1,42 @@
+"""gpufn: self-hosted serverless GPU functions.
+
+    @gpufn.gpu(memory="2GiB")
+    def square(x): return x * x
+
+    square.remote(7); list(square.map(range(10))); square.spawn(3).get()
+"""
+
+from __future__ import annotations
+
+from gpufn.client import Client, connect
+from gpufn.call_context import CallContext, context, current_device
+from gpufn.exceptions import (
+    AuthenticationError,
+    Cancelled,
+    ConnectionLost,
+    GpufnError,
+    InvalidSpec,
+    ModelLoadError,
+    OutOfMemory,
+    Preempted,
+    ProtocolMismatch,
+    QueueFull,
+    RemoteError,
+    SerializationError,
+    Timeout,
+    Unschedulable,
+    WorkerLost,
+)
+from gpufn.function import Function, FunctionCall, gpu
+from gpufn.model import Model, model
+from gpufn.spec import GpuSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError", "CallContext", "Cancelled", "Client", "ConnectionLost", "Function",
+    "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
+    "OutOfMemory", "Preempted", "ProtocolMismatch", "QueueFull", "RemoteError",
+    "SerializationError", "Timeout", "Unschedulable", "WorkerLost", "connect", "context",
+    "current_device", "gpu", "model",
+]

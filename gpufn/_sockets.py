@@ -1,0 +1,51 @@
+"""Socket settings shared by every gpufn process (explicit high-water marks, no linger)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+import zmq
+
+from gpufn import config
+
+
+def configure(sock: zmq.Socket[Any], *, router: bool = False) -> None:
+    hwm = config.high_water_mark()
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 0)
+    if router:
+        # Refuse rather than drop: a full or unknown peer raises, and the shell retries
+        # later or reports the peer unreachable.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    else:
+        sock.setsockopt(zmq.IMMEDIATE, 0)
+
+
+def watch_parent(parent_pid: int, on_exit: Any) -> None:
+    """Call `on_exit` when the process that started us is gone (we were re-parented)."""
+    if parent_pid <= 0:
+        return
+
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                on_exit()
+                return
+            threading.Event().wait(0.5)
+
+    threading.Thread(target=loop, name="gpufn-parent-watch", daemon=True).start()
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Linux: deliver `sig` to this process when its parent thread exits (preexec_fn)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, sig)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass

@@ -1,0 +1,72 @@
+"""`gpufn.context()`: where the current call runs (rank, world size, device, group, mesh)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufn.exceptions import GpufnError
+
+
+@dataclass
+class CallContext:
+    """What a running function may ask about its own execution."""
+
+    invocation_id: str
+    function: str
+    rank: int = 0
+    world_size: int = 1
+    device: Any = "cpu"  # torch.device inside workers
+    devices: list[Any] = field(default_factory=list)  # all devices this process sees (spmd=False)
+    group: Any = None  # torch.distributed ProcessGroup for gangs
+    attempt: int = 1
+    _mesh: Any = None
+
+    @property
+    def mesh(self) -> Any:
+        """A 1-D DeviceMesh over the gang (built on first use)."""
+        if self._mesh is None:
+            if self.world_size == 1 and self.group is None:
+                raise GpufnError("a DeviceMesh needs a multi-device call: use @gpu(count=N)")
+            from gpufn.worker.groups import mesh_for
+
+            self._mesh = mesh_for(self)
+        return self._mesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_local = threading.local()
+
+
+def context() -> CallContext:
+    """The context of the gpufn call running in this thread.
+
+    Raises outside a call (e.g. when the function runs with `.local()`, where there is no
+    device assignment); use `gpufn.current_device()` for code that runs both ways.
+    """
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise GpufnError(
+            "gpufn.context() is only available inside a function running on a gpufn worker "
+            "(called with .remote(), .map() or .spawn()); use gpufn.current_device() in code "
+            "that also runs locally"
+        )
+    return ctx
+
+
+def current_device() -> Any:
+    """The torch device of the current call, or the best local device outside a call."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is not None:
+        return ctx.device
+    import torch
+
+    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def _set(ctx: CallContext | None) -> None:
+    _local.ctx = ctx

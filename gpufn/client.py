@@ -1,0 +1,335 @@
+"""The client: one I/O thread owns the DEALER socket; callers get futures.
+
+Calls are pickled in the caller's thread (so a bad argument fails at the call site),
+queued to the I/O thread, and matched to results by invocation id. The client pings
+the scheduler and fails every outstanding call with `ConnectionLost` if it goes silent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from gpufn import _sockets, config
+from gpufn import protocol as p
+from gpufn.exceptions import (
+    AuthenticationError,
+    ConnectionLost,
+    GpufnError,
+    from_wire,
+)
+
+log = logging.getLogger("gpufn.client")
+
+PING_SECONDS = 2.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: Future[p.Result]
+    name: str
+
+
+class Client:
+    """A connection to a gpufn scheduler (remote, or the embedded local cluster)."""
+
+    def __init__(self, address: str, token: str | None = None, *, cluster: Any = None,
+                 connect_timeout: float = 30.0) -> None:
+        self.address = config.normalize_address(address)
+        self.token = token or ""
+        self.cluster = cluster
+        self.pid = os.getpid()
+        self.connection_timeout = config.env_float("GPUFN_CONNECTION_TIMEOUT", 60.0)
+        self._prefix = os.urandom(4).hex()
+        self._counter = itertools.count(1)
+        self._calls: dict[str, _Pending] = {}
+        self._status: dict[int, Future[dict[str, Any]]] = {}
+        self._registered: set[str] = set()
+        self._lock = threading.Lock()
+        self._outbox: deque[list[Any]] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._welcome: Future[p.Welcome] = Future()
+        self._closed = threading.Event()
+        self._io_done = threading.Event()
+        self._last_heard = time.monotonic()
+        self._ctx = zmq.Context()
+        self._io = threading.Thread(target=self._loop, name="gpufn-client-io", daemon=True)
+        self._io.start()
+        try:
+            welcome = self._welcome.result(connect_timeout)
+        except TimeoutError:
+            self.close()
+            raise ConnectionLost(
+                f"no answer from a gpufn scheduler at {self.address} within {connect_timeout:.0f}s. "
+                "Is `gpufn serve` running there? Check GPUFN_ADDRESS, or unset it to use the "
+                "embedded local cluster."
+            ) from None
+        if not welcome.ok:
+            self.close()
+            raise from_wire(welcome.error_kind, welcome.message)
+        self.info = welcome.info
+
+    # ------------------------------------------------------------------ public
+
+    def new_id(self) -> str:
+        return f"{self._prefix}{next(self._counter):08x}"
+
+    def ensure_registered(self, register: p.Register) -> None:
+        with self._lock:
+            if register.function_id in self._registered:
+                return
+            self._registered.add(register.function_id)
+        self._enqueue(p.encode(register))
+
+    def is_registered(self, function_id: str) -> bool:
+        return function_id in self._registered
+
+    def submit(self, submit: p.Submit, name: str) -> Future[p.Result]:
+        fut: Future[p.Result] = Future()
+        if self._closed.is_set():
+            fut.set_exception(ConnectionLost("this gpufn client is closed; call gpufn.connect() again"))
+            return fut
+        with self._lock:
+            self._calls[submit.invocation_id] = _Pending(fut, name)
+        self._enqueue(p.encode(submit))
+        return fut
+
+    def submit_many(self, items: list[tuple[p.Submit, str]]) -> list[Future[p.Result]]:
+        futs: list[Future[p.Result]] = []
+        frames = []
+        with self._lock:
+            for submit, name in items:
+                fut: Future[p.Result] = Future()
+                self._calls[submit.invocation_id] = _Pending(fut, name)
+                futs.append(fut)
+                frames.append(p.encode(submit))
+        if self._closed.is_set():
+            for f in futs:
+                f.set_exception(ConnectionLost("this gpufn client is closed"))
+            return futs
+        self._outbox.extend(frames)
+        self._wake()
+        return futs
+
+    def cancel(self, invocation_id: str, reason: str = "") -> None:
+        self._enqueue(p.encode(p.Cancel(invocation_id, reason)))
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        rid = next(self._counter)
+        fut: Future[dict[str, Any]] = Future()
+        self._status[rid] = fut
+        self._enqueue(p.encode(p.StatusRequest(rid)))
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            raise ConnectionLost(f"the scheduler at {self.address} did not answer a status "
+                                 f"request within {timeout:.0f}s") from None
+        finally:
+            self._status.pop(rid, None)
+
+    def outstanding(self) -> int:
+        return len(self._calls)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._wake()
+        if threading.current_thread() is not self._io:
+            self._io_done.wait(5)
+        self._fail_all(ConnectionLost("the gpufn client was closed"))
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _enqueue(self, frames: list[Any]) -> None:
+        self._outbox.append(frames)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _fail_all(self, exc: GpufnError) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, {}
+        for pend in calls.values():
+            if not pend.future.done():
+                pend.future.set_exception(exc)
+        for fut in list(self._status.values()):
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _loop(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        _sockets.configure(sock)
+        sock.setsockopt(zmq.IDENTITY, f"c/{os.getpid()}/{self._prefix}".encode())
+        sock.connect(self.address)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        pending_send: list[Any] | None = None
+        try:
+            sock.send_multipart(p.encode(p.Hello(
+                p.Role.CLIENT, p.PROTOCOL_VERSION, self.token, os.getpid(),
+                {"argv": " ".join(sys.argv)[:200]})))
+            next_ping = time.monotonic() + PING_SECONDS
+            while not self._closed.is_set():
+                now = time.monotonic()
+                blocked = pending_send is not None
+                wait_ms = 5 if blocked else max(0, int((next_ping - now) * 1000))
+                ready = dict(poller.poll(wait_ms))
+                if ready.get(self._wake_r):
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                if ready.get(sock):
+                    self._receive(sock)
+                # Send what callers queued; a full socket (HWM) keeps the rest queued here.
+                while pending_send is not None or self._outbox:
+                    frames = pending_send if pending_send is not None else self._outbox.popleft()
+                    try:
+                        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                        pending_send = None
+                    except zmq.Again:
+                        pending_send = frames
+                        break
+                now = time.monotonic()
+                if now >= next_ping:
+                    next_ping = now + PING_SECONDS
+                    try:
+                        sock.send_multipart(p.encode(p.Ping(int(now))), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                    if self._calls and now - self._last_heard > self.connection_timeout:
+                        self._fail_all(ConnectionLost(
+                            f"the scheduler at {self.address} has not answered for "
+                            f"{now - self._last_heard:.0f}s; outstanding calls were failed"))
+            try:
+                sock.send_multipart(p.encode(p.Goodbye("client closing")), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        except Exception as e:  # never leave callers hanging on a dead I/O thread
+            log.exception("gpufn client I/O thread failed")
+            self._fail_all(ConnectionLost(f"the gpufn client I/O thread failed: {e}"))
+        finally:
+            sock.close(100)
+            self._io_done.set()
+
+    def _receive(self, sock: zmq.Socket[Any]) -> None:
+        self._last_heard = time.monotonic()
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg = p.decode(frames)
+            if isinstance(msg, p.Result):
+                with self._lock:
+                    pend = self._calls.pop(msg.invocation_id, None)
+                if pend is not None and not pend.future.done():
+                    pend.future.set_result(msg)
+            elif isinstance(msg, p.Output):
+                self._print_output(msg)
+            elif isinstance(msg, p.Welcome):
+                if not self._welcome.done():
+                    self._welcome.set_result(msg)
+            elif isinstance(msg, p.StatusReply):
+                fut = self._status.get(msg.request_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.status)
+            elif isinstance(msg, p.Shutdown):
+                self._fail_all(ConnectionLost(f"the scheduler stopped ({msg.reason})"))
+            elif isinstance(msg, p.Error):
+                if msg.error_kind == AuthenticationError.__name__ and not self._welcome.done():
+                    self._welcome.set_result(p.Welcome(False, msg.error_kind, msg.message))
+                else:
+                    log.warning("scheduler: %s", msg.message)
+
+    def _print_output(self, msg: p.Output) -> None:
+        pend = self._calls.get(msg.invocation_id)
+        name = pend.name if pend else "?"
+        stream = sys.stderr if msg.stream == "stderr" else sys.stdout
+        prefix = f"[{name} {msg.invocation_id[-8:]}] "
+        text = msg.text[:-1] if msg.text.endswith("\n") else msg.text
+        stream.write("".join(prefix + line + "\n" for line in text.split("\n")))
+        stream.flush()
+
+
+# --------------------------------------------------------------------------- default client
+
+_default: Client | None = None
+_default_lock = threading.RLock()
+
+
+def connect(address: str | None = None, *, token: str | None = None) -> Client:
+    """Connect to a scheduler and make it the default for `.remote()` and friends.
+
+    With no address and no GPUFN_ADDRESS, start (or reuse) the embedded local cluster.
+    """
+    global _default
+    with _default_lock:
+        addr = address or config.address()
+        tok = token if token is not None else config.token()
+        if addr is None and _default is not None and _default.pid != os.getpid():
+            # A forked child reuses its parent's embedded cluster instead of starting one.
+            addr, tok = _default.address, _default.token
+            _default = None
+        if _default is not None and _default.pid == os.getpid():
+            same = (addr is None and _default.cluster is not None) or (
+                addr is not None and config.normalize_address(addr) == _default.address)
+            if same and not _default._closed.is_set():
+                return _default
+            _shutdown_default()
+        if addr is None:
+            from gpufn.embedded import LocalCluster
+
+            cluster = LocalCluster()
+            addr, tok = cluster.start()
+            try:
+                client = Client(addr, tok, cluster=cluster)
+                cluster.wait_for_devices(client)
+            except BaseException:
+                cluster.stop()
+                raise
+        else:
+            client = Client(addr, tok)
+        _default = client
+        return client
+
+
+def get_client() -> Client:
+    """The default client, connecting (or starting the embedded cluster) on first use."""
+    c = _default
+    if c is not None and c.pid == os.getpid() and not c._closed.is_set():
+        return c
+    return connect()
+
+
+def _shutdown_default() -> None:
+    global _default
+    with _default_lock:
+        c, _default = _default, None
+    if c is None or c.pid != os.getpid():
+        return
+    c.close()
+    if c.cluster is not None:
+        c.cluster.stop()
+
+
+atexit.register(_shutdown_default)

@@ -1,0 +1,132 @@
+"""The embedded local cluster: a scheduler and a supervisor as child processes.
+
+Started by the first `.remote()` when no GPUFN_ADDRESS is set: one worker per detected
+GPU, or simulated CPU devices (GPUFN_CPU_DEVICES, GPUFN_DEVICE_MEMORY). It lives as long
+as the interpreter and is torn down at exit; the children also watch their parent and
+stop by themselves if it dies, so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from gpufn import config
+from gpufn.exceptions import ConnectionLost
+
+
+def _extra_pythonpath() -> list[str]:
+    """sys.path entries of this process that a fresh interpreter would not have
+    (the script's folder, test roots), so workers import the same user modules."""
+    prefixes = {os.path.realpath(x) for x in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    out = []
+    for entry in sys.path:
+        path = os.path.realpath(entry or os.getcwd())
+        if not os.path.isdir(path) or any(path.startswith(pre + os.sep) or path == pre
+                                          for pre in prefixes):
+            continue
+        if path not in out:
+            out.append(path)
+    return out
+
+
+class LocalCluster:
+    def __init__(
+        self, cpu_devices: int | None = None, device_memory: str | int | None = None,
+        islands: int | None = None, extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.cpu_devices = cpu_devices
+        self.device_memory = device_memory
+        self.islands = islands
+        self.extra_env = extra_env or {}
+        self.scheduler: subprocess.Popen[bytes] | None = None
+        self.supervisor: subprocess.Popen[bytes] | None = None
+        self.address = ""
+        self.token = secrets.token_hex(16)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("GPUFN_ADDRESS", None)
+        env["GPUFN_TOKEN"] = self.token
+        paths = _extra_pythonpath() + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env.update(self.extra_env)
+        return env
+
+    def start(self, timeout: float = 60.0) -> tuple[str, str]:
+        env = self._env()
+        r, w = os.pipe()
+        self.scheduler = subprocess.Popen(
+            [sys.executable, "-m", "gpufn.scheduler", "--port", "0", "--ready-fd", str(w),
+             "--parent-pid", str(os.getpid())],
+            env=env, pass_fds=(w,), stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        os.close(w)
+        try:
+            self.address = self._read_address(r, timeout)
+        finally:
+            os.close(r)
+        cmd = [sys.executable, "-m", "gpufn.worker.supervisor", "--address", self.address,
+               "--parent-pid", str(os.getpid())]
+        if self.cpu_devices:
+            cmd += ["--cpu-devices", str(self.cpu_devices)]
+        if self.device_memory:
+            cmd += ["--device-memory", str(self.device_memory)]
+        if self.islands:
+            cmd += ["--islands", str(self.islands)]
+        self.supervisor = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                           start_new_session=True)
+        return self.address, self.token
+
+    def _read_address(self, fd: int, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        buf = b""
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            assert self.scheduler is not None
+            if left <= 0 or self.scheduler.poll() is not None:
+                self.stop()
+                raise ConnectionLost(
+                    "the embedded gpufn scheduler did not start (see the output above); "
+                    "set GPUFN_LOG_LEVEL=INFO for details")
+            if select.select([fd], [], [], min(left, 0.2))[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk and self.scheduler.poll() is not None:
+                    continue
+                buf += chunk
+        return buf.decode().strip()
+
+    def wait_for_devices(self, client: Any, timeout: float = 60.0) -> None:
+        """Block until the supervisor has announced its devices (workers may still start)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if client.status().get("devices"):
+                return
+            if self.supervisor is not None and self.supervisor.poll() is not None:
+                raise ConnectionLost(
+                    f"the embedded gpufn supervisor exited with code {self.supervisor.returncode} "
+                    "(see the output above)")
+            time.sleep(0.02)
+        raise ConnectionLost(f"no devices registered within {timeout:.0f}s")
+
+    def stop(self, grace: float = 5.0) -> None:
+        for proc in (self.supervisor, self.scheduler):
+            if proc is not None and proc.poll() is None:
+                try:
+                    proc.terminate()
+                except ProcessLookupError:
+                    pass
+        for proc in (self.supervisor, self.scheduler):
+            if proc is None:
+                continue
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.supervisor = self.scheduler = None

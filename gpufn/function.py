@@ -1,0 +1,480 @@
+"""The user API: `@gpu`, `Function` (.remote/.spawn/.map/.starmap/.local/.with_options)
+and `FunctionCall`, with async twins (`await f.remote.aio(x)`, `async for r in f.map.aio(xs)`)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import queue
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Generic, TypeVar
+
+from gpufn import config
+from gpufn import protocol as p
+from gpufn import serialization as ser
+from gpufn.client import Client, get_client
+from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
+from gpufn.spec import OPTION_NAMES, GpuSpec, make_spec
+
+T = TypeVar("T")
+
+MAP_WINDOW = 4096               # calls in flight per .map()
+MAP_WINDOW_BYTES = 256 * 2**20  # argument bytes in flight per .map()
+
+
+# --------------------------------------------------------------------------- results
+
+
+def decode_result(res: p.Result, name: str) -> Any:
+    """The value of a finished call, or raise its error (user exceptions keep their type)."""
+    if res.ok:
+        return ser.loads(res.frames)
+    if res.error_kind == "":
+        where = f"remote traceback of {name} call {res.invocation_id} on {','.join(res.meta.get('devices', [])) or 'a worker'}:"
+        raise ser.load_exception(res.frames, str(res.meta.get("type", "Exception")), res.message,
+                                 str(res.meta.get("traceback", "")), where)
+    raise from_wire(res.error_kind, res.message)
+
+
+class _Dual:
+    """A method with an async twin: `obj.m(...)` and `await obj.m.aio(...)`."""
+
+    def __init__(self, sync: Callable[..., Any], aio: Callable[..., Any]) -> None:
+        self._sync, self._aio = sync, aio
+        functools.update_wrapper(self, sync)
+
+    def __get__(self, obj: Any, cls: Any = None) -> Any:
+        if obj is None:
+            return self
+        return _BoundDual(obj, self._sync, self._aio)
+
+
+class _BoundDual:
+    __slots__ = ("_aio", "_obj", "_sync")
+
+    def __init__(self, obj: Any, sync: Callable[..., Any], aio: Callable[..., Any]) -> None:
+        self._obj, self._sync, self._aio = obj, sync, aio
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._sync(self._obj, *args, **kwargs)
+
+    def aio(self, *args: Any, **kwargs: Any) -> Any:
+        return self._aio(self._obj, *args, **kwargs)
+
+
+class FunctionCall(Generic[T]):
+    """A handle on one spawned call."""
+
+    def __init__(self, invocation_id: str, future: Future[p.Result], name: str, client: Client) -> None:
+        self._id = invocation_id
+        self._future = future
+        self._name = name
+        self._client = client
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "pending"
+        return f"<FunctionCall {self._name} {self._id} {state}>"
+
+    def _get(self, timeout: float | None = None) -> T:
+        try:
+            res = self._future.result(timeout)
+        except FutureTimeout:
+            raise Timeout(
+                f"{self._name} call {self._id} has no result after {timeout}s; it is still "
+                "queued or running. Call .get() again to keep waiting, or .cancel() it."
+            ) from None
+        return decode_result(res, self._name)  # type: ignore[no-any-return]
+
+    async def _get_aio(self, timeout: float | None = None) -> T:
+        try:
+            res = await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
+        except asyncio.TimeoutError:
+            raise Timeout(f"{self._name} call {self._id} has no result after {timeout}s") from None
+        return decode_result(res, self._name)  # type: ignore[no-any-return]
+
+    get = _Dual(_get, _get_aio)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> bool:
+        """Cancel the call: removed at once if queued, stopped if running.
+        Returns False if it had already finished."""
+        if self._future.done():
+            return False
+        self._client.cancel(self._id, "cancelled by the caller")
+        return True
+
+    def result_meta(self) -> dict[str, Any]:
+        """Scheduler metadata of a finished call (devices, attempts, queued_s, duration, ...)."""
+        return dict(self._future.result().meta)
+
+
+# --------------------------------------------------------------------------- functions
+
+
+class _CodeCache:
+    """Pickled code shared by a function and its with_options() copies."""
+
+    __slots__ = ("code_id", "frames", "lock")
+
+    def __init__(self) -> None:
+        self.code_id: str | None = None
+        self.frames: list[Any] = []
+        self.lock = threading.Lock()
+
+
+class Function(Generic[T]):
+    """A function that runs on gpufn workers; call it like the original to run locally."""
+
+    def __init__(self, fn: Callable[..., T], spec: GpuSpec, models: tuple[Any, ...] = ()) -> None:
+        self._fn = fn
+        self.spec = spec
+        self._models = models
+        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "function")
+        self._code = _CodeCache()
+        self._register: p.Register | None = None
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_code"] = None
+        state["_register"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._code = _CodeCache()
+
+    def __repr__(self) -> str:
+        return f"<gpufn.Function {self.name} {self.spec.describe()}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> T:
+        return self._fn(*args, **kwargs)
+
+    def local(self, *args: Any, **kwargs: Any) -> T:
+        """Run in this process (no worker, no device assignment)."""
+        return self._fn(*args, **kwargs)
+
+    def with_options(self, **options: Any) -> Function[T]:
+        """A copy with changed options, e.g. f.with_options(priority=10, timeout=60)."""
+        models = self._models
+        if "models" in options:
+            models = _check_models(options["models"])
+            options["models"] = tuple(m.name for m in models)
+        unknown = set(options) - set(OPTION_NAMES)
+        if unknown:
+            raise InvalidSpec(f"unknown option(s) {sorted(unknown)} in with_options(); "
+                              f"known options: {', '.join(OPTION_NAMES)}")
+        new = Function(self._fn, make_spec(self.spec, **options), models)
+        new._code = self._code
+        new.name = self.name
+        return new
+
+    # ------------------------------------------------------------------ wire
+
+    def _code_frames(self) -> tuple[str, list[Any]]:
+        c = self._code
+        with c.lock:
+            if c.code_id is None:
+                c.code_id, c.frames = ser.dump_code(self._fn, self.name)
+            return c.code_id, c.frames
+
+    def register_message(self) -> p.Register:
+        if self._register is None:
+            code_id, frames = self._code_frames()
+            spec = self.spec.to_wire()
+            models = [m.wire_description() for m in self._models]
+            fid = ser.content_hash(code_id.encode(), json.dumps(spec, sort_keys=True).encode(),
+                                   json.dumps([m["name"] for m in models]).encode())
+            all_frames = list(frames)
+            for m in self._models:  # loader code travels after the function's own frames
+                all_frames += m.loader_frames()
+            self._register = p.Register(fid, code_id, self.name, spec, models, tuple(all_frames))
+        return self._register
+
+    def _submit_message(self, client: Client, args: tuple[Any, ...], kwargs: dict[str, Any]) -> p.Submit:
+        frames = ser.dump_args(self.name, args, kwargs)
+        reg = self.register_message()
+        client.ensure_registered(reg)
+        return p.Submit(client.new_id(), reg.function_id, {}, tuple(frames))
+
+    # ------------------------------------------------------------------ calls
+
+    def spawn(self, *args: Any, **kwargs: Any) -> FunctionCall[T]:
+        """Start a call and return at once with a handle (.get(), .cancel(), .done(), .id)."""
+        client = get_client()
+        sub = self._submit_message(client, args, kwargs)
+        return FunctionCall(sub.invocation_id, client.submit(sub, self.name), self.name, client)
+
+    def _remote(self, *args: Any, **kwargs: Any) -> T:
+        return self.spawn(*args, **kwargs).get()
+
+    async def _remote_aio(self, *args: Any, **kwargs: Any) -> T:
+        return await self.spawn(*args, **kwargs).get.aio()
+
+    remote = _Dual(_remote, _remote_aio)
+
+    def _map(self, *iterables: Iterable[Any], order_outputs: bool = True,
+             return_exceptions: bool = False, cost: Callable[[Any], float] | None = None,
+             progress: bool | None = None) -> Iterator[Any]:
+        if not iterables:
+            raise TypeError(f"{self.name}.map() needs at least one iterable of inputs")
+        total = _total(iterables)
+        items: Iterable[tuple[tuple[Any, ...], dict[str, Any]]] = ((a, {}) for a in zip(*iterables))
+        return _MapRun(self, items, total, order_outputs, return_exceptions, cost, progress).run()
+
+    async def _map_aio(self, *iterables: Iterable[Any], order_outputs: bool = True,
+                       return_exceptions: bool = False, cost: Callable[[Any], float] | None = None,
+                       progress: bool | None = False) -> AsyncIterator[Any]:
+        if not iterables:
+            raise TypeError(f"{self.name}.map.aio() needs at least one iterable of inputs")
+        items = ((a, {}) for a in zip(*iterables))
+        run = _MapRun(self, items, _total(iterables), order_outputs, return_exceptions, cost, progress)
+        async for value in run.run_aio():
+            yield value
+
+    map = _Dual(_map, _map_aio)
+
+    def _starmap(self, iterable: Iterable[Iterable[Any]], **kw: Any) -> Iterator[Any]:
+        items = ((tuple(a), {}) for a in iterable)
+        return _MapRun(self, items, _total((iterable,)), kw.get("order_outputs", True),
+                       kw.get("return_exceptions", False), kw.get("cost"), kw.get("progress")).run()
+
+    async def _starmap_aio(self, iterable: Iterable[Iterable[Any]], **kw: Any) -> AsyncIterator[Any]:
+        items = ((tuple(a), {}) for a in iterable)
+        run = _MapRun(self, items, _total((iterable,)), kw.get("order_outputs", True),
+                      kw.get("return_exceptions", False), kw.get("cost"), kw.get("progress", False))
+        async for value in run.run_aio():
+            yield value
+
+    starmap = _Dual(_starmap, _starmap_aio)
+
+
+def _total(iterables: tuple[Iterable[Any], ...]) -> int | None:
+    try:
+        return min(len(it) for it in iterables)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _show_progress(progress: bool | None, total: int | None) -> bool:
+    if progress is not None:
+        return progress
+    if os.environ.get("GPUFN_PROGRESS", "") == "0" or (total is not None and total < 2):
+        return False
+    if "ipykernel" in sys.modules:
+        return True
+    try:
+        return sys.stderr.isatty()
+    except Exception:
+        return False
+
+
+class _MapRun:
+    """One .map(): windowed submission, ordered or unordered results, cancel on failure
+    or when the caller stops iterating, optional LPT ordering by cost, progress bar."""
+
+    def __init__(self, fn: Function[Any], items: Iterable[tuple[tuple[Any, ...], dict[str, Any]]],
+                 total: int | None, order_outputs: bool, return_exceptions: bool,
+                 cost: Callable[[Any], float] | None, progress: bool | None) -> None:
+        self.fn = fn
+        self.order_outputs = order_outputs
+        self.return_exceptions = return_exceptions
+        self.total = total
+        self.progress = _show_progress(progress, total)
+        if cost is not None:
+            listed = list(items)
+            try:
+                costs = [float(cost(*a, **k)) for a, k in listed]
+            except Exception as e:
+                raise InvalidSpec(f"cost= raised {type(e).__name__}: {e}; it must map an input "
+                                  "to a number, e.g. cost=len") from e
+            # Longest first: big inputs start early and do not straggle at the end.
+            order = sorted(range(len(listed)), key=lambda i: -costs[i])
+            self.items: Iterator[tuple[int, tuple[Any, ...], dict[str, Any]]] = iter(
+                [(i, *listed[i]) for i in order])
+            self.total = len(listed)
+        else:
+            self.items = ((i, a, k) for i, (a, k) in enumerate(items))
+        self.window = config.env_int("GPUFN_MAP_WINDOW", MAP_WINDOW)
+        self.calls: dict[int, FunctionCall[Any]] = {}
+        self.sizes: dict[int, int] = {}
+        self.inflight_bytes = 0
+        self.done_q: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.exhausted = False
+        self.submitted = 0
+
+    def _fill(self, client: Client) -> None:
+        batch: list[tuple[int, p.Submit]] = []
+        while (not self.exhausted and len(self.calls) + len(batch) < self.window
+               and self.inflight_bytes < MAP_WINDOW_BYTES):
+            try:
+                idx, args, kwargs = next(self.items)
+            except StopIteration:
+                self.exhausted = True
+                break
+            sub = self.fn._submit_message(client, args, kwargs)
+            size = sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
+                       for f in sub.frames)
+            self.sizes[idx] = size
+            self.inflight_bytes += size
+            batch.append((idx, sub))
+            if len(batch) >= 256:
+                self._send(client, batch)
+                batch = []
+        if batch:
+            self._send(client, batch)
+
+    def _send(self, client: Client, batch: list[tuple[int, p.Submit]]) -> None:
+        futs = client.submit_many([(sub, self.fn.name) for _, sub in batch])
+        for (idx, sub), fut in zip(batch, futs):
+            self.calls[idx] = FunctionCall(sub.invocation_id, fut, self.fn.name, client)
+            fut.add_done_callback(lambda _f, i=idx: self.done_q.put(i))
+        self.submitted += len(batch)
+
+    def _cancel_rest(self, client: Client, include_running: bool) -> None:
+        for call in self.calls.values():
+            if not call.done():
+                client._enqueue(p.encode(p.Cancel(call.id, "the map was stopped", include_running)))
+
+    def _outcome(self, idx: int) -> tuple[bool, Any]:
+        call = self.calls.pop(idx)
+        self.inflight_bytes -= self.sizes.pop(idx, 0)
+        try:
+            return True, call.get()
+        except GpufnError as e:
+            return False, e
+        except Exception as e:
+            return False, e
+
+    def _steps(self) -> Iterator[tuple[int, bool, Any]]:
+        """Completed (index, ok, value) in completion order, keeping the window full."""
+        client = get_client()
+        try:
+            self._fill(client)
+            while self.calls:
+                idx = self.done_q.get()
+                ok, value = self._outcome(idx)
+                if not ok and not self.return_exceptions:
+                    self._cancel_rest(client, include_running=False)
+                    raise value
+                self._fill(client)
+                yield idx, ok, value
+        except GeneratorExit:
+            self._cancel_rest(client, include_running=True)
+            raise
+
+    def _ordered(self, steps: Iterator[tuple[int, bool, Any]]) -> Iterator[Any]:
+        if not self.order_outputs:
+            for _, _, value in steps:
+                yield value
+            return
+        held: dict[int, Any] = {}
+        nxt = 0
+        for idx, _, value in steps:
+            held[idx] = value
+            while nxt in held:
+                yield held.pop(nxt)
+                nxt += 1
+
+    def run(self) -> Iterator[Any]:
+        if not self.progress:
+            yield from self._ordered(self._steps())
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        with Progress(TextColumn(f"[bold]{self.fn.name}.map"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TimeRemainingColumn(), transient=False) as bar:
+            task = bar.add_task("map", total=self.total)
+
+            def counted() -> Iterator[tuple[int, bool, Any]]:
+                for step in self._steps():
+                    bar.advance(task)
+                    yield step
+
+            yield from self._ordered(counted())
+
+    async def run_aio(self) -> AsyncIterator[Any]:
+        """The same, without blocking the event loop: completions are awaited."""
+        loop = asyncio.get_running_loop()
+        steps = self._ordered(self._steps())
+        sentinel = object()
+        try:
+            while True:
+                value = await loop.run_in_executor(None, next, steps, sentinel)
+                if value is sentinel:
+                    return
+                yield value
+        finally:
+            steps.close()
+
+
+def _check_models(models: Any) -> tuple[Any, ...]:
+    from gpufn.model import Model
+
+    if isinstance(models, Model):
+        models = (models,)
+    try:
+        out = tuple(models)
+    except TypeError:
+        out = None
+    if out is None or not all(isinstance(m, Model) for m in out):
+        raise InvalidSpec(
+            f"models={models!r} must be a list of models declared with @gpufn.model, "
+            "e.g. @gpu(models=[llama])"
+        )
+    return out
+
+
+def gpu(
+    _fn: Callable[..., Any] | None = None, *, count: int = 1, type: str | list[str] | None = None,
+    memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
+    priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
+    spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
+    batch_wait_ms: float | None = None,
+) -> Any:
+    """Declare a function's GPU needs; it then runs remotely with .remote()/.map()/.spawn().
+
+    `@gpu` alone works too. Every option is validated here: a bad value raises
+    `gpufn.InvalidSpec` at import time, naming the option and the fix.
+    """
+    model_objs = _check_models(models)
+    spec = make_spec(
+        count=count, type=type, memory=memory, timeout=timeout, retries=retries,
+        priority=priority, concurrency=concurrency, models=tuple(m.name for m in model_objs),
+        gather=gather, spmd=spmd, preemptible=preemptible, batch_size=batch_size,
+        batch_wait_ms=batch_wait_ms,
+    )
+
+    def wrap(fn: Callable[..., Any]) -> Function[Any]:
+        if isinstance(fn, Function):
+            fn = fn._fn
+        if not callable(fn):
+            raise InvalidSpec(f"@gpu decorates a function, not {fn!r}")
+        return Function(fn, spec, model_objs)
+
+    if _fn is not None:
+        if not callable(_fn):
+            raise InvalidSpec(
+                f"@gpu got {_fn!r} as a positional argument; options are keyword-only, "
+                "e.g. @gpu(memory='2GiB')")
+        return wrap(_fn)
+    return wrap

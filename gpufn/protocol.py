@@ -1,0 +1,335 @@
+"""The one wire module: every message that crosses a process boundary, and its codec.
+
+A message travels as frames `[tag, header, *payload]`: a one-byte type tag, a msgpack
+header holding the message's fields in order, and the opaque user payload frames (a
+pickle stream plus its out-of-band buffers). `encode`/`decode` here are the only
+msgpack call sites; the scheduler never looks inside payload frames.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+Frame = Any  # bytes | memoryview | zmq.Frame: whatever zmq can send without a copy
+
+
+class Role:
+    CLIENT = "client"
+    WORKER = "worker"
+    SUPERVISOR = "supervisor"
+
+
+class DecodeError(ValueError):
+    """A frame list that is not a gpufn message (wrong tag, bad header)."""
+
+
+_BY_TAG: dict[int, type[Message]] = {}
+_TAG_OF: dict[type[Message], bytes] = {}
+_GETTER: dict[type[Message], Callable[[Any], tuple[Any, ...]]] = {}
+_HAS_FRAMES: dict[type[Message], bool] = {}
+
+M = TypeVar("M", bound="type[Message]")
+
+
+class Message:
+    """Base of every wire message (frozen, slotted dataclasses registered with a tag)."""
+
+    __slots__ = ()
+
+
+def message(tag: int) -> Callable[[M], M]:
+    """Register a message class under a one-byte tag."""
+
+    def register(cls: M) -> M:
+        if tag in _BY_TAG or not 0 < tag < 256:
+            raise ValueError(f"tag {tag} is taken or out of range")
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        has_frames = bool(names) and names[-1] == "frames"
+        header_names = names[:-1] if has_frames else names
+        getter = operator.attrgetter(*header_names) if header_names else (lambda m: ())
+        if len(header_names) == 1:
+            single = getter
+            getter = lambda m: (single(m),)  # noqa: E731
+        _BY_TAG[tag] = cls
+        _TAG_OF[cls] = bytes([tag])
+        _GETTER[cls] = getter  # type: ignore[assignment]
+        _HAS_FRAMES[cls] = has_frames
+        return cls
+
+    return register
+
+
+def encode(msg: Message) -> list[Frame]:
+    """Frames for `msg`: [tag, header, *payload frames]."""
+    cls = type(msg)
+    header = msgpack.packb(_GETTER[cls](msg), use_bin_type=True)
+    if _HAS_FRAMES[cls]:
+        return [_TAG_OF[cls], header, *msg.frames]  # type: ignore[attr-defined]
+    return [_TAG_OF[cls], header]
+
+
+def _as_bytes(frame: Frame) -> bytes:
+    return frame if isinstance(frame, bytes) else frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+
+
+def decode(frames: Sequence[Frame]) -> Message:
+    """The message held by frames produced by `encode` (payload frames kept as they came)."""
+    if len(frames) < 2:
+        raise DecodeError(f"a gpufn message has at least 2 frames, got {len(frames)}")
+    tag = _as_bytes(frames[0])
+    cls = _BY_TAG.get(tag[0]) if len(tag) == 1 else None
+    if cls is None:
+        raise DecodeError(f"unknown message tag {tag!r}: is the peer running another gpufn version?")
+    try:
+        values = msgpack.unpackb(_as_bytes(frames[1]), raw=False, use_list=True)
+        if _HAS_FRAMES[cls]:
+            return cls(*values, tuple(frames[2:]))  # type: ignore[call-arg]
+        return cls(*values)  # type: ignore[call-arg]
+    except (TypeError, ValueError, msgpack.ExtraData) as e:
+        raise DecodeError(f"bad header for {cls.__name__}: {e}") from e
+
+
+def message_types() -> dict[int, type[Message]]:
+    return dict(_BY_TAG)
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+@message(1)
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """First message of every peer. `info` is role-specific (devices, device key, ...)."""
+
+    role: str
+    version: int
+    token: str
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@message(2)
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    """The scheduler's answer to Hello; on refusal `error_kind` names a gpufn error."""
+
+    ok: bool
+    error_kind: str = ""
+    message: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@message(3)
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    seq: int
+
+
+@message(4)
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    seq: int
+
+
+@message(5)
+@dataclass(frozen=True, slots=True)
+class Goodbye(Message):
+    """A peer leaving on purpose."""
+
+    reason: str = ""
+
+
+@message(6)
+@dataclass(frozen=True, slots=True)
+class Shutdown(Message):
+    """Scheduler -> supervisor/worker: stop now."""
+
+    reason: str = ""
+
+
+@message(7)
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A refusal that belongs to no invocation (bad message, unknown peer)."""
+
+    error_kind: str
+    message: str
+
+
+# --------------------------------------------------------------------------- calls
+
+
+@message(10)
+@dataclass(frozen=True, slots=True)
+class Register(Message):
+    """Client -> scheduler: a function's code and spec, sent once per function id."""
+
+    function_id: str
+    code_id: str
+    name: str
+    spec: dict[str, Any]
+    models: list[dict[str, Any]]
+    frames: tuple[Frame, ...] = ()
+
+
+@message(11)
+@dataclass(frozen=True, slots=True)
+class Submit(Message):
+    """Client -> scheduler: one invocation; frames hold the pickled (args, kwargs)."""
+
+    invocation_id: str
+    function_id: str
+    options: dict[str, Any]
+    frames: tuple[Frame, ...] = ()
+
+
+@message(12)
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    """Client -> scheduler -> worker: stop this invocation."""
+
+    invocation_id: str
+    reason: str = ""
+    include_running: bool = True
+
+
+@message(13)
+@dataclass(frozen=True, slots=True)
+class Result(Message):
+    """The end of an invocation. ok: frames hold the pickled value. Not ok: with
+    error_kind "" the frames hold the user's pickled exception; else a gpufn error."""
+
+    invocation_id: str
+    ok: bool
+    error_kind: str
+    message: str
+    meta: dict[str, Any]
+    frames: tuple[Frame, ...] = ()
+
+
+@message(14)
+@dataclass(frozen=True, slots=True)
+class Output(Message):
+    """Text a function printed or logged, for the caller's terminal."""
+
+    invocation_id: str
+    stream: str
+    text: str
+
+
+@message(15)
+@dataclass(frozen=True, slots=True)
+class StatusRequest(Message):
+    request_id: int
+
+
+@message(16)
+@dataclass(frozen=True, slots=True)
+class StatusReply(Message):
+    request_id: int
+    status: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- workers
+
+
+@message(20)
+@dataclass(frozen=True, slots=True)
+class LoadCode(Message):
+    """Scheduler -> worker: the pickled callable for a code id, sent once per worker."""
+
+    code_id: str
+    name: str
+    frames: tuple[Frame, ...] = ()
+
+
+@message(21)
+@dataclass(frozen=True, slots=True)
+class Run(Message):
+    """Scheduler -> worker: run an invocation. `meta` carries gang and model details."""
+
+    invocation_id: str
+    function_id: str
+    code_id: str
+    name: str
+    attempt: int
+    meta: dict[str, Any]
+    frames: tuple[Frame, ...] = ()
+
+
+@message(22)
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Worker -> scheduler: alive, what runs, what it measured."""
+
+    running: list[str]
+    stats: dict[str, Any]
+
+
+@message(23)
+@dataclass(frozen=True, slots=True)
+class WorkerExited(Message):
+    """Supervisor -> scheduler: a worker process ended (and will be restarted)."""
+
+    device: str
+    pid: int
+    returncode: int
+    reason: str
+
+
+@message(24)
+@dataclass(frozen=True, slots=True)
+class KillWorker(Message):
+    """Scheduler -> supervisor: kill this device's worker (hard timeout, hung rank)."""
+
+    device: str
+    pid: int
+    reason: str
+
+
+@message(25)
+@dataclass(frozen=True, slots=True)
+class LoadModel(Message):
+    """Scheduler -> worker: make a model resident (load, or bring back from host)."""
+
+    model: str
+    spec: dict[str, Any]
+    frames: tuple[Frame, ...] = ()
+
+
+@message(26)
+@dataclass(frozen=True, slots=True)
+class EvictModel(Message):
+    """Scheduler -> worker: free a model's device memory, to host (offload) or entirely."""
+
+    model: str
+    offload: bool
+
+
+@message(27)
+@dataclass(frozen=True, slots=True)
+class ModelEvent(Message):
+    """Worker -> scheduler: a model reached a residency state (with measured bytes)."""
+
+    model: str
+    state: str
+    nbytes: int
+    seconds: float
+    error_kind: str = ""
+    message: str = ""
+
+
+@message(28)
+@dataclass(frozen=True, slots=True)
+class GroupOp(Message):
+    """Scheduler -> worker: join, keep or leave a gang's process group."""
+
+    op: str
+    gang: dict[str, Any]

@@ -1,0 +1,125 @@
+"""Pickling of user code, arguments, results and exceptions into zero-copy frames.
+
+A payload is `[pickle_stream, *buffers]`: pickle protocol 5 with out-of-band buffers, so
+tensors, arrays and bytes travel as their own frames without a copy into the stream.
+Functions from `__main__` and notebook cells pickle by value (cloudpickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import cloudpickle
+
+from gpufn.exceptions import RemoteError, RemoteTraceback, SerializationError
+
+# Buffers below this size stay inside the pickle stream (a frame costs more than a copy).
+OOB_THRESHOLD = 64 * 1024
+
+
+def dumps(obj: Any) -> list[Any]:
+    """Frames for obj: the pickle stream then each large out-of-band buffer."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def keep(buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes < OOB_THRESHOLD:
+            return True  # serialize in-band
+        buffers.append(buf)
+        return False
+
+    stream = cloudpickle.dumps(obj, protocol=5, buffer_callback=keep)
+    return [stream, *(b.raw() for b in buffers)]
+
+
+def loads(frames: Sequence[Any]) -> Any:
+    """Inverse of dumps; accepts bytes, memoryviews or zmq Frames."""
+    if not frames:
+        raise SerializationError("empty payload: nothing was sent to unpickle")
+    head = frames[0]
+    bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
+    stream = head.buffer if hasattr(head, "buffer") else head
+    return pickle.loads(stream, buffers=bufs)
+
+
+def content_hash(*parts: bytes | memoryview) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()
+
+
+def dump_code(fn: Any, name: str) -> tuple[str, list[Any]]:
+    """(code id, frames) for a callable; the id is its content hash."""
+    try:
+        frames = dumps(fn)
+    except Exception as e:
+        raise SerializationError(
+            f"function {name!r} cannot be pickled: {e}. A function sent to a worker may only "
+            "close over picklable values; create locks, sockets and open files inside it."
+        ) from e
+    return content_hash(*frames), frames
+
+
+def dump_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Frames for a call's arguments; on failure name the argument that cannot be pickled."""
+    try:
+        return dumps((args, kwargs))
+    except Exception as e:
+        culprit = "the arguments"
+        for i, a in enumerate(args):
+            try:
+                cloudpickle.dumps(a)
+            except Exception:
+                culprit = f"positional argument {i} ({type(a).__name__})"
+                break
+        else:
+            for k, v in kwargs.items():
+                try:
+                    cloudpickle.dumps(v)
+                except Exception:
+                    culprit = f"keyword argument {k!r} ({type(v).__name__})"
+                    break
+        raise SerializationError(
+            f"cannot send {culprit} of {name}(): {e}. Nothing was sent. Pass data that can be "
+            "pickled (tensors, arrays, plain Python values), or build the object inside the function."
+        ) from None
+
+
+def dump_exception(exc: BaseException) -> tuple[list[Any], str]:
+    """(frames, traceback text) for an exception raised by user code.
+
+    The frames hold the exception itself when it survives a pickle round trip here,
+    else a RemoteError carrying its type name, message and traceback text.
+    """
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        frames = dumps(exc.with_traceback(None))
+        loads(frames)  # an exception that pickles but cannot be rebuilt is common
+    except Exception:
+        frames = dumps(RemoteError(type(exc).__name__, str(exc), tb))
+    return frames, tb
+
+
+def load_exception(
+    frames: Sequence[Any], type_name: str, message: str, tb: str, where: str
+) -> BaseException:
+    """Rebuild a remote exception as its own type with the remote traceback as `__cause__`;
+    a RemoteError (type name, message, traceback text) when the type is not importable here."""
+    try:
+        exc = loads(frames)
+        if not isinstance(exc, BaseException):
+            raise TypeError(f"payload is a {type(exc).__name__}, not an exception")
+    except Exception:
+        exc = RemoteError(type_name, message, tb)
+    if isinstance(exc, RemoteError) and not exc.traceback:
+        exc.traceback = tb
+    exc.__cause__ = RemoteTraceback(f"{where}\n{tb}")
+    try:
+        exc.remote_traceback = tb  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    return exc

@@ -1,0 +1,189 @@
+"""What a function declares it needs (`@gpu(...)`), parsed and validated up front.
+
+A bad value raises `InvalidSpec` naming the option, the value and the fix, when the
+decorator runs; the scheduler later resolves a valid spec against real devices.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from gpufn.exceptions import InvalidSpec
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    # Docker-style single letters mean binary units.
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(value: object, option: str = "memory") -> int:
+    """Bytes from an int or a string like "20GiB", "512MB", "1.5 GiB"."""
+    fix = f"Give {option}= as bytes (an int) or a string like '20GiB' or '512MB'."
+    if isinstance(value, bool) or value is None:
+        raise InvalidSpec(f"{option}={value!r} is not a size. {fix}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidSpec(f"{option}={value!r} is negative. {fix}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise InvalidSpec(f"{option}={value!r} is not a valid size. {fix}")
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise InvalidSpec(f"{option}={value!r} cannot be parsed as a size. {fix}")
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise InvalidSpec(f"{option}={value!r} has type {type(value).__name__}, not a size. {fix}")
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """A validated `@gpu(...)` declaration (plus per-call options)."""
+
+    count: int = 1
+    type: tuple[str, ...] = ()
+    memory: int = 0
+    timeout: float | None = None
+    retries: int = 0
+    priority: int = 0
+    concurrency: int = 1
+    models: tuple[str, ...] = ()
+    gather: bool = False
+    spmd: bool = True
+    preemptible: bool = False
+    batch_size: int | None = None
+    batch_wait_ms: float = 0.0
+    deadline: float | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["type"] = list(self.type)
+        d["models"] = list(self.models)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> GpuSpec:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["type"] = tuple(kw.get("type", ()))
+        kw["models"] = tuple(kw.get("models", ()))
+        return cls(**kw)
+
+    def describe(self) -> str:
+        parts = [f"{self.count} device{'s' if self.count > 1 else ''}"]
+        if self.type:
+            parts.append("of type " + " or ".join(self.type))
+        if self.memory:
+            parts.append(f"with {format_bytes(self.memory)} free")
+        return " ".join(parts)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(GpuSpec))
+
+
+def _int(name: str, value: object, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSpec(f"{name}={value!r} must be an integer.")
+    if minimum is not None and value < minimum:
+        raise InvalidSpec(f"{name}={value!r} must be at least {minimum}.")
+    return value
+
+
+def _seconds(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidSpec(f"{name}={value!r} must be a number of seconds (or None).")
+    if value <= 0:
+        raise InvalidSpec(f"{name}={value!r} must be positive; use None for no limit.")
+    return float(value)
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidSpec(f"{name}={value!r} must be True or False.")
+    return value
+
+
+def _types(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items: Iterable[object] = [value] if isinstance(value, str) else value  # type: ignore[assignment]
+    try:
+        out = tuple(items)
+    except TypeError:
+        out = None
+    if not out or not all(isinstance(t, str) and t.strip() for t in out):
+        raise InvalidSpec(
+            f"type={value!r} must be a device name like 'H100' or an ordered list of "
+            "acceptable names like ['H100', 'A100'] (fallbacks, first preferred)."
+        )
+    return tuple(t.strip() for t in out)  # type: ignore[union-attr]
+
+
+def normalize_option(name: str, value: object) -> object:
+    """Validate one option and return its canonical value; raise InvalidSpec otherwise."""
+    if name == "count":
+        return _int(name, value, minimum=1)
+    if name == "type":
+        return _types(value)
+    if name == "memory":
+        return 0 if value is None else parse_memory(value, "memory")
+    if name in ("timeout", "deadline"):
+        return _seconds(name, value)
+    if name == "retries":
+        return _int(name, value, minimum=0)
+    if name == "priority":
+        return _int(name, value)
+    if name == "concurrency":
+        return _int(name, value, minimum=1)
+    if name in ("gather", "spmd", "preemptible"):
+        return _bool(name, value)
+    if name == "batch_size":
+        return None if value is None else _int(name, value, minimum=1)
+    if name == "batch_wait_ms":
+        if value is None:
+            return 0.0
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise InvalidSpec(f"batch_wait_ms={value!r} must be a non-negative number of ms.")
+        return float(value)
+    if name == "models":
+        if not isinstance(value, tuple) or not all(isinstance(m, str) for m in value):
+            raise InvalidSpec(f"models={value!r} must be a tuple of model names.")
+        return value
+    raise InvalidSpec(
+        f"unknown option {name!r}. Known options: {', '.join(OPTION_NAMES)}."
+    )
+
+
+def make_spec(base: GpuSpec | None = None, **options: object) -> GpuSpec:
+    """Build a spec from options (on top of `base`), validating each and their combination."""
+    clean = {k: normalize_option(k, v) for k, v in options.items()}
+    spec = replace(base or GpuSpec(), **clean)  # type: ignore[arg-type]
+    if spec.gather and spec.count == 1:
+        raise InvalidSpec("gather=True needs count>1: it returns the list of every rank's result.")
+    if spec.batch_size is not None and spec.count > 1:
+        raise InvalidSpec("batch_size= cannot be combined with count>1; batch within the gang instead.")
+    if spec.batch_wait_ms and spec.batch_size is None:
+        raise InvalidSpec("batch_wait_ms= needs batch_size=, e.g. @gpu(batch_size=32, batch_wait_ms=5).")
+    if spec.gather and not spec.spmd:
+        raise InvalidSpec("gather=True needs spmd=True: with spmd=False there is one process and one result.")
+    return spec

@@ -1,0 +1,1 @@
+"""The shared per-device memory pool: ledgers, residency, eviction, allocator, probes."""

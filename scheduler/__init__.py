@@ -1,0 +1,1 @@
+"""The scheduler: queues, placement, gangs, the process shell and the deployment store."""

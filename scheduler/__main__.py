@@ -1,0 +1,28 @@
+"""`python -m gpufn.scheduler`: the scheduler process (started by the CLI or the embedded cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from gpufn import config
+from gpufn.scheduler.core import SchedulerConfig
+from gpufn.scheduler.server import run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m gpufn.scheduler")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--ready-fd", type=int, default=None)
+    ap.add_argument("--parent-pid", type=int, default=0)
+    a = ap.parse_args()
+    logging.basicConfig(level=config.log_level(),
+                        format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
+    cfg = SchedulerConfig(token=os.environ.get("GPUFN_TOKEN") or None)
+    run(a.host, a.port, cfg, a.ready_fd, a.parent_pid)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,621 @@
+"""The scheduler's sans-I/O core: `handle(event, now) -> [Send]`.
+
+It owns every decision (queues, placement, timeouts, retries, device health) and
+touches no socket, thread or clock: the process shell (`server.py`) turns frames into
+events and executes the returned sends. User payload frames pass through untouched.
+"""
+
+from __future__ import annotations
+
+import heapq
+import hmac
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufn import protocol as p
+from gpufn.exceptions import (
+    AuthenticationError,
+    Cancelled,
+    GpufnError,
+    ProtocolMismatch,
+    Timeout,
+    Unschedulable,
+    WorkerLost,
+    kind_of,
+)
+from gpufn.memory_pool.ledger import DeviceLedger
+from gpufn.memory_pool.probe import DeviceInfo
+from gpufn.scheduler.placement import feasibility_error, rank_devices
+from gpufn.scheduler.queues import ReadyQueue
+from gpufn.scheduler.records import Device, FunctionRecord, Invocation, Peer
+from gpufn.scheduler.states import DeviceState, InvState
+from gpufn.spec import GpuSpec, make_spec
+
+log = logging.getLogger("gpufn.scheduler")
+
+
+# --------------------------------------------------------------------------- events & commands
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    peer: bytes
+    msg: p.Message
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Unreachable:
+    """The shell could not deliver to this peer: it is gone."""
+
+    peer: bytes
+
+
+Event = Received | Tick | Unreachable
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    peer: bytes
+    msg: p.Message
+
+
+@dataclass
+class SchedulerConfig:
+    token: str | None = None
+    slots_per_device: int = 8
+    aging_seconds: float = 30.0
+    heartbeat_timeout: float = 30.0
+    client_timeout: float = 120.0
+    max_queue: int = 1_000_000
+    max_queue_per_function: int | None = None
+
+
+@dataclass
+class Counters:
+    submitted: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    retried: int = 0
+    timeouts: int = 0
+    lost: int = 0
+    unschedulable: int = 0
+    restarts: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Pass:
+    """Scratch state of one scheduling pass."""
+
+    blocked: set[str] = field(default_factory=set)
+
+
+# --------------------------------------------------------------------------- core
+
+
+class SchedulerCore:
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.peers: dict[bytes, Peer] = {}
+        self.devices: dict[str, Device] = {}
+        self.worker_device: dict[bytes, str] = {}
+        self.functions: dict[str, FunctionRecord] = {}
+        self.invocations: dict[str, Invocation] = {}
+        self.queue = ReadyQueue(self.config.aging_seconds)
+        self.counters = Counters()
+        self._feasible: dict[str, str | None] = {}
+        self._out: list[Send] = []
+        self._dirty = False
+        self._seq = 0
+        self._handlers: dict[type, Any] = {
+            p.Hello: self._on_hello,
+            p.Ping: self._on_ping,
+            p.Goodbye: self._on_goodbye,
+            p.Register: self._on_register,
+            p.Submit: self._on_submit,
+            p.Cancel: self._on_cancel,
+            p.StatusRequest: self._on_status,
+            p.Result: self._on_worker_result,
+            p.Output: self._on_output,
+            p.Heartbeat: self._on_heartbeat,
+            p.WorkerExited: self._on_worker_exited,
+        }
+        self._roles_allowed: dict[type, frozenset[str]] = {
+            p.Register: frozenset({p.Role.CLIENT}),
+            p.Submit: frozenset({p.Role.CLIENT}),
+            p.Cancel: frozenset({p.Role.CLIENT}),
+            p.Result: frozenset({p.Role.WORKER}),
+            p.Output: frozenset({p.Role.WORKER}),
+            p.Heartbeat: frozenset({p.Role.WORKER}),
+            p.WorkerExited: frozenset({p.Role.SUPERVISOR}),
+        }
+
+    # ------------------------------------------------------------------ entry points
+
+    def handle(self, event: Event, now: float) -> list[Send]:
+        return self.handle_many((event,), now)
+
+    def handle_many(self, events: Any, now: float) -> list[Send]:
+        """Apply events in order, then run one scheduling pass; return the sends."""
+        for ev in events:
+            if isinstance(ev, Received):
+                self._on_message(ev.peer, ev.msg, now)
+            elif isinstance(ev, Tick):
+                self._on_tick(now)
+            elif isinstance(ev, Unreachable):
+                self._on_unreachable(ev.peer, now)
+        if self._dirty:
+            self._dirty = False
+            self._schedule(now)
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------------ helpers
+
+    def _send(self, peer: bytes, msg: p.Message) -> None:
+        self._out.append(Send(peer, msg))
+
+    def _finish(
+        self, inv: Invocation, now: float, state: InvState, error: GpufnError | None = None,
+        result: p.Result | None = None, release: bool = True,
+    ) -> None:
+        """Move an invocation to a terminal state and tell its client (exactly once).
+
+        With release=False the call keeps its hold on its devices until the worker
+        reports that it stopped (a cancelled call still occupies its worker)."""
+        inv.to(state, now)
+        if release:
+            self._release(inv)
+        self.invocations.pop(inv.id, None)
+        if state is InvState.SUCCEEDED:
+            self.counters.succeeded += 1
+        elif state is InvState.CANCELLED:
+            self.counters.cancelled += 1
+        else:
+            self.counters.failed += 1
+        if result is None:
+            assert error is not None
+            result = p.Result(inv.id, False, kind_of(error), str(error), self._meta(inv, now))
+        if inv.client in self.peers:
+            self._send(inv.client, result)
+
+    def _meta(self, inv: Invocation, now: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "devices": list(inv.devices),
+            "attempts": inv.attempts,
+            "queued_s": ((inv.started or now) - inv.submitted),
+        }
+        if extra:
+            meta.update(extra)
+        return meta
+
+    def _release(self, inv: Invocation) -> None:
+        """Free what a running invocation holds on its devices."""
+        for key in inv.devices:
+            d = self.devices.get(key)
+            if d is None or d.running.pop(inv.id, None) is None:
+                continue
+            fid = inv.function.function_id
+            d.running_by_fn[fid] -= 1
+            if d.running_by_fn[fid] <= 0:
+                del d.running_by_fn[fid]
+            d.ledger.release(inv.id)
+            self._dirty = True
+
+    def _invalidate_feasibility(self) -> None:
+        self._feasible.clear()
+        self._dirty = True
+
+    # ------------------------------------------------------------------ messages
+
+    def _on_message(self, peer: bytes, msg: p.Message, now: float) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._send(peer, p.Error("GpufnError", f"unexpected message {type(msg).__name__}"))
+            return
+        if not isinstance(msg, p.Hello):
+            known = self.peers.get(peer)
+            if known is None:
+                self._send(peer, p.Error(
+                    kind_of(AuthenticationError),
+                    "this connection has not said Hello (or the scheduler restarted); reconnect",
+                ))
+                return
+            allowed = self._roles_allowed.get(type(msg))
+            if allowed is not None and known.role not in allowed:
+                self._send(peer, p.Error("GpufnError", f"a {known.role} may not send {type(msg).__name__}"))
+                return
+            known.last_seen = now
+        handler(peer, msg, now)
+
+    def _on_hello(self, peer: bytes, msg: p.Hello, now: float) -> None:
+        if msg.version != p.PROTOCOL_VERSION:
+            self._send(peer, p.Welcome(False, kind_of(ProtocolMismatch), (
+                f"peer speaks gpufn protocol {msg.version}, this scheduler speaks "
+                f"{p.PROTOCOL_VERSION}; install the same gpufn version everywhere")))
+            return
+        want = self.config.token
+        if want and not hmac.compare_digest(want.encode(), (msg.token or "").encode()):
+            self._send(peer, p.Welcome(False, kind_of(AuthenticationError), (
+                "wrong or missing token: set GPUFN_TOKEN (or connect(token=...)) to the token "
+                "the scheduler was started with")))
+            return
+        if msg.role == p.Role.CLIENT:
+            self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
+            self._send(peer, p.Welcome(True, info=self._cluster_info()))
+        elif msg.role == p.Role.SUPERVISOR:
+            self._hello_supervisor(peer, msg, now)
+        elif msg.role == p.Role.WORKER:
+            self._hello_worker(peer, msg, now)
+        else:
+            self._send(peer, p.Welcome(False, "GpufnError", f"unknown role {msg.role!r}"))
+
+    def _cluster_info(self) -> dict[str, Any]:
+        return {"protocol": p.PROTOCOL_VERSION, "devices": len(self.devices)}
+
+    def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
+        infos = [DeviceInfo.from_wire(d) for d in msg.info.get("devices", [])]
+        self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
+        for info in infos:
+            d = self.devices.get(info.key)
+            if d is not None and d.state is not DeviceState.GONE and d.supervisor != peer:
+                old = self.peers.get(d.supervisor)
+                if old is not None:
+                    log.warning("device %s re-announced by a new supervisor; replacing", info.key)
+            if d is not None:
+                self._lose_worker(d, now, "its supervisor re-registered", restart=False)
+                d.info, d.supervisor = info, peer
+                d.ledger = DeviceLedger(info.memory_total)
+                if d.state is not DeviceState.STARTING:
+                    d.state = DeviceState.STARTING
+                    d.history.append(("starting", now))
+            else:
+                d = Device(info=info, supervisor=peer, ledger=DeviceLedger(info.memory_total))
+                d.history.append(("starting", now))
+                self.devices[info.key] = d
+        self._invalidate_feasibility()
+        self._send(peer, p.Welcome(True, info=self._cluster_info()))
+        log.info("supervisor %s registered %d device(s)", msg.info.get("node"), len(infos))
+
+    def _hello_worker(self, peer: bytes, msg: p.Hello, now: float) -> None:
+        key = msg.info.get("device", "")
+        d = self.devices.get(key)
+        if d is None or d.state is DeviceState.GONE:
+            self._send(peer, p.Welcome(False, "GpufnError", (
+                f"device {key!r} was not announced by a supervisor; start workers with "
+                "`gpufn serve` or `gpufn worker`, not by hand")))
+            return
+        if d.worker is not None and d.worker != peer:
+            self._lose_worker(d, now, "a new worker process registered for the device")
+        self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
+        self.worker_device[peer] = key
+        d.worker, d.worker_pid = peer, msg.pid
+        d.incarnation = int(msg.info.get("incarnation", d.incarnation + 1))
+        d.last_seen = now
+        d.code.clear()
+        d.ledger.reset()
+        if d.state is not DeviceState.READY:
+            d.to(DeviceState.READY, now)
+        d.last_error = ""
+        self._invalidate_feasibility()
+        self._send(peer, p.Welcome(True, info=self._cluster_info()))
+        log.info("worker for %s ready (pid %d)", key, msg.pid)
+
+    def _on_ping(self, peer: bytes, msg: p.Ping, now: float) -> None:
+        self._send(peer, p.Pong(msg.seq))
+
+    def _on_goodbye(self, peer: bytes, msg: p.Goodbye, now: float) -> None:
+        self._drop_peer(peer, now, msg.reason or "said goodbye")
+
+    def _on_unreachable(self, peer: bytes, now: float) -> None:
+        if peer in self.peers:
+            self._drop_peer(peer, now, "unreachable")
+
+    def _drop_peer(self, peer: bytes, now: float, reason: str) -> None:
+        info = self.peers.pop(peer, None)
+        if info is None:
+            return
+        if info.role == p.Role.CLIENT:
+            for inv in [i for i in self.invocations.values() if i.client == peer]:
+                if inv.state is InvState.QUEUED:
+                    self.queue.discard(inv)
+                    self._finish(inv, now, InvState.CANCELLED, Cancelled("client left"))
+                elif inv.state is InvState.RUNNING:
+                    self._cancel_running(inv, now, "client left")
+        elif info.role == p.Role.WORKER:
+            key = self.worker_device.pop(peer, None)
+            d = self.devices.get(key) if key else None
+            if d is not None and d.worker == peer:
+                self._lose_worker(d, now, f"worker {reason}")
+        elif info.role == p.Role.SUPERVISOR:
+            for d in self.devices.values():
+                if d.supervisor == peer and d.state is not DeviceState.GONE:
+                    self._lose_worker(d, now, f"its supervisor {reason}", restart=False)
+                    d.to(DeviceState.GONE, now)
+            self._invalidate_feasibility()
+
+    # ------------------------------------------------------------------ client calls
+
+    def _on_register(self, peer: bytes, msg: p.Register, now: float) -> None:
+        if msg.function_id in self.functions:
+            return
+        try:
+            spec = make_spec(GpuSpec.from_wire(msg.spec))
+        except GpufnError as e:
+            self._send(peer, p.Error(kind_of(e), f"function {msg.name}: {e}"))
+            return
+        ncode = len(msg.frames) - sum(int(m.get("nframes", 0)) for m in msg.models)
+        self.functions[msg.function_id] = FunctionRecord(
+            msg.function_id, msg.code_id, msg.name, spec, tuple(msg.frames[:ncode]),
+            list(msg.models),
+        )
+
+    def _spec_for(self, fn: FunctionRecord, options: dict[str, Any]) -> GpuSpec:
+        if not options:
+            return fn.spec
+        return make_spec(fn.spec, **options)
+
+    def _on_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
+        if msg.invocation_id in self.invocations:
+            return  # a duplicate submit is ignored, never run twice
+        fn = self.functions.get(msg.function_id)
+        if fn is None:
+            self._send(peer, p.Result(msg.invocation_id, False, "GpufnError", (
+                "the scheduler does not know this function (it may have restarted); "
+                "reconnect with gpufn.connect() and call again"), {}))
+            return
+        self.counters.submitted += 1
+        try:
+            spec = self._spec_for(fn, msg.options)
+        except GpufnError as e:
+            self._send(peer, p.Result(msg.invocation_id, False, kind_of(e), str(e), {}))
+            return
+        err = self._feasibility(fn, spec, bool(msg.options))
+        if err is not None:
+            self.counters.unschedulable += 1
+            self._send(peer, p.Result(msg.invocation_id, False, kind_of(Unschedulable), err, {}))
+            return
+        self._seq += 1
+        inv = Invocation(msg.invocation_id, fn, peer, spec, tuple(msg.frames), now, self._seq)
+        inv.history.append(("queued", now))
+        if spec.deadline is not None:
+            inv.deadline = now + spec.deadline
+        self.invocations[inv.id] = inv
+        self.queue.push(inv)
+        self._dirty = True
+
+    def _feasibility(self, fn: FunctionRecord, spec: GpuSpec, per_call: bool) -> str | None:
+        if per_call:
+            return feasibility_error(spec, fn.name, self.devices.values())
+        if fn.function_id not in self._feasible:
+            self._feasible[fn.function_id] = feasibility_error(spec, fn.name, self.devices.values())
+        return self._feasible[fn.function_id]
+
+    def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:
+        inv = self.invocations.get(msg.invocation_id)
+        if inv is None or inv.client != peer:
+            return
+        if inv.state is InvState.QUEUED:
+            self.queue.discard(inv)
+            self._finish(inv, now, InvState.CANCELLED, Cancelled(
+                f"{inv.function.name} call {inv.id} was cancelled before it started"))
+        elif inv.state is InvState.RUNNING and msg.include_running:
+            self._cancel_running(inv, now, msg.reason or "cancelled by the caller")
+
+    def _cancel_running(self, inv: Invocation, now: float, reason: str) -> None:
+        """Tell the caller at once; the devices stay held until the worker stops the call."""
+        for key in inv.devices:
+            d = self.devices.get(key)
+            if d is not None and d.worker is not None:
+                self._send(d.worker, p.Cancel(inv.id, reason))
+        self._finish(inv, now, InvState.CANCELLED, Cancelled(
+            f"{inv.function.name} call {inv.id} was cancelled while running ({reason})"),
+            release=False)
+
+    def _on_status(self, peer: bytes, msg: p.StatusRequest, now: float) -> None:
+        self._send(peer, p.StatusReply(msg.request_id, self.status(now)))
+
+    # ------------------------------------------------------------------ worker messages
+
+    def _device_of(self, peer: bytes) -> Device | None:
+        key = self.worker_device.get(peer)
+        return self.devices.get(key) if key else None
+
+    def _on_worker_result(self, peer: bytes, msg: p.Result, now: float) -> None:
+        d = self._device_of(peer)
+        inv = d.running.get(msg.invocation_id) if d is not None else None
+        if d is None or inv is None:
+            return  # late result of a call already settled (timed out, retried elsewhere)
+        d.last_seen = now
+        if inv.state is not InvState.RUNNING:
+            self._release(inv)  # a cancelled call has now stopped and frees its device
+            return
+        d.completed += 1
+        duration = msg.meta.get("duration")
+        if msg.ok and isinstance(duration, (int, float)):
+            inv.function.observe_runtime(float(duration))
+        meta = self._meta(inv, now, msg.meta)
+        result = p.Result(inv.id, msg.ok, msg.error_kind, msg.message, meta, msg.frames)
+        self._finish(inv, now, InvState.SUCCEEDED if msg.ok else InvState.FAILED, result=result)
+
+    def _on_output(self, peer: bytes, msg: p.Output, now: float) -> None:
+        inv = self.invocations.get(msg.invocation_id)
+        if inv is not None and inv.client in self.peers:
+            self._send(inv.client, msg)
+
+    def _on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> None:
+        d = self._device_of(peer)
+        if d is not None:
+            d.last_seen = now
+
+    def _on_worker_exited(self, peer: bytes, msg: p.WorkerExited, now: float) -> None:
+        d = self.devices.get(msg.device)
+        if d is None or d.supervisor != peer:
+            return
+        d.last_error = msg.reason
+        if msg.returncode == -999:  # the supervisor gave up restarting it
+            self._lose_worker(d, now, f"worker cannot start: {msg.reason}", restart=False)
+            if d.state is not DeviceState.FAILED:
+                d.to(DeviceState.FAILED, now)
+            self._invalidate_feasibility()
+            return
+        if d.worker_pid in (0, msg.pid) or d.state is not DeviceState.READY:
+            self._lose_worker(d, now, f"worker process exited ({msg.reason})")
+
+    # ------------------------------------------------------------------ failures
+
+    def _lose_worker(self, d: Device, now: float, reason: str, restart: bool = True) -> None:
+        """The device's worker is gone: retry or fail what ran there, reset the device."""
+        for inv in list(d.running.values()):
+            if inv.state is InvState.RUNNING:
+                self._lost_invocation(inv, now, f"the worker for device {d.key} was lost ({reason})")
+            else:
+                self._release(inv)
+        if d.worker is not None:
+            self.worker_device.pop(d.worker, None)
+            self.peers.pop(d.worker, None)
+        d.worker, d.worker_pid = None, 0
+        d.running.clear()
+        d.running_by_fn.clear()
+        d.code.clear()
+        d.ledger.reset()
+        if restart and d.state in (DeviceState.READY, DeviceState.STARTING):
+            d.to(DeviceState.RESTARTING, now)
+            d.restarts += 1
+            self.counters.restarts += 1
+        self._dirty = True
+
+    def _lost_invocation(self, inv: Invocation, now: float, why: str) -> None:
+        self.counters.lost += 1
+        if inv.attempts <= inv.spec.retries:
+            self._release(inv)
+            inv.to(InvState.QUEUED, now)
+            inv.devices = ()
+            inv.started = None
+            self.queue.push(inv)
+            self.counters.retried += 1
+            log.warning("[%s] %s: %s; retrying (attempt %d of %d)", inv.id, inv.function.name, why,
+                        inv.attempts + 1, inv.spec.retries + 1)
+            return
+        hint = "" if inv.spec.retries else " Set retries=N in @gpu to retry on another worker."
+        self._finish(inv, now, InvState.FAILED, WorkerLost(
+            f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s).{hint}"))
+
+    def _on_tick(self, now: float) -> None:
+        for d in list(self.devices.values()):
+            if d.state is DeviceState.READY and now - d.last_seen > self.config.heartbeat_timeout:
+                self._kill_worker(d, now, f"no heartbeat for {now - d.last_seen:.0f}s")
+                continue
+            for inv in list(d.running.values()):
+                t = inv.spec.timeout
+                if inv.state is InvState.RUNNING and t is not None and inv.started is not None and now - inv.started > t:
+                    self.counters.timeouts += 1
+                    self._finish(inv, now, InvState.FAILED, Timeout(
+                        f"{inv.function.name} call {inv.id} ran longer than its timeout of {t:g}s "
+                        f"on {d.key}; its worker was restarted. Raise timeout= if it needs longer."))
+                    self._kill_worker(d, now, f"call {inv.id} exceeded its {t:g}s timeout")
+                    break
+        for inv in [i for i in self.invocations.values()
+                    if i.state is InvState.QUEUED and i.deadline is not None and now > i.deadline]:
+            self.queue.discard(inv)
+            self._finish(inv, now, InvState.FAILED, Timeout(
+                f"{inv.function.name} call {inv.id} could not start within its deadline of "
+                f"{inv.spec.deadline:g}s; it was dropped, not run late"))
+        for peer in [k for k, v in self.peers.items()
+                     if v.role == p.Role.CLIENT and now - v.last_seen > self.config.client_timeout]:
+            self._drop_peer(peer, now, "timed out")
+
+    def _kill_worker(self, d: Device, now: float, reason: str) -> None:
+        if d.supervisor in self.peers:
+            self._send(d.supervisor, p.KillWorker(d.key, d.worker_pid, reason))
+        log.warning("killing worker of %s: %s", d.key, reason)
+        self._lose_worker(d, now, reason)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _schedule(self, now: float) -> None:
+        if not len(self.queue):
+            return
+        slots = self.config.slots_per_device
+        if not any(d.state is DeviceState.READY and len(d.running) < slots
+                   for d in self.devices.values()):
+            return
+        heads = self.queue.heads()
+        heapq.heapify(heads)
+        while heads:
+            _, _, fid = heapq.heappop(heads)
+            inv = self.queue.head(fid)
+            if inv is None:
+                continue
+            if not self._try_place(inv, now):
+                continue  # this function is blocked for the rest of the pass
+            nxt = self.queue.head(fid)
+            if nxt is not None:
+                heapq.heappush(heads, (self.queue.key(nxt), nxt.seq, fid))
+
+    def _try_place(self, inv: Invocation, now: float) -> bool:
+        spec = inv.spec
+        if spec.count > 1:
+            return False  # gangs arrive with the multi-GPU scheduler
+        ranked = rank_devices(spec, inv.function, self.devices.values(),
+                              self.config.slots_per_device)
+        if not ranked:
+            return False
+        self.queue.pop(inv.function.function_id)
+        self._dispatch(inv, [ranked[0]], now)
+        return True
+
+    def _dispatch(self, inv: Invocation, devices: list[Device], now: float) -> None:
+        inv.to(InvState.RUNNING, now)
+        inv.devices = tuple(d.key for d in devices)
+        inv.started = now
+        inv.attempts += 1
+        fn = inv.function
+        for d in devices:
+            assert d.worker is not None
+            d.running[inv.id] = inv
+            d.running_by_fn[fn.function_id] += 1
+            d.ledger.reserve(inv.id, inv.spec.memory)
+            if fn.code_id not in d.code:
+                self._send(d.worker, p.LoadCode(fn.code_id, fn.name, fn.code_frames))
+                d.code.add(fn.code_id)
+            self._send(d.worker, p.Run(
+                inv.id, fn.function_id, fn.code_id, fn.name, inv.attempts,
+                {"timeout": inv.spec.timeout, "concurrency": inv.spec.concurrency}, inv.frames,
+            ))
+
+    # ------------------------------------------------------------------ status
+
+    def status(self, now: float) -> dict[str, Any]:
+        devices = []
+        for d in sorted(self.devices.values(), key=lambda d: (d.info.node, d.info.index)):
+            devices.append({
+                "key": d.key, "name": d.info.name, "kind": d.info.kind, "state": d.state.value,
+                "capacity": d.ledger.capacity, "used": d.ledger.used,
+                "running": [{"id": i.id, "function": i.function.name,
+                             "seconds": now - (i.started or now)} for i in d.running.values()],
+                "completed": d.completed, "restarts": d.restarts, "last_error": d.last_error,
+                "pid": d.worker_pid,
+            })
+        functions = [
+            {"name": f.name, "function_id": f.function_id, "queued": self.queue.depth(fid),
+             "calls": f.calls, "runtime_ewma": f.runtime_ewma}
+            for fid, f in self.functions.items()
+        ]
+        return {
+            "devices": devices,
+            "functions": functions,
+            "queued": len(self.queue),
+            "running": sum(1 for i in self.invocations.values() if i.state is InvState.RUNNING),
+            "clients": sum(1 for v in self.peers.values() if v.role == p.Role.CLIENT),
+            "counters": self.counters.as_dict(),
+        }

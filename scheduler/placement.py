@@ -1,0 +1,107 @@
+"""Where a call may run: device-type matching, feasibility, and single-device choice."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from gpufn.scheduler.records import Device, FunctionRecord
+from gpufn.scheduler.states import DeviceState
+from gpufn.spec import GpuSpec, format_bytes
+
+_TOKEN = re.compile(r"[a-z0-9]+")
+
+
+def _tokens(s: str) -> list[str]:
+    return _TOKEN.findall(s.lower())
+
+
+def type_rank(types: tuple[str, ...], device_name: str) -> int | None:
+    """Index of the first acceptable type the device matches (lower is preferred), or None.
+
+    A type matches when all its tokens appear in the device name: "H100" matches
+    "NVIDIA H100 80GB HBM3", "A100-80GB" matches "NVIDIA A100-SXM4-80GB", "A10" does
+    not match "A100".
+    """
+    if not types:
+        return 0
+    have = set(_tokens(device_name))
+    for i, t in enumerate(types):
+        want = _tokens(t)
+        if want and all(w in have for w in want):
+            return i
+    return None
+
+
+def could_ever_run(spec: GpuSpec, device: Device, model_bytes: int = 0) -> bool:
+    """True if the device, empty, could run one rank of the spec."""
+    return (
+        device.state.schedulable_later
+        and type_rank(spec.type, device.info.name) is not None
+        and spec.memory + model_bytes <= device.ledger.capacity
+    )
+
+
+def feasibility_error(
+    spec: GpuSpec, name: str, devices: Iterable[Device], model_bytes: int = 0
+) -> str | None:
+    """Why no set of registered devices can ever run this spec, or None if some can."""
+    devs = list(devices)
+    if not devs:
+        return None  # nothing registered yet: wait for devices rather than refuse
+    ok = [d for d in devs if could_ever_run(spec, d, model_bytes)]
+    by_node: dict[str, int] = {}
+    for d in ok:
+        by_node[d.info.node] = by_node.get(d.info.node, 0) + 1
+    if ok and (spec.count == 1 or (spec.spmd and len(ok) >= spec.count)
+               or (not spec.spmd and max(by_node.values()) >= spec.count)):
+        return None
+    listing = ", ".join(
+        f"{d.key} {d.info.name!r} {format_bytes(d.ledger.capacity)} ({d.state.value})" for d in devs
+    )
+    need = spec.describe()
+    if model_bytes:
+        need += f" plus {format_bytes(model_bytes)} of model weights"
+    fixes = []
+    if spec.type and not any(type_rank(spec.type, d.info.name) is not None for d in devs):
+        fixes.append(f"no device matches type={list(spec.type)}; use one of the names listed")
+    biggest = max(d.ledger.capacity for d in devs)
+    if spec.memory + model_bytes > biggest:
+        over = spec.memory + model_bytes - biggest
+        fixes.append(
+            f"the largest device has {format_bytes(biggest)}, {format_bytes(over)} too little; "
+            "lower memory= or add larger devices"
+        )
+    if spec.count > 1 and len(ok) < spec.count:
+        where = "on one node " if not spec.spmd else ""
+        fixes.append(f"count={spec.count} but only {len(ok) if spec.spmd else max(by_node.values(), default=0)} "
+                     f"suitable devices exist {where}; lower count=")
+    if not fixes:
+        fixes.append("no registered device is healthy")
+    return f"{name} needs {need}, which no device can provide: {'; '.join(fixes)}. Devices: {listing}."
+
+
+def free_slots(device: Device, slots: int) -> bool:
+    return device.state is DeviceState.READY and len(device.running) < slots
+
+
+def rank_devices(
+    spec: GpuSpec, fn: FunctionRecord, devices: Iterable[Device], slots: int
+) -> list[Device]:
+    """Devices that can start one rank of this function now, best first.
+
+    Preference: the earliest acceptable type, then the least loaded (expected time to
+    drain what runs there), then the most free memory.
+    """
+    scored = []
+    for d in devices:
+        if d.state is not DeviceState.READY or len(d.running) >= slots:
+            continue
+        if d.running_by_fn[fn.function_id] >= spec.concurrency:
+            continue
+        rank = type_rank(spec.type, d.info.name)
+        if rank is None or d.ledger.free < spec.memory:
+            continue
+        scored.append((rank, len(d.running), -d.ledger.free, d.key, d))
+    scored.sort(key=lambda s: s[:4])
+    return [s[-1] for s in scored]

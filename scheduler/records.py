@@ -1,0 +1,106 @@
+"""What the scheduler remembers: functions, invocations, devices and peers."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufn.memory_pool.ledger import DeviceLedger
+from gpufn.memory_pool.probe import DeviceInfo
+from gpufn.scheduler.states import (
+    DEVICE_TRANSITIONS,
+    INV_TRANSITIONS,
+    DeviceState,
+    InvState,
+    check,
+)
+from gpufn.spec import GpuSpec
+
+
+@dataclass(slots=True, eq=False)
+class FunctionRecord:
+    """A registered function: code id, spec and the run-time the scheduler measured."""
+
+    function_id: str
+    code_id: str
+    name: str
+    spec: GpuSpec
+    code_frames: tuple[Any, ...]
+    models: list[dict[str, Any]] = field(default_factory=list)
+    runtime_ewma: float | None = None
+    calls: int = 0
+
+    def observe_runtime(self, seconds: float, alpha: float = 0.2) -> None:
+        self.calls += 1
+        if self.runtime_ewma is None:
+            self.runtime_ewma = seconds
+        else:
+            self.runtime_ewma += alpha * (seconds - self.runtime_ewma)
+
+
+@dataclass(slots=True, eq=False)
+class Invocation:
+    """One call, from submit to result."""
+
+    id: str
+    function: FunctionRecord
+    client: bytes
+    spec: GpuSpec
+    frames: tuple[Any, ...]
+    submitted: float
+    seq: int
+    state: InvState = InvState.QUEUED
+    history: list[tuple[str, float]] = field(default_factory=list)
+    devices: tuple[str, ...] = ()
+    started: float | None = None
+    deadline: float | None = None  # latest start (per-call deadline)
+    attempts: int = 0
+    preemptions: int = 0
+
+    def to(self, new: InvState, now: float) -> None:
+        check(f"invocation {self.id} ({self.function.name})", INV_TRANSITIONS, self.state, new,
+              self.history)
+        self.state = new
+        self.history.append((new.value, now))
+
+
+@dataclass(slots=True, eq=False)
+class Device:
+    """A device and its worker."""
+
+    info: DeviceInfo
+    supervisor: bytes
+    ledger: DeviceLedger
+    state: DeviceState = DeviceState.STARTING
+    history: list[tuple[str, float]] = field(default_factory=list)
+    worker: bytes | None = None
+    worker_pid: int = 0
+    incarnation: int = 0
+    last_seen: float = 0.0
+    running: dict[str, Invocation] = field(default_factory=dict)
+    running_by_fn: Counter[str] = field(default_factory=Counter)
+    code: set[str] = field(default_factory=set)
+    last_error: str = ""
+    restarts: int = 0
+    completed: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.info.key
+
+    def to(self, new: DeviceState, now: float) -> None:
+        check(f"device {self.key}", DEVICE_TRANSITIONS, self.state, new, self.history)
+        self.state = new
+        self.history.append((new.value, now))
+
+
+@dataclass(slots=True, eq=False)
+class Peer:
+    """A connected client, worker or supervisor (by ZeroMQ identity)."""
+
+    identity: bytes
+    role: str
+    pid: int
+    info: dict[str, Any]
+    last_seen: float

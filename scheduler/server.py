@@ -1,0 +1,149 @@
+"""The scheduler process: a ZeroMQ ROUTER shell around `SchedulerCore`.
+
+It decodes frames into events, feeds the core in batches, and delivers the sends. With
+ROUTER_MANDATORY a full peer raises EAGAIN (the message waits in that peer's outbox, in
+order) and an unknown peer raises EHOSTUNREACH (reported to the core): nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from gpufn import _sockets
+from gpufn import protocol as p
+from gpufn.scheduler.core import Event, Received, SchedulerConfig, SchedulerCore, Send, Tick, Unreachable
+
+log = logging.getLogger("gpufn.scheduler")
+
+TICK_SECONDS = 0.05
+MAX_BATCH = 2000
+
+
+class SchedulerServer:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, config: SchedulerConfig | None = None
+    ) -> None:
+        self.core = SchedulerCore(config)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        _sockets.configure(self.sock, router=True)
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._outbox: dict[bytes, deque[list[Any]]] = {}
+        self._pending_events: list[Event] = []
+        self._running = True
+        self.sent = 0
+        self.received = 0
+
+    def stop(self, *_: object) -> None:
+        self._running = False
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        next_tick = time.monotonic() + TICK_SECONDS
+        sock = self.sock
+        try:
+            while self._running:
+                now = time.monotonic()
+                wait = 0 if (self._outbox or self._pending_events) else max(0.0, next_tick - now)
+                ready = dict(poller.poll(int(wait * 1000) if wait else (1 if self._outbox else 0)))
+                events: list[Event] = self._pending_events
+                self._pending_events = []
+                if ready.get(sock):
+                    for _ in range(MAX_BATCH):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.received += 1
+                        peer = frames[0].bytes
+                        try:
+                            msg = p.decode(frames[1:])
+                        except p.DecodeError as e:
+                            log.warning("undecodable message from %r: %s", peer, e)
+                            self._deliver([Send(peer, p.Error("ProtocolMismatch", str(e)))])
+                            continue
+                        events.append(Received(peer, msg))
+                now = time.monotonic()
+                if now >= next_tick:
+                    events.append(Tick())
+                    next_tick = now + TICK_SECONDS
+                if events:
+                    self._deliver(self.core.handle_many(events, now))
+                if self._outbox:
+                    self._flush_outboxes()
+        finally:
+            self._shutdown_peers()
+
+    def _send_now(self, peer: bytes, frames: list[Any]) -> bool:
+        """True if sent; False if the peer is full. Unknown peers become events."""
+        try:
+            self.sock.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
+            self.sent += 1
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                self._pending_events.append(Unreachable(peer))
+                return True  # not deliverable: the core decides what it means
+            raise
+
+    def _deliver(self, sends: list[Send]) -> None:
+        for s in sends:
+            frames = p.encode(s.msg)
+            q = self._outbox.get(s.peer)
+            if q is not None:
+                q.append(frames)
+            elif not self._send_now(s.peer, frames):
+                self._outbox[s.peer] = deque([frames])
+
+    def _flush_outboxes(self) -> None:
+        for peer in list(self._outbox):
+            q = self._outbox[peer]
+            while q and self._send_now(peer, q[0]):
+                q.popleft()
+            if not q:
+                del self._outbox[peer]
+
+    def _shutdown_peers(self) -> None:
+        for peer in list(self.core.peers):
+            try:
+                self.sock.send_multipart([peer, *p.encode(p.Shutdown("scheduler stopping"))],
+                                         zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def run(
+    host: str, port: int, config: SchedulerConfig, ready_fd: int | None = None,
+    parent_pid: int = 0,
+) -> None:
+    server = SchedulerServer(host, port, config)
+    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGINT, server.stop)
+    _sockets.watch_parent(parent_pid, server.stop)
+    if ready_fd is not None:
+        os.write(ready_fd, server.address.encode() + b"\n")
+        os.close(ready_fd)
+    log.info("scheduler listening on %s", server.address)
+    try:
+        server.serve_forever()
+    finally:
+        server.close()

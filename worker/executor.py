@@ -1,0 +1,124 @@
+"""Runs user code in threads: unpickle arguments, call, pickle the result or exception.
+
+Each call runs with its `gpufn.context()` and output routing set for its thread; the
+finished `Result` goes to `on_done`, which the worker's I/O loop drains.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufn import call_context as ctxmod
+from gpufn import protocol as p
+from gpufn import serialization as ser
+from gpufn.exceptions import Cancelled, GpufnError, SerializationError, kind_of
+from gpufn.worker.output import OutputRouter, set_current
+
+
+@dataclass
+class Call:
+    invocation_id: str
+    name: str
+    fn: Callable[..., Any]
+    frames: tuple[Any, ...]
+    context: ctxmod.CallContext
+    meta: dict[str, Any] = field(default_factory=dict)
+    # Runs in the call's thread before the function (model resolution, group setup).
+    prepare: Callable[[], None] | None = None
+    # Maps the function's value before pickling (gang gather, batching).
+    finish: Callable[[Any], Any] | None = None
+
+
+class Executor:
+    def __init__(self, router: OutputRouter, on_done: Callable[[p.Result], None]) -> None:
+        self.router = router
+        self.on_done = on_done
+        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gpufn-call")
+        self._threads: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, call: Call) -> None:
+        self.pool.submit(self._run, call)
+
+    def running(self) -> list[str]:
+        with self._lock:
+            return list(self._threads)
+
+    def interrupt(self, invocation_id: str) -> bool:
+        """Raise Cancelled inside the call's thread (takes effect at the next bytecode)."""
+        with self._lock:
+            ident = self._threads.get(invocation_id)
+        if ident is None:
+            return False
+        n = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(ident), ctypes.py_object(Cancelled)
+        )
+        return n == 1
+
+    def _run(self, call: Call) -> None:
+        inv = call.invocation_id
+        with self._lock:
+            self._threads[inv] = threading.get_ident()
+        self.router.started(inv)
+        set_current(inv)
+        ctxmod._set(call.context)
+        t0 = time.perf_counter()
+        try:
+            result = self._call(call, t0)
+        except BaseException as e:  # an async Cancelled landing outside the user's code
+            result = _failure(inv, e, t0)
+        finally:
+            with self._lock:
+                self._threads.pop(inv, None)
+            ctxmod._set(None)
+            set_current(None)
+            self.router.finished(inv)
+        self.on_done(result)
+
+    def _call(self, call: Call, t0: float) -> p.Result:
+        inv = call.invocation_id
+        try:
+            args, kwargs = ser.loads(call.frames)
+        except Exception as e:
+            err = SerializationError(
+                f"the arguments of {call.name} could not be unpickled on the worker: "
+                f"{type(e).__name__}: {e}. Is a module the arguments need missing on the worker?"
+            )
+            return _gpufn_failure(inv, err, t0)
+        try:
+            if call.prepare is not None:
+                call.prepare()
+            value = call.fn(*args, **kwargs)
+            if call.finish is not None:
+                value = call.finish(value)
+        except GpufnError as e:
+            if getattr(e, "_gpufn_internal", False):
+                return _gpufn_failure(inv, e, t0)
+            return _failure(inv, e, t0)
+        except BaseException as e:
+            return _failure(inv, e, t0)
+        try:
+            frames = ser.dumps(value)
+        except Exception as e:
+            err = SerializationError(
+                f"the value returned by {call.name} cannot be pickled: {type(e).__name__}: {e}. "
+                "Return tensors, arrays or plain Python values."
+            )
+            return _gpufn_failure(inv, err, t0)
+        return p.Result(inv, True, "", "", {"duration": time.perf_counter() - t0}, tuple(frames))
+
+
+def _failure(inv: str, exc: BaseException, t0: float) -> p.Result:
+    frames, tb = ser.dump_exception(exc)
+    meta = {"duration": time.perf_counter() - t0, "type": type(exc).__name__, "traceback": tb}
+    return p.Result(inv, False, "", str(exc), meta, tuple(frames))
+
+
+def _gpufn_failure(inv: str, exc: GpufnError, t0: float) -> p.Result:
+    return p.Result(inv, False, kind_of(exc), str(exc), {"duration": time.perf_counter() - t0})

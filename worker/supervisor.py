@@ -1,0 +1,260 @@
+"""The per-host supervisor: probes devices, starts one worker per device, restarts a
+worker that dies, and kills one when the scheduler says so (hard timeouts, hung ranks).
+
+Each worker's environment pins its device (`CUDA_VISIBLE_DEVICES` by UUID) before
+torch is imported; its stderr goes to a per-device log whose tail explains a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from gpufn import _sockets
+from gpufn import protocol as p
+from gpufn.memory_pool.probe import DeviceInfo
+
+log = logging.getLogger("gpufn.supervisor")
+
+PING_SECONDS = 2.0
+FAST_FAILURE_SECONDS = 10.0
+GIVE_UP_AFTER = 5
+GAVE_UP = -999
+
+
+def log_dir() -> Path:
+    d = Path(os.environ.get("GPUFN_LOG_DIR") or Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@dataclass
+class _Slot:
+    device: DeviceInfo
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    incarnation: int = 0
+    fast_failures: int = 0
+    restart_at: float = 0.0
+    kill_reason: str = ""
+    gave_up: bool = False
+    log_path: Path = field(default_factory=Path)
+
+
+class Supervisor:
+    def __init__(
+        self, address: str, token: str, devices: list[DeviceInfo], node: str,
+        threads_per_worker: int | None = None,
+    ) -> None:
+        self.address = address
+        self.token = token
+        self.node = node
+        self.slots = {d.key: _Slot(d, log_path=log_dir() / f"worker-{node}-{d.index}.log")
+                      for d in devices}
+        self.threads_per_worker = threads_per_worker
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        _sockets.configure(self.sock)
+        self.sock.setsockopt(zmq.IDENTITY, f"s/{node}/{os.getpid()}".encode())
+        self.sock.connect(address)
+        self._running = True
+
+    # ------------------------------------------------------------------ messages
+
+    def _send(self, msg: p.Message) -> None:
+        self.sock.send_multipart(p.encode(msg))
+
+    def hello(self) -> None:
+        self._send(p.Hello(p.Role.SUPERVISOR, p.PROTOCOL_VERSION, self.token, os.getpid(), {
+            "node": self.node, "devices": [s.device.to_wire() for s in self.slots.values()],
+        }))
+
+    def handshake(self, timeout: float = 30.0) -> None:
+        self.hello()
+        if not self.sock.poll(int(timeout * 1000)):
+            raise SystemExit(f"no answer from the scheduler at {self.address} within {timeout:.0f}s")
+        msg = p.decode(self.sock.recv_multipart())
+        if not isinstance(msg, p.Welcome) or not msg.ok:
+            raise SystemExit(f"scheduler refused this supervisor: {getattr(msg, 'message', msg)}")
+
+    # ------------------------------------------------------------------ workers
+
+    def _env(self, d: DeviceInfo) -> dict[str, str]:
+        env = dict(os.environ)
+        env["GPUFN_TOKEN"] = self.token
+        env["GPUFN_ADDRESS"] = self.address  # nested .remote() calls reach the same cluster
+        env["CUDA_VISIBLE_DEVICES"] = d.uuid if d.kind == "cuda" else ""
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        if self.threads_per_worker:
+            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                env[var] = str(self.threads_per_worker)
+        return env
+
+    def _spawn(self, slot: _Slot) -> None:
+        slot.incarnation += 1
+        d = slot.device
+        logf = open(slot.log_path, "ab")
+        cmd = [sys.executable, "-m", "gpufn.worker", "--address", self.address, "--device", d.key,
+               "--incarnation", str(slot.incarnation), "--kind", d.kind]
+        slot.proc = subprocess.Popen(
+            cmd, env=self._env(d), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+            preexec_fn=_sockets.set_pdeathsig,
+        )
+        logf.close()
+        slot.started = time.monotonic()
+        log.info("started worker for %s (pid %d)", d.key, slot.proc.pid)
+
+    def _tail(self, slot: _Slot, nbytes: int = 1500) -> str:
+        try:
+            with open(slot.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - nbytes))
+                return f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def _reap(self, now: float) -> None:
+        for key, slot in self.slots.items():
+            proc = slot.proc
+            if proc is None:
+                if not slot.gave_up and now >= slot.restart_at:
+                    self._spawn(slot)
+                continue
+            rc = proc.poll()
+            if rc is None:
+                continue
+            slot.proc = None
+            lived = now - slot.started
+            if slot.kill_reason:
+                reason = f"killed by the scheduler: {slot.kill_reason}"
+                slot.kill_reason = ""
+                slot.fast_failures = 0
+                slot.restart_at = now
+            else:
+                reason = f"exit code {rc}" if rc >= 0 else f"killed by signal {-rc}"
+                tail = self._tail(slot)
+                if tail:
+                    reason += f"; last output: {tail[-600:]}"
+                slot.fast_failures = slot.fast_failures + 1 if lived < FAST_FAILURE_SECONDS else 1
+                slot.restart_at = now + min(10.0, 0.1 * 2 ** (slot.fast_failures - 1))
+            log.warning("worker for %s (pid %d) ended: %s", key, proc.pid, reason)
+            if slot.fast_failures >= GIVE_UP_AFTER:
+                slot.gave_up = True
+                self._send(p.WorkerExited(key, proc.pid, GAVE_UP, (
+                    f"the worker failed {slot.fast_failures} times in a row; giving up. "
+                    f"Log: {slot.log_path}. {reason}")))
+            else:
+                self._send(p.WorkerExited(key, proc.pid, rc, reason))
+
+    def _kill(self, msg: p.KillWorker) -> None:
+        slot = self.slots.get(msg.device)
+        if slot is None or slot.proc is None:
+            return
+        if msg.pid and slot.proc.pid != msg.pid:
+            return  # that process is already gone and replaced
+        slot.kill_reason = msg.reason
+        try:
+            slot.proc.kill()
+        except ProcessLookupError:
+            pass
+
+    def stop(self, *_: object) -> None:
+        self._running = False
+
+    def shutdown_workers(self, grace: float = 2.0) -> None:
+        procs = [s.proc for s in self.slots.values() if s.proc is not None]
+        for proc in procs:
+            try:
+                proc.terminate()
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for s in self.slots.values():
+            s.proc = None
+
+    def serve(self) -> None:
+        for slot in self.slots.values():
+            self._spawn(slot)
+        next_ping = 0.0
+        try:
+            while self._running:
+                if self.sock.poll(100):
+                    while True:
+                        try:
+                            msg = p.decode(self.sock.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                        if isinstance(msg, p.KillWorker):
+                            self._kill(msg)
+                        elif isinstance(msg, p.Shutdown):
+                            self._running = False
+                        elif isinstance(msg, p.Error) and msg.error_kind == "AuthenticationError":
+                            self.hello()  # the scheduler restarted
+                now = time.monotonic()
+                self._reap(now)
+                if now >= next_ping:
+                    self._send(p.Ping(int(now)))
+                    next_ping = now + PING_SECONDS
+        finally:
+            self.shutdown_workers()
+            try:
+                self._send(p.Goodbye("supervisor stopping"))
+            except zmq.ZMQError:
+                pass
+            self.sock.close(200)
+            self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from gpufn import config
+    from gpufn.memory_pool.probe import probe_devices
+    from gpufn.spec import parse_memory
+
+    ap = argparse.ArgumentParser(prog="python -m gpufn.worker.supervisor")
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--cpu-devices", type=int, default=None)
+    ap.add_argument("--device-memory", default=None)
+    ap.add_argument("--islands", type=int, default=None)
+    ap.add_argument("--force-cpu", action="store_true")
+    ap.add_argument("--node", default=None)
+    ap.add_argument("--parent-pid", type=int, default=0)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=config.log_level(),
+                        format="%(asctime)s gpufn-supervisor %(levelname)s %(message)s")
+    node = a.node or config.node_id()
+    n = a.cpu_devices or config.cpu_devices()
+    mem = parse_memory(a.device_memory, "--device-memory") if a.device_memory else config.device_memory()
+    islands = a.islands or config.env_int("GPUFN_CPU_ISLANDS", 1)
+    force_cpu = a.force_cpu or os.environ.get("GPUFN_FORCE_CPU") == "1"
+    devices = probe_devices(node, cpu_devices=n, device_memory=mem, islands=islands,
+                            force_cpu=force_cpu)
+    threads = None
+    if devices and devices[0].kind == "cpu":
+        threads = max(1, (os.cpu_count() or 1) // len(devices))
+    sup = Supervisor(a.address, os.environ.get("GPUFN_TOKEN", ""), devices, node, threads)
+    signal.signal(signal.SIGTERM, sup.stop)
+    signal.signal(signal.SIGINT, sup.stop)
+    _sockets.watch_parent(a.parent_pid, sup.stop)
+    sup.handshake()
+    sup.serve()
+
+
+if __name__ == "__main__":
+    main()

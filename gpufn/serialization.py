@@ -8,7 +8,9 @@ Functions from `__main__` and notebook cells pickle by value (cloudpickle).
 from __future__ import annotations
 
 import hashlib
+import io
 import pickle
+import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -21,8 +23,77 @@ from gpufn.exceptions import RemoteError, RemoteTraceback, SerializationError
 OOB_THRESHOLD = 64 * 1024
 
 
+def _rebuild_bytes(buf: Any, mutable: bool) -> bytes | bytearray:
+    return bytearray(buf) if mutable else bytes(buf)
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
+    import torch
+
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        flat = torch.empty(0, dtype=torch.uint8)
+    else:
+        # Zero-copy over the received frame (writable); copy only if it is read-only.
+        flat = torch.frombuffer(mv if not mv.readonly else bytearray(mv), dtype=torch.uint8)
+    t = flat.view(getattr(torch, dtype)).reshape(shape)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle plus out-of-band buffers for torch tensors and large bytes.
+
+    Tensors arrive on the CPU: a result never pulls a CUDA context into the caller.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        t = type(obj)
+        if (t is bytes or t is bytearray) and len(obj) >= OOB_THRESHOLD:
+            return _rebuild_bytes, (pickle.PickleBuffer(obj), t is bytearray)
+        torch = sys.modules.get("torch")
+        if (torch is not None and t is torch.Tensor and obj.layout is torch.strided
+                and not obj.is_quantized and obj.nbytes >= OOB_THRESHOLD):
+            c = obj.detach().to("cpu").contiguous()
+            raw = c.reshape(-1).view(torch.uint8).numpy()
+            return _rebuild_tensor, (pickle.PickleBuffer(raw), str(c.dtype).removeprefix("torch."),
+                                     tuple(c.shape), obj.requires_grad)
+        return super().reducer_override(obj)
+
+
+class _OOBBytes:
+    """Large bytes/bytearray wrapped so pickle sends them out of band (the C pickler
+    writes bytes in-band and never asks `reducer_override` about them)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data = data
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _rebuild_bytes, (pickle.PickleBuffer(self.data), type(self.data) is bytearray)
+
+
+def _wrap_bytes(obj: Any, depth: int = 3) -> Any:
+    """Wrap large bytes found in arguments and results (containers up to `depth` deep)."""
+    t = type(obj)
+    if t is bytes or t is bytearray:
+        return _OOBBytes(obj) if len(obj) >= OOB_THRESHOLD else obj
+    if depth == 0:
+        return obj
+    if t is tuple or t is list:
+        items = [_wrap_bytes(x, depth - 1) for x in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return t(items)
+    if t is dict:
+        vals = {k: _wrap_bytes(v, depth - 1) for k, v in obj.items()}
+        return obj if all(vals[k] is v for k, v in obj.items()) else vals
+    return obj
+
+
 def dumps(obj: Any) -> list[Any]:
     """Frames for obj: the pickle stream then each large out-of-band buffer."""
+    obj = _wrap_bytes(obj)
     buffers: list[pickle.PickleBuffer] = []
 
     def keep(buf: pickle.PickleBuffer) -> bool:
@@ -31,8 +102,9 @@ def dumps(obj: Any) -> list[Any]:
         buffers.append(buf)
         return False
 
-    stream = cloudpickle.dumps(obj, protocol=5, buffer_callback=keep)
-    return [stream, *(b.raw() for b in buffers)]
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=keep).dump(obj)
+    return [out.getvalue(), *(b.raw() for b in buffers)]
 
 
 def loads(frames: Sequence[Any]) -> Any:
@@ -48,6 +120,7 @@ def loads(frames: Sequence[Any]) -> Any:
 def content_hash(*parts: bytes | memoryview) -> str:
     h = hashlib.blake2b(digest_size=16)
     for p in parts:
+        h.update(len(p).to_bytes(8, "little"))  # length-prefixed: ("a", "b") != ("ab",)
         h.update(p)
     return h.hexdigest()
 

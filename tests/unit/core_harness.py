@@ -1,0 +1,80 @@
+"""Drives a SchedulerCore with messages, as the process shell would, with a fake clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpufn import protocol as p
+from gpufn.memory_pool.probe import simulated_devices
+from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore, Send, Tick, Unreachable
+from gpufn.spec import GpuSpec, make_spec
+
+GiB = 2**30
+
+
+class Harness:
+    def __init__(self, devices: int = 2, memory: int = 8 * GiB, islands: int = 1, **cfg: Any) -> None:
+        self.core = SchedulerCore(SchedulerConfig(**cfg))
+        self.now = 1000.0
+        self.sent: list[Send] = []
+        self.n = 0
+        self.infos = simulated_devices("n", devices, memory, islands=islands)
+        self.hello(b"sup", p.Role.SUPERVISOR, info={"node": "n", "devices": [d.to_wire() for d in self.infos]})
+        self.hello(b"cli", p.Role.CLIENT)
+
+    # ------------------------------------------------------------------ driving
+
+    def feed(self, peer: bytes, msg: p.Message, dt: float = 0.0) -> list[Send]:
+        self.now += dt
+        out = self.core.handle(Received(peer, msg), self.now)
+        self.sent += out
+        return out
+
+    def tick(self, dt: float = 0.0) -> list[Send]:
+        self.now += dt
+        out = self.core.handle(Tick(), self.now)
+        self.sent += out
+        return out
+
+    def unreachable(self, peer: bytes) -> list[Send]:
+        out = self.core.handle(Unreachable(peer), self.now)
+        self.sent += out
+        return out
+
+    def hello(self, peer: bytes, role: str, token: str = "", info: dict[str, Any] | None = None,
+              version: int = p.PROTOCOL_VERSION, pid: int = 1) -> p.Message:
+        out = self.feed(peer, p.Hello(role, version, token, pid, info or {}))
+        return next(s.msg for s in out if s.peer == peer and isinstance(s.msg, p.Welcome))
+
+    def start_worker(self, index: int, peer: bytes | None = None, pid: int = 100) -> bytes:
+        peer = peer or f"w{index}".encode()
+        msg = self.hello(peer, p.Role.WORKER, info={"device": f"n:{index}", "incarnation": 1}, pid=pid)
+        assert isinstance(msg, p.Welcome) and msg.ok, msg
+        return peer
+
+    def register(self, name: str = "f", spec: GpuSpec | None = None, **options: Any) -> str:
+        spec = spec or make_spec(**options)
+        fid = f"{name}-{hash(spec)}"
+        self.feed(b"cli", p.Register(fid, f"code-{name}", name, spec.to_wire(), [], (b"code",)))
+        return fid
+
+    def submit(self, fid: str, client: bytes = b"cli", **options: Any) -> str:
+        self.n += 1
+        inv = f"inv{self.n}"
+        self.feed(client, p.Submit(inv, fid, options, (b"args",)))
+        return inv
+
+    def finish(self, worker: bytes, inv: str, ok: bool = True, duration: float = 0.1) -> list[Send]:
+        return self.feed(worker, p.Result(inv, ok, "", "", {"duration": duration}, (b"value",)), dt=duration)
+
+    # ------------------------------------------------------------------ inspecting
+
+    def runs(self, peer: bytes | None = None) -> list[p.Run]:
+        return [s.msg for s in self.sent if isinstance(s.msg, p.Run) and (peer is None or s.peer == peer)]
+
+    def results(self, client: bytes = b"cli") -> dict[str, p.Result]:
+        return {s.msg.invocation_id: s.msg for s in self.sent
+                if isinstance(s.msg, p.Result) and s.peer == client}
+
+    def of_type(self, cls: type) -> list[Send]:
+        return [s for s in self.sent if isinstance(s.msg, cls)]

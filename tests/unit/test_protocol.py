@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from gpufn import protocol as p
+
+SAMPLES: list[p.Message] = [
+    p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "tok", 42, {"argv": "x"}),
+    p.Welcome(True, "", "", {"devices": 2}),
+    p.Welcome(False, "AuthenticationError", "wrong token"),
+    p.Ping(1), p.Pong(1), p.Goodbye("bye"), p.Shutdown("stop"), p.Error("GpufnError", "bad"),
+    p.Register("f1", "c1", "square", {"count": 1}, [{"name": "m", "nframes": 1}], (b"code", b"m")),
+    p.Submit("i1", "f1", {"priority": 3}, (b"args", b"\x00" * 10)),
+    p.Cancel("i1", "because", False),
+    p.Result("i1", True, "", "", {"duration": 0.5, "devices": ["n:0"]}, (b"value",)),
+    p.Result("i2", False, "Timeout", "too slow", {}),
+    p.Output("i1", "stdout", "hello\n"),
+    p.StatusRequest(7), p.StatusReply(7, {"devices": []}),
+    p.LoadCode("c1", "square", (b"code",)),
+    p.Run("i1", "f1", "c1", "square", 1, {"timeout": None}, (b"args",)),
+    p.Heartbeat(["i1"], {"completed": 3}),
+    p.WorkerExited("n:0", 123, -9, "killed"),
+    p.KillWorker("n:0", 123, "timeout"),
+    p.LoadModel("llama", {"memory": 10}, (b"loader",)),
+    p.EvictModel("llama", True),
+    p.ModelEvent("llama", "resident", 1000, 0.5),
+    p.GroupOp("join", {"gang_id": "g"}),
+]
+
+
+def test_every_message_type_has_a_sample() -> None:
+    assert {type(m) for m in SAMPLES} == set(p.message_types().values())
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: p.Message) -> None:
+    frames = p.encode(msg)
+    assert len(frames[0]) == 1
+    back = p.decode(frames)
+    assert type(back) is type(msg)
+    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
+        a, b = getattr(msg, f.name), getattr(back, f.name)
+        if f.name == "frames":
+            assert [bytes(x) for x in a] == [bytes(x) for x in b]
+        else:
+            assert a == b, f.name
+
+
+def test_payload_frames_stay_out_of_the_header() -> None:
+    big = b"x" * 1_000_000
+    frames = p.encode(p.Submit("i", "f", {}, (big,)))
+    assert len(frames[1]) < 100  # header stays small
+    assert frames[2] is big  # the buffer itself, no copy
+
+
+def test_messages_are_frozen_and_slotted() -> None:
+    msg = p.Ping(1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        msg.seq = 2  # type: ignore[misc]
+    assert not hasattr(msg, "__dict__")
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [[b"\x01"], [b"\xfe", b"\x90"], [b"ab", b"\x90"], [b"\x03", msgpack.packb(["not-an-int", 1, 2])]],
+)
+def test_garbage_is_a_decode_error(frames: list[bytes]) -> None:
+    with pytest.raises(p.DecodeError):
+        p.decode(frames)

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import pytest
+
+import gpufn
+from gpufn.spec import GpuSpec, format_bytes, make_spec, parse_memory
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(0, 0), (1024, 1024), ("20GiB", 20 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", int(1.5 * 2**30)),
+     ("2g", 2 * 2**30), ("100", 100), (3.0, 3)],
+)
+def test_parse_memory(value: object, expected: int) -> None:
+    assert parse_memory(value) == expected
+
+
+@pytest.mark.parametrize("value", ["20 gigs", "-1GiB", -5, True, None, [1], "GiB", float("nan")])
+def test_parse_memory_rejects(value: object) -> None:
+    with pytest.raises(gpufn.InvalidSpec, match="memory="):
+        parse_memory(value)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(20 * 2**30) == "20.0 GiB"
+
+
+def test_bare_decorator_and_defaults() -> None:
+    @gpufn.gpu
+    def f(x: int) -> int:
+        return x + 1
+
+    assert isinstance(f, gpufn.Function)
+    assert f.spec == GpuSpec()
+    assert f(1) == 2 and f.local(2) == 3
+    assert f.__name__ == "f"
+
+
+def test_decorator_with_options_parses_everything() -> None:
+    @gpufn.gpu(count=2, type=["H100", "A100"], memory="2GiB", timeout=30, retries=2, priority=5,
+               concurrency=3, gather=True)
+    def g() -> None: ...
+
+    s = g.spec
+    assert (s.count, s.type, s.memory, s.timeout, s.retries, s.priority, s.concurrency, s.gather) == (
+        2, ("H100", "A100"), 2 * 2**30, 30.0, 2, 5, 3, True)
+    assert GpuSpec.from_wire(s.to_wire()) == s
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"count": 0}, "count=0 must be at least 1"),
+        ({"count": 1.5}, "count=1.5 must be an integer"),
+        ({"count": True}, "count=True must be an integer"),
+        ({"type": ""}, "type=''"),
+        ({"type": ["H100", 3]}, "type="),
+        ({"memory": "lots"}, "memory='lots' cannot be parsed"),
+        ({"timeout": 0}, "timeout=0 must be positive"),
+        ({"timeout": "10s"}, "timeout='10s' must be a number"),
+        ({"retries": -1}, "retries=-1 must be at least 0"),
+        ({"priority": "high"}, "priority='high' must be an integer"),
+        ({"concurrency": 0}, "concurrency=0"),
+        ({"models": ["llama"]}, "models="),
+        ({"gather": True}, "gather=True needs count>1"),
+        ({"spmd": "yes"}, "spmd='yes' must be True or False"),
+        ({"batch_wait_ms": 5}, "batch_wait_ms= needs batch_size="),
+        ({"batch_size": 0}, "batch_size=0"),
+    ],
+)
+def test_bad_options_fail_at_decoration(options: dict[str, object], fragment: str) -> None:
+    with pytest.raises(gpufn.InvalidSpec) as e:
+        gpufn.gpu(**options)  # type: ignore[arg-type]
+    assert fragment in str(e.value)
+
+
+def test_positional_option_is_rejected_with_fix() -> None:
+    with pytest.raises(gpufn.InvalidSpec, match="keyword-only"):
+        gpufn.gpu(3)  # type: ignore[arg-type]
+
+
+def test_with_options_copies_and_validates() -> None:
+    @gpufn.gpu(memory="1GiB")
+    def h() -> None: ...
+
+    h2 = h.with_options(priority=7, timeout=5)
+    assert h2.spec.priority == 7 and h2.spec.timeout == 5.0 and h2.spec.memory == 2**30
+    assert h.spec.priority == 0
+    assert h2._code is h._code  # the code is pickled once for every variant
+    with pytest.raises(gpufn.InvalidSpec, match="unknown option"):
+        h.with_options(colour="red")
+    with pytest.raises(gpufn.InvalidSpec, match="deadline"):
+        h.with_options(deadline=-1)
+
+
+def test_function_ids_differ_by_spec_not_by_call() -> None:
+    @gpufn.gpu
+    def k(x: int) -> int:
+        return x
+
+    a = k.register_message()
+    assert a is k.register_message()
+    b = k.with_options(priority=1).register_message()
+    assert a.code_id == b.code_id and a.function_id != b.function_id
+
+
+def test_make_spec_combination_rules() -> None:
+    assert make_spec(count=2, gather=True).gather
+    with pytest.raises(gpufn.InvalidSpec, match="batch_size"):
+        make_spec(count=2, batch_size=4)

@@ -308,6 +308,12 @@ def connect(address: str | None = None, *, token: str | None = None) -> Client:
                 cluster.stop()
                 raise
         else:
+            if not tok:  # `gpufn serve` on this machine leaves its token for local clients
+                from gpufn.cli.state import load_cluster_file
+
+                saved = load_cluster_file()
+                if saved and saved["address"] == config.normalize_address(addr):
+                    tok = saved["token"]
             client = Client(addr, tok)
         _default = client
         return client

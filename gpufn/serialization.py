@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import linecache
+import os
 import pickle
 import sys
 import traceback
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,15 +129,47 @@ def content_hash(*parts: bytes | memoryview) -> str:
 
 
 def dump_code(fn: Any, name: str) -> tuple[str, list[Any]]:
-    """(code id, frames) for a callable; the id is its content hash."""
+    """(code id, frames) for a callable; the id is its content hash.
+
+    cloudpickle renames pickled code to "<dynamic-code>"; the source file's name and
+    lines travel along so remote tracebacks show the user's file, line and source
+    (notebook cells included: their lines come from this process's linecache).
+    """
+    code = getattr(fn, "__code__", None)
+    filename = code.co_filename if code is not None else ""
+    lines: list[str] = []
+    if filename:
+        lines = linecache.getlines(filename, getattr(fn, "__globals__", None))
+        if sum(map(len, lines)) > 2_000_000:
+            lines = []
     try:
-        frames = dumps(fn)
+        frames = dumps((fn, filename, lines))
     except Exception as e:
         raise SerializationError(
             f"function {name!r} cannot be pickled: {e}. A function sent to a worker may only "
             "close over picklable values; create locks, sockets and open files inside it."
         ) from e
     return content_hash(*frames), frames
+
+
+def _renamed(code: types.CodeType, filename: str) -> types.CodeType:
+    consts = tuple(_renamed(c, filename) if isinstance(c, types.CodeType) else c
+                   for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def load_code(frames: Sequence[Any]) -> Any:
+    """The callable from dump_code frames, with its source file name and lines restored."""
+    fn, filename, lines = loads(frames)
+    code = getattr(fn, "__code__", None)
+    if filename and code is not None and code.co_filename != filename:
+        try:
+            fn.__code__ = _renamed(code, filename)
+        except (AttributeError, TypeError, ValueError):
+            pass
+    if filename and lines and not os.path.exists(filename):
+        linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+    return fn
 
 
 def dump_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

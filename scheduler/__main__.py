@@ -20,7 +20,7 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
-    cfg = SchedulerConfig(token=os.environ.get("GPUFN_TOKEN") or None)
+    cfg = SchedulerConfig.from_env(os.environ.get("GPUFN_TOKEN") or None)
     run(a.host, a.port, cfg, a.ready_fd, a.parent_pid)
 
 

@@ -75,6 +75,23 @@ class SchedulerConfig:
     max_queue: int = 1_000_000
     max_queue_per_function: int | None = None
 
+    @classmethod
+    def from_env(cls, token: str | None) -> SchedulerConfig:
+        """Defaults overridden by GPUFN_SLOTS, GPUFN_AGING_SECONDS, GPUFN_HEARTBEAT_TIMEOUT,
+        GPUFN_CLIENT_TIMEOUT, GPUFN_MAX_QUEUE, GPUFN_MAX_QUEUE_PER_FUNCTION."""
+        from gpufn import config as c
+
+        per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
+        return cls(
+            token=token,
+            slots_per_device=c.env_int("GPUFN_SLOTS", cls.slots_per_device),
+            aging_seconds=c.env_float("GPUFN_AGING_SECONDS", cls.aging_seconds),
+            heartbeat_timeout=c.env_float("GPUFN_HEARTBEAT_TIMEOUT", cls.heartbeat_timeout),
+            client_timeout=c.env_float("GPUFN_CLIENT_TIMEOUT", cls.client_timeout),
+            max_queue=c.env_int("GPUFN_MAX_QUEUE", cls.max_queue),
+            max_queue_per_function=per_fn or None,
+        )
+
 
 @dataclass
 class Counters:

@@ -70,7 +70,7 @@ class WorkerCore:
 
     def _load_code(self, msg: p.LoadCode) -> list[Action]:
         try:
-            self.code[msg.code_id] = ser.loads(msg.frames)
+            self.code[msg.code_id] = ser.load_code(msg.frames)
             self.code_errors.pop(msg.code_id, None)
         except Exception as e:
             self.code_errors[msg.code_id] = f"{type(e).__name__}: {e}"

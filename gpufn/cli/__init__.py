@@ -1,1 +1,1 @@
-"""placeholder"""
+"""The `gpufn` command line: a thin typer edge over the library (no business logic here)."""

@@ -1,0 +1,248 @@
+"""The serverless call path through real processes: client -> scheduler -> worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import gpufn
+
+from ..conftest import wait_ready
+from .funcs import echo, fail, noop, sleepy, square, where
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_remote_map_spawn(cluster: gpufn.Client) -> None:
+    assert square.remote(7) == 49
+    assert list(square.map(range(1000))) == [x * x for x in range(1000)]
+    call = square.spawn(3)
+    assert isinstance(call.id, str) and call.get(timeout=10) == 9 and call.done()
+    assert list(square.starmap([(2,), (3,)])) == [4, 9]
+    assert sorted(square.map(range(50), order_outputs=False)) == [x * x for x in range(50)]
+
+
+def test_runs_in_a_worker_with_a_context(cluster: gpufn.Client) -> None:
+    info = where.remote()
+    assert info["pid"] != os.getpid() and info["device"] == "cpu"
+    assert (info["rank"], info["world"]) == (0, 1) and isinstance(info["inv"], str)
+    with pytest.raises(gpufn.GpufnError, match="only available inside"):
+        where.local()
+
+
+def test_functions_defined_in_the_test_body_pickle_by_value(cluster: gpufn.Client) -> None:
+    offset = 5
+
+    @gpufn.gpu
+    def add(x: int) -> int:
+        return x + offset
+
+    assert add.remote(1) == 6
+
+
+def test_exception_keeps_type_and_remote_traceback(cluster: gpufn.Client) -> None:
+    with pytest.raises(ValueError, match="bad input 3") as e:
+        fail.remote(3)
+    cause = e.value.__cause__
+    assert cause is not None and "remote traceback of fail" in str(cause)
+    assert 'raise ValueError(f"bad input {x}")' in str(cause)
+
+
+def test_unimportable_exception_becomes_remote_error(cluster: gpufn.Client) -> None:
+    @gpufn.gpu
+    def raise_private() -> None:
+        import sys
+        import tempfile
+        import textwrap
+
+        d = tempfile.mkdtemp()
+        with open(os.path.join(d, "only_on_worker.py"), "w") as f:
+            f.write(textwrap.dedent("""
+                class WorkerOnlyError(Exception):
+                    pass
+            """))
+        sys.path.insert(0, d)
+        import only_on_worker
+
+        raise only_on_worker.WorkerOnlyError("from the worker")
+
+    with pytest.raises(gpufn.RemoteError) as e:
+        raise_private.remote()
+    assert e.value.type_name == "WorkerOnlyError" and "from the worker" in e.value.message
+    assert "only_on_worker" in e.value.traceback
+
+
+def test_unpicklable_argument_fails_at_the_call_site(cluster: gpufn.Client) -> None:
+    before = cluster.status()["counters"]["submitted"]
+    with pytest.raises(gpufn.SerializationError, match="positional argument 0 \\(lock\\)"):
+        echo.remote(threading.Lock())
+    assert cluster.status()["counters"]["submitted"] == before  # nothing was sent
+
+
+def test_large_tensors_round_trip(cluster: gpufn.Client) -> None:
+    t = torch.randn(1024, 1024)  # 4 MiB
+    back = echo.remote(t)
+    assert torch.equal(back, t)
+    data = os.urandom(3_000_000)
+    assert echo.remote(data) == data
+
+
+def test_output_reaches_the_caller_with_a_prefix(cluster: gpufn.Client, capfd: pytest.CaptureFixture[str]) -> None:
+    @gpufn.gpu
+    def chatty(x: int) -> int:
+        import logging
+        import sys
+
+        print(f"hello {x}")
+        print("to stderr", file=sys.stderr)
+        logging.getLogger("user").warning("a warning")
+        return x
+
+    call = chatty.spawn(42)
+    assert call.get(timeout=30) == 42
+    time.sleep(0.2)
+    out, err = capfd.readouterr()
+    tag = f"[{chatty.name} {call.id[-8:]}]"
+    assert f"{tag} hello 42" in out
+    assert f"{tag} to stderr" in err and "a warning" in err
+
+
+def test_async_twins(cluster: gpufn.Client) -> None:
+    async def main() -> tuple[int, list[int], int]:
+        one = await square.remote.aio(5)
+        many = [x async for x in square.map.aio(range(20))]
+        call = square.spawn(6)
+        six = await call.get.aio(timeout=10)
+        return one, many, six
+
+    one, many, six = asyncio.run(main())
+    assert one == 25 and many == [x * x for x in range(20)] and six == 36
+
+
+def test_map_return_exceptions_and_first_failure(cluster: gpufn.Client) -> None:
+    out = list(fail.map(range(6), return_exceptions=True))
+    assert out[:3] == [0, 1, 2] and isinstance(out[3], ValueError) and out[4:] == [4, 5]
+    with pytest.raises(ValueError, match="bad input 3"):
+        list(fail.map(range(6)))
+
+
+def test_map_failure_cancels_what_has_not_started(cluster: gpufn.Client) -> None:
+    @gpufn.gpu
+    def slow_fail(x: int) -> int:
+        time.sleep(0.05)
+        if x == 0:
+            raise RuntimeError("first one fails")
+        return x
+
+    before = cluster.status()["counters"]
+    with pytest.raises(RuntimeError, match="first one fails"):
+        list(slow_fail.map(range(200)))
+    time.sleep(0.5)
+    after = cluster.status()["counters"]
+    assert after["cancelled"] - before["cancelled"] > 100  # queued calls were dropped, not run
+    assert after["succeeded"] - before["succeeded"] < 100
+
+
+def test_unschedulable_fails_fast(cluster: gpufn.Client) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(gpufn.Unschedulable, match="too little") as e:
+        square.with_options(memory="1TiB").remote(1)
+    assert time.monotonic() - t0 < 2 and "Devices:" in str(e.value)
+    with pytest.raises(gpufn.Unschedulable, match="no device matches type"):
+        square.with_options(type="H100").remote(1)
+
+
+def test_get_timeout_is_gpufn_timeout(cluster: gpufn.Client) -> None:
+    call = sleepy.spawn(1.0)
+    with pytest.raises(gpufn.Timeout, match="still queued or running"):
+        call.get(timeout=0.05)
+    assert call.get(timeout=30) == 1.0
+
+
+def test_nested_remote_calls_from_a_worker(cluster: gpufn.Client) -> None:
+    @gpufn.gpu
+    def outer(x: int) -> int:
+        return square.remote(x) + 1
+
+    assert outer.remote(4) == 17
+
+
+def test_cancel_a_running_call(cluster: gpufn.Client) -> None:
+    @gpufn.gpu
+    def spin() -> None:
+        while True:
+            time.sleep(0.01)
+
+    call = spin.spawn()
+    time.sleep(0.5)
+    assert call.cancel()
+    with pytest.raises(gpufn.Cancelled):
+        call.get(timeout=10)
+    # the worker interrupted the function and serves again
+    assert [square.remote(2) for _ in range(4)] == [4] * 4
+
+
+def test_timeout_kills_and_restarts_the_worker(cluster: gpufn.Client) -> None:
+    @gpufn.gpu(timeout=1)
+    def stuck() -> None:
+        time.sleep(60)
+
+    before = {d["key"]: d["pid"] for d in cluster.status()["devices"]}
+    t0 = time.monotonic()
+    with pytest.raises(gpufn.Timeout, match="timeout of 1s"):
+        stuck.remote()
+    assert time.monotonic() - t0 < 10
+    st = wait_ready(cluster)
+    after = {d["key"]: d["pid"] for d in st["devices"]}
+    assert sum(before[k] != after[k] for k in before) == 1  # exactly one worker replaced
+    assert sum(d["restarts"] for d in st["devices"]) >= 1
+    assert list(square.map(range(10))) == [x * x for x in range(10)]
+
+
+def test_worker_killed_mid_call_gives_worker_lost_then_recovers(cluster: gpufn.Client) -> None:
+    call = sleepy.spawn(30)
+    deadline = time.monotonic() + 20
+    pid = None
+    while pid is None and time.monotonic() < deadline:
+        for d in cluster.status()["devices"]:
+            if any(r["id"] == call.id for r in d["running"]):
+                pid = d["pid"]
+        time.sleep(0.02)
+    assert pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(gpufn.WorkerLost, match="retries=N"):
+        call.get(timeout=20)
+    wait_ready(cluster)
+    assert square.remote(3) == 9
+
+
+def test_retries_run_the_call_again_elsewhere(cluster: gpufn.Client) -> None:
+    @gpufn.gpu(retries=1)
+    def die_once(marker: str) -> str:
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return "second attempt"
+
+    import tempfile
+
+    marker = os.path.join(tempfile.mkdtemp(), "died")
+    call = die_once.spawn(marker)
+    assert call.get(timeout=60) == "second attempt"
+    assert call.result_meta()["attempts"] == 2
+    wait_ready(cluster)
+
+
+def test_noop_is_cheap_enough(cluster: gpufn.Client) -> None:
+    noop.remote()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        noop.remote()
+    # not a performance assertion (see bench/overhead.py): a sanity bound against hangs
+    assert time.perf_counter() - t0 < 30

@@ -15,10 +15,10 @@ if TYPE_CHECKING:
 
 def module_device(module: nn.Module) -> torch.device:
     """The device of the module's first parameter or buffer (CPU for a module with neither)."""
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for param in module.parameters():
+        return param.device
+    for buffer in module.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 
@@ -40,9 +40,13 @@ def resolve_mesh(module: nn.Module, mesh: DeviceMesh | None, *, what: str) -> De
                 "multi-device function (@gpu(count=N), N > 1), or call "
                 "torch.distributed.init_process_group() first"
             )
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        # Wrap the default group as it is: init_device_mesh would make a new group per call
+        # (a collective) on CUDA hosts whose default group is gloo.
+        world = dist.group.WORLD
+        assert world is not None  # initialised above
+        mesh = DeviceMesh.from_group(world, device_type)
     if mesh.ndim != 1:
         raise InvalidSpec(
             f"{what}() takes a 1-D device mesh, got {mesh.ndim} dimensions "

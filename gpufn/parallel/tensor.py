@@ -151,6 +151,8 @@ def tensor_parallel(
     styles = {name: style for name, rule in rules.items() if (style := _style(rule, modules[name]))}
     if styles:
         parallelize_module(module, mesh, styles)
+        for name in styles:
+            modules[name].register_forward_hook(_wait_output)
     return module
 
 
@@ -198,8 +200,8 @@ def _user_rules(module: nn.Module, plan: Mapping[str, str]) -> dict[str, _Rule]:
 
 def _auto_rules(module: nn.Module) -> dict[str, _Rule]:
     rules = _hf_rules(module)
-    if rules is None:
-        rules = _layout_rules(module)
+    if not rules or all(rule.strategy == "replicate" for rule in rules.values()):
+        rules = _layout_rules(module)  # no Hugging Face plan, or one that names none of its modules
     if not any(rule.strategy != "replicate" for rule in rules.values()):
         raise InvalidSpec(
             f"tensor_parallel(plan='auto') found nothing it knows how to shard in "
@@ -453,6 +455,17 @@ def _shrink_attention(modules: dict[str, nn.Module], rules: dict[str, _Rule], wo
                         f"divide by the world size {world}: use a device count that divides {value}"
                     )
                 setattr(parent, attr, value // world)
+
+
+def _wait_output(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor | None:
+    """Hand on a plain tensor rather than torch's AsyncCollectiveTensor, which would otherwise
+    reach the caller's results (and fail to pickle back to the client)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(output, AsyncCollectiveTensor):
+        waited: torch.Tensor = output.trigger_wait()
+        return waited
+    return None
 
 
 def _style(rule: _Rule, target: nn.Module) -> ParallelStyle | None:

@@ -37,7 +37,7 @@ from gpufn.memory_pool.probe import TOPO_SYSTEM, DeviceInfo
 TOPO_NETWORK = 60
 
 # Above this many `count`-subsets of one node's free devices, search greedily.
-EXHAUSTIVE_LIMIT = 5000
+EXHAUSTIVE_LIMIT = 1000
 
 
 class GangDistance(NamedTuple):
@@ -150,9 +150,9 @@ def choose_gang(
     if len(devs) < count:
         return None
     by_key = {d.key: d for d in devs}
-    if prefer and len(prefer) == count and len(set(prefer)) == count:
-        if all(k in by_key for k in prefer):
-            return [by_key[k] for k in prefer]
+    warm = len(prefer) == count and len(set(prefer)) == count
+    if warm and all(k in by_key for k in prefer):
+        return [by_key[k] for k in prefer]
 
     nodes: dict[str, list[DeviceInfo]] = {}
     for d in devs:
@@ -234,10 +234,12 @@ def can_backfill(
     """May a single-device call run on a reserved device without delaying the gang?
 
     True only when its expected runtime is known and it would finish (with `margin_s` to
-    spare) before the gang could start anyway. An unknown runtime never backfills.
+    spare) before the gang could start anyway. An unknown runtime never backfills, and
+    nothing backfills when the gang's start is unknown (math.inf): the reservation exists
+    to stop the gang from starving, so doubt goes to the gang.
     """
     if expected_runtime is None or not math.isfinite(expected_runtime) or expected_runtime < 0:
         return False
-    if not reserved_start_eta > 0:
+    if not (0 < reserved_start_eta < math.inf):
         return False
     return expected_runtime + margin_s < reserved_start_eta

@@ -1,0 +1,458 @@
+"""Gang process groups with real processes: gloo, a TCPStore hosted here on port 0.
+
+Three long-lived worker processes (spawned once for the module, like gpufn workers)
+each run a `GroupManager` and obey commands over a pipe, so one test can block a rank in
+a collective while another rank aborts. A worker that stops answering is replaced
+before the next test; every worker is killed when the module ends or a test fails.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+
+from gpufn.worker.groups import (
+    ENV_BACKEND,
+    GangAborted,
+    GangSpec,
+    GroupManager,
+    host_store,
+    resolve_backend,
+)
+
+TIMEOUT = pytest.mark.timeout(60)
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _worker_main(conn: Connection) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from gpufn.call_context import CallContext
+    from gpufn.worker.groups import GroupManager, mesh_for
+
+    mgr = GroupManager()
+    device = torch.device("cpu")
+    keep = torch.arange(1000, dtype=torch.float64)  # allocated before any group exists
+    pinned: list[Any] = []
+
+    def all_reduce(value: float) -> list[float]:
+        t = torch.full((4,), float(value))
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def handle(op: str, arg: Any) -> Any:
+        if op == "ping":
+            return "pong"
+        if op == "ensure":
+            gang = GangSpec.from_wire(arg)
+            pg = mgr.ensure(gang, device)
+            return {"inits": mgr.inits, "rank": pg.rank(), "size": pg.size(),
+                    "init_s": mgr.last_init_s}
+        if op == "ensure_abort_after":  # an abort arrives while this rank is joining
+            wire, delay = arg
+            threading.Timer(delay, mgr.abort, args=("test: abort while joining",)).start()
+            mgr.ensure(GangSpec.from_wire(wire), device)
+            return "joined"
+        if op == "all_reduce":
+            return all_reduce(arg)
+        if op == "all_reduce_abort_self":  # abort from another thread while blocked here
+            threading.Timer(arg, mgr.abort, args=("test: abort from a thread",)).start()
+            return all_reduce(1.0)
+        if op == "abort_for":  # an abort order naming a gang formation
+            reason, gang_id, generation = arg
+            mgr.abort(reason, gang_id=gang_id, generation=generation)
+            return mgr.current is not None
+        if op == "abort":
+            mgr.abort(arg)
+            return mgr.current is None and not dist.is_initialized()
+        if op == "leave":
+            mgr.leave()
+            return mgr.current is None and not dist.is_initialized()
+        if op == "pin":  # hold the group the way a cached DeviceMesh / DTensor model would
+            gang = mgr.current
+            assert gang is not None
+            ctx = CallContext("inv", "f", rank=gang.rank, world_size=gang.world_size,
+                              device=device, group=dist.group.WORLD)
+            pinned.append(mesh_for(ctx))
+            return True
+        if op == "mesh":
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            gang = mgr.current
+            assert gang is not None
+            ctx = CallContext("inv", "f", rank=gang.rank, world_size=gang.world_size,
+                              device=device, group=dist.group.WORLD)
+            mesh = ctx.mesh
+            full = torch.arange(8, dtype=torch.float32)
+            dt = distribute_tensor(full, mesh, [Shard(0)])
+            return {
+                "shape": list(mesh.shape), "device_type": mesh.device_type,
+                "local": dt.to_local().tolist(), "full": dt.full_tensor().tolist(),
+            }
+        if op == "user_destroy":  # user code tearing the group down itself
+            dist.destroy_process_group()
+            return True
+        if op == "keep":
+            return float(keep.sum())
+        if op == "state":
+            return {"inits": mgr.inits, "current": mgr.current is not None}
+        raise ValueError(op)
+
+    while True:
+        try:
+            op, arg = conn.recv()
+        except (EOFError, OSError):
+            return
+        t0 = time.perf_counter()
+        try:
+            reply = ("ok", handle(op, arg))
+        except Exception as e:
+            reply = ("err", f"{type(e).__name__}: {e}")
+        conn.send((*reply, time.perf_counter() - t0))
+
+
+# --------------------------------------------------------------------------- test side
+
+
+class Worker:
+    def __init__(self, ctx: Any) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def send(self, op: str, arg: Any = None) -> None:
+        self.conn.send((op, arg))
+
+    def recv(self, timeout: float = 20.0) -> tuple[str, Any, float]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"worker {self.proc.pid} gave no answer in {timeout}s")
+        status, value, seconds = self.conn.recv()
+        return status, value, seconds
+
+    def call(self, op: str, arg: Any = None, timeout: float = 20.0) -> Any:
+        self.send(op, arg)
+        status, value, _ = self.recv(timeout)
+        if status != "ok":
+            raise AssertionError(f"{op} failed in worker: {value}")
+        return value
+
+    def alive(self) -> bool:
+        if not self.proc.is_alive():
+            return False
+        try:
+            return self.call("ping", timeout=3.0) == "pong"
+        except (TimeoutError, AssertionError, OSError, EOFError):
+            return False
+
+    def kill(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(3)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(3)
+
+
+class Pool:
+    def __init__(self, n: int) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.store, self.port = host_store()
+        self.workers = [Worker(self.ctx) for _ in range(n)]
+        for w in self.workers:
+            w.call("ping", timeout=50.0)
+
+    def refresh(self) -> None:
+        """Replace any worker that died or hangs; reset the others to no group."""
+        fresh = []
+        for i, w in enumerate(self.workers):
+            if not w.alive():
+                w.kill()
+                self.workers[i] = Worker(self.ctx)
+                fresh.append(self.workers[i])
+            else:
+                w.call("abort", "test reset", timeout=10.0)
+        for w in fresh:
+            w.call("ping", timeout=50.0)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+
+    def spec(self, rank: int, world: int, *, gang_id: str, generation: int = 1,
+             timeout_s: float = 30.0) -> dict[str, Any]:
+        return GangSpec(
+            gang_id=gang_id, generation=generation, rank=rank, world_size=world,
+            store_host="127.0.0.1", store_port=self.port, backend="gloo",
+            timeout_s=timeout_s, devices=tuple(f"test:{i}" for i in range(world)),
+        ).to_wire()
+
+    def form(self, ws: list[Worker], *, gang_id: str, generation: int = 1,
+             timeout_s: float = 30.0) -> list[dict[str, Any]]:
+        """All ranks ensure() at once (they rendezvous with each other)."""
+        for r, w in enumerate(ws):
+            w.send("ensure", self.spec(r, len(ws), gang_id=gang_id, generation=generation,
+                                       timeout_s=timeout_s))
+        out = []
+        for w in ws:
+            status, value, _ = w.recv(timeout=timeout_s + 10)
+            assert status == "ok", value
+            out.append(value)
+        return out
+
+    def all_reduce(self, ws: list[Worker]) -> list[list[float]]:
+        for r, w in enumerate(ws):
+            w.send("all_reduce", float(r + 1))
+        results = []
+        for w in ws:
+            status, value, _ = w.recv()
+            assert status == "ok", value
+            results.append(value)
+        return results
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Pool]:
+    p = Pool(3)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def workers(pool: Pool) -> Iterator[Pool]:
+    pool.refresh()
+    ok = False
+    try:
+        yield pool
+        ok = True
+    finally:
+        if not ok:  # a failed test may leave a rank blocked: the next refresh respawns
+            for w in pool.workers:
+                w.kill()
+
+
+def gid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def expect(world: int) -> list[float]:
+    return [float(sum(range(1, world + 1)))] * 4
+
+
+# --------------------------------------------------------------------------- pure bits
+
+
+@TIMEOUT
+def test_gang_spec_wire_round_trip() -> None:
+    spec = GangSpec("g1", 3, 1, 2, "10.0.0.1", 29500, "nccl", 12.5, ("a:0", "a:1"))
+    wire = spec.to_wire()
+    assert wire["devices"] == ["a:0", "a:1"]
+    assert GangSpec.from_wire(wire) == spec
+    assert spec.prefix == "gpufn/g1/3"
+    assert spec.same_group(GangSpec.from_wire(wire))
+    assert not spec.same_group(GangSpec("g1", 4, 1, 2, "h", 1, "nccl"))
+    with pytest.raises(ValueError):
+        GangSpec("g", 1, 2, 2, "h", 1, "gloo")
+    with pytest.raises(ValueError):
+        GangSpec("g", 1, 0, 2, "h", 1, "gloo", devices=("a:0",))
+
+
+@TIMEOUT
+def test_resolve_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    assert resolve_backend("cuda") == "nccl"
+    assert resolve_backend("cpu") == "gloo"
+    monkeypatch.setenv(ENV_BACKEND, "cpu:gloo,cuda:nccl")
+    assert resolve_backend("cuda") == "cpu:gloo,cuda:nccl"
+
+
+@TIMEOUT
+def test_abort_without_group_is_a_no_op() -> None:
+    mgr = GroupManager()
+    mgr.abort("nothing to abort")
+    mgr.leave()
+    assert mgr.current is None and mgr.inits == 0
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@TIMEOUT
+def test_warm_reuse_needs_no_init(workers: Pool) -> None:
+    a, b, _ = workers.workers
+    g = gid()
+    first = workers.form([a, b], gang_id=g)
+    assert [r["rank"] for r in first] == [0, 1] and all(r["size"] == 2 for r in first)
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    second = workers.form([a, b], gang_id=g)
+    assert [s["inits"] - f["inits"] for f, s in zip(first, second, strict=True)] == [0, 0]
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    # stale abort orders (another gang, an older generation) leave the warm group alone
+    assert a.call("abort_for", ("stale", "other-gang", None)) is True
+    assert a.call("abort_for", ("stale", g, 0)) is True
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    assert a.call("state")["inits"] == second[0]["inits"]
+    print(f"\njoin took {first[0]['init_s']:.3f}s (rank 0), {first[1]['init_s']:.3f}s (rank 1)")
+
+
+@TIMEOUT
+def test_regang_to_another_pair_and_generation(workers: Pool) -> None:
+    a, b, c = workers.workers
+    first = workers.form([a, b], gang_id=gid())
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    # b moves to a new gang with c (b is rank 0 now); a is left in its stale group
+    g2 = gid()
+    second = workers.form([b, c], gang_id=g2)
+    assert second[0]["inits"] == first[1]["inits"] + 1 and second[0]["rank"] == 0
+    assert workers.all_reduce([b, c]) == [expect(2)] * 2
+    # same pair, new generation (what the scheduler hands out after a failure)
+    third = workers.form([b, c], gang_id=g2, generation=2)
+    assert [t["inits"] - s["inits"] for s, t in zip(second, third, strict=True)] == [1, 1]
+    assert workers.all_reduce([b, c]) == [expect(2)] * 2
+    # all three together; a leaves its stale group on the way
+    workers.form([c, a, b], gang_id=gid())
+    assert workers.all_reduce([c, a, b]) == [expect(3)] * 3
+
+
+@TIMEOUT
+def test_failed_rank_abort_unblocks_peer_and_gang_recovers(workers: Pool) -> None:
+    a, b, _ = workers.workers
+    g = gid()
+    workers.form([a, b], gang_id=g, timeout_s=30.0)
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    before = a.call("keep")
+    # both ranks hold the group through a DeviceMesh (as a cached TP model would)
+    a.call("pin")
+    b.call("pin")
+    a.send("all_reduce", 1.0)  # rank 0 blocks: rank 1 never joins this collective
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    assert b.call("abort", "test: rank 1 failed") is True
+    status, value, seconds = a.recv(timeout=10.0)
+    unblocked = time.perf_counter() - t0
+    assert status == "err", value
+    assert unblocked < 3.0, f"rank 0 stayed blocked {unblocked:.2f}s after rank 1 aborted"
+    print(f"\nrank 0 unblocked {unblocked:.3f}s after rank 1's abort "
+          f"(collective ran {seconds:.3f}s, timeout 30s): {value[:80]}")
+    assert a.call("abort", "test: peer failed") is True
+    # back in service without a restart: next generation, same processes
+    workers.form([a, b], gang_id=g, generation=2)
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    assert a.call("keep") == before
+
+
+@TIMEOUT
+def test_abort_from_another_thread_while_blocked(workers: Pool) -> None:
+    a, b, _ = workers.workers
+    g = gid()
+    workers.form([a, b], gang_id=g, timeout_s=30.0)
+    a.call("pin")
+    a.send("all_reduce_abort_self", 0.5)  # blocked; a thread in a aborts after 0.5 s
+    status, value, seconds = a.recv(timeout=10.0)
+    assert status == "err", value
+    assert seconds < 3.0, f"blocked collective took {seconds:.2f}s to end after abort"
+    print(f"\nself-abort ended the blocked collective after {seconds:.3f}s (abort at 0.5s)")
+    # the peer's next collective fails fast too, instead of waiting 30 s
+    b.send("all_reduce", 2.0)
+    status, value, seconds = b.recv(timeout=10.0)
+    assert status == "err" and seconds < 3.0, (value, seconds)
+    b.call("abort", "test: peer aborted")
+    workers.form([a, b], gang_id=g, generation=2)
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+
+
+@TIMEOUT
+def test_hanging_collective_ends_at_timeout(workers: Pool) -> None:
+    a, b, _ = workers.workers
+    g = gid()
+    workers.form([a, b], gang_id=g, timeout_s=3.0)
+    a.send("all_reduce", 1.0)  # b never joins and never aborts: only the timeout helps
+    status, value, seconds = a.recv(timeout=20.0)
+    assert status == "err", value
+    assert 2.5 <= seconds < 8.0, seconds
+    print(f"\nhung collective ended after {seconds:.2f}s (timeout_s=3): {value[:80]}")
+    a.call("abort", "test: timeout")
+    b.call("abort", "test: timeout")
+    workers.form([a, b], gang_id=g, generation=2)
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+
+
+@TIMEOUT
+def test_abort_while_joining(workers: Pool) -> None:
+    a, b, _ = workers.workers
+    g = gid()
+    # a starts joining, is told to abort at 0.3 s, and b arrives only at 1 s
+    a.send("ensure_abort_after", (workers.spec(0, 2, gang_id=g), 0.3))
+    time.sleep(1.0)
+    b.send("ensure", workers.spec(1, 2, gang_id=g))
+    status, value, seconds = a.recv()
+    assert status == "err" and value.startswith("GangAborted"), value
+    assert b.recv()[0] == "ok"
+    assert a.call("state")["current"] is False
+    # b's group is dead on arrival: its first collective fails fast, not at the timeout
+    b.send("all_reduce", 1.0)
+    status, value, seconds = b.recv(timeout=10.0)
+    assert status == "err" and seconds < 3.0, (value, seconds)
+    b.call("abort", "test: peer aborted")
+    workers.form([a, b], gang_id=g, generation=2)
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+
+
+@TIMEOUT
+def test_rank_that_never_joins_fails_join_at_timeout(workers: Pool) -> None:
+    a, _, _ = workers.workers
+    a.send("ensure", workers.spec(0, 2, gang_id=gid(), timeout_s=2.0))
+    status, value, seconds = a.recv(timeout=20.0)
+    assert status == "err", value
+    assert seconds < 8.0, seconds
+    assert a.call("state")["current"] is False
+
+
+@TIMEOUT
+def test_destroyed_behind_our_back_is_reported(workers: Pool) -> None:
+    a, b, _ = workers.workers
+    g = gid()
+    workers.form([a, b], gang_id=g)
+    a.call("user_destroy")  # user code called destroy_process_group()
+    a.send("ensure", workers.spec(0, 2, gang_id=g))
+    status, value, _ = a.recv()
+    assert status == "err" and value.startswith("GangAborted"), value
+    b.call("abort", "test: peer lost its group")
+    workers.form([a, b], gang_id=g, generation=2)
+    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+
+
+@TIMEOUT
+def test_mesh_for_distributes_a_tensor(workers: Pool) -> None:
+    a, b, _ = workers.workers
+    workers.form([a, b], gang_id=gid())
+    a.send("mesh")
+    b.send("mesh")
+    ra, rb = a.recv(), b.recv()
+    assert ra[0] == "ok" and rb[0] == "ok", (ra, rb)
+    assert ra[1]["shape"] == [2] and ra[1]["device_type"] == "cpu"
+    assert ra[1]["local"] == [0.0, 1.0, 2.0, 3.0]
+    assert rb[1]["local"] == [4.0, 5.0, 6.0, 7.0]
+    assert ra[1]["full"] == rb[1]["full"] == [float(i) for i in range(8)]
+
+
+def test_gang_aborted_is_a_gpufn_error() -> None:
+    from gpufn.exceptions import GpufnError
+
+    assert issubclass(GangAborted, GpufnError)

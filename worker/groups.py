@@ -1,0 +1,425 @@
+"""Process groups for gangs inside a worker: join the scheduler's rendezvous, reuse, abort, leave.
+
+A worker process is in at most one gang at a time, so the gang's group is torch's
+*default* process group: user code calls `dist.all_reduce(t)` without a group argument,
+and `DeviceMesh`, `parallelize_module` and `torch.distributed.pipelining` find it where
+they expect it. The group is kept between calls (warm reuse) and replaced only when the
+scheduler hands out a different gang or a new generation of the same gang.
+
+Rendezvous: the scheduler hosts one long-lived `TCPStore` (`host_store`, port 0); each
+gang generation gets its own key space `gpufn/{gang_id}/{generation}` through a
+`PrefixStore`, so no two formations can see each other's keys. After any failure the
+scheduler bumps the generation, which makes every rank re-join a fresh group.
+
+Abort (`GroupManager.abort`, callable from any thread while a collective is blocked):
+
+* NCCL: `distributed_c10d._abort_process_group()` (ncclCommAbort on every communicator,
+  which also ends kernels and waits blocked in this process). Workers default to
+  `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (clean up, keep the process), so a collective that
+  runs past `timeout_s` aborts its communicator instead of killing the worker.
+* gloo: torch's gloo backend has no abort (`abort()`/`shutdown()` are no-ops in 2.13) and
+  only closes its sockets in its destructor, which any lingering reference (a DeviceMesh,
+  a DTensor model) delays; a blocked collective would wait for its full timeout. So the
+  manager records the TCP sockets the backend opened during `init_process_group` and, on
+  abort, `shutdown(SHUT_RDWR)`s the connected ones (never the listener, never closes an
+  fd it does not own). Blocked collectives here and on every peer then fail at once with
+  "Connection closed by peer", and the destructor closes the fds later as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from gpufn.exceptions import GpufnError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup, TCPStore
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger("gpufn.groups")
+
+ENV_BACKEND = "GPUFN_DIST_BACKEND"
+DEFAULT_TIMEOUT_S = 300.0
+
+# Set (unless the user already did) before an NCCL group is created: on a collective
+# error or timeout, abort the communicators but keep the worker process alive.
+NCCL_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+class GangAborted(GpufnError):
+    """The gang's process group was torn down (a rank failed, or the scheduler aborted it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GangSpec:
+    """One rank's view of a gang formation, as the scheduler hands it out in `meta["gang"]`."""
+
+    gang_id: str
+    generation: int
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    backend: str  # "nccl", "gloo", or a torch backend string such as "cpu:gloo,cuda:nccl"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    devices: tuple[str, ...] = ()  # device keys in rank order
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"bad gang rank {self.rank} of world size {self.world_size}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"gang timeout_s must be > 0, got {self.timeout_s}")
+        if self.devices and len(self.devices) != self.world_size:
+            raise ValueError(
+                f"gang lists {len(self.devices)} devices for world size {self.world_size}"
+            )
+
+    @property
+    def prefix(self) -> str:
+        """The store key space of this formation."""
+        return f"gpufn/{self.gang_id}/{self.generation}"
+
+    def same_group(self, other: GangSpec | None) -> bool:
+        """True if `other` is this very group and rank (warm reuse needs no init)."""
+        return (
+            other is not None
+            and (other.gang_id, other.generation, other.rank, other.world_size)
+            == (self.gang_id, self.generation, self.rank, self.world_size)
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "gang_id": self.gang_id, "generation": self.generation, "rank": self.rank,
+            "world_size": self.world_size, "store_host": self.store_host,
+            "store_port": self.store_port, "backend": self.backend,
+            "timeout_s": self.timeout_s, "devices": list(self.devices),
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> GangSpec:
+        return cls(
+            gang_id=str(d["gang_id"]), generation=int(d["generation"]), rank=int(d["rank"]),
+            world_size=int(d["world_size"]), store_host=str(d["store_host"]),
+            store_port=int(d["store_port"]), backend=str(d["backend"]),
+            timeout_s=float(d.get("timeout_s", DEFAULT_TIMEOUT_S)),
+            devices=tuple(str(k) for k in d.get("devices", ())),
+        )
+
+
+def resolve_backend(kind: str) -> str:
+    """The backend for a gang on `kind` devices: $GPUFN_DIST_BACKEND, else nccl/gloo.
+
+    Call this once where the gang is formed (the scheduler) so every rank uses the same.
+    """
+    override = os.environ.get(ENV_BACKEND, "").strip()
+    if override:
+        return override
+    if kind == "cuda":
+        return "nccl"
+    if kind == "cpu":
+        return "gloo"
+    from torch.distributed import Backend
+
+    return str(Backend.default_device_backend_map.get(kind, "gloo"))
+
+
+def host_store(host: str = "127.0.0.1") -> tuple[TCPStore, int]:
+    """Start the rendezvous store (in the scheduler process) on a free port: (store, port).
+
+    Keep the store object alive for as long as gangs may form. Workers on other hosts
+    must be given an address of this host they can reach as `GangSpec.store_host`.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    return store, int(store.port)
+
+
+# --------------------------------------------------------------------------- sockets
+
+
+def _socket_fds() -> dict[int, str]:
+    """This process's socket fds -> "socket:[inode]" (Linux /proc; {} elsewhere)."""
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out[int(name)] = link
+    return out
+
+
+def _shutdown_sockets(fds: dict[int, str]) -> int:
+    """shutdown(SHUT_RDWR) the connected TCP sockets among `fds` still open as recorded.
+
+    Never closes an fd (the owner does); skips listeners (gloo's accept loop aborts the
+    process on an error there) and any fd that was since reused for another socket.
+    Returns how many sockets were shut down.
+    """
+    n = 0
+    for fd, inode in fds.items():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != inode:
+                continue
+            s = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                continue
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return n
+
+
+# --------------------------------------------------------------------------- manager
+
+
+class GroupManager:
+    """The gang process group of one worker process (torch's default group).
+
+    `ensure` runs in the call's thread before the function; `abort` may come from any
+    thread (the worker's I/O loop on the scheduler's order) and never waits for a
+    collective to finish; `leave` is the clean path when the scheduler re-gangs.
+    """
+
+    def __init__(self) -> None:
+        self.inits = 0  # init_process_group calls made by this process
+        self.last_init_s = 0.0  # seconds the last join took (store connect + init)
+        self.current: GangSpec | None = None
+        self._pg: ProcessGroup | None = None
+        self._store: Any = None
+        self._fds: dict[int, str] = {}  # gloo sockets opened by the last init
+        self._lock = threading.RLock()
+        self._abort_epoch = 0
+        self._joining: GangSpec | None = None
+        self.last_abort: str = ""
+
+    # ------------------------------------------------------------------ join
+
+    def ensure(self, gang: GangSpec, device: torch.device) -> ProcessGroup:
+        """The group for `gang`: the warm one if it is the same, else a freshly joined one.
+
+        Blocks until every rank has joined (at most `gang.timeout_s`). Raises GangAborted
+        if `abort` is called meanwhile, or if the warm group was destroyed behind our back.
+        """
+        import torch.distributed as dist
+
+        with self._lock:
+            if gang.same_group(self.current) and self._pg is not None:
+                if dist.is_initialized() and dist.group.WORLD is self._pg:
+                    return self._pg
+                self._forget()
+                raise GangAborted(
+                    f"the process group of gang {gang.gang_id} (generation {gang.generation}) "
+                    "was destroyed by code outside gpufn; the gang must re-form"
+                )
+            if self.current is not None or dist.is_initialized():
+                self._leave_locked()
+            epoch = self._abort_epoch
+            self._joining = gang
+
+        try:
+            pg, store, fds, seconds = self._join(gang, device)
+        except BaseException:
+            with self._lock:
+                self._joining = None
+            self._drop_world()  # a half-made default group would block the next join
+            raise
+
+        with self._lock:
+            self._joining = None
+            self.inits += 1
+            self.last_init_s = seconds
+            self._pg, self._store, self._fds, self.current = pg, store, fds, gang
+            if self._abort_epoch != epoch:
+                reason = self.last_abort
+                self._abort_locked(reason)
+                raise GangAborted(f"gang {gang.gang_id} was aborted while joining: {reason}")
+        log.info(
+            "joined gang %s gen %d as rank %d/%d (%s) in %.3fs", gang.gang_id, gang.generation,
+            gang.rank, gang.world_size, gang.backend, seconds,
+        )
+        return pg
+
+    def _join(
+        self, gang: GangSpec, device: torch.device
+    ) -> tuple[ProcessGroup, Any, dict[int, str], float]:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        t0 = time.perf_counter()
+        timeout = timedelta(seconds=gang.timeout_s)
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        if "nccl" in gang.backend:
+            for k, v in NCCL_ENV_DEFAULTS.items():
+                os.environ.setdefault(k, v)
+        if cuda:
+            torch.cuda.set_device(device)
+        store = dist.TCPStore(gang.store_host, gang.store_port, is_master=False, timeout=timeout)
+        prefix = dist.PrefixStore(gang.prefix, store)
+        track = gang.backend == "gloo"
+        before = _socket_fds() if track else {}
+        hook = sys.excepthook
+        # The default group's name is str(_world.group_count), which a failed init leaves
+        # incremented; ranks whose counters differ would rendezvous under different keys
+        # and hang until the timeout. Nothing else is initialized here, so start at 0.
+        if not dist.is_initialized() and hasattr(c10d, "_world"):
+            c10d._world.group_count = 0
+        try:
+            dist.init_process_group(
+                backend=gang.backend, store=prefix, rank=gang.rank,
+                world_size=gang.world_size, timeout=timeout,
+                device_id=device if cuda and "nccl" in gang.backend else None,
+            )
+        finally:
+            # init_process_group wraps sys.excepthook with a "[rankN]" prefix each time;
+            # after many re-gangs that would nest (with stale ranks). Keep the worker's.
+            sys.excepthook = hook
+        fds = {}
+        if track:
+            fds = {fd: ino for fd, ino in _socket_fds().items() if before.get(fd) != ino}
+        pg = dist.group.WORLD
+        assert pg is not None
+        return pg, store, fds, time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ teardown
+
+    def abort(
+        self, reason: str, *, gang_id: str | None = None, generation: int | None = None
+    ) -> None:
+        """Tear the group down now; blocked collectives here and on peers end with an error.
+
+        Safe from any thread, also while a collective is blocked in this process or a
+        join is in progress (that join then raises GangAborted), and idempotent. Tensors
+        and models stay intact; the next `ensure` joins afresh. With `gang_id` (and
+        `generation`), an order meant for another formation (a stale message) is ignored.
+        """
+        with self._lock:
+            if gang_id is not None:
+                target = self._joining or self.current
+                if target is None or target.gang_id != gang_id or (
+                    generation is not None and target.generation != generation
+                ):
+                    log.info("ignoring abort for gang %s gen %s: not ours", gang_id, generation)
+                    return
+            self._abort_epoch += 1
+            self.last_abort = reason
+            self._abort_locked(reason)
+
+    def _abort_locked(self, reason: str) -> None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        gang, pg = self.current, self._pg
+        if gang is None and pg is None:
+            return
+        backend = gang.backend if gang is not None else ""
+        log.warning(
+            "aborting gang %s gen %s: %s",
+            gang.gang_id if gang else "?", gang.generation if gang else "?", reason,
+        )
+        try:
+            # gloo: make blocked recvs here and on every peer fail at once (see module doc).
+            # Done while we still hold the group, so its fds cannot have been closed.
+            _shutdown_sockets(self._fds)
+            if pg is not None and dist.is_initialized() and dist.group.WORLD is pg:
+                if "nccl" in backend:
+                    c10d._abort_process_group()  # ncclCommAbort on all comms, clears _world
+                else:
+                    dist.destroy_process_group()
+        except Exception as e:  # never let teardown take the worker down
+            log.warning("abort of gang %s: %s: %s", gang.gang_id if gang else "?",
+                        type(e).__name__, e)
+            self._drop_world()
+        finally:
+            self._forget()
+
+    def leave(self) -> None:
+        """Destroy the group cleanly (the scheduler moved this worker to another gang)."""
+        with self._lock:
+            self._leave_locked()
+
+    def _leave_locked(self) -> None:
+        import torch.distributed as dist
+
+        gang, pg = self.current, self._pg
+        try:
+            if dist.is_initialized():
+                if pg is not None and dist.group.WORLD is not pg:
+                    log.warning("a process group gpufn did not create was active; destroying it")
+                dist.destroy_process_group()
+        except Exception as e:
+            log.warning("leaving gang %s failed (%s: %s); aborting it instead",
+                        gang.gang_id if gang else "?", type(e).__name__, e)
+            _shutdown_sockets(self._fds)
+            self._drop_world()
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        self.current = None
+        self._pg = None
+        self._store = None
+        self._fds = {}
+
+    @staticmethod
+    def _drop_world() -> None:
+        """Last resort: make torch forget the default group so a new one can be created."""
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            if c10d.GroupMember.WORLD is not None:
+                c10d._abort_process_group()
+        except Exception:
+            try:
+                c10d._update_default_pg(None)
+                c10d._world.pg_map.clear()
+                c10d._world.pg_names.clear()
+                c10d._world.pg_group_ranks.clear()
+                c10d._world.pg_backend_config.clear()
+                c10d._world.group_count = 0
+            except Exception:
+                pass
+
+
+def mesh_for(ctx: Any) -> DeviceMesh:
+    """A 1-D DeviceMesh over the call's gang, built on the existing group (no new groups).
+
+    `DeviceMesh.from_group` wraps the group as it is; `init_device_mesh` or the
+    `DeviceMesh(...)` constructor would create a second gloo group on CUDA hosts.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = ctx.group if ctx.group is not None else dist.group.WORLD
+    if group is None or not dist.is_initialized():
+        raise GpufnError(
+            "this call has no process group: a DeviceMesh needs a gang, use @gpu(count=N)"
+        )
+    device_type = torch.device(ctx.device).type
+    return DeviceMesh.from_group(group, device_type)

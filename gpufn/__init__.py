@@ -8,8 +8,8 @@
 
 from __future__ import annotations
 
-from gpufn.client import Client, connect
 from gpufn.call_context import CallContext, context, current_device
+from gpufn.client import Client, connect
 from gpufn.exceptions import (
     AuthenticationError,
     Cancelled,

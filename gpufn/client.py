@@ -33,6 +33,7 @@ from gpufn.exceptions import (
 log = logging.getLogger("gpufn.client")
 
 PING_SECONDS = 2.0
+BATCH_MAX = 256
 
 
 @dataclass(slots=True)
@@ -62,6 +63,9 @@ class Client:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._welcome: Future[p.Welcome] = Future()
+        self._sync = threading.local()
+        self._channels: list[_SyncChannel] = []
+        self.idle_rehello = config.env_float("GPUFN_CLIENT_TIMEOUT", 120.0) / 2
         self._closed = threading.Event()
         self._io_done = threading.Event()
         self._last_heard = time.monotonic()
@@ -124,6 +128,17 @@ class Client:
         self._wake()
         return futs
 
+    def call(self, register: p.Register, submit: p.Submit, name: str) -> p.Result:
+        """Submit and wait in the calling thread (the blocking `.remote()` path)."""
+        if self._closed.is_set():
+            raise ConnectionLost("this gpufn client is closed; call gpufn.connect() again")
+        ch: _SyncChannel | None = getattr(self._sync, "channel", None)
+        if ch is None:
+            ch = self._sync.channel = _SyncChannel(self)
+            with self._lock:
+                self._channels.append(ch)
+        return ch.call(register, submit, name)
+
     def cancel(self, invocation_id: str, reason: str = "") -> None:
         self._enqueue(p.encode(p.Cancel(invocation_id, reason)))
 
@@ -151,6 +166,10 @@ class Client:
         if threading.current_thread() is not self._io:
             self._io_done.wait(5)
         self._fail_all(ConnectionLost("the gpufn client was closed"))
+        with self._lock:
+            channels, self._channels = self._channels, []
+        for ch in channels:
+            ch.close()
 
     # ------------------------------------------------------------------ I/O thread
 
@@ -200,9 +219,15 @@ class Client:
                         pass
                 if ready.get(sock):
                     self._receive(sock)
-                # Send what callers queued; a full socket (HWM) keeps the rest queued here.
+                # Send what callers queued, batched; a full socket (HWM) keeps the rest here.
                 while pending_send is not None or self._outbox:
-                    frames = pending_send if pending_send is not None else self._outbox.popleft()
+                    if pending_send is not None:
+                        frames = pending_send
+                    else:
+                        parts = [self._outbox.popleft()]
+                        while self._outbox and len(parts) < BATCH_MAX:
+                            parts.append(self._outbox.popleft())
+                        frames = p.batch_frames(parts)
                     try:
                         sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                         pending_send = None
@@ -238,37 +263,121 @@ class Client:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            msg = p.decode(frames)
-            if isinstance(msg, p.Result):
-                with self._lock:
-                    pend = self._calls.pop(msg.invocation_id, None)
-                if pend is not None and not pend.future.done():
-                    pend.future.set_result(msg)
-            elif isinstance(msg, p.Output):
-                self._print_output(msg)
-            elif isinstance(msg, p.Welcome):
-                if not self._welcome.done():
-                    self._welcome.set_result(msg)
-            elif isinstance(msg, p.StatusReply):
-                fut = self._status.get(msg.request_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.status)
-            elif isinstance(msg, p.Shutdown):
-                self._fail_all(ConnectionLost(f"the scheduler stopped ({msg.reason})"))
-            elif isinstance(msg, p.Error):
-                if msg.error_kind == AuthenticationError.__name__ and not self._welcome.done():
-                    self._welcome.set_result(p.Welcome(False, msg.error_kind, msg.message))
-                else:
-                    log.warning("scheduler: %s", msg.message)
+            for msg in p.decode_all(frames):
+                self._dispatch(msg)
 
-    def _print_output(self, msg: p.Output) -> None:
-        pend = self._calls.get(msg.invocation_id)
-        name = pend.name if pend else "?"
+    def _dispatch(self, msg: p.Message) -> None:
+        if isinstance(msg, p.Result):
+            with self._lock:
+                pend = self._calls.pop(msg.invocation_id, None)
+            if pend is not None and not pend.future.done():
+                pend.future.set_result(msg)
+        elif isinstance(msg, p.Output):
+            self._print_output(msg)
+        elif isinstance(msg, p.Welcome):
+            if not self._welcome.done():
+                self._welcome.set_result(msg)
+        elif isinstance(msg, p.StatusReply):
+            fut = self._status.get(msg.request_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.status)
+        elif isinstance(msg, p.Shutdown):
+            self._fail_all(ConnectionLost(f"the scheduler stopped ({msg.reason})"))
+        elif isinstance(msg, p.Error):
+            if msg.error_kind == AuthenticationError.__name__ and not self._welcome.done():
+                self._welcome.set_result(p.Welcome(False, msg.error_kind, msg.message))
+            else:
+                log.warning("scheduler: %s", msg.message)
+
+    def _print_output(self, msg: p.Output, name: str | None = None) -> None:
+        if name is None:
+            pend = self._calls.get(msg.invocation_id)
+            name = pend.name if pend else "?"
         stream = sys.stderr if msg.stream == "stderr" else sys.stdout
         prefix = f"[{name} {msg.invocation_id[-8:]}] "
         text = msg.text[:-1] if msg.text.endswith("\n") else msg.text
         stream.write("".join(prefix + line + "\n" for line in text.split("\n")))
         stream.flush()
+
+
+class _SyncChannel:
+    """A calling thread's own socket for blocking `.remote()`: the caller sends and waits
+    itself, saving the two thread hand-offs of the I/O-thread path (the scheduler sees
+    it as one more client connection of this process)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.sock = client._ctx.socket(zmq.DEALER)
+        _sockets.configure(self.sock)
+        self.sock.setsockopt(zmq.IDENTITY, f"c/{os.getpid()}/{client._prefix}/t{threading.get_ident()}".encode())
+        self.sock.connect(client.address)
+        self.registered: set[str] = set()
+        self.last_heard = 0.0
+        self._hello()
+
+    def _send(self, msg: p.Message) -> None:
+        self.sock.send_multipart(p.encode(msg), copy=False)
+
+    def _hello(self) -> None:
+        self.registered.clear()
+        self._send(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, self.client.token, os.getpid(),
+                           {"channel": "sync"}))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.sock.poll(1000):
+                for msg in p.decode_all(self.sock.recv_multipart()):
+                    if isinstance(msg, p.Welcome):  # nothing else is addressed to us yet
+                        if not msg.ok:
+                            raise from_wire(msg.error_kind, msg.message)
+                        self.last_heard = time.monotonic()
+                        return
+        raise ConnectionLost(f"no answer from the scheduler at {self.client.address}")
+
+    def call(self, register: p.Register, submit: p.Submit, name: str) -> p.Result:
+        if time.monotonic() - self.last_heard > self.client.idle_rehello:
+            self._hello()  # the scheduler forgets silent clients; announce ourselves again
+        if register.function_id not in self.registered:
+            self._send(register)
+            self.registered.add(register.function_id)
+        self._send(submit)
+        inv = submit.invocation_id
+        timeout = self.client.connection_timeout
+        try:
+            while True:
+                if not self.sock.poll(int(PING_SECONDS * 1000)):
+                    if time.monotonic() - self.last_heard > timeout:
+                        raise ConnectionLost(
+                            f"the scheduler at {self.client.address} has not answered for "
+                            f"{timeout:.0f}s while {name} call {inv} was outstanding")
+                    self._send(p.Ping(0))
+                    continue
+                self.last_heard = time.monotonic()
+                while True:
+                    try:
+                        msgs = p.decode_all(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
+                    for msg in msgs:
+                        if isinstance(msg, p.Result) and msg.invocation_id == inv:
+                            return msg
+                        self._other(msg, register, submit, name)
+        except KeyboardInterrupt:
+            self._send(p.Cancel(inv, "interrupted by the caller"))
+            raise
+
+    def _other(self, msg: p.Message, register: p.Register, submit: p.Submit, name: str) -> None:
+        if isinstance(msg, p.Output):
+            self.client._print_output(msg, name)
+        elif isinstance(msg, p.Shutdown):
+            raise ConnectionLost(f"the scheduler stopped ({msg.reason})")
+        elif isinstance(msg, p.Error) and msg.error_kind == AuthenticationError.__name__:
+            self._hello()  # forgotten meanwhile: the submit was refused, send again
+            self._send(register)
+            self.registered.add(register.function_id)
+            self._send(submit)
+
+    def close(self) -> None:
+        self.sock.close(0)
 
 
 # --------------------------------------------------------------------------- default client

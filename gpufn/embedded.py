@@ -13,10 +13,11 @@ import secrets
 import select
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from gpufn import config
 from gpufn.exceptions import ConnectionLost
 
 
@@ -61,9 +62,14 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> tuple[str, str]:
         env = self._env()
         r, w = os.pipe()
+        cmd = [sys.executable, "-m", "gpufn.scheduler", "--port", "0", "--ready-fd", str(w),
+               "--parent-pid", str(os.getpid())]
+        if os.environ.get("GPUFN_EMBEDDED_TRANSPORT", "ipc") == "ipc":
+            sock_dir = Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
+            sock_dir.mkdir(mode=0o700, exist_ok=True)
+            cmd += ["--ipc", str(sock_dir / f"sched-{os.getpid()}-{secrets.token_hex(4)}.sock")]
         self.scheduler = subprocess.Popen(
-            [sys.executable, "-m", "gpufn.scheduler", "--port", "0", "--ready-fd", str(w),
-             "--parent-pid", str(os.getpid())],
+            cmd,
             env=env, pass_fds=(w,), stdin=subprocess.DEVNULL, start_new_session=True,
         )
         os.close(w)

@@ -10,7 +10,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Generic, TypeVar
@@ -47,7 +47,7 @@ class _Dual:
 
     def __init__(self, sync: Callable[..., Any], aio: Callable[..., Any]) -> None:
         self._sync, self._aio = sync, aio
-        functools.update_wrapper(self, sync)
+        self.__doc__ = sync.__doc__
 
     def __get__(self, obj: Any, cls: Any = None) -> Any:
         if obj is None:
@@ -93,14 +93,14 @@ class FunctionCall(Generic[T]):
                 f"{self._name} call {self._id} has no result after {timeout}s; it is still "
                 "queued or running. Call .get() again to keep waiting, or .cancel() it."
             ) from None
-        return decode_result(res, self._name)  # type: ignore[no-any-return]
+        return decode_result(res, self._name)
 
     async def _get_aio(self, timeout: float | None = None) -> T:
         try:
             res = await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"{self._name} call {self._id} has no result after {timeout}s") from None
-        return decode_result(res, self._name)  # type: ignore[no-any-return]
+        return decode_result(res, self._name)
 
     get = _Dual(_get, _get_aio)
 
@@ -141,10 +141,10 @@ class Function(Generic[T]):
         self._fn = fn
         self.spec = spec
         self._models = models
-        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "function")
+        self.name: str = str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "function"))
         self._code = _CodeCache()
         self._register: p.Register | None = None
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        functools.update_wrapper(self, fn)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -218,7 +218,11 @@ class Function(Generic[T]):
         return FunctionCall(sub.invocation_id, client.submit(sub, self.name), self.name, client)
 
     def _remote(self, *args: Any, **kwargs: Any) -> T:
-        return self.spawn(*args, **kwargs).get()
+        client = get_client()
+        frames = ser.dump_args(self.name, args, kwargs)
+        reg = self.register_message()
+        sub = p.Submit(client.new_id(), reg.function_id, {}, tuple(frames))
+        return decode_result(client.call(reg, sub, self.name), self.name)
 
     async def _remote_aio(self, *args: Any, **kwargs: Any) -> T:
         return await self.spawn(*args, **kwargs).get.aio()
@@ -231,7 +235,7 @@ class Function(Generic[T]):
         if not iterables:
             raise TypeError(f"{self.name}.map() needs at least one iterable of inputs")
         total = _total(iterables)
-        items: Iterable[tuple[tuple[Any, ...], dict[str, Any]]] = ((a, {}) for a in zip(*iterables))
+        items: Iterable[tuple[tuple[Any, ...], dict[str, Any]]] = ((a, {}) for a in zip(*iterables, strict=False))
         return _MapRun(self, items, total, order_outputs, return_exceptions, cost, progress).run()
 
     async def _map_aio(self, *iterables: Iterable[Any], order_outputs: bool = True,
@@ -239,7 +243,8 @@ class Function(Generic[T]):
                        progress: bool | None = False) -> AsyncIterator[Any]:
         if not iterables:
             raise TypeError(f"{self.name}.map.aio() needs at least one iterable of inputs")
-        items = ((a, {}) for a in zip(*iterables))
+        items: Iterator[tuple[tuple[Any, ...], dict[str, Any]]] = (
+            (a, {}) for a in zip(*iterables, strict=False))
         run = _MapRun(self, items, _total(iterables), order_outputs, return_exceptions, cost, progress)
         async for value in run.run_aio():
             yield value
@@ -247,12 +252,12 @@ class Function(Generic[T]):
     map = _Dual(_map, _map_aio)
 
     def _starmap(self, iterable: Iterable[Iterable[Any]], **kw: Any) -> Iterator[Any]:
-        items = ((tuple(a), {}) for a in iterable)
+        items: Iterator[tuple[tuple[Any, ...], dict[str, Any]]] = ((tuple(a), {}) for a in iterable)
         return _MapRun(self, items, _total((iterable,)), kw.get("order_outputs", True),
                        kw.get("return_exceptions", False), kw.get("cost"), kw.get("progress")).run()
 
     async def _starmap_aio(self, iterable: Iterable[Iterable[Any]], **kw: Any) -> AsyncIterator[Any]:
-        items = ((tuple(a), {}) for a in iterable)
+        items: Iterator[tuple[tuple[Any, ...], dict[str, Any]]] = ((tuple(a), {}) for a in iterable)
         run = _MapRun(self, items, _total((iterable,)), kw.get("order_outputs", True),
                       kw.get("return_exceptions", False), kw.get("cost"), kw.get("progress", False))
         async for value in run.run_aio():
@@ -338,10 +343,13 @@ class _MapRun:
 
     def _send(self, client: Client, batch: list[tuple[int, p.Submit]]) -> None:
         futs = client.submit_many([(sub, self.fn.name) for _, sub in batch])
-        for (idx, sub), fut in zip(batch, futs):
+        for (idx, sub), fut in zip(batch, futs, strict=True):
             self.calls[idx] = FunctionCall(sub.invocation_id, fut, self.fn.name, client)
-            fut.add_done_callback(lambda _f, i=idx: self.done_q.put(i))
+            fut.add_done_callback(functools.partial(self._completed, idx))
         self.submitted += len(batch)
+
+    def _completed(self, idx: int, _fut: Future[p.Result]) -> None:
+        self.done_q.put(idx)
 
     def _cancel_rest(self, client: Client, include_running: bool) -> None:
         for call in self.calls.values():
@@ -375,7 +383,7 @@ class _MapRun:
             self._cancel_rest(client, include_running=True)
             raise
 
-    def _ordered(self, steps: Iterator[tuple[int, bool, Any]]) -> Iterator[Any]:
+    def _ordered(self, steps: Iterator[tuple[int, bool, Any]]) -> Generator[Any, None, None]:
         if not self.order_outputs:
             for _, _, value in steps:
                 yield value
@@ -415,7 +423,7 @@ class _MapRun:
     async def run_aio(self) -> AsyncIterator[Any]:
         """The same, without blocking the event loop: completions are awaited."""
         loop = asyncio.get_running_loop()
-        steps = self._ordered(self._steps())
+        steps: Generator[Any, None, None] = self._ordered(self._steps())
         sentinel = object()
         try:
             while True:

@@ -32,9 +32,10 @@ class Model(Generic[T]):
         if not callable(loader):
             raise InvalidSpec(f"@gpufn.model decorates a loader function, not {loader!r}")
         self.loader = loader
-        self.name = name if name is not None else getattr(loader, "__name__", None)
-        if not isinstance(self.name, str) or not self.name.strip():
+        chosen = name if name is not None else getattr(loader, "__name__", None)
+        if not isinstance(chosen, str) or not chosen.strip():
             raise InvalidSpec(f"@gpufn.model(name={name!r}): the name must be a non-empty string")
+        self.name: str = chosen
         self.memory = 0 if memory is None else parse_memory(memory, "memory")
         if not isinstance(pin, bool):
             raise InvalidSpec(f"@gpufn.model(pin={pin!r}) must be True or False")
@@ -57,11 +58,11 @@ class Model(Generic[T]):
     def get(self) -> T:
         """The instance resident on this worker's device (loaded for this call if needed)."""
         if _resolver is not None:
-            return _resolver(self.name)  # type: ignore[no-any-return]
+            return _resolver(self.name)
         with _local_lock:
             if self.name not in _local_cache:
                 _local_cache[self.name] = self.loader()
-            return _local_cache[self.name]  # type: ignore[no-any-return]
+            return _local_cache[self.name]
 
     def wire_description(self) -> dict[str, Any]:
         """What the scheduler needs: name, estimate, flags and the loader's code id."""

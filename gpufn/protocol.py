@@ -53,13 +53,17 @@ def message(tag: int) -> Callable[[M], M]:
         names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
         has_frames = bool(names) and names[-1] == "frames"
         header_names = names[:-1] if has_frames else names
-        getter = operator.attrgetter(*header_names) if header_names else (lambda m: ())
-        if len(header_names) == 1:
-            single = getter
+        getter: Callable[[Any], tuple[Any, ...]]
+        if not header_names:
+            getter = lambda m: ()  # noqa: E731
+        elif len(header_names) == 1:
+            single = operator.attrgetter(header_names[0])
             getter = lambda m: (single(m),)  # noqa: E731
+        else:
+            getter = operator.attrgetter(*header_names)
         _BY_TAG[tag] = cls
         _TAG_OF[cls] = bytes([tag])
-        _GETTER[cls] = getter  # type: ignore[assignment]
+        _GETTER[cls] = getter
         _HAS_FRAMES[cls] = has_frames
         return cls
 
@@ -91,9 +95,44 @@ def decode(frames: Sequence[Frame]) -> Message:
         values = msgpack.unpackb(_as_bytes(frames[1]), raw=False, use_list=True)
         if _HAS_FRAMES[cls]:
             return cls(*values, tuple(frames[2:]))  # type: ignore[call-arg]
-        return cls(*values)  # type: ignore[call-arg]
+        return cls(*values)
     except (TypeError, ValueError, msgpack.ExtraData) as e:
         raise DecodeError(f"bad header for {cls.__name__}: {e}") from e
+
+
+BATCH_TAG = b"\x00"
+
+
+def encode_batch(msgs: Sequence[Message]) -> list[Frame]:
+    """Several messages for one peer as one multipart message (one socket operation):
+    [0x00, msgpack([frames of msg 1, frames of msg 2, ...]), *all frames]."""
+    if len(msgs) == 1:
+        return encode(msgs[0])
+    return batch_frames([encode(m) for m in msgs])
+
+
+def batch_frames(parts: Sequence[list[Frame]]) -> list[Frame]:
+    """Already-encoded messages as one batch (a single message stays as it is)."""
+    if len(parts) == 1:
+        return parts[0]
+    return [BATCH_TAG, msgpack.packb([len(f) for f in parts]), *(f for fs in parts for f in fs)]
+
+
+def decode_all(frames: Sequence[Frame]) -> list[Message]:
+    """The messages in `frames`: one, or every message of a batch."""
+    if len(frames) >= 2 and _as_bytes(frames[0]) == BATCH_TAG:
+        try:
+            counts = msgpack.unpackb(_as_bytes(frames[1]))
+        except (ValueError, msgpack.ExtraData) as e:
+            raise DecodeError(f"bad batch header: {e}") from e
+        out, i = [], 2
+        for n in counts:
+            out.append(decode(frames[i:i + n]))
+            i += n
+        if i != len(frames):
+            raise DecodeError(f"batch declares {i} frames, got {len(frames)}")
+        return out
+    return [decode(frames)]
 
 
 def message_types() -> dict[int, type[Message]]:

@@ -85,7 +85,7 @@ def _wrap_bytes(obj: Any, depth: int = 3) -> Any:
         return obj
     if t is tuple or t is list:
         items = [_wrap_bytes(x, depth - 1) for x in obj]
-        if all(a is b for a, b in zip(items, obj)):
+        if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return t(items)
     if t is dict:
@@ -227,7 +227,7 @@ def load_exception(
         exc.traceback = tb
     exc.__cause__ = RemoteTraceback(f"{where}\n{tb}")
     try:
-        exc.remote_traceback = tb  # type: ignore[attr-defined]
+        exc.remote_traceback = tb
     except Exception:
         pass
     return exc

@@ -130,13 +130,14 @@ def _types(value: object) -> tuple[str, ...]:
     try:
         out = tuple(items)
     except TypeError:
-        out = None
-    if not out or not all(isinstance(t, str) and t.strip() for t in out):
+        out = ()
+    names = tuple(t.strip() for t in out if isinstance(t, str) and t.strip())
+    if not names or len(names) != len(out):
         raise InvalidSpec(
             f"type={value!r} must be a device name like 'H100' or an ordered list of "
             "acceptable names like ['H100', 'A100'] (fallbacks, first preferred)."
         )
-    return tuple(t.strip() for t in out)  # type: ignore[union-attr]
+    return names
 
 
 def normalize_option(name: str, value: object) -> object:

@@ -17,11 +17,12 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--ready-fd", type=int, default=None)
     ap.add_argument("--parent-pid", type=int, default=0)
+    ap.add_argument("--ipc", default=None, help="bind this Unix socket path instead of TCP")
     a = ap.parse_args()
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
     cfg = SchedulerConfig.from_env(os.environ.get("GPUFN_TOKEN") or None)
-    run(a.host, a.port, cfg, a.ready_fd, a.parent_pid)
+    run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,10 @@ class SchedulerConfig:
     client_timeout: float = 120.0
     max_queue: int = 1_000_000
     max_queue_per_function: int | None = None
+    # Calls measured shorter than this run inline on the worker's main thread, and up
+    # to `pipeline_depth` more of them may wait at a worker (hiding the round trip).
+    short_call_seconds: float = 0.005
+    pipeline_depth: int = 2
 
     @classmethod
     def from_env(cls, token: str | None) -> SchedulerConfig:
@@ -311,6 +315,16 @@ class SchedulerCore:
                 f"device {key!r} was not announced by a supervisor; start workers with "
                 "`gpufn serve` or `gpufn worker`, not by hand")))
             return
+        if msg.info.get("channel") == "control":
+            if d.control is not None and d.control != peer:
+                self.peers.pop(d.control, None)
+                self.worker_device.pop(d.control, None)
+            self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
+            self.worker_device[peer] = key
+            d.control = peer
+            d.last_seen = now
+            self._send(peer, p.Welcome(True, info=self._cluster_info()))
+            return
         if d.worker is not None and d.worker != peer:
             self._lose_worker(d, now, "a new worker process registered for the device")
         self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
@@ -351,7 +365,7 @@ class SchedulerCore:
         elif info.role == p.Role.WORKER:
             key = self.worker_device.pop(peer, None)
             d = self.devices.get(key) if key else None
-            if d is not None and d.worker == peer:
+            if d is not None and peer in (d.worker, d.control):
                 self._lose_worker(d, now, f"worker {reason}")
         elif info.role == p.Role.SUPERVISOR:
             for d in self.devices.values():
@@ -432,8 +446,9 @@ class SchedulerCore:
         """Tell the caller at once; the devices stay held until the worker stops the call."""
         for key in inv.devices:
             d = self.devices.get(key)
-            if d is not None and d.worker is not None:
-                self._send(d.worker, p.Cancel(inv.id, reason))
+            target = d and (d.control or d.worker)
+            if target:
+                self._send(target, p.Cancel(inv.id, reason))
         self._finish(inv, now, InvState.CANCELLED, Cancelled(
             f"{inv.function.name} call {inv.id} was cancelled while running ({reason})"),
             release=False)
@@ -497,10 +512,11 @@ class SchedulerCore:
                 self._lost_invocation(inv, now, f"the worker for device {d.key} was lost ({reason})")
             else:
                 self._release(inv)
-        if d.worker is not None:
-            self.worker_device.pop(d.worker, None)
-            self.peers.pop(d.worker, None)
-        d.worker, d.worker_pid = None, 0
+        for peer in (d.worker, d.control):
+            if peer is not None:
+                self.worker_device.pop(peer, None)
+                self.peers.pop(peer, None)
+        d.worker, d.control, d.worker_pid = None, None, 0
         d.running.clear()
         d.running_by_fn.clear()
         d.code.clear()
@@ -583,8 +599,9 @@ class SchedulerCore:
         spec = inv.spec
         if spec.count > 1:
             return False  # gangs arrive with the multi-GPU scheduler
+        depth = self.config.pipeline_depth if self._short(inv) else 0
         ranked = rank_devices(spec, inv.function, self.devices.values(),
-                              self.config.slots_per_device)
+                              self.config.slots_per_device, depth)
         if not ranked:
             return False
         self.queue.pop(inv.function.function_id)
@@ -607,8 +624,14 @@ class SchedulerCore:
                 d.code.add(fn.code_id)
             self._send(d.worker, p.Run(
                 inv.id, fn.function_id, fn.code_id, fn.name, inv.attempts,
-                {"timeout": inv.spec.timeout, "concurrency": inv.spec.concurrency}, inv.frames,
+                {"timeout": inv.spec.timeout, "concurrency": inv.spec.concurrency,
+                 "inline": self._short(inv)}, inv.frames,
             ))
+
+    def _short(self, inv: Invocation) -> bool:
+        s = inv.spec
+        return (s.concurrency == 1 and s.count == 1
+                and inv.function.is_short(self.config.short_call_seconds))
 
     # ------------------------------------------------------------------ status
 

@@ -86,18 +86,21 @@ def free_slots(device: Device, slots: int) -> bool:
 
 
 def rank_devices(
-    spec: GpuSpec, fn: FunctionRecord, devices: Iterable[Device], slots: int
+    spec: GpuSpec, fn: FunctionRecord, devices: Iterable[Device], slots: int,
+    pipeline_depth: int = 0,
 ) -> list[Device]:
     """Devices that can start one rank of this function now, best first.
 
-    Preference: the earliest acceptable type, then the least loaded (expected time to
-    drain what runs there), then the most free memory.
+    `pipeline_depth` lets that many more calls wait at a worker beyond `concurrency`
+    (for short calls, so the worker never idles through a scheduler round trip).
+    Preference: the earliest acceptable type, then the least loaded, then the most free
+    memory.
     """
     scored = []
     for d in devices:
         if d.state is not DeviceState.READY or len(d.running) >= slots:
             continue
-        if d.running_by_fn[fn.function_id] >= spec.concurrency:
+        if d.running_by_fn[fn.function_id] >= spec.concurrency + pipeline_depth:
             continue
         rank = type_rank(spec.type, d.info.name)
         if rank is None or d.ledger.free < spec.memory:

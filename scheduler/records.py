@@ -31,6 +31,10 @@ class FunctionRecord:
     runtime_ewma: float | None = None
     calls: int = 0
 
+    def is_short(self, threshold: float) -> bool:
+        """Measured to run in under `threshold` seconds: worth pipelining and inlining."""
+        return self.runtime_ewma is not None and self.runtime_ewma <= threshold
+
     def observe_runtime(self, seconds: float, alpha: float = 0.2) -> None:
         self.calls += 1
         if self.runtime_ewma is None:
@@ -75,6 +79,7 @@ class Device:
     state: DeviceState = DeviceState.STARTING
     history: list[tuple[str, float]] = field(default_factory=list)
     worker: bytes | None = None
+    control: bytes | None = None  # the worker's control socket (heartbeats, cancels)
     worker_pid: int = 0
     incarnation: int = 0
     last_seen: float = 0.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import signal
 import time
@@ -19,27 +20,40 @@ import zmq
 
 from gpufn import _sockets
 from gpufn import protocol as p
-from gpufn.scheduler.core import Event, Received, SchedulerConfig, SchedulerCore, Send, Tick, Unreachable
+from gpufn.scheduler.core import (
+    Event,
+    Received,
+    SchedulerConfig,
+    SchedulerCore,
+    Send,
+    Tick,
+    Unreachable,
+)
 
 log = logging.getLogger("gpufn.scheduler")
 
 TICK_SECONDS = 0.05
-MAX_BATCH = 2000
+MAX_BATCH = 512
 
 
 class SchedulerServer:
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, config: SchedulerConfig | None = None
+        self, host: str = "127.0.0.1", port: int = 0, config: SchedulerConfig | None = None,
+        ipc_path: str | None = None,
     ) -> None:
         self.core = SchedulerCore(config)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         _sockets.configure(self.sock, router=True)
-        if port:
-            self.sock.bind(f"tcp://{host}:{port}")
+        if ipc_path:  # the embedded cluster: a Unix socket is cheaper than TCP loopback
+            self.address = f"ipc://{ipc_path}"
+            self.sock.bind(self.address)
         else:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+            if port:
+                self.sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self.sock.bind_to_random_port(f"tcp://{host}")
+            self.address = f"tcp://{host}:{port}"
         self._outbox: dict[bytes, deque[list[Any]]] = {}
         self._pending_events: list[Event] = []
         self._running = True
@@ -58,7 +72,8 @@ class SchedulerServer:
             while self._running:
                 now = time.monotonic()
                 wait = 0 if (self._outbox or self._pending_events) else max(0.0, next_tick - now)
-                ready = dict(poller.poll(int(wait * 1000) if wait else (1 if self._outbox else 0)))
+                timeout_ms = math.ceil(wait * 1000) if wait else (1 if self._outbox else 0)
+                ready = dict(poller.poll(timeout_ms))
                 events: list[Event] = self._pending_events
                 self._pending_events = []
                 if ready.get(sock):
@@ -70,12 +85,12 @@ class SchedulerServer:
                         self.received += 1
                         peer = frames[0].bytes
                         try:
-                            msg = p.decode(frames[1:])
+                            msgs = p.decode_all(frames[1:])
                         except p.DecodeError as e:
                             log.warning("undecodable message from %r: %s", peer, e)
                             self._deliver([Send(peer, p.Error("ProtocolMismatch", str(e)))])
                             continue
-                        events.append(Received(peer, msg))
+                        events.extend(Received(peer, m) for m in msgs)
                 now = time.monotonic()
                 if now >= next_tick:
                     events.append(Tick())
@@ -102,13 +117,18 @@ class SchedulerServer:
             raise
 
     def _deliver(self, sends: list[Send]) -> None:
+        """Send, one batch per peer (in order); a full peer's messages wait in its outbox."""
+        by_peer: dict[bytes, list[p.Message]] = {}
         for s in sends:
-            frames = p.encode(s.msg)
-            q = self._outbox.get(s.peer)
-            if q is not None:
-                q.append(frames)
-            elif not self._send_now(s.peer, frames):
-                self._outbox[s.peer] = deque([frames])
+            by_peer.setdefault(s.peer, []).append(s.msg)
+        for peer, msgs in by_peer.items():
+            for i in range(0, len(msgs), MAX_BATCH):
+                frames = p.encode_batch(msgs[i:i + MAX_BATCH])
+                q = self._outbox.get(peer)
+                if q is not None:
+                    q.append(frames)
+                elif not self._send_now(peer, frames):
+                    self._outbox[peer] = deque([frames])
 
     def _flush_outboxes(self) -> None:
         for peer in list(self._outbox):
@@ -133,9 +153,9 @@ class SchedulerServer:
 
 def run(
     host: str, port: int, config: SchedulerConfig, ready_fd: int | None = None,
-    parent_pid: int = 0,
+    parent_pid: int = 0, ipc_path: str | None = None,
 ) -> None:
-    server = SchedulerServer(host, port, config)
+    server = SchedulerServer(host, port, config, ipc_path)
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     _sockets.watch_parent(parent_pid, server.stop)
@@ -147,3 +167,8 @@ def run(
         server.serve_forever()
     finally:
         server.close()
+        if ipc_path:
+            try:
+                os.unlink(ipc_path)
+            except OSError:
+                pass

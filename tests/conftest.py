@@ -13,8 +13,8 @@ os.environ.setdefault("GPUFN_CPU_DEVICES", "2")
 os.environ.setdefault("GPUFN_DEVICE_MEMORY", "8GiB")
 os.environ.setdefault("GPUFN_PROGRESS", "0")
 
-import gpufn  # noqa: E402
-from gpufn import client as client_mod  # noqa: E402
+import gpufn
+from gpufn import client as client_mod
 
 
 def cluster_pids(c: gpufn.Client) -> list[int]:

@@ -51,15 +51,23 @@ class Executor:
             return list(self._threads)
 
     def interrupt(self, invocation_id: str) -> bool:
-        """Raise Cancelled inside the call's thread (takes effect at the next bytecode)."""
+        """Raise Cancelled inside the call's thread (takes effect at the next bytecode).
+
+        Set under the lock while the call is registered; `_run` clears any exception still
+        pending when it deregisters, so a late interrupt never hits the worker's own code.
+        """
         with self._lock:
             ident = self._threads.get(invocation_id)
-        if ident is None:
-            return False
-        n = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(ident), ctypes.py_object(Cancelled)
-        )
+            if ident is None:
+                return False
+            n = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(ident), ctypes.py_object(Cancelled)
+            )
         return n == 1
+
+    def run_inline(self, call: Call) -> None:
+        """Run in the calling thread (short calls on the worker's main thread)."""
+        self._run(call)
 
     def _run(self, call: Call) -> None:
         inv = call.invocation_id
@@ -75,7 +83,9 @@ class Executor:
             result = _failure(inv, e, t0)
         finally:
             with self._lock:
-                self._threads.pop(inv, None)
+                ident = self._threads.pop(inv, None)
+                if ident is not None:  # drop an interrupt that arrived as the call ended
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
             ctxmod._set(None)
             set_current(None)
             self.router.finished(inv)

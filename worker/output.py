@@ -30,8 +30,8 @@ class OutputRouter:
         self.original_stderr: TextIO = sys.stderr
 
     def install(self) -> None:
-        sys.stdout = _Proxy(self, "stdout", self.original_stdout)  # type: ignore[assignment]
-        sys.stderr = _Proxy(self, "stderr", self.original_stderr)  # type: ignore[assignment]
+        sys.stdout = _Proxy(self, "stdout", self.original_stdout)
+        sys.stderr = _Proxy(self, "stderr", self.original_stderr)
 
     def started(self, inv: str) -> None:
         with self._lock:
@@ -71,7 +71,7 @@ class _Proxy(io.TextIOBase):
         self._name = name
         self._fallback = fallback
 
-    def write(self, s: str) -> int:  # type: ignore[override]
+    def write(self, s: str) -> int:
         if s:
             self._router.write(self._name, s, self._fallback)
         return len(s)

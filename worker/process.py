@@ -1,12 +1,15 @@
 """The worker process shell: one per device, owning its CUDA context.
 
-A DEALER socket to the scheduler, a handshake with protocol version, heartbeats that
-keep flowing while user code runs in executor threads, and output shipping.
+Two sockets: the work socket (main thread) receives code and calls and sends results;
+the control socket (its own thread) sends heartbeats and receives cancels, so both keep
+flowing while user code runs. Calls the scheduler marks `inline` (short, measured) run
+on the main thread itself, saving two thread hand-offs; others run in executor threads.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -19,6 +22,7 @@ import zmq
 
 from gpufn import _sockets
 from gpufn import protocol as p
+from gpufn.exceptions import Cancelled, kind_of
 from gpufn.worker.core import Execute, Exit, Interrupt, SendMsg, WorkerCore
 from gpufn.worker.executor import Executor
 from gpufn.worker.output import OutputRouter
@@ -27,6 +31,7 @@ log = logging.getLogger("gpufn.worker")
 
 HEARTBEAT_SECONDS = 1.0
 OUTPUT_FLUSH_SECONDS = 0.05
+CANCEL_MEMORY_SECONDS = 300.0
 
 
 def _torch_device(kind: str) -> Any:
@@ -40,10 +45,23 @@ def _torch_device(kind: str) -> Any:
     return torch.device("cpu")
 
 
+def _handshake(sock: zmq.Socket[Any], hello: p.Hello, timeout: float = 60.0) -> list[p.Message]:
+    """Send Hello, wait for Welcome; return what arrived with it (work may follow at once)."""
+    sock.send_multipart(p.encode(hello))
+    if not sock.poll(int(timeout * 1000)):
+        raise SystemExit(f"no answer from the scheduler within {timeout:.0f}s")
+    first, *rest = p.decode_all(sock.recv_multipart(copy=False))
+    if not isinstance(first, p.Welcome) or not first.ok:
+        raise SystemExit(f"scheduler refused this worker: {getattr(first, 'message', first)}")
+    return rest
+
+
 class WorkerProcess:
     def __init__(self, address: str, token: str, device_key: str, incarnation: int, kind: str) -> None:
+        self.address = address
         self.device_key = device_key
         self.incarnation = incarnation
+        self.token = token
         self.router = OutputRouter()
         self.router.install()
         self.core = WorkerCore(device_key, _torch_device(kind))
@@ -55,10 +73,25 @@ class WorkerProcess:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         _sockets.configure(self.sock)
-        self.sock.setsockopt(zmq.IDENTITY, f"w/{device_key}/{incarnation}/{os.getpid()}".encode())
+        self.identity = f"w/{device_key}/{incarnation}/{os.getpid()}"
+        self.sock.setsockopt(zmq.IDENTITY, self.identity.encode())
         self.sock.connect(address)
-        self.token = token
         self._running = True
+        # Cancels that arrived before their Run (pipelined calls): id -> when.
+        self._cancelled: dict[str, float] = {}
+        self._cancel_lock = threading.Lock()
+        self._outgoing: list[p.Message] = []
+        self._early: list[p.Message] = []
+
+    # ------------------------------------------------------------------ main thread
+
+    def _hello(self, channel: str) -> p.Hello:
+        return p.Hello(p.Role.WORKER, p.PROTOCOL_VERSION, self.token, os.getpid(),
+                       {"device": self.device_key, "incarnation": self.incarnation,
+                        "channel": channel})
+
+    def handshake(self) -> None:
+        self._early = _handshake(self.sock, self._hello("work"))
 
     def _on_done(self, result: p.Result) -> None:
         self._done.append(result)
@@ -67,85 +100,150 @@ class WorkerProcess:
         except BlockingIOError:
             pass  # the pipe is full, so the loop is already awake
 
-    def _send(self, msg: p.Message) -> None:
-        self.sock.send_multipart(p.encode(msg), copy=False)
+    def _queue(self, msg: p.Message) -> None:
+        self._outgoing.append(msg)
 
-    def hello(self) -> None:
-        self._send(p.Hello(p.Role.WORKER, p.PROTOCOL_VERSION, self.token, os.getpid(),
-                           {"device": self.device_key, "incarnation": self.incarnation}))
+    def _flush(self) -> None:
+        if self.router.pending():
+            self._outgoing.extend(self.router.drain())
+        if self._outgoing:
+            msgs, self._outgoing = self._outgoing, []
+            self.sock.send_multipart(p.encode_batch(msgs), copy=False)
 
-    def handshake(self, timeout: float = 60.0) -> None:
-        self.hello()
-        if not self.sock.poll(int(timeout * 1000)):
-            raise SystemExit(f"no answer from the scheduler within {timeout:.0f}s")
-        msg = p.decode(self.sock.recv_multipart())
-        if not isinstance(msg, p.Welcome) or not msg.ok:
-            raise SystemExit(f"scheduler refused this worker: {getattr(msg, 'message', msg)}")
+    def _was_cancelled(self, inv: str) -> bool:
+        with self._cancel_lock:
+            return self._cancelled.pop(inv, None) is not None
 
     def _act(self, actions: list[Any]) -> None:
         for a in actions:
             if isinstance(a, Execute):
-                self.executor.submit(a.call)
+                if self._was_cancelled(a.call.invocation_id):
+                    self._act(self.core.done(p.Result(
+                        a.call.invocation_id, False, kind_of(Cancelled),
+                        "cancelled before it started", {})))
+                elif a.call.meta.get("inline"):
+                    self.executor.run_inline(a.call)
+                    self._drain_done()
+                else:
+                    self.executor.submit(a.call)
             elif isinstance(a, SendMsg):
-                if isinstance(a.msg, p.Result):
-                    for out in self.router.drain(a.msg.invocation_id):
-                        self._send(out)
-                self._send(a.msg)
+                if isinstance(a.msg, p.Result):  # its output first, then the result
+                    self._outgoing.extend(self.router.drain(a.msg.invocation_id))
+                self._queue(a.msg)
             elif isinstance(a, Interrupt):
                 self.executor.interrupt(a.invocation_id)
             elif isinstance(a, Exit):
                 log.info("worker %s exiting: %s", self.device_key, a.reason)
                 self._running = False
 
+    def _drain_done(self) -> None:
+        while self._done:
+            self._act(self.core.done(self._done.popleft()))
+
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        next_beat = time.monotonic()
+        if self._early:
+            self._receive()
+            self._flush()
         while self._running:
+            try:
+                wait = OUTPUT_FLUSH_SECONDS if self.router.pending() else HEARTBEAT_SECONDS
+                ready = dict(poller.poll(math.ceil(wait * 1000)))
+                if ready.get(self._wake_r):
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                self._drain_done()
+                if ready.get(self.sock):
+                    self._receive()
+                self._flush()
+            except Cancelled:
+                continue  # an interrupt aimed at a call that had just ended
+
+    def _receive(self) -> None:
+        while self._running:
+            if self._early:
+                msgs, self._early = self._early, []
+            else:
+                try:
+                    msgs = p.decode_all(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    return
+            for msg in msgs:
+                if isinstance(msg, p.Error):
+                    log.warning("scheduler: %s", msg.message)
+                    if msg.error_kind == "AuthenticationError":
+                        self.sock.send_multipart(p.encode(self._hello("work")))
+                    continue
+                try:
+                    self._act(self.core.handle(msg))
+                except Cancelled:
+                    raise
+                except Exception as e:  # a bad message must not take the worker down
+                    log.exception("failed to handle %s", type(msg).__name__)
+                    inv = getattr(msg, "invocation_id", None)
+                    if isinstance(msg, p.Run) and inv:
+                        self.core.running.discard(inv)
+                        self._queue(p.Result(inv, False, "GpufnError",
+                                             f"worker {self.device_key} failed: {e}", {}))
+
+    # ------------------------------------------------------------------ control thread
+
+    def start_control(self) -> threading.Thread:
+        t = threading.Thread(target=self._control_loop, name="gpufn-control", daemon=True)
+        t.start()
+        return t
+
+    def _control_loop(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        _sockets.configure(sock)
+        sock.setsockopt(zmq.IDENTITY, (self.identity + "/ctl").encode())
+        sock.connect(self.address)
+        try:
+            early = _handshake(sock, self._hello("control"))
+        except SystemExit as e:
+            log.error("control channel: %s", e)
+            os._exit(3)
+        for msg in early:
+            self._control(sock, msg)
+        next_beat = 0.0
+        while True:
             now = time.monotonic()
             if now >= next_beat:
-                self._send(p.Heartbeat(self.executor.running(), {"completed": self.core.completed}))
+                sock.send_multipart(p.encode(p.Heartbeat(
+                    self.executor.running(), {"completed": self.core.completed})))
                 next_beat = now + HEARTBEAT_SECONDS
-            wait = next_beat - now
-            if self.router.pending():
-                wait = min(wait, OUTPUT_FLUSH_SECONDS)
-            ready = dict(poller.poll(max(0, int(wait * 1000))))
-            if ready.get(self._wake_r):
+                self._forget_old_cancels(now)
+            if not sock.poll(math.ceil(max(0.0, next_beat - now) * 1000)):
+                continue
+            while True:
                 try:
-                    os.read(self._wake_r, 65536)
-                except BlockingIOError:
-                    pass
-            while self._done:
-                self._act(self.core.done(self._done.popleft()))
-            if ready.get(self.sock):
-                while True:
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    msg = p.decode(frames)
-                    if isinstance(msg, p.Error):
-                        log.warning("scheduler: %s", msg.message)
-                        if msg.error_kind == "AuthenticationError":
-                            self.hello()  # the scheduler restarted: announce ourselves again
-                        continue
-                    try:
-                        self._act(self.core.handle(msg))
-                    except Exception as e:  # a bad message must not take the worker down
-                        log.exception("failed to handle %s", type(msg).__name__)
-                        inv = getattr(msg, "invocation_id", None)
-                        if isinstance(msg, p.Run) and inv:
-                            self.core.running.discard(inv)
-                            self._send(p.Result(inv, False, "GpufnError",
-                                                f"worker {self.device_key} failed: {e}", {}))
-            if self.router.pending():
-                for out in self.router.drain():
-                    self._send(out)
+                    msgs = p.decode_all(sock.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                for msg in msgs:
+                    self._control(sock, msg)
+
+    def _control(self, sock: zmq.Socket[Any], msg: p.Message) -> None:
+        if isinstance(msg, p.Cancel):
+            if not self.executor.interrupt(msg.invocation_id):
+                with self._cancel_lock:  # not started yet (pipelined): refuse it on arrival
+                    self._cancelled[msg.invocation_id] = time.monotonic()
+        elif isinstance(msg, p.Shutdown):
+            os._exit(0)
+        elif isinstance(msg, p.Error) and msg.error_kind == "AuthenticationError":
+            sock.send_multipart(p.encode(self._hello("control")))
+
+    def _forget_old_cancels(self, now: float) -> None:
+        with self._cancel_lock:
+            for k in [k for k, t in self._cancelled.items() if now - t > CANCEL_MEMORY_SECONDS]:
+                del self._cancelled[k]
 
     def close(self) -> None:
         self.sock.close(0)
-        self.ctx.term()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,11 +265,13 @@ def main(argv: list[str] | None = None) -> None:
     token = os.environ.get("GPUFN_TOKEN", "")
     worker = WorkerProcess(a.address, token, a.device, a.incarnation, a.kind)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # Exit if our supervisor dies without taking us along (e.g. started by hand).
+    _sockets.watch_parent(os.getppid(), lambda: os._exit(0))
     worker.handshake()
+    worker.start_control()
     try:
         worker.serve()
     finally:
         worker.close()
     # Executor threads may still run user code; do not wait for them.
-    threading.Event().wait(0.05)
     os._exit(0)

@@ -48,6 +48,7 @@ class _Slot:
     kill_reason: str = ""
     gave_up: bool = False
     log_path: Path = field(default_factory=Path)
+    log_offset: int = 0  # where this incarnation's output starts in the log
 
 
 class Supervisor:
@@ -67,6 +68,7 @@ class Supervisor:
         self.sock.setsockopt(zmq.IDENTITY, f"s/{node}/{os.getpid()}".encode())
         self.sock.connect(address)
         self._running = True
+        self._early: list[p.Message] = []
 
     # ------------------------------------------------------------------ messages
 
@@ -82,9 +84,10 @@ class Supervisor:
         self.hello()
         if not self.sock.poll(int(timeout * 1000)):
             raise SystemExit(f"no answer from the scheduler at {self.address} within {timeout:.0f}s")
-        msg = p.decode(self.sock.recv_multipart())
+        msg, *rest = p.decode_all(self.sock.recv_multipart())
         if not isinstance(msg, p.Welcome) or not msg.ok:
             raise SystemExit(f"scheduler refused this supervisor: {getattr(msg, 'message', msg)}")
+        self._early = rest
 
     # ------------------------------------------------------------------ workers
 
@@ -102,14 +105,14 @@ class Supervisor:
     def _spawn(self, slot: _Slot) -> None:
         slot.incarnation += 1
         d = slot.device
-        logf = open(slot.log_path, "ab")
         cmd = [sys.executable, "-m", "gpufn.worker", "--address", self.address, "--device", d.key,
                "--incarnation", str(slot.incarnation), "--kind", d.kind]
-        slot.proc = subprocess.Popen(
-            cmd, env=self._env(d), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-            preexec_fn=_sockets.set_pdeathsig,
-        )
-        logf.close()
+        with open(slot.log_path, "ab") as logf:
+            slot.log_offset = logf.tell()
+            slot.proc = subprocess.Popen(
+                cmd, env=self._env(d), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                preexec_fn=_sockets.set_pdeathsig,
+            )
         slot.started = time.monotonic()
         log.info("started worker for %s (pid %d)", d.key, slot.proc.pid)
 
@@ -117,7 +120,7 @@ class Supervisor:
         try:
             with open(slot.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - nbytes))
+                f.seek(max(slot.log_offset, f.tell() - nbytes))
                 return f.read().decode(errors="replace").strip()
         except OSError:
             return ""
@@ -193,18 +196,22 @@ class Supervisor:
         next_ping = 0.0
         try:
             while self._running:
-                if self.sock.poll(100):
+                if self._early or self.sock.poll(100):
                     while True:
-                        try:
-                            msg = p.decode(self.sock.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                        if isinstance(msg, p.KillWorker):
-                            self._kill(msg)
-                        elif isinstance(msg, p.Shutdown):
-                            self._running = False
-                        elif isinstance(msg, p.Error) and msg.error_kind == "AuthenticationError":
-                            self.hello()  # the scheduler restarted
+                        if self._early:
+                            msgs, self._early = self._early, []
+                        else:
+                            try:
+                                msgs = p.decode_all(self.sock.recv_multipart(zmq.NOBLOCK))
+                            except zmq.Again:
+                                break
+                        for msg in msgs:
+                            if isinstance(msg, p.KillWorker):
+                                self._kill(msg)
+                            elif isinstance(msg, p.Shutdown):
+                                self._running = False
+                            elif isinstance(msg, p.Error) and msg.error_kind == "AuthenticationError":
+                                self.hello()  # the scheduler restarted
                 now = time.monotonic()
                 self._reap(now)
                 if now >= next_ping:

@@ -7,7 +7,6 @@ import os
 import secrets
 import subprocess
 import sys
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -30,10 +29,10 @@ def _is_loopback(host: str) -> bool:
 def serve(
     host: str = typer.Option("127.0.0.1", help="Interface to bind; non-loopback needs a token."),
     port: int = typer.Option(config.DEFAULT_PORT, help="Port to bind (0 picks a free one)."),
-    cpu_devices: Optional[int] = typer.Option(None, help="Simulated devices when no GPU is found [GPUFN_CPU_DEVICES, 2]."),
-    device_memory: Optional[str] = typer.Option(None, help="Memory of each simulated device, e.g. 8GiB [GPUFN_DEVICE_MEMORY]."),
-    islands: Optional[int] = typer.Option(None, help="Split simulated devices into NVLink-like islands."),
-    token: Optional[str] = typer.Option(None, envvar="GPUFN_TOKEN", help="Shared secret clients and workers must present (generated if unset)."),
+    cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found [GPUFN_CPU_DEVICES, 2]."),
+    device_memory: str | None = typer.Option(None, help="Memory of each simulated device, e.g. 8GiB [GPUFN_DEVICE_MEMORY]."),
+    islands: int | None = typer.Option(None, help="Split simulated devices into NVLink-like islands."),
+    token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="Shared secret clients and workers must present (generated if unset)."),
     workers: bool = typer.Option(True, help="Start workers for this host's devices (--no-workers: scheduler only)."),
 ) -> None:
     """Run the scheduler (and this host's workers) in the foreground."""
@@ -91,11 +90,11 @@ def serve(
 
 @app.command()
 def worker(
-    address: Optional[str] = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler to join, tcp://host:port."),
-    token: Optional[str] = typer.Option(None, envvar="GPUFN_TOKEN", help="The cluster's token."),
-    cpu_devices: Optional[int] = typer.Option(None, help="Simulated devices when no GPU is found."),
-    device_memory: Optional[str] = typer.Option(None, help="Memory of each simulated device."),
-    node: Optional[str] = typer.Option(None, help="This host's name in device keys [hostname]."),
+    address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler to join, tcp://host:port."),
+    token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="The cluster's token."),
+    cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found."),
+    device_memory: str | None = typer.Option(None, help="Memory of each simulated device."),
+    node: str | None = typer.Option(None, help="This host's name in device keys [hostname]."),
 ) -> None:
     """Join a cluster: start a supervisor and one worker per device of this host."""
     if not address:
@@ -117,8 +116,8 @@ def worker(
 
 @app.command()
 def status(
-    address: Optional[str] = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler address [the last `gpufn serve` on this machine]."),
-    token: Optional[str] = typer.Option(None, envvar="GPUFN_TOKEN", help="The cluster's token."),
+    address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler address [the last `gpufn serve` on this machine]."),
+    token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="The cluster's token."),
     as_json: bool = typer.Option(False, "--json", help="Print the raw status as JSON."),
     timeout: float = typer.Option(5.0, help="Seconds to wait for the scheduler."),
 ) -> None:

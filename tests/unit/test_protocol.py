@@ -70,3 +70,15 @@ def test_messages_are_frozen_and_slotted() -> None:
 def test_garbage_is_a_decode_error(frames: list[bytes]) -> None:
     with pytest.raises(p.DecodeError):
         p.decode(frames)
+
+
+def test_batches_round_trip_in_order() -> None:
+    msgs = [p.Ping(1), p.Submit("i", "f", {}, (b"a", b"b")), p.Output("i", "stdout", "x"), p.Ping(2)]
+    frames = p.encode_batch(msgs)
+    assert frames[0] == p.BATCH_TAG
+    back = p.decode_all(frames)
+    assert [type(m) for m in back] == [type(m) for m in msgs]
+    assert back[1].frames == (b"a", b"b") and back[3].seq == 2  # type: ignore[attr-defined]
+    assert p.decode_all(p.encode_batch([p.Ping(7)])) == [p.Ping(7)]
+    with pytest.raises(p.DecodeError):
+        p.decode_all([p.BATCH_TAG, msgpack.packb([5]), b"\x03"])

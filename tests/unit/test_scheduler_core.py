@@ -124,7 +124,7 @@ def test_worker_loss_fails_with_worker_lost_or_retries() -> None:
     i2 = h.submit(twice)
     assert not h.runs(w0)[1:]  # device 0 is restarting: nothing placed there
     w1 = h.start_worker(1)
-    (run,) = [r for r in h.runs(w1)]
+    assert len(h.runs(w1)) == 1
     h.feed(b"sup", p.WorkerExited("n:1", 100, -9, "killed"))
     assert i2 not in h.results()  # retried, not failed
     w0b = h.start_worker(0, peer=b"w0b", pid=200)
@@ -230,7 +230,7 @@ def test_illegal_transition_carries_history() -> None:
     h.start_worker(0)
     fid = h.register()
     inv = h.core.invocations[h.submit(fid)]
-    with pytest.raises(IllegalTransition, match="queued@.*running@"):
+    with pytest.raises(IllegalTransition, match=r"queued@.*running@"):
         inv.to(InvState.RUNNING, h.now)
 
 

@@ -34,6 +34,13 @@ MAP_WINDOW_BYTES = 256 * 2**20  # argument bytes in flight per .map()
 def decode_result(res: p.Result, name: str) -> Any:
     """The value of a finished call, or raise its error (user exceptions keep their type)."""
     if res.ok:
+        counts = res.meta.get("gather")
+        if counts is not None:  # every rank's value, in rank order
+            out, i = [], 0
+            for n in counts:
+                out.append(ser.loads(res.frames[i:i + n]))
+                i += n
+            return out
         return ser.loads(res.frames)
     if res.error_kind == "":
         where = f"remote traceback of {name} call {res.invocation_id} on {','.join(res.meta.get('devices', [])) or 'a worker'}:"

@@ -7,10 +7,9 @@ events and executes the returned sends. User payload frames pass through untouch
 
 from __future__ import annotations
 
-import heapq
 import hmac
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gpufn import protocol as p
@@ -26,9 +25,11 @@ from gpufn.exceptions import (
 )
 from gpufn.memory_pool.ledger import DeviceLedger
 from gpufn.memory_pool.probe import DeviceInfo
-from gpufn.scheduler.placement import feasibility_error, rank_devices
+from gpufn.scheduler.gangs import GangBook
+from gpufn.scheduler.placement import feasibility_error
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation, Peer
+from gpufn.scheduler.scheduling import SchedulingPass
 from gpufn.scheduler.states import DeviceState, InvState
 from gpufn.spec import GpuSpec, make_spec
 
@@ -56,7 +57,14 @@ class Unreachable:
     peer: bytes
 
 
-Event = Received | Tick | Unreachable
+@dataclass(frozen=True, slots=True)
+class RendezvousReady:
+    """The shell's gang rendezvous store listens on this port."""
+
+    port: int
+
+
+Event = Received | Tick | Unreachable | RendezvousReady
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,12 @@ class SchedulerConfig:
     client_timeout: float = 120.0
     max_queue: int = 1_000_000
     max_queue_per_function: int | None = None
+    # A call told to stop (cancelled, or another rank of its gang failed) that has not
+    # returned after this long has its worker killed and restarted.
+    stop_grace_seconds: float = 10.0
+    # After a gang rank fails, wait this long at most for the others to report, so the
+    # root cause (a dead rank, or a non-communication error) is what the caller sees.
+    gang_settle_seconds: float = 3.0
     # Calls measured shorter than this run inline on the worker's main thread, and up
     # to `pipeline_depth` more of them may wait at a worker (hiding the round trip).
     short_call_seconds: float = 0.005
@@ -113,17 +127,10 @@ class Counters:
         return dict(self.__dict__)
 
 
-@dataclass
-class _Pass:
-    """Scratch state of one scheduling pass."""
-
-    blocked: set[str] = field(default_factory=set)
-
-
 # --------------------------------------------------------------------------- core
 
 
-class SchedulerCore:
+class SchedulerCore(SchedulingPass):
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.peers: dict[bytes, Peer] = {}
@@ -133,6 +140,10 @@ class SchedulerCore:
         self.invocations: dict[str, Invocation] = {}
         self.queue = ReadyQueue(self.config.aging_seconds)
         self.counters = Counters()
+        self.gangs = GangBook()
+        self.rendezvous_port: int | None = None
+        self.needs_rendezvous = False
+        self._now = 0.0
         self._feasible: dict[str, str | None] = {}
         self._out: list[Send] = []
         self._dirty = False
@@ -167,6 +178,7 @@ class SchedulerCore:
 
     def handle_many(self, events: Any, now: float) -> list[Send]:
         """Apply events in order, then run one scheduling pass; return the sends."""
+        self._now = now
         for ev in events:
             if isinstance(ev, Received):
                 self._on_message(ev.peer, ev.msg, now)
@@ -174,6 +186,9 @@ class SchedulerCore:
                 self._on_tick(now)
             elif isinstance(ev, Unreachable):
                 self._on_unreachable(ev.peer, now)
+            elif isinstance(ev, RendezvousReady):
+                self.rendezvous_port = ev.port
+                self._dirty = True
         if self._dirty:
             self._dirty = False
             self._schedule(now)
@@ -223,14 +238,39 @@ class SchedulerCore:
         """Free what a running invocation holds on its devices."""
         for key in inv.devices:
             d = self.devices.get(key)
-            if d is None or d.running.pop(inv.id, None) is None:
+            if d is not None:
+                self._release_device(inv, d)
+
+    def _release_device(self, inv: Invocation, d: Device) -> None:
+        d.stopping.pop(inv.id, None)
+        if d.running.pop(inv.id, None) is None:
+            return
+        fid = inv.function.function_id
+        d.running_by_fn[fid] -= 1
+        if d.running_by_fn[fid] <= 0:
+            del d.running_by_fn[fid]
+        d.ledger.release(inv.id)
+        self._dirty = True
+
+    def _control_peer(self, key: str) -> bytes | None:
+        d = self.devices.get(key)
+        return (d.control or d.worker) if d is not None else None
+
+    def _stop_ranks(self, inv: Invocation, reason: str, skip: str | None = None) -> None:
+        """Interrupt every rank still holding a device (a gang also tears its group down)."""
+        gang = inv.gang
+        if gang is not None:
+            self.gangs.broken(inv.devices)
+        for key in inv.devices:
+            d = self.devices.get(key)
+            target = self._control_peer(key)
+            if key == skip or d is None or inv.id not in d.running or target is None:
                 continue
-            fid = inv.function.function_id
-            d.running_by_fn[fid] -= 1
-            if d.running_by_fn[fid] <= 0:
-                del d.running_by_fn[fid]
-            d.ledger.release(inv.id)
-            self._dirty = True
+            d.stopping.setdefault(inv.id, self._now)
+            self._send(target, p.Cancel(inv.id, reason))
+            if gang is not None:
+                self._send(target, p.GroupOp("abort", {"gang_id": gang[0], "generation": gang[1],
+                                                       "reason": reason}))
 
     def _invalidate_feasibility(self) -> None:
         self._feasible.clear()
@@ -444,11 +484,7 @@ class SchedulerCore:
 
     def _cancel_running(self, inv: Invocation, now: float, reason: str) -> None:
         """Tell the caller at once; the devices stay held until the worker stops the call."""
-        for key in inv.devices:
-            d = self.devices.get(key)
-            target = d and (d.control or d.worker)
-            if target:
-                self._send(target, p.Cancel(inv.id, reason))
+        self._stop_ranks(inv, reason)
         self._finish(inv, now, InvState.CANCELLED, Cancelled(
             f"{inv.function.name} call {inv.id} was cancelled while running ({reason})"),
             release=False)
@@ -468,8 +504,13 @@ class SchedulerCore:
         if d is None or inv is None:
             return  # late result of a call already settled (timed out, retried elsewhere)
         d.last_seen = now
-        if inv.state is not InvState.RUNNING:
-            self._release(inv)  # a cancelled call has now stopped and frees its device
+        attempt = msg.meta.get("attempt")
+        if (inv.state is not InvState.RUNNING or d.key not in inv.devices
+                or (attempt is not None and attempt != inv.attempts)):
+            self._release_device(inv, d)  # a stopped rank or an earlier attempt: free it
+            return
+        if len(inv.devices) > 1:
+            self._on_rank_result(inv, d, msg, now)
             return
         d.completed += 1
         duration = msg.meta.get("duration")
@@ -478,6 +519,62 @@ class SchedulerCore:
         meta = self._meta(inv, now, msg.meta)
         result = p.Result(inv.id, msg.ok, msg.error_kind, msg.message, meta, msg.frames)
         self._finish(inv, now, InvState.SUCCEEDED if msg.ok else InvState.FAILED, result=result)
+
+    def _on_rank_result(self, inv: Invocation, d: Device, msg: p.Result, now: float) -> None:
+        """One rank of a multi-device call reported. A failure stops the other ranks;
+        the call settles once every rank has reported or been lost (or after a grace)."""
+        rank = inv.devices.index(d.key)
+        d.completed += 1
+        self._release_device(inv, d)
+        if not inv.spec.spmd:  # one process ran it: the other devices were only held
+            self._release(inv)
+        inv.rank_results[rank] = msg
+        if not msg.ok:
+            self._gang_failing(inv, now, f"rank {rank} of {inv.function.name} call {inv.id} failed")
+        self._settle_gang(inv, now)
+
+    def _gang_failing(self, inv: Invocation, now: float, reason: str) -> None:
+        if inv.failing_since is None:
+            inv.failing_since = now
+            self._stop_ranks(inv, reason)
+
+    def _settle_gang(self, inv: Invocation, now: float, force: bool = False) -> None:
+        """Finish a multi-device call once its ranks have all answered. The caller sees
+        the root cause: a lost rank (WorkerLost, or a retry), else a rank whose error is
+        not a consequence of a peer failing (a communication error), else the first."""
+        if inv.state is not InvState.RUNNING:
+            return
+        answered = len(inv.rank_results) + len(inv.lost_ranks)
+        if inv.failing_since is None:
+            if len(inv.rank_results) >= inv.reporters:
+                self._gang_succeeded(inv, now)
+            return
+        if answered < inv.reporters and not force:
+            return
+        if inv.lost_ranks:
+            rank, why = min(inv.lost_ranks.items())
+            self._retry_or_fail_lost(inv, now, f"{why} (rank {rank})")
+            return
+        fails = [(r, m) for r, m in inv.rank_results.items() if not m.ok]
+        root = [f for f in fails if not f[1].meta.get("comm_error")] or fails
+        rank, msg = root[0]
+        meta = self._meta(inv, now, {**msg.meta, "rank": rank})
+        self._finish(inv, now, InvState.FAILED, result=p.Result(
+            inv.id, False, msg.error_kind, msg.message, meta, msg.frames), release=False)
+
+    def _gang_succeeded(self, inv: Invocation, now: float) -> None:
+        first = inv.rank_results[0]
+        duration = first.meta.get("duration")
+        if isinstance(duration, (int, float)):
+            inv.function.observe_runtime(float(duration))
+        extra = dict(first.meta)
+        frames = first.frames
+        if inv.spec.gather:
+            ordered = [inv.rank_results[r] for r in range(len(inv.devices))]
+            extra["gather"] = [len(r.frames) for r in ordered]
+            frames = tuple(f for r in ordered for f in r.frames)
+        self._finish(inv, now, InvState.SUCCEEDED, result=p.Result(
+            inv.id, True, "", "", self._meta(inv, now, extra), frames), release=False)
 
     def _on_output(self, peer: bytes, msg: p.Output, now: float) -> None:
         inv = self.invocations.get(msg.invocation_id)
@@ -508,10 +605,12 @@ class SchedulerCore:
     def _lose_worker(self, d: Device, now: float, reason: str, restart: bool = True) -> None:
         """The device's worker is gone: retry or fail what ran there, reset the device."""
         for inv in list(d.running.values()):
-            if inv.state is InvState.RUNNING:
-                self._lost_invocation(inv, now, f"the worker for device {d.key} was lost ({reason})")
+            if inv.state is InvState.RUNNING and d.key in inv.devices:
+                self._lost_invocation(inv, now, d,
+                                      f"the worker for device {d.key} was lost ({reason})")
             else:
-                self._release(inv)
+                self._release_device(inv, d)
+        self.gangs.forget_device(d.key)
         for peer in (d.worker, d.control):
             if peer is not None:
                 self.worker_device.pop(peer, None)
@@ -527,10 +626,22 @@ class SchedulerCore:
             self.counters.restarts += 1
         self._dirty = True
 
-    def _lost_invocation(self, inv: Invocation, now: float, why: str) -> None:
+    def _lost_invocation(self, inv: Invocation, now: float, d: Device, why: str) -> None:
         self.counters.lost += 1
+        self._release_device(inv, d)
+        if len(inv.devices) > 1:
+            # Other ranks stop and keep their devices until they report; then it settles.
+            inv.lost_ranks[inv.devices.index(d.key)] = why
+            if not inv.spec.spmd:
+                self._release(inv)
+            self._gang_failing(inv, now, why)
+            self._settle_gang(inv, now)
+            return
+        self._retry_or_fail_lost(inv, now, why)
+
+    def _retry_or_fail_lost(self, inv: Invocation, now: float, why: str) -> None:
         if inv.attempts <= inv.spec.retries:
-            self._release(inv)
+            inv.rank_results, inv.lost_ranks, inv.failing_since = {}, {}, None
             inv.to(InvState.QUEUED, now)
             inv.devices = ()
             inv.started = None
@@ -541,21 +652,34 @@ class SchedulerCore:
             return
         hint = "" if inv.spec.retries else " Set retries=N in @gpu to retry on another worker."
         self._finish(inv, now, InvState.FAILED, WorkerLost(
-            f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s).{hint}"))
+            f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s).{hint}"),
+            release=False)
 
     def _on_tick(self, now: float) -> None:
+        for inv in [i for i in self.invocations.values() if i.failing_since is not None
+                    and now - i.failing_since > self.config.gang_settle_seconds]:
+            self._settle_gang(inv, now, force=True)
         for d in list(self.devices.values()):
             if d.state is DeviceState.READY and now - d.last_seen > self.config.heartbeat_timeout:
                 self._kill_worker(d, now, f"no heartbeat for {now - d.last_seen:.0f}s")
+                continue
+            late = [i for i, t in d.stopping.items() if now - t > self.config.stop_grace_seconds]
+            if late:
+                self._kill_worker(d, now, f"call {late[0]} did not stop within "
+                                          f"{self.config.stop_grace_seconds:g}s of being told to")
                 continue
             for inv in list(d.running.values()):
                 t = inv.spec.timeout
                 if inv.state is InvState.RUNNING and t is not None and inv.started is not None and now - inv.started > t:
                     self.counters.timeouts += 1
+                    members = [self.devices[k] for k in inv.devices if inv.id in self.devices[k].running]
+                    where = ", ".join(m.key for m in members)
                     self._finish(inv, now, InvState.FAILED, Timeout(
                         f"{inv.function.name} call {inv.id} ran longer than its timeout of {t:g}s "
-                        f"on {d.key}; its worker was restarted. Raise timeout= if it needs longer."))
-                    self._kill_worker(d, now, f"call {inv.id} exceeded its {t:g}s timeout")
+                        f"on {where}; its worker(s) were restarted. Raise timeout= if it needs "
+                        "longer."), release=False)
+                    for m in members:
+                        self._kill_worker(m, now, f"call {inv.id} exceeded its {t:g}s timeout")
                     break
         for inv in [i for i in self.invocations.values()
                     if i.state is InvState.QUEUED and i.deadline is not None and now > i.deadline]:
@@ -572,66 +696,6 @@ class SchedulerCore:
             self._send(d.supervisor, p.KillWorker(d.key, d.worker_pid, reason))
         log.warning("killing worker of %s: %s", d.key, reason)
         self._lose_worker(d, now, reason)
-
-    # ------------------------------------------------------------------ scheduling
-
-    def _schedule(self, now: float) -> None:
-        if not len(self.queue):
-            return
-        slots = self.config.slots_per_device
-        if not any(d.state is DeviceState.READY and len(d.running) < slots
-                   for d in self.devices.values()):
-            return
-        heads = self.queue.heads()
-        heapq.heapify(heads)
-        while heads:
-            _, _, fid = heapq.heappop(heads)
-            inv = self.queue.head(fid)
-            if inv is None:
-                continue
-            if not self._try_place(inv, now):
-                continue  # this function is blocked for the rest of the pass
-            nxt = self.queue.head(fid)
-            if nxt is not None:
-                heapq.heappush(heads, (self.queue.key(nxt), nxt.seq, fid))
-
-    def _try_place(self, inv: Invocation, now: float) -> bool:
-        spec = inv.spec
-        if spec.count > 1:
-            return False  # gangs arrive with the multi-GPU scheduler
-        depth = self.config.pipeline_depth if self._short(inv) else 0
-        ranked = rank_devices(spec, inv.function, self.devices.values(),
-                              self.config.slots_per_device, depth)
-        if not ranked:
-            return False
-        self.queue.pop(inv.function.function_id)
-        self._dispatch(inv, [ranked[0]], now)
-        return True
-
-    def _dispatch(self, inv: Invocation, devices: list[Device], now: float) -> None:
-        inv.to(InvState.RUNNING, now)
-        inv.devices = tuple(d.key for d in devices)
-        inv.started = now
-        inv.attempts += 1
-        fn = inv.function
-        for d in devices:
-            assert d.worker is not None
-            d.running[inv.id] = inv
-            d.running_by_fn[fn.function_id] += 1
-            d.ledger.reserve(inv.id, inv.spec.memory)
-            if fn.code_id not in d.code:
-                self._send(d.worker, p.LoadCode(fn.code_id, fn.name, fn.code_frames))
-                d.code.add(fn.code_id)
-            self._send(d.worker, p.Run(
-                inv.id, fn.function_id, fn.code_id, fn.name, inv.attempts,
-                {"timeout": inv.spec.timeout, "concurrency": inv.spec.concurrency,
-                 "inline": self._short(inv)}, inv.frames,
-            ))
-
-    def _short(self, inv: Invocation) -> bool:
-        s = inv.spec
-        return (s.concurrency == 1 and s.count == 1
-                and inv.function.is_short(self.config.short_call_seconds))
 
     # ------------------------------------------------------------------ status
 

@@ -92,7 +92,9 @@ def rank_devices(
     """Devices that can start one rank of this function now, best first.
 
     `pipeline_depth` lets that many more calls wait at a worker beyond `concurrency`
-    (for short calls, so the worker never idles through a scheduler round trip).
+    (for short calls, so the worker never idles through a scheduler round trip). A device
+    running a rank of a multi-device call is that call's alone: one slow neighbour would
+    slow every rank.
     Preference: the earliest acceptable type, then the least loaded, then the most free
     memory.
     """
@@ -101,6 +103,8 @@ def rank_devices(
         if d.state is not DeviceState.READY or len(d.running) >= slots:
             continue
         if d.running_by_fn[fn.function_id] >= spec.concurrency + pipeline_depth:
+            continue
+        if any(len(other.devices) > 1 for other in d.running.values()):
             continue
         rank = type_rank(spec.type, d.info.name)
         if rank is None or d.ledger.free < spec.memory:

@@ -30,6 +30,7 @@ class FunctionRecord:
     models: list[dict[str, Any]] = field(default_factory=list)
     runtime_ewma: float | None = None
     calls: int = 0
+    warm_gang: tuple[str, ...] = ()  # the devices of its last gang, preferred again
 
     def is_short(self, threshold: float) -> bool:
         """Measured to run in under `threshold` seconds: worth pipelining and inlining."""
@@ -61,6 +62,15 @@ class Invocation:
     deadline: float | None = None  # latest start (per-call deadline)
     attempts: int = 0
     preemptions: int = 0
+    gang: tuple[str, int] | None = None  # (gang id, generation) of a multi-device call
+    rank_results: dict[int, Any] = field(default_factory=dict)
+    lost_ranks: dict[int, str] = field(default_factory=dict)
+    failing_since: float | None = None  # a rank failed: waiting for the others to settle
+
+    @property
+    def reporters(self) -> int:
+        """How many ranks report a result (spmd=False: only the process on rank 0)."""
+        return len(self.devices) if self.spec.spmd else 1
 
     def to(self, new: InvState, now: float) -> None:
         check(f"invocation {self.id} ({self.function.name})", INV_TRANSITIONS, self.state, new,
@@ -89,6 +99,8 @@ class Device:
     last_error: str = ""
     restarts: int = 0
     completed: int = 0
+    # invocation id -> when it was told to stop (cancelled, or its gang failed)
+    stopping: dict[str, float] = field(default_factory=dict)
 
     @property
     def key(self) -> str:

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -23,6 +24,7 @@ from gpufn import protocol as p
 from gpufn.scheduler.core import (
     Event,
     Received,
+    RendezvousReady,
     SchedulerConfig,
     SchedulerCore,
     Send,
@@ -57,6 +59,9 @@ class SchedulerServer:
         self._outbox: dict[bytes, deque[list[Any]]] = {}
         self._pending_events: list[Event] = []
         self._running = True
+        self._store: Any = None
+        self._store_port: int | None = None
+        self._store_thread: threading.Thread | None = None
         self.sent = 0
         self.received = 0
 
@@ -95,12 +100,31 @@ class SchedulerServer:
                 if now >= next_tick:
                     events.append(Tick())
                     next_tick = now + TICK_SECONDS
+                if self._store_port is not None and self.core.rendezvous_port is None:
+                    events.append(RendezvousReady(self._store_port))
                 if events:
                     self._deliver(self.core.handle_many(events, now))
+                if self.core.needs_rendezvous and self._store_thread is None:
+                    self._start_store()
                 if self._outbox:
                     self._flush_outboxes()
         finally:
             self._shutdown_peers()
+
+    def _start_store(self) -> None:
+        """Host the gang rendezvous TCPStore; importing torch takes a moment, so in a thread."""
+
+        def run() -> None:
+            from gpufn.rendezvous import host_store
+
+            try:
+                self._store, self._store_port = host_store()
+                log.info("gang rendezvous store on port %d", self._store_port)
+            except Exception:
+                log.exception("cannot start the gang rendezvous store")
+
+        self._store_thread = threading.Thread(target=run, name="gpufn-rendezvous", daemon=True)
+        self._store_thread.start()
 
     def _send_now(self, peer: bytes, frames: list[Any]) -> bool:
         """True if sent; False if the peer is full. Unknown peers become events."""

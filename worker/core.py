@@ -6,6 +6,7 @@ actions (start a call in the executor, interrupt one, send a message, exit).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,10 +48,14 @@ Action = Execute | Interrupt | SendMsg | Exit
 class WorkerCore:
     device_key: str
     device: Any = "cpu"
+    scheduler_host: str = "127.0.0.1"
     code: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    code_frames: dict[str, list[bytes]] = field(default_factory=dict)
     code_errors: dict[str, str] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
     completed: int = 0
+    groups: Any = None  # GroupManager, made on the first gang call (imports torch.distributed)
+    helper: Any = None  # DeviceSetHelper of the last spmd=False call
 
     def handle(self, msg: p.Message) -> list[Action]:
         if isinstance(msg, p.LoadCode):
@@ -61,6 +66,9 @@ class WorkerCore:
             return [Interrupt(msg.invocation_id)] if msg.invocation_id in self.running else []
         if isinstance(msg, p.Shutdown):
             return [Exit(msg.reason or "scheduler asked")]
+        if isinstance(msg, p.GroupOp) and msg.op == "abort" and self.groups is not None:
+            self.groups.abort(str(msg.gang.get("reason", "aborted by the scheduler")),
+                              gang_id=msg.gang.get("gang_id"), generation=msg.gang.get("generation"))
         return []
 
     def done(self, result: p.Result) -> list[Action]:
@@ -70,6 +78,8 @@ class WorkerCore:
 
     def _load_code(self, msg: p.LoadCode) -> list[Action]:
         try:
+            self.code_frames[msg.code_id] = [bytes(memoryview(f.buffer if hasattr(f, "buffer") else f))
+                                             for f in msg.frames]
             self.code[msg.code_id] = ser.load_code(msg.frames)
             self.code_errors.pop(msg.code_id, None)
         except Exception as e:
@@ -96,4 +106,57 @@ class WorkerCore:
             invocation_id=msg.invocation_id, function=msg.name, device=self.device,
             devices=[self.device], attempt=msg.attempt,
         )
-        return [Execute(Call(msg.invocation_id, msg.name, fn, msg.frames, context, msg.meta))]
+        call = Call(msg.invocation_id, msg.name, fn, msg.frames, context, msg.meta,
+                    attempt=msg.attempt)
+        if "gang" in msg.meta:
+            self._as_gang_rank(call, msg.meta)
+        elif "multi" in msg.meta:
+            self._in_device_set_helper(call, msg.code_id, msg.meta["multi"])
+        return [Execute(call)]
+
+    def _as_gang_rank(self, call: Call, meta: dict[str, Any]) -> None:
+        """Join (or reuse) the gang's process group before the function runs."""
+        from gpufn.rendezvous import GangSpec
+
+        gang = GangSpec.from_wire(meta["gang"])
+        if not gang.store_host:  # the store runs in the scheduler process
+            gang = dataclasses.replace(gang, store_host=self.scheduler_host)
+        if self.groups is None:
+            from gpufn.worker.groups import GroupManager
+
+            self.groups = GroupManager()
+        groups, ctx = self.groups, call.context
+        ctx.rank, ctx.world_size = gang.rank, gang.world_size
+
+        def prepare() -> None:
+            ctx.group = groups.ensure(gang, self.device)
+            call.meta["group_inits"] = groups.inits
+            call.meta["group_init_s"] = groups.last_init_s
+
+        def on_error(exc: BaseException) -> None:
+            groups.abort(f"rank {gang.rank} raised {type(exc).__name__}",
+                         gang_id=gang.gang_id, generation=gang.generation)
+
+        gather = bool(meta.get("gather"))
+
+        def finish(value: Any) -> Any:
+            return value if gather or gang.rank == 0 else None  # only rank 0's value is used
+
+        call.prepare, call.on_error, call.finish = prepare, on_error, finish
+
+    def _in_device_set_helper(self, call: Call, code_id: str, devices: list[dict[str, Any]]) -> None:
+        from gpufn.worker.multidevice import DeviceSetHelper
+
+        keys = tuple(d["key"] for d in devices)
+        if self.helper is not None and (self.helper.keys != keys or not self.helper.alive()):
+            self.helper.close()
+            self.helper = None
+        if self.helper is None:
+            self.helper = DeviceSetHelper(devices)
+        helper, frames, inv, name = self.helper, self.code_frames[code_id], call.invocation_id, call.name
+
+        def run_there(*args: Any, **kwargs: Any) -> Any:
+            return helper.run(inv, name, code_id, frames, args, kwargs, call.attempt)
+
+        call.fn = run_there
+        call.context.devices = [self.device] * len(devices)

@@ -33,6 +33,9 @@ class Call:
     prepare: Callable[[], None] | None = None
     # Maps the function's value before pickling (gang gather, batching).
     finish: Callable[[Any], Any] | None = None
+    # Runs in the call's thread when the function raised (a gang rank tears its group down).
+    on_error: Callable[[BaseException], None] | None = None
+    attempt: int = 1
 
 
 class Executor:
@@ -89,6 +92,12 @@ class Executor:
             ctxmod._set(None)
             set_current(None)
             self.router.finished(inv)
+        result.meta["attempt"] = call.attempt
+        if call.context.world_size > 1:
+            result.meta["rank"] = call.context.rank
+        for key in ("group_inits", "group_init_s", "comm_error"):
+            if key in call.meta:
+                result.meta[key] = call.meta[key]
         self.on_done(result)
 
     def _call(self, call: Call, t0: float) -> p.Result:
@@ -107,11 +116,18 @@ class Executor:
             value = call.fn(*args, **kwargs)
             if call.finish is not None:
                 value = call.finish(value)
-        except GpufnError as e:
-            if getattr(e, "_gpufn_internal", False):
-                return _gpufn_failure(inv, e, t0)
-            return _failure(inv, e, t0)
         except BaseException as e:
+            if call.on_error is not None:
+                try:
+                    call.on_error(e)
+                except Exception:
+                    pass
+            if call.context.world_size > 1:
+                _tag_rank(e, call.context.rank, call.context.world_size)
+                if _is_comm_error(e):
+                    call.meta["comm_error"] = True
+            if isinstance(e, GpufnError) and getattr(e, "_gpufn_internal", False):
+                return _gpufn_failure(inv, e, t0)
             return _failure(inv, e, t0)
         try:
             frames = ser.dumps(value)
@@ -122,6 +138,31 @@ class Executor:
             )
             return _gpufn_failure(inv, err, t0)
         return p.Result(inv, True, "", "", {"duration": time.perf_counter() - t0}, tuple(frames))
+
+
+_COMM_MARKERS = ("gloo", "NCCL", "nccl", "Connection closed by peer", "Connection reset by peer",
+                 "ProcessGroup", "process group")
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    """A failure caused by a peer rank going away (its abort, its death), not by this rank."""
+    if isinstance(exc, Cancelled) or type(exc).__name__ in (
+            "GangAborted", "DistBackendError", "DistNetworkError", "DistStoreError"):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS)
+
+
+def _tag_rank(exc: BaseException, rank: int, world: int) -> None:
+    """Name the failing rank in the exception's message (and a note for tracebacks)."""
+    tag = f"[rank {rank} of {world}]"
+    if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("[rank "):
+        exc.args = (f"{tag} {exc.args[0]}", *exc.args[1:])
+    elif not exc.args:
+        exc.args = (tag,)
+    try:
+        exc.add_note(f"raised on rank {rank} of {world}")
+    except Exception:
+        pass
 
 
 def _failure(inv: str, exc: BaseException, t0: float) -> p.Result:

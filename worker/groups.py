@@ -34,21 +34,28 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from gpufn.exceptions import GpufnError
+from gpufn.rendezvous import (
+    DEFAULT_TIMEOUT_S,
+    ENV_BACKEND,
+    GangSpec,
+    host_store,
+    resolve_backend,
+)
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed import ProcessGroup, TCPStore
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger("gpufn.groups")
 
-ENV_BACKEND = "GPUFN_DIST_BACKEND"
-DEFAULT_TIMEOUT_S = 300.0
+
+__all__ = ["DEFAULT_TIMEOUT_S", "ENV_BACKEND", "GangAborted", "GangSpec", "GroupManager",
+           "host_store", "mesh_for", "resolve_backend"]
 
 # Set (unless the user already did) before an NCCL group is created: on a collective
 # error or timeout, abort the communicators but keep the worker process alive.
@@ -57,91 +64,6 @@ NCCL_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 class GangAborted(GpufnError):
     """The gang's process group was torn down (a rank failed, or the scheduler aborted it)."""
-
-
-@dataclass(frozen=True, slots=True)
-class GangSpec:
-    """One rank's view of a gang formation, as the scheduler hands it out in `meta["gang"]`."""
-
-    gang_id: str
-    generation: int
-    rank: int
-    world_size: int
-    store_host: str
-    store_port: int
-    backend: str  # "nccl", "gloo", or a torch backend string such as "cpu:gloo,cuda:nccl"
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    devices: tuple[str, ...] = ()  # device keys in rank order
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"bad gang rank {self.rank} of world size {self.world_size}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"gang timeout_s must be > 0, got {self.timeout_s}")
-        if self.devices and len(self.devices) != self.world_size:
-            raise ValueError(
-                f"gang lists {len(self.devices)} devices for world size {self.world_size}"
-            )
-
-    @property
-    def prefix(self) -> str:
-        """The store key space of this formation."""
-        return f"gpufn/{self.gang_id}/{self.generation}"
-
-    def same_group(self, other: GangSpec | None) -> bool:
-        """True if `other` is this very group and rank (warm reuse needs no init)."""
-        return (
-            other is not None
-            and (other.gang_id, other.generation, other.rank, other.world_size)
-            == (self.gang_id, self.generation, self.rank, self.world_size)
-        )
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "gang_id": self.gang_id, "generation": self.generation, "rank": self.rank,
-            "world_size": self.world_size, "store_host": self.store_host,
-            "store_port": self.store_port, "backend": self.backend,
-            "timeout_s": self.timeout_s, "devices": list(self.devices),
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> GangSpec:
-        return cls(
-            gang_id=str(d["gang_id"]), generation=int(d["generation"]), rank=int(d["rank"]),
-            world_size=int(d["world_size"]), store_host=str(d["store_host"]),
-            store_port=int(d["store_port"]), backend=str(d["backend"]),
-            timeout_s=float(d.get("timeout_s", DEFAULT_TIMEOUT_S)),
-            devices=tuple(str(k) for k in d.get("devices", ())),
-        )
-
-
-def resolve_backend(kind: str) -> str:
-    """The backend for a gang on `kind` devices: $GPUFN_DIST_BACKEND, else nccl/gloo.
-
-    Call this once where the gang is formed (the scheduler) so every rank uses the same.
-    """
-    override = os.environ.get(ENV_BACKEND, "").strip()
-    if override:
-        return override
-    if kind == "cuda":
-        return "nccl"
-    if kind == "cpu":
-        return "gloo"
-    from torch.distributed import Backend
-
-    return str(Backend.default_device_backend_map.get(kind, "gloo"))
-
-
-def host_store(host: str = "127.0.0.1") -> tuple[TCPStore, int]:
-    """Start the rendezvous store (in the scheduler process) on a free port: (store, port).
-
-    Keep the store object alive for as long as gangs may form. Workers on other hosts
-    must be given an address of this host they can reach as `GangSpec.store_host`.
-    """
-    from torch.distributed import TCPStore
-
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    return store, int(store.port)
 
 
 # --------------------------------------------------------------------------- sockets

@@ -45,6 +45,14 @@ def _torch_device(kind: str) -> Any:
     return torch.device("cpu")
 
 
+def _host_of(address: str) -> str:
+    """The scheduler's host as this worker reaches it (where the gang store listens)."""
+    if address.startswith("tcp://"):
+        host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        return "127.0.0.1" if host in ("*", "0.0.0.0") else host
+    return "127.0.0.1"
+
+
 def _handshake(sock: zmq.Socket[Any], hello: p.Hello, timeout: float = 60.0) -> list[p.Message]:
     """Send Hello, wait for Welcome; return what arrived with it (work may follow at once)."""
     sock.send_multipart(p.encode(hello))
@@ -64,7 +72,7 @@ class WorkerProcess:
         self.token = token
         self.router = OutputRouter()
         self.router.install()
-        self.core = WorkerCore(device_key, _torch_device(kind))
+        self.core = WorkerCore(device_key, _torch_device(kind), _host_of(address))
         self._done: deque[p.Result] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -213,8 +221,11 @@ class WorkerProcess:
         while True:
             now = time.monotonic()
             if now >= next_beat:
+                groups = self.core.groups
                 sock.send_multipart(p.encode(p.Heartbeat(
-                    self.executor.running(), {"completed": self.core.completed})))
+                    self.executor.running(),
+                    {"completed": self.core.completed,
+                     "group_inits": groups.inits if groups is not None else 0})))
                 next_beat = now + HEARTBEAT_SECONDS
                 self._forget_old_cancels(now)
             if not sock.poll(math.ceil(max(0.0, next_beat - now) * 1000)):
@@ -232,6 +243,8 @@ class WorkerProcess:
             if not self.executor.interrupt(msg.invocation_id):
                 with self._cancel_lock:  # not started yet (pipelined): refuse it on arrival
                     self._cancelled[msg.invocation_id] = time.monotonic()
+        elif isinstance(msg, p.GroupOp):
+            self.core.handle(msg)  # abort from any thread: blocked collectives end now
         elif isinstance(msg, p.Shutdown):
             os._exit(0)
         elif isinstance(msg, p.Error) and msg.error_kind == "AuthenticationError":

@@ -1,0 +1,102 @@
+"""The rendezvous a gang's ranks share: `GangSpec` (handed out by the scheduler in a
+Run's `meta["gang"]`), the backend choice, and the scheduler-hosted `TCPStore`.
+
+Wire-level and torch-free at import, so the scheduler and workers both use it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+ENV_BACKEND = "GPUFN_DIST_BACKEND"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class GangSpec:
+    """One rank's view of a gang formation, as the scheduler hands it out in `meta["gang"]`."""
+
+    gang_id: str
+    generation: int
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    backend: str  # "nccl", "gloo", or a torch backend string such as "cpu:gloo,cuda:nccl"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    devices: tuple[str, ...] = ()  # device keys in rank order
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"bad gang rank {self.rank} of world size {self.world_size}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"gang timeout_s must be > 0, got {self.timeout_s}")
+        if self.devices and len(self.devices) != self.world_size:
+            raise ValueError(
+                f"gang lists {len(self.devices)} devices for world size {self.world_size}"
+            )
+
+    @property
+    def prefix(self) -> str:
+        """The store key space of this formation."""
+        return f"gpufn/{self.gang_id}/{self.generation}"
+
+    def same_group(self, other: GangSpec | None) -> bool:
+        """True if `other` is this very group and rank (warm reuse needs no init)."""
+        return (
+            other is not None
+            and (other.gang_id, other.generation, other.rank, other.world_size)
+            == (self.gang_id, self.generation, self.rank, self.world_size)
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "gang_id": self.gang_id, "generation": self.generation, "rank": self.rank,
+            "world_size": self.world_size, "store_host": self.store_host,
+            "store_port": self.store_port, "backend": self.backend,
+            "timeout_s": self.timeout_s, "devices": list(self.devices),
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> GangSpec:
+        return cls(
+            gang_id=str(d["gang_id"]), generation=int(d["generation"]), rank=int(d["rank"]),
+            world_size=int(d["world_size"]), store_host=str(d["store_host"]),
+            store_port=int(d["store_port"]), backend=str(d["backend"]),
+            timeout_s=float(d.get("timeout_s", DEFAULT_TIMEOUT_S)),
+            devices=tuple(str(k) for k in d.get("devices", ())),
+        )
+
+
+def resolve_backend(kind: str) -> str:
+    """The backend for a gang on `kind` devices: $GPUFN_DIST_BACKEND, else nccl/gloo.
+
+    Call this once where the gang is formed (the scheduler) so every rank uses the same.
+    """
+    override = os.environ.get(ENV_BACKEND, "").strip()
+    if override:
+        return override
+    if kind == "cuda":
+        return "nccl"
+    if kind == "cpu":
+        return "gloo"
+    from torch.distributed import Backend
+
+    return str(Backend.default_device_backend_map.get(kind, "gloo"))
+
+
+def host_store(host: str = "127.0.0.1") -> tuple[TCPStore, int]:
+    """Start the rendezvous store (in the scheduler process) on a free port: (store, port).
+
+    Keep the store object alive for as long as gangs may form. Workers on other hosts
+    must be given an address of this host they can reach as `GangSpec.store_host`.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    return store, int(store.port)

@@ -1,0 +1,177 @@
+"""One scheduling pass: queued calls onto devices (mixin of `SchedulerCore`).
+
+Queue heads are taken best-first. A single-device call goes to the best ranked device;
+a multi-device call (a gang) gets `count` idle devices chosen close together, all at
+once or not at all. When the best gang cannot start, it reserves the devices that will
+drain soonest; other calls may use those only if they will finish before it could start.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpufn import protocol as p
+from gpufn.rendezvous import DEFAULT_TIMEOUT_S, GangSpec, resolve_backend
+from gpufn.scheduler.gang import Reservation, can_backfill, choose_gang, reservation_for
+from gpufn.scheduler.gangs import GangBook
+from gpufn.scheduler.placement import could_ever_run, rank_devices, type_rank
+from gpufn.scheduler.queues import ReadyQueue
+from gpufn.scheduler.records import Device, Invocation
+from gpufn.scheduler.states import DeviceState, InvState
+
+
+@dataclass
+class _Pass:
+    """Scratch state of one pass: the head gang's reservation, if any."""
+
+    reservation: Reservation | None = None
+    owner: Invocation | None = None
+
+
+class SchedulingPass:
+    """The placement half of the scheduler core (state lives in `SchedulerCore`)."""
+
+    config: Any
+    devices: dict[str, Device]
+    queue: ReadyQueue
+    gangs: GangBook
+    rendezvous_port: int | None
+    needs_rendezvous: bool
+    _send: Callable[[bytes, p.Message], None]
+
+    def _schedule(self, now: float) -> None:
+        if not len(self.queue):
+            return
+        slots = self.config.slots_per_device
+        if not any(d.state is DeviceState.READY and len(d.running) < slots
+                   for d in self.devices.values()):
+            return
+        this = _Pass()
+        heads = self.queue.heads()
+        heapq.heapify(heads)
+        while heads:
+            _, _, fid = heapq.heappop(heads)
+            inv = self.queue.head(fid)
+            if inv is None:
+                continue
+            if not self._try_place(inv, now, this):
+                if inv.spec.count > 1 and this.reservation is None:
+                    this.reservation = self._reserve(inv, now)
+                    this.owner = inv
+                continue  # this function is blocked for the rest of the pass
+            nxt = self.queue.head(fid)
+            if nxt is not None:
+                heapq.heappush(heads, (self.queue.key(nxt), nxt.seq, fid))
+
+    # ------------------------------------------------------------------ single device
+
+    def _try_place(self, inv: Invocation, now: float, this: _Pass) -> bool:
+        if inv.spec.count > 1:
+            return self._place_gang(inv, now, this)
+        depth = self.config.pipeline_depth if self._short(inv) else 0
+        ranked = rank_devices(inv.spec, inv.function, self.devices.values(),
+                              self.config.slots_per_device, depth)
+        r = this.reservation
+        for d in ranked:
+            if r is not None and d.key in r.devices and not can_backfill(
+                    inv.function.runtime_ewma, r.start_eta):
+                continue  # kept free for the gang at the head of the queue
+            self.queue.pop(inv.function.function_id)
+            self._dispatch(inv, [d], now)
+            return True
+        return False
+
+    def _short(self, inv: Invocation) -> bool:
+        s = inv.spec
+        return (s.concurrency == 1 and s.count == 1
+                and inv.function.is_short(self.config.short_call_seconds))
+
+    # ------------------------------------------------------------------ gangs
+
+    def _gang_capable(self, inv: Invocation) -> list[Device]:
+        return [d for d in self.devices.values()
+                if d.state is DeviceState.READY and could_ever_run(inv.spec, d)]
+
+    def _place_gang(self, inv: Invocation, now: float, this: _Pass) -> bool:
+        spec = inv.spec
+        if spec.spmd and self.rendezvous_port is None:
+            self.needs_rendezvous = True  # the shell starts the store, then schedules again
+            return False
+        reserved = this.reservation.devices if this.reservation and this.owner is not inv else ()
+        idle = [d for d in self._gang_capable(inv)
+                if not d.running and d.ledger.free >= spec.memory and d.key not in reserved]
+        chosen = choose_gang([d.info for d in idle], spec.count, prefer=inv.function.warm_gang)
+        if chosen is None or (not spec.spmd and len({c.node for c in chosen}) > 1):
+            return False
+        self.queue.pop(inv.function.function_id)
+        self._dispatch(inv, [self.devices[c.key] for c in chosen], now)
+        return True
+
+    def _reserve(self, inv: Invocation, now: float) -> Reservation | None:
+        """Reserve the devices that will drain soonest for a gang that cannot start yet."""
+        capable = self._gang_capable(inv)
+        drain: dict[str, float] = {}
+        for d in capable:
+            left = 0.0
+            for other in d.running.values():
+                ewma = other.function.runtime_ewma
+                if ewma is None or other.started is None:
+                    left = math.inf
+                    break
+                left = max(left, ewma - (now - other.started))
+            drain[d.key] = max(0.0, left)
+        return reservation_for(inv.spec.count, [d.info for d in capable], drain,
+                               prefer=inv.function.warm_gang)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self, inv: Invocation, devices: list[Device], now: float) -> None:
+        inv.to(InvState.RUNNING, now)
+        inv.devices = tuple(d.key for d in devices)
+        inv.started = now
+        inv.attempts += 1
+        inv.rank_results = {}
+        fn, spec = inv.function, inv.spec
+        base: dict[str, Any] = {"timeout": spec.timeout, "concurrency": spec.concurrency,
+                                "inline": self._short(inv)}
+        metas: list[dict[str, Any] | None]
+        if spec.count > 1 and spec.spmd:
+            formation, warm = self.gangs.form(inv.devices)
+            inv.gang = (formation.gang_id, formation.generation)
+            fn.warm_gang = inv.devices
+            backend = resolve_backend(devices[0].info.kind)
+            assert self.rendezvous_port is not None
+            metas = []
+            for rank in range(len(devices)):
+                gang = GangSpec(formation.gang_id, formation.generation, rank, len(devices),
+                                "", self.rendezvous_port, backend,
+                                spec.timeout or DEFAULT_TIMEOUT_S, inv.devices)
+                metas.append({**base, "gang": gang.to_wire(), "gather": spec.gather,
+                              "warm": warm})
+        elif spec.count > 1:
+            # spmd=False: one process pinned to every granted device runs the call on the
+            # first device's worker; the other devices are held idle for it.
+            metas = [{**base, "multi": [{"key": d.key, "uuid": d.info.uuid, "kind": d.info.kind}
+                                        for d in devices]}]
+            metas += [None] * (len(devices) - 1)
+        else:
+            metas = [base]
+        for d, meta in zip(devices, metas, strict=True):
+            assert d.worker is not None
+            d.running[inv.id] = inv
+            d.running_by_fn[fn.function_id] += 1
+            d.ledger.reserve(inv.id, spec.memory)
+            if meta is None:
+                continue
+            if fn.code_id not in d.code:
+                self._send(d.worker, p.LoadCode(fn.code_id, fn.name, fn.code_frames))
+                d.code.add(fn.code_id)
+            self._send(d.worker, p.Run(inv.id, fn.function_id, fn.code_id, fn.name,
+                                       inv.attempts, meta, inv.frames))
+
+
+__all__ = ["SchedulingPass", "type_rank"]

@@ -1,0 +1,159 @@
+from __future__ import annotations
+
+from gpufn import protocol as p
+from gpufn.scheduler.core import RendezvousReady
+from gpufn.scheduler.states import InvState
+
+from .core_harness import Harness
+
+
+def _harness(devices: int = 4, islands: int = 2, **cfg: object) -> tuple[Harness, list[bytes]]:
+    h = Harness(devices=devices, islands=islands, **cfg)
+    ws = [h.start_worker(i) for i in range(devices)]
+    h.sent += h.core.handle(RendezvousReady(4242), h.now)
+    return h, ws
+
+
+def _gang_runs(h: Harness, inv: str) -> list[p.Run]:
+    return [r for r in h.runs() if r.invocation_id == inv]
+
+
+def test_gang_waits_for_the_rendezvous_then_gets_close_devices() -> None:
+    h = Harness(devices=4, islands=2)
+    for i in range(4):
+        h.start_worker(i)
+    fid = h.register("g", count=2)
+    inv = h.submit(fid)
+    assert h.core.needs_rendezvous and not _gang_runs(h, inv)
+    h.sent += h.core.handle(RendezvousReady(4242), h.now)
+    runs = _gang_runs(h, inv)
+    assert [r.meta["gang"]["rank"] for r in runs] == [0, 1]
+    assert runs[0].meta["gang"]["store_port"] == 4242
+    assert tuple(runs[0].meta["gang"]["devices"]) in (("n:0", "n:1"), ("n:2", "n:3"))  # one island
+
+
+def test_gang_success_returns_rank_zero_and_gather_returns_all() -> None:
+    h, ws = _harness()
+    fid = h.register("g", count=2)
+    inv = h.submit(fid)
+    r0, _ = _gang_runs(h, inv)
+    keys = r0.meta["gang"]["devices"]
+    w = {f"n:{i}": ws[i] for i in range(4)}
+    h.feed(w[keys[1]], p.Result(inv, True, "", "", {"attempt": 1}, (b"one",)))
+    assert inv not in h.results()
+    h.feed(w[keys[0]], p.Result(inv, True, "", "", {"attempt": 1}, (b"zero",)))
+    assert h.results()[inv].frames == (b"zero",)
+    g = h.register("gather", count=2, gather=True)
+    inv2 = h.submit(g)
+    for r in _gang_runs(h, inv2):
+        h.feed(w[r.meta["gang"]["devices"][r.meta["gang"]["rank"]]],
+               p.Result(inv2, True, "", "", {"attempt": 1}, (f"r{r.meta['gang']['rank']}".encode(),)))
+    res = h.results()[inv2]
+    assert res.frames == (b"r0", b"r1") and res.meta["gather"] == [1, 1]
+
+
+def test_warm_gang_is_reused_with_the_same_generation() -> None:
+    h, ws = _harness()
+    fid = h.register("g", count=2)
+    w = {f"n:{i}": ws[i] for i in range(4)}
+    gens = []
+    for _ in range(2):
+        inv = h.submit(fid)
+        runs = _gang_runs(h, inv)
+        gens.append((tuple(runs[0].meta["gang"]["devices"]), runs[0].meta["gang"]["generation"],
+                     runs[0].meta["warm"]))
+        for r in runs:
+            h.feed(w[r.meta["gang"]["devices"][r.meta["gang"]["rank"]]],
+                   p.Result(inv, True, "", "", {"attempt": 1}, (b"x",)))
+    assert gens[0][0] == gens[1][0] and gens[0][1] == gens[1][1]
+    assert (gens[0][2], gens[1][2]) == (False, True)
+
+
+def test_failing_rank_stops_the_others_and_the_root_cause_wins() -> None:
+    h, ws = _harness()
+    fid = h.register("g", count=2)
+    inv = h.submit(fid)
+    runs = _gang_runs(h, inv)
+    keys = runs[0].meta["gang"]["devices"]
+    w = {f"n:{i}": ws[i] for i in range(4)}
+    # rank 0's communication error arrives before rank 1's own exception
+    h.feed(w[keys[0]], p.Result(inv, False, "", "[rank 0 of 2] Connection reset by peer",
+                                {"attempt": 1, "comm_error": True, "rank": 0}, (b"e0",)))
+    aborts = [s for s in h.of_type(p.GroupOp) if s.msg.op == "abort"]
+    assert aborts and inv not in h.results()
+    h.feed(w[keys[1]], p.Result(inv, False, "", "[rank 1 of 2] ValueError", {"attempt": 1, "rank": 1},
+                                (b"e1",)))
+    res = h.results()[inv]
+    assert res.frames == (b"e1",) and res.meta["rank"] == 1
+    assert all(not h.core.devices[k].running for k in keys)
+
+
+def test_dead_rank_gives_worker_lost_even_after_a_peer_error() -> None:
+    h, ws = _harness()
+    fid = h.register("g", count=2)
+    inv = h.submit(fid)
+    keys = _gang_runs(h, inv)[0].meta["gang"]["devices"]
+    w = {f"n:{i}": ws[i] for i in range(4)}
+    h.feed(w[keys[0]], p.Result(inv, False, "", "Connection reset by peer",
+                                {"attempt": 1, "comm_error": True}, (b"e0",)))
+    h.feed(b"sup", p.WorkerExited(keys[1], 100, -9, "killed by signal 9"))
+    res = h.results()[inv]
+    assert res.error_kind == "WorkerLost" and "rank 1" in res.message
+
+
+def test_gang_failure_settles_after_a_grace_when_a_rank_is_silent() -> None:
+    h, ws = _harness(gang_settle_seconds=2.0)
+    fid = h.register("g", count=2)
+    inv = h.submit(fid)
+    keys = _gang_runs(h, inv)[0].meta["gang"]["devices"]
+    w = {f"n:{i}": ws[i] for i in range(4)}
+    h.feed(w[keys[0]], p.Result(inv, False, "", "boom", {"attempt": 1}, (b"e0",)))
+    h.tick(dt=1.0)
+    assert inv not in h.results()
+    h.tick(dt=1.5)
+    assert h.results()[inv].frames == (b"e0",)
+    # the silent rank still holds its device until it stops, or is killed after the grace
+    assert inv in h.core.devices[keys[1]].running
+    h.tick(dt=10.0)
+    kills = [s.msg for s in h.of_type(p.KillWorker)]
+    assert [k.device for k in kills] == [keys[1]]
+
+
+def test_head_gang_reserves_draining_devices_and_only_short_calls_backfill() -> None:
+    h, ws = _harness(devices=2, islands=1)
+    long_fn = h.register("long")
+    short_fn = h.register("short")
+    gang = h.register("g", count=2)
+    w = {"n:0": ws[0], "n:1": ws[1]}
+    # teach the scheduler run times: long = 10 s, short = 0.1 s
+    for fid, dur in ((long_fn, 10.0), (short_fn, 0.1)):
+        inv = h.submit(fid)
+        dev = next(r for r in h.runs() if r.invocation_id == inv)
+        key = next(k for k, d in h.core.devices.items() if inv in d.running)
+        h.finish(w[key], inv, duration=dur)
+    assert dev
+    busy = h.submit(long_fn)  # occupies one device for ~10 s
+    g = h.submit(gang)  # cannot start: needs both devices
+    assert not _gang_runs(h, g)
+    blocked_long = h.submit(long_fn)
+    short = h.submit(short_fn)
+    running = {r.invocation_id for r in h.runs()}
+    assert blocked_long not in running  # would delay the gang: not backfilled
+    assert short in running  # finishes before the gang could start: backfilled
+    key_short = next(k for k, d in h.core.devices.items() if short in d.running)
+    h.finish(w[key_short], short, duration=0.1)
+    key_busy = next(k for k, d in h.core.devices.items() if busy in d.running)
+    h.finish(w[key_busy], busy, duration=10.0)
+    assert _gang_runs(h, g)  # the gang started before the long call queued after it
+    assert h.core.invocations[blocked_long].state is InvState.QUEUED
+
+
+def test_spmd_false_holds_all_devices_and_runs_once() -> None:
+    h, ws = _harness(devices=2, islands=1)
+    fid = h.register("multi", count=2, spmd=False)
+    inv = h.submit(fid)
+    runs = _gang_runs(h, inv)
+    assert len(runs) == 1 and len(runs[0].meta["multi"]) == 2
+    assert all(inv in d.running for d in h.core.devices.values())
+    h.finish(ws[0], inv)
+    assert h.results()[inv].ok and all(not d.running for d in h.core.devices.values())

@@ -24,6 +24,12 @@ _local_lock = threading.Lock()
 _resolver: Callable[[str], Any] | None = None
 
 
+def set_resolver(resolver: Callable[[str], Any] | None) -> None:
+    """The worker process installs how `Model.get()` finds the resident instance."""
+    global _resolver
+    _resolver = resolver
+
+
 class Model(Generic[T]):
     """A named model: its loader, memory estimate and eviction preferences."""
 

@@ -336,7 +336,8 @@ class KillWorker(Message):
 @message(25)
 @dataclass(frozen=True, slots=True)
 class LoadModel(Message):
-    """Scheduler -> worker: make a model resident (load, or bring back from host)."""
+    """Scheduler -> worker: make a model resident: run its loader (frames hold the loader
+    code), or bring it back from host memory (spec["restore"], no frames)."""
 
     model: str
     spec: dict[str, Any]
@@ -355,7 +356,9 @@ class EvictModel(Message):
 @message(27)
 @dataclass(frozen=True, slots=True)
 class ModelEvent(Message):
-    """Worker -> scheduler: a model reached a residency state (with measured bytes)."""
+    """Worker -> scheduler: a model operation finished: state is "resident" (message
+    "restored" when it came back from host), "offloaded", "evicted", "load_failed" or
+    "offload_failed"; nbytes and seconds are measured."""
 
     model: str
     state: str

@@ -347,10 +347,12 @@ class ModelArena:
     def _check_room(self, what: str, nbytes: int) -> None:
         free = self.free
         if free is not None and nbytes > free:
-            raise OutOfMemory(
+            err = OutOfMemory(
                 f"{what} needs {format_bytes(nbytes)} but {format_bytes(free)} of "
                 f"{format_bytes(self.capacity or 0)} is free on {self.device}; offload or "
                 f"evict other models first, or use a device with more memory")
+            err.needed = nbytes  # type: ignore[attr-defined]
+            raise err
 
     # ----------------------------------------------------------- load
 

@@ -23,15 +23,17 @@ from gpufn.exceptions import (
     WorkerLost,
     kind_of,
 )
-from gpufn.memory_pool.ledger import DeviceLedger
+from gpufn.memory_pool.eviction import EvictionPolicy, policy_by_name
+from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.scheduler.gangs import GangBook
+from gpufn.scheduler.models import ModelPlacement, ModelRecord
 from gpufn.scheduler.placement import feasibility_error
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation, Peer
 from gpufn.scheduler.scheduling import SchedulingPass
 from gpufn.scheduler.states import DeviceState, InvState
-from gpufn.spec import GpuSpec, make_spec
+from gpufn.spec import GpuSpec, make_spec, parse_memory
 
 log = logging.getLogger("gpufn.scheduler")
 
@@ -92,6 +94,14 @@ class SchedulerConfig:
     # to `pipeline_depth` more of them may wait at a worker (hiding the round trip).
     short_call_seconds: float = 0.005
     pipeline_depth: int = 2
+    # The memory pool: eviction policy ("cost" or "lru-count") and its options, and the
+    # host memory per node that offloaded models may use (0: half the node's RAM).
+    eviction_policy: str = "cost"
+    eviction_options: dict[str, Any] | None = None
+    host_offload_bytes: int = 0
+
+    def policy(self) -> EvictionPolicy:
+        return policy_by_name(self.eviction_policy, **(self.eviction_options or {}))
 
     @classmethod
     def from_env(cls, token: str | None) -> SchedulerConfig:
@@ -100,6 +110,11 @@ class SchedulerConfig:
         from gpufn import config as c
 
         per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
+        policy = c.env_str("GPUFN_EVICTION_POLICY", "cost") or "cost"
+        options: dict[str, Any] = {}
+        if policy == "lru-count":
+            options["max_models"] = c.env_int("GPUFN_LRU_MAX_MODELS", 3)
+        host = c.env_str("GPUFN_HOST_OFFLOAD_MEMORY")
         return cls(
             token=token,
             slots_per_device=c.env_int("GPUFN_SLOTS", cls.slots_per_device),
@@ -108,6 +123,9 @@ class SchedulerConfig:
             client_timeout=c.env_float("GPUFN_CLIENT_TIMEOUT", cls.client_timeout),
             max_queue=c.env_int("GPUFN_MAX_QUEUE", cls.max_queue),
             max_queue_per_function=per_fn or None,
+            eviction_policy=policy,
+            eviction_options=options,
+            host_offload_bytes=parse_memory(host, "GPUFN_HOST_OFFLOAD_MEMORY") if host else 0,
         )
 
 
@@ -130,7 +148,7 @@ class Counters:
 # --------------------------------------------------------------------------- core
 
 
-class SchedulerCore(SchedulingPass):
+class SchedulerCore(SchedulingPass, ModelPlacement):
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.peers: dict[bytes, Peer] = {}
@@ -141,6 +159,10 @@ class SchedulerCore(SchedulingPass):
         self.queue = ReadyQueue(self.config.aging_seconds)
         self.counters = Counters()
         self.gangs = GangBook()
+        self.models: dict[str, ModelRecord] = {}
+        self._replan_models: set[str] = set()
+        self.hosts: dict[str, HostLedger] = {}
+        self.policy = self.config.policy()
         self.rendezvous_port: int | None = None
         self.needs_rendezvous = False
         self._now = 0.0
@@ -160,6 +182,7 @@ class SchedulerCore(SchedulingPass):
             p.Output: self._on_output,
             p.Heartbeat: self._on_heartbeat,
             p.WorkerExited: self._on_worker_exited,
+            p.ModelEvent: self._on_model_event,
         }
         self._roles_allowed: dict[type, frozenset[str]] = {
             p.Register: frozenset({p.Role.CLIENT}),
@@ -168,6 +191,7 @@ class SchedulerCore(SchedulingPass):
             p.Result: frozenset({p.Role.WORKER}),
             p.Output: frozenset({p.Role.WORKER}),
             p.Heartbeat: frozenset({p.Role.WORKER}),
+            p.ModelEvent: frozenset({p.Role.WORKER}),
             p.WorkerExited: frozenset({p.Role.SUPERVISOR}),
         }
 
@@ -229,6 +253,7 @@ class SchedulerCore(SchedulingPass):
             "devices": list(inv.devices),
             "attempts": inv.attempts,
             "queued_s": ((inv.started or now) - inv.submitted),
+            "cold_start": inv.cold or False,
         }
         if extra:
             meta.update(extra)
@@ -249,7 +274,7 @@ class SchedulerCore(SchedulingPass):
         d.running_by_fn[fid] -= 1
         if d.running_by_fn[fid] <= 0:
             del d.running_by_fn[fid]
-        d.ledger.release(inv.id)
+        d.ledger.release(inv.id, self._now)
         self._dirty = True
 
     def _control_peer(self, key: str) -> bytes | None:
@@ -335,17 +360,25 @@ class SchedulerCore(SchedulingPass):
             if d is not None:
                 self._lose_worker(d, now, "its supervisor re-registered", restart=False)
                 d.info, d.supervisor = info, peer
-                d.ledger = DeviceLedger(info.memory_total)
+                d.ledger = self._ledger(info, msg.info)
                 if d.state is not DeviceState.STARTING:
                     d.state = DeviceState.STARTING
                     d.history.append(("starting", now))
             else:
-                d = Device(info=info, supervisor=peer, ledger=DeviceLedger(info.memory_total))
+                d = Device(info=info, supervisor=peer, ledger=self._ledger(info, msg.info))
                 d.history.append(("starting", now))
                 self.devices[info.key] = d
         self._invalidate_feasibility()
         self._send(peer, p.Welcome(True, info=self._cluster_info()))
         log.info("supervisor %s registered %d device(s)", msg.info.get("node"), len(infos))
+
+    def _ledger(self, info: DeviceInfo, node_info: dict[str, Any]) -> DeviceLedger:
+        """A device's ledger, sharing its node's host-memory budget for offloaded models."""
+        host = self.hosts.get(info.node)
+        if host is None:
+            budget = self.config.host_offload_bytes or int(node_info.get("host_memory", 0)) // 2
+            host = self.hosts[info.node] = HostLedger(budget or 16 * 2**30)
+        return DeviceLedger(info.memory_total, host=host, key=info.key, policy=self.policy)
 
     def _hello_worker(self, peer: bytes, msg: p.Hello, now: float) -> None:
         key = msg.info.get("device", "")
@@ -425,10 +458,11 @@ class SchedulerCore(SchedulingPass):
             self._send(peer, p.Error(kind_of(e), f"function {msg.name}: {e}"))
             return
         ncode = len(msg.frames) - sum(int(m.get("nframes", 0)) for m in msg.models)
-        self.functions[msg.function_id] = FunctionRecord(
+        fn = self.functions[msg.function_id] = FunctionRecord(
             msg.function_id, msg.code_id, msg.name, spec, tuple(msg.frames[:ncode]),
             list(msg.models),
         )
+        fn.model_keys = self._register_models(list(msg.models), tuple(msg.frames[ncode:]))
 
     def _spec_for(self, fn: FunctionRecord, options: dict[str, Any]) -> GpuSpec:
         if not options:
@@ -465,10 +499,12 @@ class SchedulerCore(SchedulingPass):
         self._dirty = True
 
     def _feasibility(self, fn: FunctionRecord, spec: GpuSpec, per_call: bool) -> str | None:
-        if per_call:
-            return feasibility_error(spec, fn.name, self.devices.values())
-        if fn.function_id not in self._feasible:
-            self._feasible[fn.function_id] = feasibility_error(spec, fn.name, self.devices.values())
+        if per_call or fn.function_id not in self._feasible:
+            err = (feasibility_error(spec, fn.name, self.devices.values(), self._model_bytes(fn))
+                   or self._never_fits(fn, spec.memory))
+            if per_call:
+                return err
+            self._feasible[fn.function_id] = err
         return self._feasible[fn.function_id]
 
     def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:
@@ -511,6 +547,13 @@ class SchedulerCore(SchedulingPass):
             return
         if len(inv.devices) > 1:
             self._on_rank_result(inv, d, msg, now)
+            return
+        if self._should_replan(inv, msg):
+            self._release_device(inv, d)
+            inv.replans += 1
+            inv.to(InvState.QUEUED, now)
+            inv.devices, inv.started, inv.cold = (), None, ""
+            self.queue.push(inv)
             return
         d.completed += 1
         duration = msg.meta.get("duration")
@@ -619,7 +662,7 @@ class SchedulerCore(SchedulingPass):
         d.running.clear()
         d.running_by_fn.clear()
         d.code.clear()
-        d.ledger.reset()
+        d.ledger.reset(now)
         if restart and d.state in (DeviceState.READY, DeviceState.STARTING):
             d.to(DeviceState.RESTARTING, now)
             d.restarts += 1
@@ -708,7 +751,8 @@ class SchedulerCore(SchedulingPass):
                 "running": [{"id": i.id, "function": i.function.name,
                              "seconds": now - (i.started or now)} for i in d.running.values()],
                 "completed": d.completed, "restarts": d.restarts, "last_error": d.last_error,
-                "pid": d.worker_pid,
+                "pid": d.worker_pid, "models": self._models_status(d),
+                "group": list(self.gangs.held[d.key]) if d.key in self.gangs.held else None,
             })
         functions = [
             {"name": f.name, "function_id": f.function_id, "queued": self.queue.depth(fid),
@@ -722,4 +766,7 @@ class SchedulerCore(SchedulingPass):
             "running": sum(1 for i in self.invocations.values() if i.state is InvState.RUNNING),
             "clients": sum(1 for v in self.peers.values() if v.role == p.Role.CLIENT),
             "counters": self.counters.as_dict(),
+            "models": self._model_counters(),
+            "gangs": {"cold": self.gangs.cold_formations, "warm": self.gangs.warm_formations},
+            "policy": self.policy.name,
         }

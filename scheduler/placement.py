@@ -87,7 +87,7 @@ def free_slots(device: Device, slots: int) -> bool:
 
 def rank_devices(
     spec: GpuSpec, fn: FunctionRecord, devices: Iterable[Device], slots: int,
-    pipeline_depth: int = 0,
+    pipeline_depth: int = 0, check_memory: bool = True,
 ) -> list[Device]:
     """Devices that can start one rank of this function now, best first.
 
@@ -107,7 +107,7 @@ def rank_devices(
         if any(len(other.devices) > 1 for other in d.running.values()):
             continue
         rank = type_rank(spec.type, d.info.name)
-        if rank is None or d.ledger.free < spec.memory:
+        if rank is None or (check_memory and d.ledger.free < spec.memory):
             continue
         scored.append((rank, len(d.running), -d.ledger.free, d.key, d))
     scored.sort(key=lambda s: s[:4])

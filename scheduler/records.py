@@ -31,6 +31,7 @@ class FunctionRecord:
     runtime_ewma: float | None = None
     calls: int = 0
     warm_gang: tuple[str, ...] = ()  # the devices of its last gang, preferred again
+    model_keys: tuple[str, ...] = ()  # the shared models it uses (see scheduler/models.py)
 
     def is_short(self, threshold: float) -> bool:
         """Measured to run in under `threshold` seconds: worth pipelining and inlining."""
@@ -66,6 +67,8 @@ class Invocation:
     rank_results: dict[int, Any] = field(default_factory=dict)
     lost_ranks: dict[int, str] = field(default_factory=dict)
     failing_since: float | None = None  # a rank failed: waiting for the others to settle
+    cold: str = ""  # "loaded" / "restored" / "waited" when its models were not resident
+    replans: int = 0  # re-queued because a model turned out larger than declared
 
     @property
     def reporters(self) -> int:

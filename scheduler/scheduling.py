@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufn import protocol as p
+from gpufn.memory_pool.ledger import Plan
 from gpufn.rendezvous import DEFAULT_TIMEOUT_S, GangSpec, resolve_backend
 from gpufn.scheduler.gang import Reservation, can_backfill, choose_gang, reservation_for
 from gpufn.scheduler.gangs import GangBook
@@ -35,6 +36,9 @@ class _Pass:
 class SchedulingPass:
     """The placement half of the scheduler core (state lives in `SchedulerCore`)."""
 
+    _best_plan: Callable[[Invocation, list[Device]], tuple[Device, Plan] | None]
+    _request: Callable[[Invocation], Any]
+    _apply_plan: Callable[[Invocation, Device, Plan, float], dict[str, str]]
     config: Any
     devices: dict[str, Device]
     queue: ReadyQueue
@@ -73,17 +77,24 @@ class SchedulingPass:
         if inv.spec.count > 1:
             return self._place_gang(inv, now, this)
         depth = self.config.pipeline_depth if self._short(inv) else 0
+        with_models = bool(inv.function.model_keys)
         ranked = rank_devices(inv.spec, inv.function, self.devices.values(),
-                              self.config.slots_per_device, depth)
+                              self.config.slots_per_device, depth, check_memory=not with_models)
         r = this.reservation
-        for d in ranked:
-            if r is not None and d.key in r.devices and not can_backfill(
-                    inv.function.runtime_ewma, r.start_eta):
-                continue  # kept free for the gang at the head of the queue
+        usable = [d for d in ranked if r is None or d.key not in r.devices or can_backfill(
+            inv.function.runtime_ewma, r.start_eta)]  # else kept free for the head gang
+        if not usable:
+            return False
+        if with_models:
+            best = self._best_plan(inv, usable)
+            if best is None:
+                return False
             self.queue.pop(inv.function.function_id)
-            self._dispatch(inv, [d], now)
+            self._dispatch(inv, [best[0]], now, {best[0].key: best[1]})
             return True
-        return False
+        self.queue.pop(inv.function.function_id)
+        self._dispatch(inv, [usable[0]], now)
+        return True
 
     def _short(self, inv: Invocation) -> bool:
         s = inv.spec
@@ -104,11 +115,21 @@ class SchedulingPass:
         reserved = this.reservation.devices if this.reservation and this.owner is not inv else ()
         idle = [d for d in self._gang_capable(inv)
                 if not d.running and d.ledger.free >= spec.memory and d.key not in reserved]
+        if inv.function.model_keys:  # room for the models is checked per device below
+            idle = [d for d in self._gang_capable(inv) if not d.running and d.key not in reserved]
         chosen = choose_gang([d.info for d in idle], spec.count, prefer=inv.function.warm_gang)
         if chosen is None or (not spec.spmd and len({c.node for c in chosen}) > 1):
             return False
+        plans: dict[str, Plan] = {}
+        if inv.function.model_keys:
+            req = self._request(inv)
+            for c in chosen:
+                plan = self.devices[c.key].ledger.plan(req)
+                if not isinstance(plan, Plan):
+                    return False
+                plans[c.key] = plan
         self.queue.pop(inv.function.function_id)
-        self._dispatch(inv, [self.devices[c.key] for c in chosen], now)
+        self._dispatch(inv, [self.devices[c.key] for c in chosen], now, plans)
         return True
 
     def _reserve(self, inv: Invocation, now: float) -> Reservation | None:
@@ -129,7 +150,8 @@ class SchedulingPass:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _dispatch(self, inv: Invocation, devices: list[Device], now: float) -> None:
+    def _dispatch(self, inv: Invocation, devices: list[Device], now: float,
+                  plans: dict[str, Plan] | None = None) -> None:
         inv.to(InvState.RUNNING, now)
         inv.devices = tuple(d.key for d in devices)
         inv.started = now
@@ -164,7 +186,13 @@ class SchedulingPass:
             assert d.worker is not None
             d.running[inv.id] = inv
             d.running_by_fn[fn.function_id] += 1
-            d.ledger.reserve(inv.id, spec.memory)
+            plan = (plans or {}).get(d.key)
+            if plan is not None:
+                models = self._apply_plan(inv, d, plan, now)  # model orders go first
+                if meta is not None:
+                    meta["models"] = models
+            else:
+                d.ledger.reserve(inv.id, spec.memory)
             if meta is None:
                 continue
             if fn.code_id not in d.code:

@@ -56,6 +56,7 @@ class WorkerCore:
     completed: int = 0
     groups: Any = None  # GroupManager, made on the first gang call (imports torch.distributed)
     helper: Any = None  # DeviceSetHelper of the last spmd=False call
+    models: Any = None  # ModelManager (the process shell makes it)
 
     def handle(self, msg: p.Message) -> list[Action]:
         if isinstance(msg, p.LoadCode):
@@ -66,6 +67,9 @@ class WorkerCore:
             return [Interrupt(msg.invocation_id)] if msg.invocation_id in self.running else []
         if isinstance(msg, p.Shutdown):
             return [Exit(msg.reason or "scheduler asked")]
+        if isinstance(msg, (p.LoadModel, p.EvictModel)) and self.models is not None:
+            self.models.handle(msg)
+            return []
         if isinstance(msg, p.GroupOp) and msg.op == "abort" and self.groups is not None:
             self.groups.abort(str(msg.gang.get("reason", "aborted by the scheduler")),
                               gang_id=msg.gang.get("gang_id"), generation=msg.gang.get("generation"))
@@ -108,6 +112,10 @@ class WorkerCore:
         )
         call = Call(msg.invocation_id, msg.name, fn, msg.frames, context, msg.meta,
                     attempt=msg.attempt)
+        if self.models is not None:
+            manager, needed = self.models, dict(msg.meta.get("models") or {})
+            timeout = msg.meta.get("timeout")
+            call.prepare = lambda: manager.prepare(needed, timeout)
         if "gang" in msg.meta:
             self._as_gang_rank(call, msg.meta)
         elif "multi" in msg.meta:
@@ -128,7 +136,11 @@ class WorkerCore:
         groups, ctx = self.groups, call.context
         ctx.rank, ctx.world_size = gang.rank, gang.world_size
 
+        first = call.prepare
+
         def prepare() -> None:
+            if first is not None:
+                first()
             ctx.group = groups.ensure(gang, self.device)
             call.meta["group_inits"] = groups.inits
             call.meta["group_init_s"] = groups.last_init_s

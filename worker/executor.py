@@ -7,6 +7,7 @@ finished `Result` goes to `on_done`, which the worker's I/O loop drains.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,14 @@ from typing import Any
 from gpufn import call_context as ctxmod
 from gpufn import protocol as p
 from gpufn import serialization as ser
-from gpufn.exceptions import Cancelled, GpufnError, SerializationError, kind_of
+from gpufn.exceptions import (
+    Cancelled,
+    GpufnError,
+    ModelLoadError,
+    OutOfMemory,
+    SerializationError,
+    kind_of,
+)
 from gpufn.worker.output import OutputRouter, set_current
 
 
@@ -100,6 +108,17 @@ class Executor:
                 result.meta[key] = call.meta[key]
         self.on_done(result)
 
+    def _out_of_memory(self, call: Call, exc: BaseException, t0: float) -> p.Result:
+        """The call alone fails with gpufn.OutOfMemory; its memory goes back to the pool
+        so the models resident on the device keep serving."""
+        from gpufn.memory_pool.allocator import out_of_memory, release_workspace
+
+        device = call.context.device
+        err = out_of_memory(exc, device, f"{call.name} call {call.invocation_id}")
+        del exc
+        release_workspace(device)
+        return _gpufn_failure(call.invocation_id, err, t0)
+
     def _call(self, call: Call, t0: float) -> p.Result:
         inv = call.invocation_id
         try:
@@ -128,6 +147,10 @@ class Executor:
                     call.meta["comm_error"] = True
             if isinstance(e, GpufnError) and getattr(e, "_gpufn_internal", False):
                 return _gpufn_failure(inv, e, t0)
+            if isinstance(e, (ModelLoadError, OutOfMemory)):
+                return _gpufn_failure(inv, e, t0)
+            if _oom(e):
+                return self._out_of_memory(call, e, t0)
             return _failure(inv, e, t0)
         try:
             frames = ser.dumps(value)
@@ -150,6 +173,16 @@ def _is_comm_error(exc: BaseException) -> bool:
             "GangAborted", "DistBackendError", "DistNetworkError", "DistStoreError"):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS)
+
+
+def _oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    if "torch" not in sys.modules:
+        return False
+    from gpufn.memory_pool.allocator import is_out_of_memory
+
+    return is_out_of_memory(exc)
 
 
 def _tag_rank(exc: BaseException, rank: int, world: int) -> None:

@@ -65,7 +65,8 @@ def _handshake(sock: zmq.Socket[Any], hello: p.Hello, timeout: float = 60.0) -> 
 
 
 class WorkerProcess:
-    def __init__(self, address: str, token: str, device_key: str, incarnation: int, kind: str) -> None:
+    def __init__(self, address: str, token: str, device_key: str, incarnation: int, kind: str,
+                 memory: int = 0) -> None:
         self.address = address
         self.device_key = device_key
         self.incarnation = incarnation
@@ -73,11 +74,18 @@ class WorkerProcess:
         self.router = OutputRouter()
         self.router.install()
         self.core = WorkerCore(device_key, _torch_device(kind), _host_of(address))
-        self._done: deque[p.Result] = deque()
+        self._done: deque[p.Message] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.executor = Executor(self.router, self._on_done)
+        from gpufn.model import set_resolver
+        from gpufn.worker.models import ModelManager
+
+        # Simulated devices enforce their configured size; real GPUs their real memory.
+        capacity = memory if kind == "cpu" and memory > 0 else None
+        self.core.models = ModelManager(self.core.device, capacity, self._on_done)
+        set_resolver(self.core.models.resolve)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         _sockets.configure(self.sock)
@@ -101,8 +109,9 @@ class WorkerProcess:
     def handshake(self) -> None:
         self._early = _handshake(self.sock, self._hello("work"))
 
-    def _on_done(self, result: p.Result) -> None:
-        self._done.append(result)
+    def _on_done(self, msg: p.Message) -> None:
+        """From executor and model threads: a finished call (Result) or a model event."""
+        self._done.append(msg)
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
@@ -146,7 +155,11 @@ class WorkerProcess:
 
     def _drain_done(self) -> None:
         while self._done:
-            self._act(self.core.done(self._done.popleft()))
+            msg = self._done.popleft()
+            if isinstance(msg, p.Result):
+                self._act(self.core.done(msg))
+            else:
+                self._queue(msg)
 
     def serve(self) -> None:
         poller = zmq.Poller()
@@ -267,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", required=True)
     ap.add_argument("--incarnation", type=int, default=1)
     ap.add_argument("--kind", default="cpu")
+    ap.add_argument("--memory", type=int, default=0, help="device bytes (simulated devices)")
     a = ap.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
@@ -276,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     glog.setLevel(os.environ.get("GPUFN_LOG_LEVEL", "WARNING").upper())
     glog.propagate = False
     token = os.environ.get("GPUFN_TOKEN", "")
-    worker = WorkerProcess(a.address, token, a.device, a.incarnation, a.kind)
+    worker = WorkerProcess(a.address, token, a.device, a.incarnation, a.kind, a.memory)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     # Exit if our supervisor dies without taking us along (e.g. started by hand).
     _sockets.watch_parent(os.getppid(), lambda: os._exit(0))

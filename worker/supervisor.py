@@ -31,6 +31,14 @@ GIVE_UP_AFTER = 5
 GAVE_UP = -999
 
 
+def _host_memory() -> int:
+    """This node's RAM in bytes (the budget for offloaded models is a share of it)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def log_dir() -> Path:
     d = Path(os.environ.get("GPUFN_LOG_DIR") or Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}")
     d.mkdir(parents=True, exist_ok=True)
@@ -78,6 +86,7 @@ class Supervisor:
     def hello(self) -> None:
         self._send(p.Hello(p.Role.SUPERVISOR, p.PROTOCOL_VERSION, self.token, os.getpid(), {
             "node": self.node, "devices": [s.device.to_wire() for s in self.slots.values()],
+            "host_memory": _host_memory(),
         }))
 
     def handshake(self, timeout: float = 30.0) -> None:
@@ -106,7 +115,8 @@ class Supervisor:
         slot.incarnation += 1
         d = slot.device
         cmd = [sys.executable, "-m", "gpufn.worker", "--address", self.address, "--device", d.key,
-               "--incarnation", str(slot.incarnation), "--kind", d.kind]
+               "--incarnation", str(slot.incarnation), "--kind", d.kind,
+               "--memory", str(d.memory_total)]
         with open(slot.log_path, "ab") as logf:
             slot.log_offset = logf.tell()
             slot.proc = subprocess.Popen(

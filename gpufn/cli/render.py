@@ -42,6 +42,25 @@ def models_table(status: dict[str, Any]) -> Table | None:
     return t
 
 
+def model_counters_table(status: dict[str, Any]) -> Table | None:
+    recs = status.get("models", [])
+    if not recs:
+        return None
+    t = Table(title=f"model pool (policy: {status.get('policy', '?')})", title_justify="left")
+    for col in ("model", "bytes", "loads", "mean load", "restores", "mean restore", "offloads",
+                "evictions", "failures"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+
+    def secs(v: Any) -> str:
+        return f"{v * 1000:.0f} ms" if isinstance(v, (int, float)) else "-"
+
+    for r in recs:
+        t.add_row(r["name"], format_bytes(r["bytes"]), str(r["loads"]), secs(r["mean_load_s"]),
+                  str(r["restores"]), secs(r["mean_restore_s"]), str(r["offloads"]),
+                  str(r["evictions"]), str(r["failures"]))
+    return t
+
+
 def functions_table(status: dict[str, Any]) -> Table | None:
     fns = status.get("functions", [])
     if not fns:
@@ -58,7 +77,7 @@ def functions_table(status: dict[str, Any]) -> Table | None:
 
 def status_view(status: dict[str, Any]) -> Group:
     parts: list[Any] = [devices_table(status)]
-    for extra in (models_table(status), functions_table(status)):
+    for extra in (models_table(status), model_counters_table(status), functions_table(status)):
         if extra is not None:
             parts.append(extra)
     c = status.get("counters", {})

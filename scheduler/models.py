@@ -1,0 +1,207 @@
+"""Shared models in the scheduler (mixin of `SchedulerCore`): the model registry, each
+call's memory request, admission through the device ledgers, the worker orders that
+make it true (drop host copies, offload, evict, restore, load), and model events.
+
+A model's key is its name plus its loader's content hash, so redefining a loader makes
+a new model; the old one stops being used and leaves the pool by policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpufn import protocol as p
+from gpufn.memory_pool.ledger import DeviceLedger, ModelNeed, NeverFits, Plan, Request
+from gpufn.memory_pool.residency import Residency
+from gpufn.scheduler.records import Device, FunctionRecord, Invocation
+
+log = logging.getLogger("gpufn.scheduler")
+
+
+@dataclass
+class ModelRecord:
+    key: str
+    name: str
+    memory: int  # declared estimate
+    pin: bool
+    offload: bool
+    frames: tuple[Any, ...]  # the loader's code
+    measured: int = 0  # bytes measured on a device (better than the estimate)
+    loads: int = 0
+    load_seconds: float = 0.0
+    restores: int = 0
+    restore_seconds: float = 0.0
+    offloads: int = 0
+    evictions: int = 0
+    failures: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.measured or self.memory
+
+
+class ModelPlacement:
+    """Model residency orchestration (state lives in `SchedulerCore`)."""
+
+    models: dict[str, ModelRecord]
+    devices: dict[str, Device]
+    _replan_models: set[str]
+    _send: Callable[[bytes, p.Message], None]
+    _dirty: bool
+
+    def _register_models(self, descs: list[dict[str, Any]], frames: tuple[Any, ...]) -> tuple[str, ...]:
+        keys = []
+        i = 0
+        for d in descs:
+            n = int(d.get("nframes", 0))
+            key = f"{d['name']}@{str(d.get('code_id', ''))[:10]}"
+            if key not in self.models:
+                self.models[key] = ModelRecord(
+                    key, str(d["name"]), int(d.get("memory") or 0), bool(d.get("pin")),
+                    bool(d.get("offload", True)), tuple(frames[i:i + n]))
+            keys.append(key)
+            i += n
+        return tuple(keys)
+
+    def _model_bytes(self, fn: FunctionRecord) -> int:
+        return sum(self.models[k].size for k in fn.model_keys)
+
+    def _request(self, inv: Invocation) -> Request:
+        needs = tuple(ModelNeed(k, self.models[k].size, self.models[k].pin,
+                                self.models[k].offload, inv.spec.priority)
+                      for k in inv.function.model_keys)
+        return Request(needs, inv.spec.memory, inv.function.name)
+
+    def _best_plan(self, inv: Invocation, devices: list[Device]) -> tuple[Device, Plan] | None:
+        """The device where the call's models are cheapest to have: resident, then on
+        host, then the least eviction; ties to the least loaded."""
+        req = self._request(inv)
+        best: tuple[tuple[Any, ...], Device, Plan] | None = None
+        for d in devices:
+            plan = d.ledger.plan(req)
+            if not isinstance(plan, Plan):
+                continue
+            key = (plan.cost, len(d.running), -plan.free_after, d.key)
+            if best is None or key < best[0]:
+                best = (key, d, plan)
+        return None if best is None else (best[1], best[2])
+
+    def _never_fits(self, fn: FunctionRecord, spec_memory: int) -> str | None:
+        """Why the function's models plus workspace fit on no registered device, or None."""
+        if not fn.model_keys or not self.devices:
+            return None
+        verdicts = []
+        for d in self.devices.values():
+            needs = tuple(ModelNeed(k, self.models[k].size, self.models[k].pin, self.models[k].offload)
+                          for k in fn.model_keys)
+            plan = d.ledger.plan(Request(needs, spec_memory, fn.name))
+            if not isinstance(plan, NeverFits):
+                return None
+            verdicts.append((plan.shortfall, d.key, plan))
+        _, key, plan = min(verdicts, key=lambda v: (v[0], v[1]))
+        names = ", ".join(self.models[k].name for k in fn.model_keys)
+        return (f"{fn.name} with models [{names}] {plan} on the best device ({key}). Lower "
+                "@gpu(memory=...), use smaller models, or add larger devices.")
+
+    def _apply_plan(self, inv: Invocation, d: Device, plan: Plan, now: float) -> dict[str, str]:
+        """Commit the plan in the ledger and send the worker orders, in order; returns
+        the call's name -> model key map for `Model.get()`."""
+        d.ledger.admit(inv.id, plan, now)
+        for dev_key, key in plan.drop_host:
+            other = self.devices.get(dev_key)
+            if other is not None and other.worker is not None:
+                self._send(other.worker, p.EvictModel(key, False))
+        assert d.worker is not None
+        for key in plan.offload:
+            self.models[key].offloads += 1
+            self._send(d.worker, p.EvictModel(key, True))
+        for key in plan.evict:
+            self.models[key].evictions += 1
+            self._send(d.worker, p.EvictModel(key, False))
+        for key in plan.restore:
+            rec = self.models[key]
+            self._send(d.worker, p.LoadModel(key, {"restore": True, "name": rec.name}))
+        for key in plan.load:
+            rec = self.models[key]
+            self._send(d.worker, p.LoadModel(key, {"name": rec.name, "memory": rec.memory},
+                                             rec.frames))
+        inv.cold = ("loaded" if plan.load else "restored" if plan.restore
+                    else "waited" if plan.waiting else "")
+        return {self.models[k].name: k for k in inv.function.model_keys}
+
+    def _on_model_event(self, peer: bytes, msg: p.ModelEvent, now: float) -> None:
+        d = self._device_of(peer)
+        rec = self.models.get(msg.model)
+        if d is None:
+            return
+        led: DeviceLedger = d.ledger
+        entry = led.models.get(msg.model)
+        try:
+            if msg.state == "resident" and entry is not None:
+                if entry.from_host:
+                    led.restore_done(msg.model, now, msg.seconds)
+                    if rec is not None:
+                        rec.restores += 1
+                        rec.restore_seconds += msg.seconds
+                else:
+                    fix = led.load_done(msg.model, now, msg.nbytes, msg.seconds)
+                    if fix is not None:
+                        log.warning("%s", fix)
+                    if rec is not None:
+                        rec.measured = msg.nbytes
+                        rec.loads += 1
+                        rec.load_seconds += msg.seconds
+            elif msg.state == "load_failed" and entry is not None:
+                led.load_failed(msg.model, now)
+                if rec is not None and msg.error_kind == "OutOfMemory" and msg.nbytes > rec.size:
+                    # Declared too small: learn the real size; its calls are planned again.
+                    log.warning("model %s needs %d bytes, more than declared; re-planning",
+                                rec.name, msg.nbytes)
+                    rec.measured = msg.nbytes
+                    self._replan_models.add(msg.model)
+                elif rec is not None:
+                    rec.failures += 1
+                log.warning("model %s on %s: %s", msg.model, d.key, msg.message.splitlines()[0])
+            elif msg.state == "offloaded" and entry is not None:
+                led.offload_done(msg.model, now)
+            elif msg.state == "offload_failed" and entry is not None:
+                led.offload_failed(msg.model, now)
+            elif msg.state == "evicted" and entry is not None:
+                if entry.state is Residency.EVICTING:
+                    led.evict_done(msg.model, now)
+                elif entry.state is Residency.OFFLOADED:
+                    led.drop_host_copy(msg.model, now)
+        except (KeyError, ValueError) as e:  # an event from before a reset: stale
+            log.info("ignoring model event %s %s on %s: %s", msg.model, msg.state, d.key, e)
+        self._dirty = True
+
+    def _should_replan(self, inv: Invocation, msg: p.Result) -> bool:
+        """A call that failed only because one of its models was larger than declared
+        (and the ledger has now learned its size) is queued again, once."""
+        return (not msg.ok and msg.error_kind == "OutOfMemory" and inv.replans == 0
+                and any(k in self._replan_models for k in inv.function.model_keys))
+
+    def _device_of(self, peer: bytes) -> Device | None:  # provided by SchedulerCore
+        raise NotImplementedError
+
+    def _models_status(self, d: Device) -> list[dict[str, Any]]:
+        out = []
+        for e in d.ledger.models.values():
+            if e.state is Residency.ABSENT:
+                continue
+            rec = self.models.get(e.name)
+            out.append({"name": rec.name if rec else e.name, "key": e.name, "state": e.state.value,
+                        "nbytes": e.nbytes, "measured": e.measured, "users": sorted(e.users),
+                        "in_use": e.in_use, "uses": e.uses, "pinned": e.pinned})
+        return out
+
+    def _model_counters(self) -> list[dict[str, Any]]:
+        return [{"name": r.name, "key": r.key, "bytes": r.size, "loads": r.loads,
+                 "mean_load_s": r.load_seconds / r.loads if r.loads else None,
+                 "restores": r.restores,
+                 "mean_restore_s": r.restore_seconds / r.restores if r.restores else None,
+                 "offloads": r.offloads, "evictions": r.evictions, "failures": r.failures}
+                for r in self.models.values()]

@@ -1,0 +1,130 @@
+"""The worker's model cache: loads, offloads, restores and evictions on one ordered
+model thread, inside the device's memory pool (`ModelArena`), reported to the scheduler.
+
+Calls that need a model wait until it is resident (or fail with the loader's error);
+`Model.get()` inside a call returns the instance resident on this device.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from gpufn import protocol as p
+from gpufn import serialization as ser
+from gpufn.exceptions import GpufnError, ModelLoadError, OutOfMemory, kind_of
+
+log = logging.getLogger("gpufn.worker")
+
+_call_models = threading.local()  # name -> model key, for the call running in this thread
+
+
+class ModelManager:
+    def __init__(self, device: Any, capacity: int | None, emit: Callable[[p.Message], None]) -> None:
+        from gpufn.memory_pool.allocator import ModelArena
+
+        self.arena = ModelArena(device, capacity)
+        self.emit = emit
+        self.ops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufn-models")
+        self._lock = threading.Lock()
+        self._ready: dict[str, threading.Event] = {}
+        self._errors: dict[str, GpufnError] = {}
+
+    # ------------------------------------------------------------------ orders
+
+    def handle(self, msg: p.Message) -> None:
+        if isinstance(msg, p.LoadModel):
+            with self._lock:
+                self._ready[msg.model] = threading.Event()
+                self._errors.pop(msg.model, None)
+            self.ops.submit(self._load, msg.model, msg.spec, tuple(msg.frames))
+        elif isinstance(msg, p.EvictModel):
+            self.ops.submit(self._evict, msg.model, msg.offload)
+
+    def _event(self, key: str) -> threading.Event:
+        with self._lock:
+            return self._ready.setdefault(key, threading.Event())
+
+    def _load(self, key: str, spec: dict[str, Any], frames: tuple[Any, ...]) -> None:
+        restore = bool(spec.get("restore"))
+        name = spec.get("name", key)
+        try:
+            if restore:
+                report = self.arena.restore(key)
+                nbytes, seconds = report.nbytes, report.seconds
+            else:
+                loader = ser.load_code(frames)
+                rep = self.arena.load(key, loader)
+                nbytes, seconds = rep.nbytes, rep.seconds
+        except BaseException as e:
+            if isinstance(e, OutOfMemory):
+                err: GpufnError = e
+            else:
+                tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+                what = "bringing model {!r} back from host memory" if restore else "the loader of model {!r}"
+                err = ModelLoadError(f"{what.format(name)} raised {type(e).__name__}: {e}\n{tb}")
+            if restore:  # leave nothing behind: the host copy is dropped too
+                try:
+                    self.arena.evict(key)
+                except KeyError:
+                    pass
+            with self._lock:
+                self._errors[key] = err
+            needed = int(getattr(err, "needed", 0) or 0)  # an under-estimated model's real size
+            self.emit(p.ModelEvent(key, "load_failed", needed, 0.0, kind_of(err), str(err)))
+            self._event(key).set()
+            return
+        self.emit(p.ModelEvent(key, "resident", nbytes, seconds, "", "restored" if restore else ""))
+        self._event(key).set()
+
+    def _evict(self, key: str, offload: bool) -> None:
+        with self._lock:
+            self._ready.pop(key, None)
+        try:
+            if offload:
+                report = self.arena.offload(key)
+                self.emit(p.ModelEvent(key, "offloaded", report.nbytes, report.seconds))
+            else:
+                freed = self.arena.evict(key)
+                self.emit(p.ModelEvent(key, "evicted", freed, 0.0))
+        except KeyError:
+            self.emit(p.ModelEvent(key, "evicted", 0, 0.0))
+        except Exception as e:
+            log.exception("could not %s model %s", "offload" if offload else "evict", key)
+            try:
+                self.arena.evict(key)
+            except KeyError:
+                pass
+            self.emit(p.ModelEvent(key, "offload_failed" if offload else "evicted", 0, 0.0,
+                                   type(e).__name__, str(e)))
+
+    # ------------------------------------------------------------------ calls
+
+    def prepare(self, models: dict[str, str], timeout: float | None) -> None:
+        """In the call's thread: wait until its models are resident; map names for get()."""
+        for name, key in models.items():
+            if not self._event(key).wait(timeout):
+                raise ModelLoadError(f"model {name!r} was not resident within {timeout:g}s")
+            with self._lock:
+                err = self._errors.get(key)
+            if err is not None:
+                raise type(err)(str(err))
+        _call_models.mapping = dict(models)
+
+    @staticmethod
+    def finish_call() -> None:
+        _call_models.mapping = {}
+
+    def resolve(self, name: str) -> Any:
+        """`Model.get()` inside a call."""
+        mapping = getattr(_call_models, "mapping", None) or {}
+        key = mapping.get(name)
+        if key is None:
+            raise GpufnError(
+                f"model {name!r} is not listed in this function's @gpu(models=[...]); add it "
+                "there so the scheduler places the call where the model is resident")
+        return self.arena.get(key)

@@ -18,6 +18,7 @@ from gpufn.exceptions import (
     Cancelled,
     GpufnError,
     ProtocolMismatch,
+    QueueFull,
     Timeout,
     Unschedulable,
     WorkerLost,
@@ -26,6 +27,7 @@ from gpufn.exceptions import (
 from gpufn.memory_pool.eviction import EvictionPolicy, policy_by_name
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
+from gpufn.scheduler.batching import Batching
 from gpufn.scheduler.gangs import GangBook
 from gpufn.scheduler.models import ModelPlacement, ModelRecord
 from gpufn.scheduler.placement import feasibility_error
@@ -106,7 +108,9 @@ class SchedulerConfig:
     @classmethod
     def from_env(cls, token: str | None) -> SchedulerConfig:
         """Defaults overridden by GPUFN_SLOTS, GPUFN_AGING_SECONDS, GPUFN_HEARTBEAT_TIMEOUT,
-        GPUFN_CLIENT_TIMEOUT, GPUFN_MAX_QUEUE, GPUFN_MAX_QUEUE_PER_FUNCTION."""
+        GPUFN_CLIENT_TIMEOUT, GPUFN_MAX_QUEUE, GPUFN_MAX_QUEUE_PER_FUNCTION,
+        GPUFN_STOP_GRACE_SECONDS, GPUFN_GANG_SETTLE_SECONDS, GPUFN_PIPELINE_DEPTH,
+        GPUFN_EVICTION_POLICY (+ GPUFN_LRU_MAX_MODELS), GPUFN_HOST_OFFLOAD_MEMORY."""
         from gpufn import config as c
 
         per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
@@ -123,6 +127,9 @@ class SchedulerConfig:
             client_timeout=c.env_float("GPUFN_CLIENT_TIMEOUT", cls.client_timeout),
             max_queue=c.env_int("GPUFN_MAX_QUEUE", cls.max_queue),
             max_queue_per_function=per_fn or None,
+            stop_grace_seconds=c.env_float("GPUFN_STOP_GRACE_SECONDS", cls.stop_grace_seconds),
+            gang_settle_seconds=c.env_float("GPUFN_GANG_SETTLE_SECONDS", cls.gang_settle_seconds),
+            pipeline_depth=c.env_int("GPUFN_PIPELINE_DEPTH", cls.pipeline_depth),
             eviction_policy=policy,
             eviction_options=options,
             host_offload_bytes=parse_memory(host, "GPUFN_HOST_OFFLOAD_MEMORY") if host else 0,
@@ -140,6 +147,9 @@ class Counters:
     lost: int = 0
     unschedulable: int = 0
     restarts: int = 0
+    rejected: int = 0
+    preempted: int = 0
+    batches: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -148,7 +158,7 @@ class Counters:
 # --------------------------------------------------------------------------- core
 
 
-class SchedulerCore(SchedulingPass, ModelPlacement):
+class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.peers: dict[bytes, Peer] = {}
@@ -166,6 +176,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
         self.rendezvous_port: int | None = None
         self.needs_rendezvous = False
         self._now = 0.0
+        self._wakeup_at: float | None = None
         self._feasible: dict[str, str | None] = {}
         self._out: list[Send] = []
         self._dirty = False
@@ -236,6 +247,15 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
         if release:
             self._release(inv)
         self.invocations.pop(inv.id, None)
+        if inv.members:  # a batch carrier: its calls get the outcome, not a client
+            if state is not InvState.SUCCEEDED:
+                for m in inv.members:
+                    if m.state is InvState.RUNNING:
+                        res = (p.Result(m.id, False, result.error_kind, result.message,
+                                        self._meta(m, now, result.meta), result.frames)
+                               if result is not None else None)
+                        self._finish(m, now, state, error, res, release=False)
+            return
         if state is InvState.SUCCEEDED:
             self.counters.succeeded += 1
         elif state is InvState.CANCELLED:
@@ -270,12 +290,16 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
         d.stopping.pop(inv.id, None)
         if d.running.pop(inv.id, None) is None:
             return
-        fid = inv.function.function_id
-        d.running_by_fn[fid] -= 1
-        if d.running_by_fn[fid] <= 0:
-            del d.running_by_fn[fid]
+        code = inv.function.code_id  # with_options() variants share one concurrency limit
+        d.running_by_fn[code] -= 1
+        if d.running_by_fn[code] <= 0:
+            del d.running_by_fn[code]
         d.ledger.release(inv.id, self._now)
         self._dirty = True
+
+    def next_wakeup(self) -> float | None:
+        """When the scheduler wants a pass although nothing arrives (a batch's wait ends)."""
+        return self._wakeup_at
 
     def _control_peer(self, key: str) -> bytes | None:
         d = self.devices.get(key)
@@ -489,6 +513,11 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
             self.counters.unschedulable += 1
             self._send(peer, p.Result(msg.invocation_id, False, kind_of(Unschedulable), err, {}))
             return
+        full = self._queue_full(fn)
+        if full is not None:
+            self.counters.rejected += 1
+            self._send(peer, p.Result(msg.invocation_id, False, kind_of(QueueFull), full, {}))
+            return
         self._seq += 1
         inv = Invocation(msg.invocation_id, fn, peer, spec, tuple(msg.frames), now, self._seq)
         inv.history.append(("queued", now))
@@ -497,6 +526,20 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
         self.invocations[inv.id] = inv
         self.queue.push(inv)
         self._dirty = True
+
+    def _queue_full(self, fn: FunctionRecord) -> str | None:
+        cfg = self.config
+        if len(self.queue) >= cfg.max_queue:
+            return (f"the scheduler's queue holds {len(self.queue)} calls, its limit "
+                    f"(GPUFN_MAX_QUEUE={cfg.max_queue}); {fn.name} was not accepted. Retry "
+                    "later, slow down, or raise the limit")
+        per_fn = cfg.max_queue_per_function
+        depth = self.queue.depth(fn.function_id)
+        if per_fn is not None and depth >= per_fn:
+            return (f"{fn.name} already has {depth} queued calls, its limit "
+                    f"(GPUFN_MAX_QUEUE_PER_FUNCTION={per_fn}); this call was not accepted. "
+                    "Retry later, slow down, or raise the limit")
+        return None
 
     def _feasibility(self, fn: FunctionRecord, spec: GpuSpec, per_call: bool) -> str | None:
         if per_call or fn.function_id not in self._feasible:
@@ -558,7 +601,10 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
         d.completed += 1
         duration = msg.meta.get("duration")
         if msg.ok and isinstance(duration, (int, float)):
-            inv.function.observe_runtime(float(duration))
+            inv.function.observe_runtime(float(duration), d.key)
+        if inv.members:
+            self._on_carrier_result(inv, msg, now)
+            return
         meta = self._meta(inv, now, msg.meta)
         result = p.Result(inv.id, msg.ok, msg.error_kind, msg.message, meta, msg.frames)
         self._finish(inv, now, InvState.SUCCEEDED if msg.ok else InvState.FAILED, result=result)
@@ -609,7 +655,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
         first = inv.rank_results[0]
         duration = first.meta.get("duration")
         if isinstance(duration, (int, float)):
-            inv.function.observe_runtime(float(duration))
+            inv.function.observe_runtime(float(duration), inv.devices[0])
         extra = dict(first.meta)
         frames = first.frames
         if inv.spec.gather:
@@ -618,6 +664,30 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
             frames = tuple(f for r in ordered for f in r.frames)
         self._finish(inv, now, InvState.SUCCEEDED, result=p.Result(
             inv.id, True, "", "", self._meta(inv, now, extra), frames), release=False)
+
+    def _on_carrier_result(self, carrier: Invocation, msg: p.Result, now: float) -> None:
+        if not msg.ok:  # the batch as a whole failed: every member gets the error
+            self._finish(carrier, now, InvState.FAILED, result=msg)
+            return
+        results = self._member_results(carrier, msg)
+        self._finish(carrier, now, InvState.SUCCEEDED, result=msg)
+        for m, res in zip(carrier.members, results, strict=False):
+            if m.state is InvState.RUNNING:
+                meta = self._meta(m, now, res.meta)
+                self._finish(m, now, InvState.SUCCEEDED if res.ok else InvState.FAILED,
+                             result=p.Result(m.id, res.ok, res.error_kind, res.message, meta,
+                                             res.frames), release=False)
+
+    def _preempt(self, victim: Invocation, d: Device, now: float, reason: str) -> None:
+        """Stop a preemptible call and queue it again (its device stays held until its
+        worker reports it stopped)."""
+        self.counters.preempted += 1
+        victim.preemptions += 1
+        log.info("[%s] %s %s", victim.id, victim.function.name, reason)
+        self._stop_ranks(victim, reason)
+        victim.to(InvState.QUEUED, now)
+        victim.devices, victim.started, victim.cold = (), None, ""
+        self.queue.push(victim)
 
     def _on_output(self, peer: bytes, msg: p.Output, now: float) -> None:
         inv = self.invocations.get(msg.invocation_id)
@@ -683,7 +753,14 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
         self._retry_or_fail_lost(inv, now, why)
 
     def _retry_or_fail_lost(self, inv: Invocation, now: float, why: str) -> None:
-        if inv.attempts <= inv.spec.retries:
+        if inv.members:  # a lost batch: each of its calls is retried or fails on its own
+            inv.to(InvState.FAILED, now)
+            for m in inv.members:
+                if m.state is InvState.RUNNING:
+                    m.carrier = None
+                    self._retry_or_fail_lost(m, now, why)
+            return
+        if inv.attempts - inv.preemptions <= inv.spec.retries:
             inv.rank_results, inv.lost_ranks, inv.failing_since = {}, {}, None
             inv.to(InvState.QUEUED, now)
             inv.devices = ()
@@ -699,6 +776,9 @@ class SchedulerCore(SchedulingPass, ModelPlacement):
             release=False)
 
     def _on_tick(self, now: float) -> None:
+        if self._wakeup_at is not None and now >= self._wakeup_at:
+            self._wakeup_at = None
+            self._dirty = True
         for inv in [i for i in self.invocations.values() if i.failing_since is not None
                     and now - i.failing_since > self.config.gang_settle_seconds]:
             self._settle_gang(inv, now, force=True)

@@ -49,6 +49,7 @@ class ModelPlacement:
     models: dict[str, ModelRecord]
     devices: dict[str, Device]
     _replan_models: set[str]
+    _device_of: Callable[[bytes], Device | None]
     _send: Callable[[bytes, p.Message], None]
     _dirty: bool
 
@@ -183,9 +184,6 @@ class ModelPlacement:
         (and the ledger has now learned its size) is queued again, once."""
         return (not msg.ok and msg.error_kind == "OutOfMemory" and inv.replans == 0
                 and any(k in self._replan_models for k in inv.function.model_keys))
-
-    def _device_of(self, peer: bytes) -> Device | None:  # provided by SchedulerCore
-        raise NotImplementedError
 
     def _models_status(self, d: Device) -> list[dict[str, Any]]:
         out = []

@@ -85,9 +85,21 @@ def free_slots(device: Device, slots: int) -> bool:
     return device.state is DeviceState.READY and len(device.running) < slots
 
 
+def drain_seconds(d: Device, now: float) -> float:
+    """Expected seconds until the work on a device finishes (unknown run times count 0)."""
+    total = 0.0
+    for other in d.running.values():
+        est = other.function.estimate(d.key)
+        if est is None:
+            continue
+        started = other.started if other.started is not None else now
+        total += max(0.0, est - (now - started))
+    return total
+
+
 def rank_devices(
     spec: GpuSpec, fn: FunctionRecord, devices: Iterable[Device], slots: int,
-    pipeline_depth: int = 0, check_memory: bool = True,
+    pipeline_depth: int = 0, check_memory: bool = True, now: float = 0.0,
 ) -> list[Device]:
     """Devices that can start one rank of this function now, best first.
 
@@ -95,20 +107,22 @@ def rank_devices(
     (for short calls, so the worker never idles through a scheduler round trip). A device
     running a rank of a multi-device call is that call's alone: one slow neighbour would
     slow every rank.
-    Preference: the earliest acceptable type, then the least loaded, then the most free
-    memory.
+    Preference: the earliest acceptable type, then the earliest expected finish (what
+    runs there, drained by measured run times, plus this call's run time measured on
+    that device: faster devices get more calls), then fewer calls, then free memory.
     """
     scored = []
     for d in devices:
         if d.state is not DeviceState.READY or len(d.running) >= slots:
             continue
-        if d.running_by_fn[fn.function_id] >= spec.concurrency + pipeline_depth:
+        if d.running_by_fn[fn.code_id] >= spec.concurrency + pipeline_depth:
             continue
         if any(len(other.devices) > 1 for other in d.running.values()):
             continue
         rank = type_rank(spec.type, d.info.name)
         if rank is None or (check_memory and d.ledger.free < spec.memory):
             continue
-        scored.append((rank, len(d.running), -d.ledger.free, d.key, d))
-    scored.sort(key=lambda s: s[:4])
+        finish = drain_seconds(d, now) + (fn.estimate(d.key) or 0.0)
+        scored.append((rank, finish, len(d.running), -d.ledger.free, d.key, d))
+    scored.sort(key=lambda s: s[:5])
     return [s[-1] for s in scored]

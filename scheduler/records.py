@@ -30,6 +30,7 @@ class FunctionRecord:
     models: list[dict[str, Any]] = field(default_factory=list)
     runtime_ewma: float | None = None
     calls: int = 0
+    runtime_by_device: dict[str, float] = field(default_factory=dict)
     warm_gang: tuple[str, ...] = ()  # the devices of its last gang, preferred again
     model_keys: tuple[str, ...] = ()  # the shared models it uses (see scheduler/models.py)
 
@@ -37,12 +38,20 @@ class FunctionRecord:
         """Measured to run in under `threshold` seconds: worth pipelining and inlining."""
         return self.runtime_ewma is not None and self.runtime_ewma <= threshold
 
-    def observe_runtime(self, seconds: float, alpha: float = 0.2) -> None:
+    def estimate(self, device: str) -> float | None:
+        """Expected run time on a device: measured there, else anywhere, else unknown."""
+        return self.runtime_by_device.get(device, self.runtime_ewma)
+
+    def observe_runtime(self, seconds: float, device: str = "", alpha: float = 0.2) -> None:
+        """Exponentially weighted run time, overall and per device (devices differ)."""
         self.calls += 1
         if self.runtime_ewma is None:
             self.runtime_ewma = seconds
         else:
             self.runtime_ewma += alpha * (seconds - self.runtime_ewma)
+        if device:
+            old = self.runtime_by_device.get(device)
+            self.runtime_by_device[device] = seconds if old is None else old + alpha * (seconds - old)
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +78,9 @@ class Invocation:
     failing_since: float | None = None  # a rank failed: waiting for the others to settle
     cold: str = ""  # "loaded" / "restored" / "waited" when its models were not resident
     replans: int = 0  # re-queued because a model turned out larger than declared
+    members: list[Invocation] = field(default_factory=list)  # a batch carrier's calls
+    carrier: Invocation | None = None  # the batch this call runs in
+    preempt_asked: float | None = None  # when this call last preempted another
 
     @property
     def reporters(self) -> int:
@@ -97,7 +109,7 @@ class Device:
     incarnation: int = 0
     last_seen: float = 0.0
     running: dict[str, Invocation] = field(default_factory=dict)
-    running_by_fn: Counter[str] = field(default_factory=Counter)
+    running_by_fn: Counter[str] = field(default_factory=Counter)  # by code id
     code: set[str] = field(default_factory=set)
     last_error: str = ""
     restarts: int = 0

@@ -36,6 +36,12 @@ class _Pass:
 class SchedulingPass:
     """The placement half of the scheduler core (state lives in `SchedulerCore`)."""
 
+    # Provided by SchedulerCore and its other mixins (ModelPlacement, Batching).
+    _preempt: Callable[[Invocation, Device, float, str], None]
+    _batch_ready: Callable[[Invocation, float], bool]
+    _form_batch: Callable[[Invocation, float], Invocation]
+    _batch_meta: Callable[[Invocation], dict[str, Any]]
+    _start_members: Callable[[Invocation, float], None]
     _best_plan: Callable[[Invocation, list[Device]], tuple[Device, Plan] | None]
     _request: Callable[[Invocation], Any]
     _apply_plan: Callable[[Invocation, Device, Plan, float], dict[str, str]]
@@ -76,25 +82,66 @@ class SchedulingPass:
     def _try_place(self, inv: Invocation, now: float, this: _Pass) -> bool:
         if inv.spec.count > 1:
             return self._place_gang(inv, now, this)
-        depth = self.config.pipeline_depth if self._short(inv) else 0
-        with_models = bool(inv.function.model_keys)
-        ranked = rank_devices(inv.spec, inv.function, self.devices.values(),
-                              self.config.slots_per_device, depth, check_memory=not with_models)
-        r = this.reservation
-        usable = [d for d in ranked if r is None or d.key not in r.devices or can_backfill(
-            inv.function.runtime_ewma, r.start_eta)]  # else kept free for the head gang
-        if not usable:
+        spec, fn = inv.spec, inv.function
+        if spec.batch_size is not None and not self._batch_ready(inv, now):
             return False
-        if with_models:
+        depth = self.config.pipeline_depth if self._short(inv) else 0
+        with_models = bool(fn.model_keys)
+        ranked = rank_devices(spec, fn, self.devices.values(), self.config.slots_per_device,
+                              depth, check_memory=not with_models, now=now)
+        r = this.reservation
+        usable = [d for d in ranked if inv.id not in d.running and (
+            r is None or d.key not in r.devices or can_backfill(fn.runtime_ewma, r.start_eta))]
+        plan = None
+        if with_models and usable:
             best = self._best_plan(inv, usable)
-            if best is None:
-                return False
-            self.queue.pop(inv.function.function_id)
-            self._dispatch(inv, [best[0]], now, {best[0].key: best[1]})
+            usable, plan = ([best[0]], best[1]) if best is not None else ([], None)
+        if not usable:
+            if spec.priority > 0 or inv.preempt_asked is None:
+                self._maybe_preempt(inv, now)
+            return False
+        d = usable[0]
+        if spec.batch_size is not None:
+            carrier = self._form_batch(inv, now)
+            self._dispatch(carrier, [d], now, {d.key: plan} if plan else None)
             return True
-        self.queue.pop(inv.function.function_id)
-        self._dispatch(inv, [usable[0]], now)
+        self.queue.pop(fn.function_id)
+        self._dispatch(inv, [d], now, {d.key: plan} if plan else None)
         return True
+
+    # ------------------------------------------------------------------ preemption
+
+    def _maybe_preempt(self, inv: Invocation, now: float) -> None:
+        """Stop a running preemptible call of lower priority where this call would then
+        fit; it goes back to the queue (keeping its place) and runs again from the start."""
+        if inv.preempt_asked is not None and now - inv.preempt_asked < self.config.stop_grace_seconds:
+            return  # a call preempted for it is still stopping
+        spec = inv.spec
+        best: tuple[tuple[Any, ...], Device, Invocation] | None = None
+        for d in self.devices.values():
+            if d.state is not DeviceState.READY or type_rank(spec.type, d.info.name) is None:
+                continue
+            for victim in d.running.values():
+                vs = victim.spec
+                if (victim.state is not InvState.RUNNING or not vs.preemptible
+                        or vs.priority >= spec.priority or len(victim.devices) != 1
+                        or victim.id in d.stopping or victim.members):
+                    continue
+                if d.ledger.free + vs.memory < spec.memory:
+                    continue
+                same_fn = victim.function.code_id == inv.function.code_id
+                if d.running_by_fn[inv.function.code_id] - same_fn >= spec.concurrency:
+                    continue
+                key = (vs.priority, -(victim.started or now), d.key)
+                if best is None or key < best[0]:
+                    best = (key, d, victim)
+        if best is None:
+            return
+        _, d, victim = best
+        inv.preempt_asked = now
+        self._preempt(victim, d, now, f"preempted by {inv.function.name} call {inv.id} "
+                                      f"(priority {spec.priority} > {victim.spec.priority})")
+
 
     def _short(self, inv: Invocation) -> bool:
         s = inv.spec
@@ -160,6 +207,9 @@ class SchedulingPass:
         fn, spec = inv.function, inv.spec
         base: dict[str, Any] = {"timeout": spec.timeout, "concurrency": spec.concurrency,
                                 "inline": self._short(inv)}
+        if inv.members:
+            base.update(self._batch_meta(inv))
+            self._start_members(inv, now)
         metas: list[dict[str, Any] | None]
         if spec.count > 1 and spec.spmd:
             formation, warm = self.gangs.form(inv.devices)
@@ -185,7 +235,7 @@ class SchedulingPass:
         for d, meta in zip(devices, metas, strict=True):
             assert d.worker is not None
             d.running[inv.id] = inv
-            d.running_by_fn[fn.function_id] += 1
+            d.running_by_fn[fn.code_id] += 1
             plan = (plans or {}).get(d.key)
             if plan is not None:
                 models = self._apply_plan(inv, d, plan, now)  # model orders go first

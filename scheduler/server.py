@@ -76,7 +76,9 @@ class SchedulerServer:
         try:
             while self._running:
                 now = time.monotonic()
-                wait = 0 if (self._outbox or self._pending_events) else max(0.0, next_tick - now)
+                wake = self.core.next_wakeup()
+                due = next_tick if wake is None else min(next_tick, wake)
+                wait = 0 if (self._outbox or self._pending_events) else max(0.0, due - now)
                 timeout_ms = math.ceil(wait * 1000) if wait else (1 if self._outbox else 0)
                 ready = dict(poller.poll(timeout_ms))
                 events: list[Event] = self._pending_events
@@ -97,7 +99,7 @@ class SchedulerServer:
                             continue
                         events.extend(Received(peer, m) for m in msgs)
                 now = time.monotonic()
-                if now >= next_tick:
+                if now >= next_tick or (wake is not None and now >= wake):
                     events.append(Tick())
                     next_tick = now + TICK_SECONDS
                 if self._store_port is not None and self.core.rendezvous_port is None:

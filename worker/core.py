@@ -111,7 +111,7 @@ class WorkerCore:
             devices=[self.device], attempt=msg.attempt,
         )
         call = Call(msg.invocation_id, msg.name, fn, msg.frames, context, msg.meta,
-                    attempt=msg.attempt)
+                    attempt=msg.attempt, batch=msg.meta.get("batch"))
         if self.models is not None:
             manager, needed = self.models, dict(msg.meta.get("models") or {})
             timeout = msg.meta.get("timeout")

@@ -44,6 +44,7 @@ class Call:
     # Runs in the call's thread when the function raised (a gang rank tears its group down).
     on_error: Callable[[BaseException], None] | None = None
     attempt: int = 1
+    batch: list[int] | None = None  # frames per input when the call is a batch
 
 
 class Executor:
@@ -122,7 +123,12 @@ class Executor:
     def _call(self, call: Call, t0: float) -> p.Result:
         inv = call.invocation_id
         try:
-            args, kwargs = ser.loads(call.frames)
+            if call.batch is not None:
+                args, kwargs = _batched_arguments(call)
+            else:
+                args, kwargs = ser.loads(call.frames)
+        except GpufnError as e:
+            return _gpufn_failure(inv, e, t0)
         except Exception as e:
             err = SerializationError(
                 f"the arguments of {call.name} could not be unpickled on the worker: "
@@ -136,22 +142,9 @@ class Executor:
             if call.finish is not None:
                 value = call.finish(value)
         except BaseException as e:
-            if call.on_error is not None:
-                try:
-                    call.on_error(e)
-                except Exception:
-                    pass
-            if call.context.world_size > 1:
-                _tag_rank(e, call.context.rank, call.context.world_size)
-                if _is_comm_error(e):
-                    call.meta["comm_error"] = True
-            if isinstance(e, GpufnError) and getattr(e, "_gpufn_internal", False):
-                return _gpufn_failure(inv, e, t0)
-            if isinstance(e, (ModelLoadError, OutOfMemory)):
-                return _gpufn_failure(inv, e, t0)
-            if _oom(e):
-                return self._out_of_memory(call, e, t0)
-            return _failure(inv, e, t0)
+            return self._raised(call, e, t0)
+        if call.batch is not None:
+            return _batch_result(call, value, t0)
         try:
             frames = ser.dumps(value)
         except Exception as e:
@@ -161,6 +154,71 @@ class Executor:
             )
             return _gpufn_failure(inv, err, t0)
         return p.Result(inv, True, "", "", {"duration": time.perf_counter() - t0}, tuple(frames))
+
+    def _raised(self, call: Call, e: BaseException, t0: float) -> p.Result:
+        inv = call.invocation_id
+        if call.on_error is not None:
+            try:
+                call.on_error(e)
+            except Exception:
+                pass
+        if call.context.world_size > 1:
+            _tag_rank(e, call.context.rank, call.context.world_size)
+            if _is_comm_error(e):
+                call.meta["comm_error"] = True
+        if isinstance(e, (ModelLoadError, OutOfMemory)):
+            return _gpufn_failure(inv, e, t0)
+        if _oom(e):
+            return self._out_of_memory(call, e, t0)
+        return _failure(inv, e, t0)
+
+
+def _batched_arguments(call: Call) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Each caller passed one input; the batched function gets one list per argument."""
+    assert call.batch is not None
+    items, i = [], 0
+    for n in call.batch:
+        items.append(ser.loads(call.frames[i:i + n]))
+        i += n
+    shapes = {(len(a), tuple(sorted(k))) for a, k in items}
+    if len(shapes) != 1:
+        raise GpufnError(
+            f"the calls batched into {call.name} passed different arguments "
+            f"({sorted(shapes)}); every call of a batched function must pass the same "
+            "positional count and keyword names")
+    (npos, keys), = shapes
+    args = tuple([a[j] for a, _ in items] for j in range(npos))
+    kwargs = {k: [kw[k] for _, kw in items] for k in keys}
+    return args, kwargs
+
+
+def _batch_result(call: Call, value: Any, t0: float) -> p.Result:
+    """One output per input (an exception in an item's place fails only that caller)."""
+    assert call.batch is not None
+    n = len(call.batch)
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        got = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (list, tuple)) else "")
+        return _gpufn_failure(call.invocation_id, GpufnError(
+            f"batched function {call.name} must return a list of {n} outputs, one per input "
+            f"in order; it returned {got}"), t0)
+    frames: list[Any] = []
+    items: list[dict[str, Any]] = []
+    for v in value:
+        if isinstance(v, BaseException):
+            f, tb = ser.dump_exception(v)
+            items.append({"ok": False, "n": len(f), "error_kind": "", "message": str(v),
+                          "type": type(v).__name__, "traceback": tb})
+        else:
+            try:
+                f = ser.dumps(v)
+                items.append({"ok": True, "n": len(f)})
+            except Exception as e:
+                f = []
+                items.append({"ok": False, "n": 0, "error_kind": "SerializationError",
+                              "message": f"an output of {call.name} cannot be pickled: {e}"})
+        frames.extend(f)
+    return p.Result(call.invocation_id, True, "", "",
+                    {"duration": time.perf_counter() - t0, "batch_items": items}, tuple(frames))
 
 
 _COMM_MARKERS = ("gloo", "NCCL", "nccl", "Connection closed by peer", "Connection reset by peer",

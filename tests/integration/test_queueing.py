@@ -1,0 +1,135 @@
+"""Priority, deadlines, cancellation, preemption, batching and concurrency through real
+processes on one simulated device."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import gpufn
+
+from ..conftest import shutdown_default, wait_ready
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def one() -> Iterator[gpufn.Client]:
+    mp = pytest.MonkeyPatch()
+    shutdown_default()
+    mp.setenv("GPUFN_CPU_DEVICES", "1")
+    mp.setenv("GPUFN_STOP_GRACE_SECONDS", "1")
+    c = gpufn.connect()
+    wait_ready(c)
+    yield c
+    shutdown_default()
+    mp.undo()
+
+
+@gpufn.gpu
+def stamp(tag: str, seconds: float = 0.05) -> tuple[str, float]:
+    time.sleep(seconds)
+    return tag, time.monotonic()
+
+
+def test_higher_priority_runs_first(one: gpufn.Client) -> None:
+    blocker = stamp.spawn("blocker", 0.5)
+    time.sleep(0.1)
+    low = [stamp.spawn(f"low{i}") for i in range(4)]
+    high = [stamp.with_options(priority=10).spawn(f"high{i}") for i in range(4)]
+    blocker.get(timeout=30)
+    done_low = [c.get(timeout=30)[1] for c in low]
+    done_high = [c.get(timeout=30)[1] for c in high]
+    assert max(done_high) < min(done_low)
+
+
+def test_deadline_drops_a_call_that_cannot_start_in_time(one: gpufn.Client) -> None:
+    blocker = stamp.spawn("blocker", 1.0)
+    time.sleep(0.1)
+    late = stamp.with_options(deadline=0.3).spawn("late")
+    with pytest.raises(gpufn.Timeout, match="deadline"):
+        late.get(timeout=30)
+    blocker.get(timeout=30)
+
+
+def test_cancel_stops_running_work_and_kills_a_stuck_worker(one: gpufn.Client) -> None:
+    @gpufn.gpu
+    def stuck_in_c() -> None:
+        time.sleep(60)  # C code: the interrupt only lands when it returns
+
+    pid = one.status()["devices"][0]["pid"]
+    call = stuck_in_c.spawn()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert call.cancel()
+    with pytest.raises(gpufn.Cancelled):
+        call.get(timeout=10)
+    assert time.monotonic() - t0 < 1
+    deadline = time.monotonic() + 20  # killed after the 1 s grace, and restarted
+    while one.status()["devices"][0]["pid"] in (pid, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = wait_ready(one)
+    assert st["devices"][0]["pid"] != pid and st["devices"][0]["restarts"] >= 1
+    assert stamp.remote("after")[0] == "after"
+
+
+def test_closing_a_map_cancels_what_is_left(one: gpufn.Client) -> None:
+    before = one.status()["counters"]["cancelled"]
+    it = stamp.map([f"m{i}" for i in range(30)], [0.1] * 30)
+    next(it)
+    it.close()
+    time.sleep(0.5)
+    st = one.status()
+    assert st["queued"] == 0
+    assert st["counters"]["cancelled"] - before >= 25
+
+
+def test_preemptible_low_priority_call_yields_and_reruns(one: gpufn.Client) -> None:
+    @gpufn.gpu(preemptible=True, priority=0)
+    def background(steps: int) -> int:
+        for _ in range(steps):
+            time.sleep(0.01)  # Python code between sleeps: interruptible
+        return steps
+
+    bg = background.spawn(150)
+    time.sleep(0.4)
+    # the same function at a higher priority: it cannot run beside bg (concurrency=1)
+    urgent = background.with_options(priority=5, preemptible=False).spawn(1)
+    t0 = time.monotonic()
+    assert urgent.get(timeout=30) == 1
+    assert time.monotonic() - t0 < 1.0  # it did not wait for bg's remaining second
+    assert bg.get(timeout=60) == 150
+    meta = bg.result_meta()
+    assert meta["attempts"] >= 2 and one.status()["counters"]["preempted"] >= 1
+
+
+def test_dynamic_batching_groups_calls_and_keeps_per_item_errors(one: gpufn.Client) -> None:
+    @gpufn.gpu(batch_size=8, batch_wait_ms=100)
+    def double(xs: list[int]) -> list[object]:
+        return [ValueError(f"bad {x}") if x == 13 else (x * 2, len(xs)) for x in xs]
+
+    calls = [double.spawn(x) for x in range(20)]
+    out = []
+    for x, c in zip(range(20), calls, strict=True):
+        if x == 13:
+            with pytest.raises(ValueError, match="bad 13"):
+                c.get(timeout=30)
+        else:
+            out.append(c.get(timeout=30))
+    assert [v for v, _ in out] == [x * 2 for x in range(20) if x != 13]
+    assert max(size for _, size in out) == 8 and sum(1 for _, s in out if s > 1) >= 16
+    assert double.remote(3) == (6, 1)  # alone: the batch goes out after batch_wait_ms
+
+
+def test_concurrency_runs_calls_of_a_function_in_parallel(one: gpufn.Client) -> None:
+    @gpufn.gpu(concurrency=4)
+    def io_bound() -> int:
+        time.sleep(0.5)
+        return os.getpid()
+
+    t0 = time.monotonic()
+    pids = [c.get(timeout=30) for c in [io_bound.spawn() for _ in range(4)]]
+    assert time.monotonic() - t0 < 1.5 and len(set(pids)) == 1

@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+from gpufn import protocol as p
+from gpufn.scheduler.states import InvState
+
+from .core_harness import Harness
+
+
+def _where(h: Harness, inv: str) -> str:
+    return next(k for k, d in h.core.devices.items() if inv in d.running)
+
+
+def test_queue_limits_refuse_with_queue_full() -> None:
+    h = Harness(devices=1, max_queue=3, max_queue_per_function=2)
+    h.start_worker(0)
+    f, g = h.register("f"), h.register("g")
+    h.submit(f)  # runs
+    a, b = h.submit(f), h.submit(f)  # queued: 2 of f
+    c = h.submit(f)
+    res = h.results()[c]
+    assert res.error_kind == "QueueFull" and "GPUFN_MAX_QUEUE_PER_FUNCTION=2" in res.message
+    assert a not in h.results() and b not in h.results()
+    h.submit(g)  # g runs beside f (another function)
+    h.submit(g)  # queued: 3 in total
+    d = h.submit(g)
+    assert h.results()[d].error_kind == "QueueFull" and "GPUFN_MAX_QUEUE=3" in h.results()[d].message
+    assert h.core.counters.rejected == 2
+
+
+def test_calls_go_to_the_device_expected_to_finish_first() -> None:
+    h = Harness(devices=2)
+    h.start_worker(0)
+    h.start_worker(1)
+    f = h.register("f", concurrency=8)
+    fn = next(iter(h.core.functions.values()))
+    fn.observe_runtime(1.0, "n:0")  # n:0 is slow for f
+    fn.observe_runtime(0.1, "n:1")  # n:1 is ten times faster
+    placed = [_where(h, h.submit(f)) for _ in range(6)]
+    # the fast device takes calls until its queue is as long as the slow one's single call
+    assert placed.count("n:1") >= 5
+
+
+def test_variants_of_a_function_share_its_concurrency() -> None:
+    h = Harness(devices=1)
+    h.start_worker(0)
+    base = h.register("f")
+    urgent = h.register("f", priority=5)  # same code, another spec
+    fns = list(h.core.functions.values())
+    fns[1].code_id = fns[0].code_id  # as with_options() does
+    h.submit(base)
+    second = h.submit(urgent)
+    assert h.core.invocations[second].state is InvState.QUEUED
+
+
+def test_preemption_requeues_the_victim_and_frees_the_device_when_it_stops() -> None:
+    h = Harness(devices=1)
+    w = h.start_worker(0)
+    low = h.register("bg", preemptible=True)
+    high = h.register("bg", priority=5)
+    fns = list(h.core.functions.values())
+    fns[1].code_id = fns[0].code_id
+    victim = h.submit(low)
+    urgent = h.submit(high)
+    cancels = [s for s in h.of_type(p.Cancel) if s.msg.invocation_id == victim]
+    assert cancels and "preempted" in cancels[0].msg.reason
+    assert h.core.invocations[victim].state is InvState.QUEUED
+    assert h.core.invocations[urgent].state is InvState.QUEUED  # waits for the device
+    # the victim stops: its (stale) result frees the device; the urgent call runs first
+    h.feed(w, p.Result(victim, False, "Cancelled", "preempted", {"attempt": 1}))
+    assert h.core.invocations[urgent].state is InvState.RUNNING
+    h.finish(w, urgent)
+    assert h.core.invocations[victim].state is InvState.RUNNING
+    h.feed(w, p.Result(victim, True, "", "", {"attempt": 2}, (b"v",)))
+    res = h.results()[victim]
+    assert res.ok and res.meta["attempts"] == 2 and h.core.counters.preempted == 1
+
+
+def test_non_preemptible_calls_are_never_stopped() -> None:
+    h = Harness(devices=1)
+    h.start_worker(0)
+    low = h.register("bg")
+    high = h.register("bg", priority=5)
+    fns = list(h.core.functions.values())
+    fns[1].code_id = fns[0].code_id
+    h.submit(low)
+    h.submit(high)
+    assert not h.of_type(p.Cancel)
+
+
+def test_batches_fill_up_or_leave_after_the_wait() -> None:
+    h = Harness(devices=1)
+    w = h.start_worker(0)
+    f = h.register("b", batch_size=3, batch_wait_ms=20)
+    a, b = h.submit(f), h.submit(f)
+    assert not h.runs()  # waiting for the batch to fill
+    assert h.core.next_wakeup() is not None
+    c = h.submit(f)
+    (run,) = h.runs(w)
+    assert run.meta["members"] == [a, b, c] and run.meta["batch"] == [1, 1, 1]
+    items = [{"ok": True, "n": 1}, {"ok": False, "n": 1, "error_kind": "", "message": "x"},
+             {"ok": True, "n": 1}]
+    h.feed(w, p.Result(run.invocation_id, True, "", "", {"attempt": 1, "batch_items": items},
+                       (b"ra", b"rb", b"rc")))
+    res = h.results()
+    assert res[a].ok and res[a].frames == (b"ra",) and res[a].meta["batch_size"] == 3
+    assert not res[b].ok and res[b].frames == (b"rb",)
+    assert res[c].frames == (b"rc",)
+    d = h.submit(f)  # alone: leaves when its wait is over
+    assert not [r for r in h.runs() if d in r.meta.get("members", [])]
+    h.tick(dt=0.05)
+    assert [r for r in h.runs() if d in r.meta.get("members", [])]
+
+
+def test_a_lost_batch_fails_each_member_or_retries_it() -> None:
+    h = Harness(devices=1)
+    h.start_worker(0)
+    f = h.register("b", batch_size=2, batch_wait_ms=50, retries=1)
+    a, b = h.submit(f), h.submit(f)
+    assert h.core.invocations[a].carrier is h.core.invocations[b].carrier is not None
+    h.feed(b"sup", p.WorkerExited("n:0", 100, -9, "killed"))
+    assert h.core.invocations[a].state is InvState.QUEUED  # retried on their own
+    assert h.core.invocations[b].state is InvState.QUEUED
+    assert h.core.counters.retried == 2

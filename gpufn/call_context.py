@@ -29,8 +29,6 @@ class CallContext:
         if self._mesh is None:
             if self.world_size == 1 and self.group is None:
                 raise GpufnError("a DeviceMesh needs a multi-device call: use @gpu(count=N)")
-            from gpufn.worker.groups import mesh_for
-
             self._mesh = mesh_for(self)
         return self._mesh
 
@@ -70,3 +68,22 @@ def current_device() -> Any:
 
 def _set(ctx: CallContext | None) -> None:
     _local.ctx = ctx
+
+
+def mesh_for(ctx: Any) -> Any:
+    """A 1-D DeviceMesh over the call's gang, built on the existing group (no new groups).
+
+    `DeviceMesh.from_group` wraps the group as it is; `init_device_mesh` or the
+    `DeviceMesh(...)` constructor would create a second gloo group on CUDA hosts.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = ctx.group if ctx.group is not None else dist.group.WORLD
+    if group is None or not dist.is_initialized():
+        raise GpufnError(
+            "this call has no process group: a DeviceMesh needs a gang, use @gpu(count=N)"
+        )
+    device_type = torch.device(ctx.device).type
+    return DeviceMesh.from_group(group, device_type)

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ BATCH_MAX = 256
 class _Pending:
     future: Future[p.Result]
     name: str
+    function_id: str = ""
+    frames: list[Any] | None = None  # the encoded Submit, sent again if the scheduler forgets us
 
 
 class Client:
@@ -56,7 +59,11 @@ class Client:
         self._counter = itertools.count(1)
         self._calls: dict[str, _Pending] = {}
         self._status: dict[int, Future[dict[str, Any]]] = {}
+        self._status_frames: dict[int, list[Any]] = {}
+        self.ping_seconds = PING_SECONDS
         self._registered: set[str] = set()
+        self._register_frames: dict[str, list[Any]] = {}
+        self._resubmit = False
         self._lock = threading.Lock()
         self._outbox: deque[list[Any]] = deque()
         self._wake_r, self._wake_w = os.pipe()
@@ -64,6 +71,7 @@ class Client:
         os.set_blocking(self._wake_w, False)
         self._welcome: Future[p.Welcome] = Future()
         self._sync = threading.local()
+        self._channel_ids = itertools.count(1)
         self._channels: list[_SyncChannel] = []
         self.idle_rehello = config.env_float("GPUFN_CLIENT_TIMEOUT", 120.0) / 2
         self._closed = threading.Event()
@@ -85,6 +93,9 @@ class Client:
             self.close()
             raise from_wire(welcome.error_kind, welcome.message)
         self.info = welcome.info
+        # Ping well within the time after which the scheduler forgets a silent client.
+        self.ping_seconds = min(PING_SECONDS, float(welcome.info.get("client_timeout", 120)) / 4)
+        self.idle_rehello = float(welcome.info.get("client_timeout", 120)) / 2
 
     # ------------------------------------------------------------------ public
 
@@ -96,7 +107,8 @@ class Client:
             if register.function_id in self._registered:
                 return
             self._registered.add(register.function_id)
-        self._enqueue(p.encode(register))
+            frames = self._register_frames[register.function_id] = p.encode(register)
+        self._enqueue(frames)
 
     def is_registered(self, function_id: str) -> bool:
         return function_id in self._registered
@@ -106,9 +118,10 @@ class Client:
         if self._closed.is_set():
             fut.set_exception(ConnectionLost("this gpufn client is closed; call gpufn.connect() again"))
             return fut
+        frames = p.encode(submit)
         with self._lock:
-            self._calls[submit.invocation_id] = _Pending(fut, name)
-        self._enqueue(p.encode(submit))
+            self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, frames)
+        self._enqueue(frames)
         return fut
 
     def submit_many(self, items: list[tuple[p.Submit, str]]) -> list[Future[p.Result]]:
@@ -117,9 +130,10 @@ class Client:
         with self._lock:
             for submit, name in items:
                 fut: Future[p.Result] = Future()
-                self._calls[submit.invocation_id] = _Pending(fut, name)
+                enc = p.encode(submit)
+                self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, enc)
                 futs.append(fut)
-                frames.append(p.encode(submit))
+                frames.append(enc)
         if self._closed.is_set():
             for f in futs:
                 f.set_exception(ConnectionLost("this gpufn client is closed"))
@@ -134,10 +148,19 @@ class Client:
             raise ConnectionLost("this gpufn client is closed; call gpufn.connect() again")
         ch: _SyncChannel | None = getattr(self._sync, "channel", None)
         if ch is None:
-            ch = self._sync.channel = _SyncChannel(self)
+            ch = self._sync.channel = _SyncChannel(self, next(self._channel_ids))
             with self._lock:
                 self._channels.append(ch)
+            # A finished thread's socket is closed (thread ids are reused; sockets are not).
+            weakref.finalize(threading.current_thread(), self._drop_channel, ch)
         return ch.call(register, submit, name)
+
+    def _drop_channel(self, ch: _SyncChannel) -> None:
+        with self._lock:
+            if ch not in self._channels:
+                return
+            self._channels.remove(ch)
+        ch.close()
 
     def cancel(self, invocation_id: str, reason: str = "") -> None:
         self._enqueue(p.encode(p.Cancel(invocation_id, reason)))
@@ -146,7 +169,8 @@ class Client:
         rid = next(self._counter)
         fut: Future[dict[str, Any]] = Future()
         self._status[rid] = fut
-        self._enqueue(p.encode(p.StatusRequest(rid)))
+        frames = self._status_frames[rid] = p.encode(p.StatusRequest(rid))
+        self._enqueue(frames)
         try:
             return fut.result(timeout)
         except TimeoutError:
@@ -154,6 +178,7 @@ class Client:
                                  f"request within {timeout:.0f}s") from None
         finally:
             self._status.pop(rid, None)
+            self._status_frames.pop(rid, None)
 
     def outstanding(self) -> int:
         return len(self._calls)
@@ -203,10 +228,8 @@ class Client:
         poller.register(self._wake_r, zmq.POLLIN)
         pending_send: list[Any] | None = None
         try:
-            sock.send_multipart(p.encode(p.Hello(
-                p.Role.CLIENT, p.PROTOCOL_VERSION, self.token, os.getpid(),
-                {"argv": " ".join(sys.argv)[:200]})))
-            next_ping = time.monotonic() + PING_SECONDS
+            sock.send_multipart(p.encode(self._hello()))
+            next_ping = time.monotonic() + self.ping_seconds
             while not self._closed.is_set():
                 now = time.monotonic()
                 blocked = pending_send is not None
@@ -236,7 +259,7 @@ class Client:
                         break
                 now = time.monotonic()
                 if now >= next_ping:
-                    next_ping = now + PING_SECONDS
+                    next_ping = now + self.ping_seconds
                     try:
                         sock.send_multipart(p.encode(p.Ping(int(now))), zmq.NOBLOCK)
                     except zmq.Again:
@@ -251,19 +274,27 @@ class Client:
                 pass
         except Exception as e:  # never leave callers hanging on a dead I/O thread
             log.exception("gpufn client I/O thread failed")
-            self._fail_all(ConnectionLost(f"the gpufn client I/O thread failed: {e}"))
+            self._closed.set()  # the next call connects afresh
+            self._fail_all(ConnectionLost(f"the gpufn client I/O thread failed: {e}; "
+                                          "call again (a new connection is made)"))
         finally:
             sock.close(100)
             self._io_done.set()
 
     def _receive(self, sock: zmq.Socket[Any]) -> None:
-        self._last_heard = time.monotonic()
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            for msg in p.decode_all(frames):
+            try:
+                msgs = p.decode_all(frames)
+            except p.DecodeError as e:
+                log.warning("undecodable message from the scheduler: %s", e)
+                continue
+            for msg in msgs:
+                if not isinstance(msg, p.Error):  # refusals are not signs of life
+                    self._last_heard = time.monotonic()
                 self._dispatch(msg)
 
     def _dispatch(self, msg: p.Message) -> None:
@@ -277,6 +308,8 @@ class Client:
         elif isinstance(msg, p.Welcome):
             if not self._welcome.done():
                 self._welcome.set_result(msg)
+            elif self._resubmit and msg.ok:
+                self._send_again()
         elif isinstance(msg, p.StatusReply):
             fut = self._status.get(msg.request_id)
             if fut is not None and not fut.done():
@@ -286,18 +319,45 @@ class Client:
         elif isinstance(msg, p.Error):
             if msg.error_kind == AuthenticationError.__name__ and not self._welcome.done():
                 self._welcome.set_result(p.Welcome(False, msg.error_kind, msg.message))
+            elif msg.error_kind == AuthenticationError.__name__:
+                if not self._resubmit:  # forgotten (restart, long silence): announce again
+                    log.warning("the scheduler forgot this client; reconnecting and sending "
+                                "%d outstanding call(s) again", len(self._calls))
+                    self._resubmit = True
+                    self._enqueue(p.encode(self._hello()))
             else:
                 log.warning("scheduler: %s", msg.message)
+
+    def _hello(self) -> p.Hello:
+        return p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, self.token, os.getpid(),
+                       {"argv": " ".join(sys.argv)[:200]})
+
+    def _send_again(self) -> None:
+        """Welcomed again after being forgotten: register and submit what is outstanding
+        (the scheduler dropped those calls with the connection, so none runs twice)."""
+        self._resubmit = False
+        with self._lock:
+            pending = [c for c in self._calls.values() if c.frames is not None]
+            self._registered = {c.function_id for c in pending if c.function_id}
+            registers = [self._register_frames[f] for f in self._registered
+                         if f in self._register_frames]
+        self._outbox.extend(registers)
+        self._outbox.extend(c.frames for c in pending)  # type: ignore[misc]
+        self._outbox.extend(list(self._status_frames.values()))
+        self._wake()
 
     def _print_output(self, msg: p.Output, name: str | None = None) -> None:
         if name is None:
             pend = self._calls.get(msg.invocation_id)
             name = pend.name if pend else "?"
-        stream = sys.stderr if msg.stream == "stderr" else sys.stdout
         prefix = f"[{name} {msg.invocation_id[-8:]}] "
         text = msg.text[:-1] if msg.text.endswith("\n") else msg.text
-        stream.write("".join(prefix + line + "\n" for line in text.split("\n")))
-        stream.flush()
+        try:
+            stream = sys.stderr if msg.stream == "stderr" else sys.stdout
+            stream.write("".join(prefix + line + "\n" for line in text.split("\n")))
+            stream.flush()
+        except Exception:  # a closed pipe (script | head) must not break the client
+            pass
 
 
 class _SyncChannel:
@@ -305,11 +365,11 @@ class _SyncChannel:
     itself, saving the two thread hand-offs of the I/O-thread path (the scheduler sees
     it as one more client connection of this process)."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, number: int) -> None:
         self.client = client
         self.sock = client._ctx.socket(zmq.DEALER)
         _sockets.configure(self.sock)
-        self.sock.setsockopt(zmq.IDENTITY, f"c/{os.getpid()}/{client._prefix}/t{threading.get_ident()}".encode())
+        self.sock.setsockopt(zmq.IDENTITY, f"c/{os.getpid()}/{client._prefix}/t{number}".encode())
         self.sock.connect(client.address)
         self.registered: set[str] = set()
         self.last_heard = 0.0
@@ -331,7 +391,9 @@ class _SyncChannel:
                             raise from_wire(msg.error_kind, msg.message)
                         self.last_heard = time.monotonic()
                         return
-        raise ConnectionLost(f"no answer from the scheduler at {self.client.address}")
+        raise ConnectionLost(
+            f"no answer from the scheduler at {self.client.address} within 30s. Is it running? "
+            "Check GPUFN_ADDRESS (or unset it for the embedded local cluster)")
 
     def call(self, register: p.Register, submit: p.Submit, name: str) -> p.Result:
         if time.monotonic() - self.last_heard > self.client.idle_rehello:
@@ -344,7 +406,7 @@ class _SyncChannel:
         timeout = self.client.connection_timeout
         try:
             while True:
-                if not self.sock.poll(int(PING_SECONDS * 1000)):
+                if not self.sock.poll(int(self.client.ping_seconds * 1000)):
                     if time.monotonic() - self.last_heard > timeout:
                         raise ConnectionLost(
                             f"the scheduler at {self.client.address} has not answered for "

@@ -37,18 +37,27 @@ def _extra_pythonpath() -> list[str]:
 
 
 class LocalCluster:
+    """A scheduler process and (optionally) a supervisor for this host's devices.
+
+    The embedded cluster uses it with a Unix socket; `gpufn serve` with a TCP address.
+    """
+
     def __init__(
         self, cpu_devices: int | None = None, device_memory: str | int | None = None,
-        islands: int | None = None, extra_env: dict[str, str] | None = None,
+        islands: int | None = None, extra_env: dict[str, str] | None = None, *,
+        host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+        transport: str | None = None, workers: bool = True,
     ) -> None:
         self.cpu_devices = cpu_devices
         self.device_memory = device_memory
         self.islands = islands
         self.extra_env = extra_env or {}
+        self.host, self.port, self.workers = host, port, workers
+        self.transport = transport or os.environ.get("GPUFN_EMBEDDED_TRANSPORT", "ipc")
         self.scheduler: subprocess.Popen[bytes] | None = None
         self.supervisor: subprocess.Popen[bytes] | None = None
         self.address = ""
-        self.token = secrets.token_hex(16)
+        self.token = token or secrets.token_hex(16)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -62,9 +71,9 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> tuple[str, str]:
         env = self._env()
         r, w = os.pipe()
-        cmd = [sys.executable, "-m", "gpufn.scheduler", "--port", "0", "--ready-fd", str(w),
-               "--parent-pid", str(os.getpid())]
-        if os.environ.get("GPUFN_EMBEDDED_TRANSPORT", "ipc") == "ipc":
+        cmd = [sys.executable, "-m", "gpufn.scheduler", "--host", self.host, "--port",
+               str(self.port), "--ready-fd", str(w), "--parent-pid", str(os.getpid())]
+        if self.transport == "ipc":
             sock_dir = Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
             sock_dir.mkdir(mode=0o700, exist_ok=True)
             cmd += ["--ipc", str(sock_dir / f"sched-{os.getpid()}-{secrets.token_hex(4)}.sock")]
@@ -77,6 +86,11 @@ class LocalCluster:
             self.address = self._read_address(r, timeout)
         finally:
             os.close(r)
+        if self.workers:
+            self.start_supervisor(env)
+        return self.address, self.token
+
+    def start_supervisor(self, env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", "gpufn.worker.supervisor", "--address", self.address,
                "--parent-pid", str(os.getpid())]
         if self.cpu_devices:
@@ -87,7 +101,11 @@ class LocalCluster:
             cmd += ["--islands", str(self.islands)]
         self.supervisor = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
-        return self.address, self.token
+
+    def wait(self) -> int:
+        """Block until the scheduler exits (gpufn serve); returns its exit code."""
+        assert self.scheduler is not None
+        return self.scheduler.wait()
 
     def _read_address(self, fd: int, timeout: float) -> str:
         deadline = time.monotonic() + timeout

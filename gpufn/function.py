@@ -11,7 +11,7 @@ import queue
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Generic, TypeVar
 
@@ -232,7 +232,12 @@ class Function(Generic[T]):
         return decode_result(client.call(reg, sub, self.name), self.name)
 
     async def _remote_aio(self, *args: Any, **kwargs: Any) -> T:
-        return await self.spawn(*args, **kwargs).get.aio()
+        call = self.spawn(*args, **kwargs)
+        try:
+            return await call.get.aio()
+        except asyncio.CancelledError:
+            call.cancel()  # the awaiting task was cancelled: so is the remote call
+            raise
 
     remote = _Dual(_remote, _remote_aio)
 
@@ -326,6 +331,7 @@ class _MapRun:
         self.done_q: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.exhausted = False
         self.submitted = 0
+        self.failed = False
 
     def _fill(self, client: Client) -> None:
         batch: list[tuple[int, p.Submit]] = []
@@ -382,12 +388,14 @@ class _MapRun:
                 idx = self.done_q.get()
                 ok, value = self._outcome(idx)
                 if not ok and not self.return_exceptions:
+                    self.failed = True  # first failure: drop what has not started
                     self._cancel_rest(client, include_running=False)
                     raise value
                 self._fill(client)
                 yield idx, ok, value
-        except GeneratorExit:
-            self._cancel_rest(client, include_running=True)
+        except BaseException:  # closed early, Ctrl-C, ...: stop everything still out
+            if not self.failed:
+                self._cancel_rest(client, include_running=True)
             raise
 
     def _ordered(self, steps: Iterator[tuple[int, bool, Any]]) -> Generator[Any, None, None]:
@@ -429,17 +437,29 @@ class _MapRun:
 
     async def run_aio(self) -> AsyncIterator[Any]:
         """The same, without blocking the event loop: completions are awaited."""
-        loop = asyncio.get_running_loop()
         steps: Generator[Any, None, None] = self._ordered(self._steps())
         sentinel = object()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="gpufn-map-aio")
+        step: Future[Any] | None = None
+        finished = False
         try:
             while True:
-                value = await loop.run_in_executor(None, next, steps, sentinel)
+                step = pool.submit(next, steps, sentinel)
+                value = await asyncio.wrap_future(step)
                 if value is sentinel:
+                    finished = True
                     return
                 yield value
         finally:
-            steps.close()
+            if not finished:
+                self._cancel_rest(get_client(), include_running=True)
+            if step is not None and not step.done():
+                # still running in its thread (it ends as the cancelled calls report):
+                # close the generator once that step returns
+                step.add_done_callback(lambda _f: steps.close())
+            else:
+                steps.close()
+            pool.shutdown(wait=False)
 
 
 def _check_models(models: Any) -> tuple[Any, ...]:

@@ -96,7 +96,7 @@ def decode(frames: Sequence[Frame]) -> Message:
         if _HAS_FRAMES[cls]:
             return cls(*values, tuple(frames[2:]))  # type: ignore[call-arg]
         return cls(*values)
-    except (TypeError, ValueError, msgpack.ExtraData) as e:
+    except Exception as e:  # whatever a malformed header raises, it is the peer's fault
         raise DecodeError(f"bad header for {cls.__name__}: {e}") from e
 
 
@@ -123,7 +123,9 @@ def decode_all(frames: Sequence[Frame]) -> list[Message]:
     if len(frames) >= 2 and _as_bytes(frames[0]) == BATCH_TAG:
         try:
             counts = msgpack.unpackb(_as_bytes(frames[1]))
-        except (ValueError, msgpack.ExtraData) as e:
+            if not isinstance(counts, list) or not all(isinstance(n, int) and n > 0 for n in counts):
+                raise ValueError("the header must list positive frame counts")
+        except (ValueError, TypeError, msgpack.ExtraData) as e:
             raise DecodeError(f"bad batch header: {e}") from e
         out, i = [], 2
         for n in counts:
@@ -237,6 +239,7 @@ class Cancel(Message):
     invocation_id: str
     reason: str = ""
     include_running: bool = True
+    attempt: int = 0  # scheduler -> worker: the attempt meant (0: any)
 
 
 @message(13)

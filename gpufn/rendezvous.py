@@ -30,6 +30,9 @@ class GangSpec:
     backend: str  # "nccl", "gloo", or a torch backend string such as "cpu:gloo,cuda:nccl"
     timeout_s: float = DEFAULT_TIMEOUT_S
     devices: tuple[str, ...] = ()  # device keys in rank order
+    # A random key-space secret per formation, sent only inside the token-protected Run:
+    # the store itself has no authentication, so its keys must not be guessable.
+    nonce: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -44,7 +47,8 @@ class GangSpec:
     @property
     def prefix(self) -> str:
         """The store key space of this formation."""
-        return f"gpufn/{self.gang_id}/{self.generation}"
+        base = f"gpufn/{self.gang_id}/{self.generation}"
+        return f"{base}/{self.nonce}" if self.nonce else base
 
     def same_group(self, other: GangSpec | None) -> bool:
         """True if `other` is this very group and rank (warm reuse needs no init)."""
@@ -59,7 +63,7 @@ class GangSpec:
             "gang_id": self.gang_id, "generation": self.generation, "rank": self.rank,
             "world_size": self.world_size, "store_host": self.store_host,
             "store_port": self.store_port, "backend": self.backend,
-            "timeout_s": self.timeout_s, "devices": list(self.devices),
+            "timeout_s": self.timeout_s, "devices": list(self.devices), "nonce": self.nonce,
         }
 
     @classmethod
@@ -70,6 +74,7 @@ class GangSpec:
             store_port=int(d["store_port"]), backend=str(d["backend"]),
             timeout_s=float(d.get("timeout_s", DEFAULT_TIMEOUT_S)),
             devices=tuple(str(k) for k in d.get("devices", ())),
+            nonce=str(d.get("nonce", "")),
         )
 
 

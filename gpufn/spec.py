@@ -81,11 +81,16 @@ class GpuSpec:
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> GpuSpec:
+        """A spec from its wire form, every field validated again (a peer may lie)."""
+        if not isinstance(d, Mapping):
+            raise InvalidSpec(f"a spec must be a mapping, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
-        kw["type"] = tuple(kw.get("type", ()))
-        kw["models"] = tuple(kw.get("models", ()))
-        return cls(**kw)
+        if isinstance(kw.get("models"), list):
+            kw["models"] = tuple(kw["models"])
+        if kw.get("type") in ([], ()):
+            kw["type"] = None
+        return make_spec(**kw)
 
     def describe(self) -> str:
         parts = [f"{self.count} device{'s' if self.count > 1 else ''}"]

@@ -54,9 +54,12 @@ class CostAwarePolicy(EvictionPolicy):
         value(m) = L_m + F_m * C_m * base**P_m / S_m
 
     - `S_m`: the model's device bytes (measured once loaded), in GiB;
-    - `C_m`: seconds to get it back if evicted now: the measured host->device reload
-      time if it may be offloaded (estimated as S/host_bandwidth until measured), else
-      the measured loader time (estimated as load_overhead + S/load_bandwidth);
+    - `C_m`: seconds a miss costs if evicted now: a fixed `miss_overhead` (the extra
+      round trip, allocation and queueing every cold start pays, whatever the size)
+      plus the measured host->device reload time if it may be offloaded (estimated as
+      S/host_bandwidth until measured), else the measured loader time (estimated as
+      load_overhead + S/load_bandwidth). The fixed part keeps the size term alive when
+      reloads are copies (time proportional to size): small, popular models stay;
     - `F_m`: how many invocations have used it on this device (at least 1);
     - `P_m`: the highest priority of the functions using it (`base**P`, so +1 doubles);
     - `L_m`: the device clock when the model was last used. The clock starts at 0 and
@@ -68,6 +71,7 @@ class CostAwarePolicy(EvictionPolicy):
 
     load_bandwidth: float = 1.0 * GiB
     load_overhead: float = 1.0
+    miss_overhead: float = 0.25
     host_bandwidth: float = 8.0 * GiB
     priority_base: float = 2.0
     offload: bool = True
@@ -79,11 +83,11 @@ class CostAwarePolicy(EvictionPolicy):
         size = max(entry.nbytes, 1)
         if self.offload and entry.offload_allowed:
             if entry.reload_seconds is not None:
-                return entry.reload_seconds
-            return size / self.host_bandwidth
+                return self.miss_overhead + entry.reload_seconds
+            return self.miss_overhead + size / self.host_bandwidth
         if entry.load_seconds is not None:
-            return entry.load_seconds
-        return self.load_overhead + size / self.load_bandwidth
+            return self.miss_overhead + entry.load_seconds
+        return self.miss_overhead + self.load_overhead + size / self.load_bandwidth
 
     def value(self, entry: ModelEntry) -> float:
         size_gib = max(entry.nbytes, 1) / GiB

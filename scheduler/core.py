@@ -68,7 +68,14 @@ class RendezvousReady:
     port: int
 
 
-Event = Received | Tick | Unreachable | RendezvousReady
+@dataclass(frozen=True, slots=True)
+class RendezvousFailed:
+    """The shell could not start the gang rendezvous store."""
+
+    error: str
+
+
+Event = Received | Tick | Unreachable | RendezvousReady | RendezvousFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +181,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         self.hosts: dict[str, HostLedger] = {}
         self.policy = self.config.policy()
         self.rendezvous_port: int | None = None
+        self.rendezvous_error = ""
         self.needs_rendezvous = False
         self._now = 0.0
         self._wakeup_at: float | None = None
@@ -215,20 +223,31 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         """Apply events in order, then run one scheduling pass; return the sends."""
         self._now = now
         for ev in events:
-            if isinstance(ev, Received):
-                self._on_message(ev.peer, ev.msg, now)
-            elif isinstance(ev, Tick):
-                self._on_tick(now)
-            elif isinstance(ev, Unreachable):
-                self._on_unreachable(ev.peer, now)
-            elif isinstance(ev, RendezvousReady):
-                self.rendezvous_port = ev.port
-                self._dirty = True
+            try:
+                self._on_event(ev, now)
+            except Exception as e:  # one bad message must not take the scheduler down
+                log.exception("failed to handle %s", type(getattr(ev, "msg", ev)).__name__)
+                if isinstance(ev, Received):
+                    self._send(ev.peer, p.Error("GpufnError", f"the scheduler could not handle "
+                                                f"{type(ev.msg).__name__}: {e}"))
         if self._dirty:
             self._dirty = False
             self._schedule(now)
         out, self._out = self._out, []
         return out
+
+    def _on_event(self, ev: Event, now: float) -> None:
+        if isinstance(ev, Received):
+            self._on_message(ev.peer, ev.msg, now)
+        elif isinstance(ev, Tick):
+            self._on_tick(now)
+        elif isinstance(ev, Unreachable):
+            self._on_unreachable(ev.peer, now)
+        elif isinstance(ev, RendezvousReady):
+            self.rendezvous_port = ev.port
+            self._dirty = True
+        elif isinstance(ev, RendezvousFailed):
+            self._rendezvous_failed(ev.error, now)
 
     # ------------------------------------------------------------------ helpers
 
@@ -290,6 +309,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         d.stopping.pop(inv.id, None)
         if d.running.pop(inv.id, None) is None:
             return
+        self._advance_starts(d, self._now)  # a pipelined call behind it starts now
         code = inv.function.code_id  # with_options() variants share one concurrency limit
         d.running_by_fn[code] -= 1
         if d.running_by_fn[code] <= 0:
@@ -316,7 +336,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
             if key == skip or d is None or inv.id not in d.running or target is None:
                 continue
             d.stopping.setdefault(inv.id, self._now)
-            self._send(target, p.Cancel(inv.id, reason))
+            self._send(target, p.Cancel(inv.id, reason, True, inv.attempts))
             if gang is not None:
                 self._send(target, p.GroupOp("abort", {"gang_id": gang[0], "generation": gang[1],
                                                        "reason": reason}))
@@ -348,6 +368,11 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         handler(peer, msg, now)
 
     def _on_hello(self, peer: bytes, msg: p.Hello, now: float) -> None:
+        if not (isinstance(msg.role, str) and isinstance(msg.token, str)
+                and isinstance(msg.info, dict) and isinstance(msg.pid, int)):
+            self._send(peer, p.Welcome(False, kind_of(ProtocolMismatch),
+                                       "malformed Hello: role/token must be strings, info a map"))
+            return
         if msg.version != p.PROTOCOL_VERSION:
             self._send(peer, p.Welcome(False, kind_of(ProtocolMismatch), (
                 f"peer speaks gpufn protocol {msg.version}, this scheduler speaks "
@@ -370,7 +395,8 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
             self._send(peer, p.Welcome(False, "GpufnError", f"unknown role {msg.role!r}"))
 
     def _cluster_info(self) -> dict[str, Any]:
-        return {"protocol": p.PROTOCOL_VERSION, "devices": len(self.devices)}
+        return {"protocol": p.PROTOCOL_VERSION, "devices": len(self.devices),
+                "client_timeout": self.config.client_timeout}
 
     def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
         infos = [DeviceInfo.from_wire(d) for d in msg.info.get("devices", [])]
@@ -386,8 +412,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
                 d.info, d.supervisor = info, peer
                 d.ledger = self._ledger(info, msg.info)
                 if d.state is not DeviceState.STARTING:
-                    d.state = DeviceState.STARTING
-                    d.history.append(("starting", now))
+                    d.to(DeviceState.STARTING, now)
             else:
                 d = Device(info=info, supervisor=peer, ledger=self._ledger(info, msg.info))
                 d.history.append(("starting", now))
@@ -445,8 +470,28 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         self._drop_peer(peer, now, msg.reason or "said goodbye")
 
     def _on_unreachable(self, peer: bytes, now: float) -> None:
-        if peer in self.peers:
-            self._drop_peer(peer, now, "unreachable")
+        info = self.peers.get(peer)
+        if info is None:
+            return
+        if info.role == p.Role.WORKER:  # it may still be running calls that get retried
+            key = self.worker_device.get(peer)
+            d = self.devices.get(key) if key else None
+            if d is not None and d.supervisor in self.peers:
+                self._send(d.supervisor, p.KillWorker(d.key, d.worker_pid, "unreachable"))
+        self._drop_peer(peer, now, "unreachable")
+
+    def _rendezvous_failed(self, error: str, now: float) -> None:
+        """Without the store no gang can form: fail queued gang calls, refuse new ones."""
+        self.rendezvous_error = error
+        for inv in [i for i in self.invocations.values()
+                    if i.state is InvState.QUEUED and i.spec.count > 1 and i.spec.spmd]:
+            self.queue.discard(inv)
+            self._finish(inv, now, InvState.FAILED, Unschedulable(self._no_rendezvous(inv)))
+
+    def _no_rendezvous(self, inv: Invocation) -> str:
+        return (f"{inv.function.name} needs a process group, but the scheduler could not start "
+                f"its rendezvous store ({self.rendezvous_error}). Check that torch is installed "
+                "where the scheduler runs, then restart it")
 
     def _drop_peer(self, peer: bytes, now: float, reason: str) -> None:
         info = self.peers.pop(peer, None)
@@ -509,6 +554,8 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
             self._send(peer, p.Result(msg.invocation_id, False, kind_of(e), str(e), {}))
             return
         err = self._feasibility(fn, spec, bool(msg.options))
+        if err is None and self.rendezvous_error and spec.count > 1 and spec.spmd:
+            err = f"{fn.name}: the gang rendezvous store could not start ({self.rendezvous_error})"
         if err is not None:
             self.counters.unschedulable += 1
             self._send(peer, p.Result(msg.invocation_id, False, kind_of(Unschedulable), err, {}))
@@ -741,7 +788,10 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
 
     def _lost_invocation(self, inv: Invocation, now: float, d: Device, why: str) -> None:
         self.counters.lost += 1
+        never_started = inv.run_started is None and not inv.members
         self._release_device(inv, d)
+        if never_started and len(inv.devices) == 1:
+            inv.unstarted_losses += 1  # it never ran: queue it again, no retry used
         if len(inv.devices) > 1:
             # Other ranks stop and keep their devices until they report; then it settles.
             inv.lost_ranks[inv.devices.index(d.key)] = why
@@ -760,7 +810,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
                     m.carrier = None
                     self._retry_or_fail_lost(m, now, why)
             return
-        if inv.attempts - inv.preemptions <= inv.spec.retries:
+        if inv.attempts - inv.preemptions - inv.unstarted_losses <= inv.spec.retries:
             inv.rank_results, inv.lost_ranks, inv.failing_since = {}, {}, None
             inv.to(InvState.QUEUED, now)
             inv.devices = ()
@@ -793,9 +843,14 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
                 continue
             for inv in list(d.running.values()):
                 t = inv.spec.timeout
-                if inv.state is InvState.RUNNING and t is not None and inv.started is not None and now - inv.started > t:
+                if (inv.state is InvState.RUNNING and t is not None and inv.run_started is not None
+                        and now - inv.run_started > t):
                     self.counters.timeouts += 1
                     members = [self.devices[k] for k in inv.devices if inv.id in self.devices[k].running]
+                    if not inv.spec.spmd:  # one process ran on the first device; free the rest
+                        for m in members[1:]:
+                            self._release_device(inv, m)
+                        members = members[:1]
                     where = ", ".join(m.key for m in members)
                     self._finish(inv, now, InvState.FAILED, Timeout(
                         f"{inv.function.name} call {inv.id} ran longer than its timeout of {t:g}s "

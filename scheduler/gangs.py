@@ -9,6 +9,7 @@ otherwise, or after any failure, the generation is bumped and every rank joins a
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass, field
 
 
@@ -18,6 +19,7 @@ class Formation:
     devices: tuple[str, ...]
     generation: int = 0
     uses: int = 0
+    nonce: str = ""
 
 
 @dataclass
@@ -38,6 +40,7 @@ class GangBook:
             self.held.get(k) == (f.gang_id, f.generation) for k in devices)
         if not warm:
             f.generation += 1
+            f.nonce = secrets.token_hex(8)
             for k in devices:  # each member leaves whatever group it held
                 self.held[k] = (f.gang_id, f.generation)
             self.cold_formations += 1

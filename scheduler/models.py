@@ -16,9 +16,16 @@ from typing import Any
 from gpufn import protocol as p
 from gpufn.memory_pool.ledger import DeviceLedger, ModelNeed, NeverFits, Plan, Request
 from gpufn.memory_pool.residency import Residency
+from gpufn.scheduler.placement import drain_seconds
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation
+from gpufn.scheduler.states import DeviceState
 
 log = logging.getLogger("gpufn.scheduler")
+
+_MOVING = (Residency.LOADING, Residency.OFFLOADING, Residency.EVICTING)
+# Until a model's reloads are measured: host->device copy and loader speed guesses.
+HOST_BANDWIDTH = 8.0 * 2**30
+LOAD_BANDWIDTH = 1.0 * 2**30
 
 
 @dataclass
@@ -50,6 +57,7 @@ class ModelPlacement:
     devices: dict[str, Device]
     _replan_models: set[str]
     _device_of: Callable[[bytes], Device | None]
+    _advance_starts: Callable[[Device, float], None]
     _send: Callable[[bytes, p.Message], None]
     _dirty: bool
 
@@ -76,19 +84,48 @@ class ModelPlacement:
                       for k in inv.function.model_keys)
         return Request(needs, inv.spec.memory, inv.function.name)
 
-    def _best_plan(self, inv: Invocation, devices: list[Device]) -> tuple[Device, Plan] | None:
-        """The device where the call's models are cheapest to have: resident, then on
-        host, then the least eviction; ties to the least loaded."""
+    def _cold_seconds(self, plan: Plan) -> float:
+        """Expected seconds to make a plan's models resident (restores, then loads)."""
+        total = 0.0
+        for key in plan.restore:
+            r = self.models[key]
+            total += r.restore_seconds / r.restores if r.restores else r.size / HOST_BANDWIDTH
+        for key in plan.load:
+            r = self.models[key]
+            total += r.load_seconds / r.loads if r.loads else 1.0 + r.size / LOAD_BANDWIDTH
+        return total
+
+    def _best_plan(self, inv: Invocation, devices: list[Device],
+                   now: float = 0.0) -> tuple[Device, Plan] | None:
+        """Where the call's models are cheapest to have, by expected time: what must
+        drain there plus what must load (resident, then on host, then least eviction).
+        None means wait: nothing fits now, or a device that already holds the models
+        frees up sooner than another could load them (no second copy for a short wait)."""
         req = self._request(inv)
-        best: tuple[tuple[Any, ...], Device, Plan] | None = None
+        mine = set(inv.function.model_keys)
+        best: tuple[tuple[Any, ...], Device, Plan, float] | None = None
         for d in devices:
             plan = d.ledger.plan(req)
             if not isinstance(plan, Plan):
                 continue
-            key = (plan.cost, len(d.running), -plan.free_after, d.key)
+            swapping = any(e.state in _MOVING and e.name not in mine for e in d.ledger.models.values())
+            if swapping and (plan.load or plan.restore or plan.victims):
+                continue  # one swap at a time per device: calls that hit go first (no thrash)
+            cold = self._cold_seconds(plan)
+            key = (drain_seconds(d, now) + cold, plan.cost, len(d.running), -plan.free_after, d.key)
             if best is None or key < best[0]:
-                best = (key, d, plan)
-        return None if best is None else (best[1], best[2])
+                best = (key, d, plan, cold)
+        if best is None:
+            return None
+        _, d, plan, cold = best
+        if cold > 0:
+            for other in self.devices.values():
+                if other is d or other in devices or other.state is not DeviceState.READY:
+                    continue
+                if all(other.ledger.state(k) is Residency.RESIDENT for k in mine) and \
+                        drain_seconds(other, now) < cold:
+                    return None  # it will be free there sooner than a copy could load here
+        return d, plan
 
     def _never_fits(self, fn: FunctionRecord, spec_memory: int) -> str | None:
         """Why the function's models plus workspace fit on no registered device, or None."""
@@ -177,6 +214,7 @@ class ModelPlacement:
                     led.drop_host_copy(msg.model, now)
         except (KeyError, ValueError) as e:  # an event from before a reset: stale
             log.info("ignoring model event %s %s on %s: %s", msg.model, msg.state, d.key, e)
+        self._advance_starts(d, now)  # calls that waited for this model start their clocks
         self._dirty = True
 
     def _should_replan(self, inv: Invocation, msg: p.Result) -> bool:

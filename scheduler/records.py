@@ -81,6 +81,10 @@ class Invocation:
     members: list[Invocation] = field(default_factory=list)  # a batch carrier's calls
     carrier: Invocation | None = None  # the batch this call runs in
     preempt_asked: float | None = None  # when this call last preempted another
+    # When its code can really run: not while pipelined behind another call on the worker
+    # or waiting for its models to load. Timeouts count from here.
+    run_started: float | None = None
+    unstarted_losses: int = 0  # lost with its worker before it ever started (no retry used)
 
     @property
     def reporters(self) -> int:

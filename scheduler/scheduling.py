@@ -16,6 +16,7 @@ from typing import Any
 
 from gpufn import protocol as p
 from gpufn.memory_pool.ledger import Plan
+from gpufn.memory_pool.residency import Residency
 from gpufn.rendezvous import DEFAULT_TIMEOUT_S, GangSpec, resolve_backend
 from gpufn.scheduler.gang import Reservation, can_backfill, choose_gang, reservation_for
 from gpufn.scheduler.gangs import GangBook
@@ -42,7 +43,7 @@ class SchedulingPass:
     _form_batch: Callable[[Invocation, float], Invocation]
     _batch_meta: Callable[[Invocation], dict[str, Any]]
     _start_members: Callable[[Invocation, float], None]
-    _best_plan: Callable[[Invocation, list[Device]], tuple[Device, Plan] | None]
+    _best_plan: Callable[[Invocation, list[Device], float], tuple[Device, Plan] | None]
     _request: Callable[[Invocation], Any]
     _apply_plan: Callable[[Invocation, Device, Plan, float], dict[str, str]]
     config: Any
@@ -94,7 +95,7 @@ class SchedulingPass:
             r is None or d.key not in r.devices or can_backfill(fn.runtime_ewma, r.start_eta))]
         plan = None
         if with_models and usable:
-            best = self._best_plan(inv, usable)
+            best = self._best_plan(inv, usable, now)
             usable, plan = ([best[0]], best[1]) if best is not None else ([], None)
         if not usable:
             if spec.priority > 0 or inv.preempt_asked is None:
@@ -221,7 +222,7 @@ class SchedulingPass:
             for rank in range(len(devices)):
                 gang = GangSpec(formation.gang_id, formation.generation, rank, len(devices),
                                 "", self.rendezvous_port, backend,
-                                spec.timeout or DEFAULT_TIMEOUT_S, inv.devices)
+                                spec.timeout or DEFAULT_TIMEOUT_S, inv.devices, formation.nonce)
                 metas.append({**base, "gang": gang.to_wire(), "gather": spec.gather,
                               "warm": warm})
         elif spec.count > 1:
@@ -232,6 +233,7 @@ class SchedulingPass:
             metas += [None] * (len(devices) - 1)
         else:
             metas = [base]
+        inv.run_started = None
         for d, meta in zip(devices, metas, strict=True):
             assert d.worker is not None
             d.running[inv.id] = inv
@@ -250,6 +252,28 @@ class SchedulingPass:
                 d.code.add(fn.code_id)
             self._send(d.worker, p.Run(inv.id, fn.function_id, fn.code_id, fn.name,
                                        inv.attempts, meta, inv.frames))
+        self._advance_starts(devices[0], now)
+
+    def _advance_starts(self, d: Device, now: float) -> None:
+        """Mark calls on a device as really running (their timeout clock starts) once
+        their models are resident and no earlier call of theirs holds their slot."""
+        busy: dict[str, int] = {}
+        waiting = []
+        for inv in d.running.values():
+            if inv.state is not InvState.RUNNING:
+                continue
+            if inv.run_started is not None:
+                busy[inv.function.code_id] = busy.get(inv.function.code_id, 0) + 1
+            else:
+                waiting.append(inv)
+        for inv in sorted(waiting, key=lambda i: (i.started or now, i.seq)):
+            code = inv.function.code_id
+            if busy.get(code, 0) >= inv.spec.concurrency:
+                continue
+            if any(d.ledger.state(k) is not Residency.RESIDENT for k in inv.function.model_keys):
+                continue
+            inv.run_started = now
+            busy[code] = busy.get(code, 0) + 1
 
 
 __all__ = ["SchedulingPass", "type_rank"]

@@ -24,6 +24,7 @@ from gpufn import protocol as p
 from gpufn.scheduler.core import (
     Event,
     Received,
+    RendezvousFailed,
     RendezvousReady,
     SchedulerConfig,
     SchedulerCore,
@@ -61,6 +62,8 @@ class SchedulerServer:
         self._running = True
         self._store: Any = None
         self._store_port: int | None = None
+        self._store_error = ""
+        self._store_error_sent = False
         self._store_thread: threading.Thread | None = None
         self.sent = 0
         self.received = 0
@@ -104,6 +107,9 @@ class SchedulerServer:
                     next_tick = now + TICK_SECONDS
                 if self._store_port is not None and self.core.rendezvous_port is None:
                     events.append(RendezvousReady(self._store_port))
+                if self._store_error and not self._store_error_sent:
+                    self._store_error_sent = True
+                    events.append(RendezvousFailed(self._store_error))
                 if events:
                     self._deliver(self.core.handle_many(events, now))
                 if self.core.needs_rendezvous and self._store_thread is None:
@@ -122,8 +128,9 @@ class SchedulerServer:
             try:
                 self._store, self._store_port = host_store()
                 log.info("gang rendezvous store on port %d", self._store_port)
-            except Exception:
+            except Exception as e:
                 log.exception("cannot start the gang rendezvous store")
+                self._store_error = f"{type(e).__name__}: {e}"
 
         self._store_thread = threading.Thread(target=run, name="gpufn-rendezvous", daemon=True)
         self._store_thread.start()
@@ -173,7 +180,7 @@ class SchedulerServer:
                 pass
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.sock.close(1000)  # let the Shutdown messages out
         self.ctx.term()
 
 

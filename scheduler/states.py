@@ -55,11 +55,15 @@ DEVICE_TRANSITIONS: dict[DeviceState, frozenset[DeviceState]] = {
     DeviceState.STARTING: frozenset(
         {DeviceState.READY, DeviceState.RESTARTING, DeviceState.FAILED, DeviceState.GONE}
     ),
-    DeviceState.READY: frozenset({DeviceState.RESTARTING, DeviceState.GONE}),
+    # -> STARTING: its supervisor registered it again (a restarted supervisor or scheduler).
+    DeviceState.READY: frozenset({DeviceState.RESTARTING, DeviceState.GONE, DeviceState.STARTING}),
     DeviceState.RESTARTING: frozenset(
-        {DeviceState.READY, DeviceState.RESTARTING, DeviceState.FAILED, DeviceState.GONE}
+        {DeviceState.READY, DeviceState.RESTARTING, DeviceState.FAILED, DeviceState.GONE,
+         DeviceState.STARTING}
     ),
-    DeviceState.FAILED: frozenset({DeviceState.READY, DeviceState.RESTARTING, DeviceState.GONE}),
+    DeviceState.FAILED: frozenset(
+        {DeviceState.READY, DeviceState.RESTARTING, DeviceState.GONE, DeviceState.STARTING}
+    ),
     DeviceState.GONE: frozenset({DeviceState.STARTING}),
 }
 

@@ -29,6 +29,7 @@ class Execute:
 @dataclass(frozen=True, slots=True)
 class Interrupt:
     invocation_id: str
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,7 @@ class WorkerCore:
         if isinstance(msg, p.Run):
             return self._run(msg)
         if isinstance(msg, p.Cancel):
-            return [Interrupt(msg.invocation_id)] if msg.invocation_id in self.running else []
+            return [Interrupt(msg.invocation_id, msg.attempt)]
         if isinstance(msg, p.Shutdown):
             return [Exit(msg.reason or "scheduler asked")]
         if isinstance(msg, (p.LoadModel, p.EvictModel)) and self.models is not None:
@@ -91,8 +92,8 @@ class WorkerCore:
             log.warning("could not unpickle %s: %s", msg.name, e)
         return []
 
-    def _fail(self, inv: str, err: GpufnError) -> list[Action]:
-        return [SendMsg(p.Result(inv, False, kind_of(err), str(err), {}))]
+    def _fail(self, inv: str, err: GpufnError, attempt: int) -> list[Action]:
+        return [SendMsg(p.Result(inv, False, kind_of(err), str(err), {"attempt": attempt}))]
 
     def _run(self, msg: p.Run) -> list[Action]:
         fn = self.code.get(msg.code_id)
@@ -100,11 +101,12 @@ class WorkerCore:
             why = self.code_errors.get(msg.code_id)
             if why is None:
                 return self._fail(msg.invocation_id, GpufnError(
-                    f"worker {self.device_key} has no code {msg.code_id} for {msg.name}"))
+                    f"worker {self.device_key} has no code {msg.code_id} for {msg.name}"),
+                    msg.attempt)
             return self._fail(msg.invocation_id, SerializationError(
                 f"{msg.name} could not be unpickled on worker {self.device_key}: {why}. If it is "
                 "defined in a module, that module must be importable on the worker (same code "
-                "and PYTHONPATH), or define it in __main__ / a notebook cell"))
+                "and PYTHONPATH), or define it in __main__ / a notebook cell"), msg.attempt)
         self.running.add(msg.invocation_id)
         context = ctxmod.CallContext(
             invocation_id=msg.invocation_id, function=msg.name, device=self.device,

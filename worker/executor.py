@@ -52,7 +52,8 @@ class Executor:
         self.router = router
         self.on_done = on_done
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gpufn-call")
-        self._threads: dict[str, int] = {}
+        self._threads: dict[str, tuple[int, int]] = {}  # invocation -> (thread, attempt)
+        self._cancelled: dict[str, tuple[int, float]] = {}  # invocation -> (attempt, when)
         self._lock = threading.Lock()
 
     def submit(self, call: Call) -> None:
@@ -62,20 +63,41 @@ class Executor:
         with self._lock:
             return list(self._threads)
 
-    def interrupt(self, invocation_id: str) -> bool:
+    def interrupt(self, invocation_id: str, attempt: int = 0) -> bool:
         """Raise Cancelled inside the call's thread (takes effect at the next bytecode).
 
-        Set under the lock while the call is registered; `_run` clears any exception still
-        pending when it deregisters, so a late interrupt never hits the worker's own code.
+        A call not running yet (still in the pool's queue, or not arrived: pipelined) is
+        remembered and refused when it starts. `attempt` (0: any) keeps a cancel meant for
+        an earlier attempt from refusing a retry. Interrupts are set under the lock while
+        the call is registered, and `_run` clears any still pending when it deregisters.
         """
         with self._lock:
-            ident = self._threads.get(invocation_id)
-            if ident is None:
+            entry = self._threads.get(invocation_id)
+            if entry is None or (attempt and entry[1] != attempt):
+                self._cancelled[invocation_id] = (attempt, time.monotonic())
                 return False
             n = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(ident), ctypes.py_object(Cancelled)
+                ctypes.c_ulong(entry[0]), ctypes.py_object(Cancelled)
             )
         return n == 1
+
+    def take_cancelled(self, invocation_id: str, attempt: int) -> bool:
+        """Whether a cancel arrived for this call (this attempt) before it started."""
+        with self._lock:
+            return self._take_cancelled_locked(invocation_id, attempt)
+
+    def _take_cancelled_locked(self, invocation_id: str, attempt: int) -> bool:
+        hit = self._cancelled.get(invocation_id)
+        if hit is None or (hit[0] and hit[0] != attempt):
+            return False
+        del self._cancelled[invocation_id]
+        return True
+
+    def forget_cancels(self, older_than: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, (_, t) in self._cancelled.items() if now - t > older_than]:
+                del self._cancelled[k]
 
     def run_inline(self, call: Call) -> None:
         """Run in the calling thread (short calls on the worker's main thread)."""
@@ -83,24 +105,35 @@ class Executor:
 
     def _run(self, call: Call) -> None:
         inv = call.invocation_id
-        with self._lock:
-            self._threads[inv] = threading.get_ident()
-        self.router.started(inv)
-        set_current(inv)
-        ctxmod._set(call.context)
         t0 = time.perf_counter()
+        result: p.Result | None = None
+        registered = False
         try:
-            result = self._call(call, t0)
+            with self._lock:
+                if self._take_cancelled_locked(inv, call.attempt):
+                    result = p.Result(inv, False, kind_of(Cancelled),
+                                      f"{call.name} call {inv} was cancelled before it started", {})
+                else:
+                    self._threads[inv] = (threading.get_ident(), call.attempt)
+                    registered = True
+            if result is None:
+                self.router.started(inv)
+                set_current(inv)
+                ctxmod._set(call.context)
+                result = self._call(call, t0)
         except BaseException as e:  # an async Cancelled landing outside the user's code
             result = _failure(inv, e, t0)
         finally:
             with self._lock:
-                ident = self._threads.pop(inv, None)
-                if ident is not None:  # drop an interrupt that arrived as the call ended
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
+                if registered:
+                    self._threads.pop(inv, None)
+                    # drop an interrupt that arrived as the call ended
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                        ctypes.c_ulong(threading.get_ident()), None)
             ctxmod._set(None)
             set_current(None)
             self.router.finished(inv)
+        assert result is not None
         result.meta["attempt"] = call.attempt
         if call.context.world_size > 1:
             result.meta["rank"] = call.context.rank

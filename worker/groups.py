@@ -37,6 +37,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from gpufn.call_context import mesh_for
 from gpufn.exceptions import GpufnError
 from gpufn.rendezvous import (
     DEFAULT_TIMEOUT_S,
@@ -49,7 +50,6 @@ from gpufn.rendezvous import (
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
-    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger("gpufn.groups")
 
@@ -326,22 +326,3 @@ class GroupManager:
                 c10d._world.group_count = 0
             except Exception:
                 pass
-
-
-def mesh_for(ctx: Any) -> DeviceMesh:
-    """A 1-D DeviceMesh over the call's gang, built on the existing group (no new groups).
-
-    `DeviceMesh.from_group` wraps the group as it is; `init_device_mesh` or the
-    `DeviceMesh(...)` constructor would create a second gloo group on CUDA hosts.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    group = ctx.group if ctx.group is not None else dist.group.WORLD
-    if group is None or not dist.is_initialized():
-        raise GpufnError(
-            "this call has no process group: a DeviceMesh needs a gang, use @gpu(count=N)"
-        )
-    device_type = torch.device(ctx.device).type
-    return DeviceMesh.from_group(group, device_type)

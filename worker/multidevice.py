@@ -30,11 +30,12 @@ POLL_SECONDS = 0.05
 class _PipeStream:
     def __init__(self, conn: Connection, name: str, lock: threading.Lock) -> None:
         self.conn, self.name, self.lock = conn, name, lock
+        self.inv = ""  # the call whose output this is
 
     def write(self, s: str) -> int:
         if s:
             with self.lock:
-                self.conn.send(("out", self.name, s))
+                self.conn.send(("out", self.inv, self.name, s))
         return len(s)
 
     def flush(self) -> None:
@@ -44,7 +45,8 @@ class _PipeStream:
         return False
 
 
-def _helper_main(conn: Connection, kind: str, count: int, parent: int) -> None:
+def _helper_main(conn: Connection, kind: str, count: int, parent: int, visible: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before torch starts CUDA
     from gpufn import _sockets
     from gpufn import call_context as ctxmod
 
@@ -56,14 +58,16 @@ def _helper_main(conn: Connection, kind: str, count: int, parent: int) -> None:
     else:
         devices = [torch.device("cpu")] * count
     lock = threading.Lock()
-    sys.stdout = _PipeStream(conn, "stdout", lock)
-    sys.stderr = _PipeStream(conn, "stderr", lock)
+    streams = [_PipeStream(conn, "stdout", lock), _PipeStream(conn, "stderr", lock)]
+    sys.stdout, sys.stderr = streams
     code: dict[str, Any] = {}
     while True:
         msg = conn.recv()
         if msg is None:
             return
         inv, name, code_id, code_frames, arg_frames, attempt = msg
+        for s in streams:
+            s.inv = inv
         t0 = time.perf_counter()
         try:
             if code_id not in code:
@@ -79,7 +83,7 @@ def _helper_main(conn: Connection, kind: str, count: int, parent: int) -> None:
         finally:
             ctxmod._set(None)
         with lock:
-            conn.send((*reply, time.perf_counter() - t0))
+            conn.send((reply[0], inv, *reply[1:], time.perf_counter() - t0))
 
 
 class DeviceSetHelper:
@@ -92,18 +96,11 @@ class DeviceSetHelper:
         self.conn, child = ctx.Pipe()
         self.sent_code: set[str] = set()
         self._lock = threading.Lock()
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = (
-            ",".join(d["uuid"] for d in devices) if kind == "cuda" else "")
-        try:  # a spawned child copies the environment as it starts
-            self.proc = ctx.Process(target=_helper_main, args=(child, kind, len(devices), os.getpid()),
-                                    name="gpufn-multidevice", daemon=True)
-            self.proc.start()
-        finally:
-            if saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        visible = ",".join(d["uuid"] for d in devices) if kind == "cuda" else ""
+        self.proc = ctx.Process(target=_helper_main,
+                                args=(child, kind, len(devices), os.getpid(), visible),
+                                name="gpufn-multidevice", daemon=True)
+        self.proc.start()
         child.close()
 
     def alive(self) -> bool:
@@ -111,27 +108,43 @@ class DeviceSetHelper:
 
     def run(self, inv: str, name: str, code_id: str, code_frames: list[bytes], args: tuple[Any, ...],
             kwargs: dict[str, Any], attempt: int) -> Any:
-        """Run the call in the helper; its prints go to this thread's stdout/stderr."""
-        with self._lock:
-            frames = [bytes(memoryview(f)) for f in ser.dumps((args, kwargs))]
-            send_code = code_frames if code_id not in self.sent_code else []
-            self.conn.send((inv, name, code_id, send_code, frames, attempt))
-            self.sent_code.add(code_id)
-            while True:
-                while not self.conn.poll(POLL_SECONDS):  # short waits let a cancel land
-                    if not self.proc.is_alive():
-                        raise RuntimeError(f"the multi-device helper process died "
-                                           f"(exit code {self.proc.exitcode})")
-                msg = self.conn.recv()
-                if msg[0] == "out":
-                    (sys.stdout if msg[1] == "stdout" else sys.stderr).write(msg[2])
-                    continue
-                if msg[0] == "ok":
-                    return ser.loads(msg[1])
-                raise ser.load_exception(msg[1], msg[2], msg[3], msg[4],
-                                         f"traceback in the multi-device process of {name}:")
+        """Run the call in the helper; its prints go to this thread's stdout/stderr.
 
-    def close(self) -> None:
+        If waiting ends any other way than with this call's reply (a cancel, a dead
+        helper), the helper is killed: it may still be running the call, and a later call
+        must never receive this one's output or value."""
+        with self._lock:
+            try:
+                return self._run(inv, name, code_id, code_frames, args, kwargs, attempt)
+            except BaseException:
+                self.close(force=True)
+                raise
+
+    def _run(self, inv: str, name: str, code_id: str, code_frames: list[bytes],
+             args: tuple[Any, ...], kwargs: dict[str, Any], attempt: int) -> Any:
+        frames = [bytes(memoryview(f)) for f in ser.dumps((args, kwargs))]
+        send_code = code_frames if code_id not in self.sent_code else []
+        self.conn.send((inv, name, code_id, send_code, frames, attempt))
+        self.sent_code.add(code_id)
+        while True:
+            while not self.conn.poll(POLL_SECONDS):  # short waits let a cancel land
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"the multi-device helper process died "
+                                       f"(exit code {self.proc.exitcode})")
+            msg = self.conn.recv()
+            if msg[1] != inv:
+                continue  # from an earlier call (cannot happen once killed; kept safe)
+            if msg[0] == "out":
+                (sys.stdout if msg[2] == "stdout" else sys.stderr).write(msg[3])
+                continue
+            if msg[0] == "ok":
+                return ser.loads(msg[2])
+            raise ser.load_exception(msg[2], msg[3], msg[4], msg[5],
+                                     f"traceback in the multi-device process of {name}:")
+
+    def close(self, force: bool = False) -> None:
+        if force:
+            self.proc.kill()
         try:
             self.conn.send(None)
         except (OSError, ValueError):

@@ -93,11 +93,11 @@ class WorkerProcess:
         self.sock.setsockopt(zmq.IDENTITY, self.identity.encode())
         self.sock.connect(address)
         self._running = True
-        # Cancels that arrived before their Run (pipelined calls): id -> when.
-        self._cancelled: dict[str, float] = {}
-        self._cancel_lock = threading.Lock()
         self._outgoing: list[p.Message] = []
-        self._early: list[p.Message] = []
+        # Received messages not handled yet (kept on self: an interrupt aimed at an inline
+        # call that had just ended must not drop the rest of a batch).
+        self._inbox: deque[p.Message] = deque()
+        self._rehello = threading.Event()  # the control channel learned we were forgotten
 
     # ------------------------------------------------------------------ main thread
 
@@ -107,7 +107,7 @@ class WorkerProcess:
                         "channel": channel})
 
     def handshake(self) -> None:
-        self._early = _handshake(self.sock, self._hello("work"))
+        self._inbox.extend(_handshake(self.sock, self._hello("work")))
 
     def _on_done(self, msg: p.Message) -> None:
         """From executor and model threads: a finished call (Result) or a model event."""
@@ -127,17 +127,13 @@ class WorkerProcess:
             msgs, self._outgoing = self._outgoing, []
             self.sock.send_multipart(p.encode_batch(msgs), copy=False)
 
-    def _was_cancelled(self, inv: str) -> bool:
-        with self._cancel_lock:
-            return self._cancelled.pop(inv, None) is not None
-
     def _act(self, actions: list[Any]) -> None:
         for a in actions:
             if isinstance(a, Execute):
-                if self._was_cancelled(a.call.invocation_id):
+                if self.executor.take_cancelled(a.call.invocation_id, a.call.attempt):
                     self._act(self.core.done(p.Result(
                         a.call.invocation_id, False, kind_of(Cancelled),
-                        "cancelled before it started", {})))
+                        "cancelled before it started", {"attempt": a.call.attempt})))
                 elif a.call.meta.get("inline"):
                     self.executor.run_inline(a.call)
                     self._drain_done()
@@ -148,7 +144,7 @@ class WorkerProcess:
                     self._outgoing.extend(self.router.drain(a.msg.invocation_id))
                 self._queue(a.msg)
             elif isinstance(a, Interrupt):
-                self.executor.interrupt(a.invocation_id)
+                self.executor.interrupt(a.invocation_id, a.attempt)
             elif isinstance(a, Exit):
                 log.info("worker %s exiting: %s", self.device_key, a.reason)
                 self._running = False
@@ -165,11 +161,14 @@ class WorkerProcess:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        if self._early:
-            self._receive()
-            self._flush()
         while self._running:
             try:
+                if self._rehello.is_set():  # scheduler restarted: announce the work socket too
+                    self._rehello.clear()
+                    self.sock.send_multipart(p.encode(self._hello("work")))
+                if self._inbox:
+                    self._receive()
+                    self._flush()
                 wait = OUTPUT_FLUSH_SECONDS if self.router.pending() else HEARTBEAT_SECONDS
                 ready = dict(poller.poll(math.ceil(wait * 1000)))
                 if ready.get(self._wake_r):
@@ -186,14 +185,18 @@ class WorkerProcess:
 
     def _receive(self) -> None:
         while self._running:
-            if self._early:
-                msgs, self._early = self._early, []
-            else:
+            if not self._inbox:
                 try:
-                    msgs = p.decode_all(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     return
-            for msg in msgs:
+                try:
+                    self._inbox.extend(p.decode_all(frames))
+                except p.DecodeError as e:
+                    log.warning("undecodable message from the scheduler: %s", e)
+                    continue
+            while self._inbox and self._running:
+                msg = self._inbox.popleft()
                 if isinstance(msg, p.Error):
                     log.warning("scheduler: %s", msg.message)
                     if msg.error_kind == "AuthenticationError":
@@ -209,7 +212,8 @@ class WorkerProcess:
                     if isinstance(msg, p.Run) and inv:
                         self.core.running.discard(inv)
                         self._queue(p.Result(inv, False, "GpufnError",
-                                             f"worker {self.device_key} failed: {e}", {}))
+                                             f"worker {self.device_key} failed: {e}",
+                                             {"attempt": msg.attempt}))
 
     # ------------------------------------------------------------------ control thread
 
@@ -240,7 +244,7 @@ class WorkerProcess:
                     {"completed": self.core.completed,
                      "group_inits": groups.inits if groups is not None else 0})))
                 next_beat = now + HEARTBEAT_SECONDS
-                self._forget_old_cancels(now)
+                self.executor.forget_cancels(CANCEL_MEMORY_SECONDS)
             if not sock.poll(math.ceil(max(0.0, next_beat - now) * 1000)):
                 continue
             while True:
@@ -253,20 +257,18 @@ class WorkerProcess:
 
     def _control(self, sock: zmq.Socket[Any], msg: p.Message) -> None:
         if isinstance(msg, p.Cancel):
-            if not self.executor.interrupt(msg.invocation_id):
-                with self._cancel_lock:  # not started yet (pipelined): refuse it on arrival
-                    self._cancelled[msg.invocation_id] = time.monotonic()
+            self.executor.interrupt(msg.invocation_id, msg.attempt)  # or refused when it starts
         elif isinstance(msg, p.GroupOp):
             self.core.handle(msg)  # abort from any thread: blocked collectives end now
         elif isinstance(msg, p.Shutdown):
             os._exit(0)
         elif isinstance(msg, p.Error) and msg.error_kind == "AuthenticationError":
             sock.send_multipart(p.encode(self._hello("control")))
-
-    def _forget_old_cancels(self, now: float) -> None:
-        with self._cancel_lock:
-            for k in [k for k, t in self._cancelled.items() if now - t > CANCEL_MEMORY_SECONDS]:
-                del self._cancelled[k]
+            self._rehello.set()  # the main thread announces the work socket again
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass
 
     def close(self) -> None:
         self.sock.close(0)

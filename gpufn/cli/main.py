@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
 import sys
 
 import typer
@@ -14,6 +13,7 @@ from rich.console import Console
 from gpufn import config
 from gpufn.cli import render
 from gpufn.cli.state import load_cluster_file, write_cluster_file
+from gpufn.exceptions import GpufnError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="gpufn: self-hosted serverless GPU functions.")
@@ -27,7 +27,7 @@ def _is_loopback(host: str) -> bool:
 
 @app.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", help="Interface to bind; non-loopback needs a token."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 for a cluster)."),
     port: int = typer.Option(config.DEFAULT_PORT, help="Port to bind (0 picks a free one)."),
     cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found [GPUFN_CPU_DEVICES, 2]."),
     device_memory: str | None = typer.Option(None, help="Memory of each simulated device, e.g. 8GiB [GPUFN_DEVICE_MEMORY]."),
@@ -35,57 +35,43 @@ def serve(
     token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="Shared secret clients and workers must present (generated if unset)."),
     workers: bool = typer.Option(True, help="Start workers for this host's devices (--no-workers: scheduler only)."),
 ) -> None:
-    """Run the scheduler (and this host's workers) in the foreground."""
-    import logging
+    """Run the scheduler (and this host's workers) in the foreground until Ctrl-C."""
+    import signal
 
-    from gpufn.scheduler.core import SchedulerConfig
-    from gpufn.scheduler.server import SchedulerServer
+    from gpufn.embedded import LocalCluster
 
-    logging.basicConfig(level=os.environ.get("GPUFN_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    token = token or secrets.token_hex(16)
     if cpu_devices is not None and cpu_devices < 1:
         err.print("[red]--cpu-devices must be at least 1[/]")
         raise typer.Exit(2)
+    cluster = LocalCluster(cpu_devices, device_memory, islands, host=host, port=port,
+                           token=token or secrets.token_hex(16), transport="tcp", workers=workers)
     try:
-        server = SchedulerServer(host, port, SchedulerConfig.from_env(token))
-    except Exception as e:
-        err.print(f"[red]cannot bind {host}:{port}: {e}[/] (is another `gpufn serve` running? "
-                  "use --port to pick another port, or --port 0 for any free one)")
+        address, tok = cluster.start()
+    except GpufnError as e:
+        err.print(f"[red]the scheduler did not start[/]: {e} (is another `gpufn serve` using "
+                  f"port {port}? pick another with --port, or --port 0 for any free one)")
         raise typer.Exit(1) from None
-    address = server.address
     if not _is_loopback(host):
         address = f"tcp://{host if host not in ('0.0.0.0', '*') else config.node_id()}:{address.rsplit(':', 1)[1]}"
-    write_cluster_file(address, token)
+    write_cluster_file(address, tok)
     console.print(f"gpufn scheduler listening on [bold]{address}[/]")
-    console.print(f"connect with: export GPUFN_ADDRESS={address} GPUFN_TOKEN={token}")
+    console.print(f"connect with: export GPUFN_ADDRESS={address} GPUFN_TOKEN={tok}")
+    if not workers:
+        console.print(f"add workers with: gpufn worker --address {address} --token {tok}")
     sys.stdout.flush()
-    sup = None
-    if workers:
-        cmd = [sys.executable, "-m", "gpufn.worker.supervisor", "--address", server.address,
-               "--parent-pid", str(os.getpid())]
-        if cpu_devices:
-            cmd += ["--cpu-devices", str(cpu_devices)]
-        if device_memory:
-            cmd += ["--device-memory", device_memory]
-        if islands:
-            cmd += ["--islands", str(islands)]
-        sup = subprocess.Popen(cmd, env={**os.environ, "GPUFN_TOKEN": token})
-    import signal
+    def stop(*_: object) -> None:
+        if cluster.scheduler is not None:
+            cluster.scheduler.terminate()
 
-    signal.signal(signal.SIGTERM, server.stop)
-    signal.signal(signal.SIGINT, server.stop)
+    signal.signal(signal.SIGTERM, stop)
     try:
-        server.serve_forever()
+        code = cluster.wait()
+    except KeyboardInterrupt:
+        code = 0
     finally:
-        if sup is not None:
-            sup.terminate()
-            try:
-                sup.wait(10)
-            except subprocess.TimeoutExpired:
-                sup.kill()
-        server.close()
-        console.print("gpufn scheduler stopped")
+        cluster.stop()
+    console.print("gpufn scheduler stopped")
+    raise typer.Exit(code if code and code > 0 else 0)
 
 
 @app.command()

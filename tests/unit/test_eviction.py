@@ -28,7 +28,7 @@ def names(entries: list[ModelEntry]) -> list[str]:
 
 
 def test_gdsf_value_formula() -> None:
-    p = CostAwarePolicy()
+    p = CostAwarePolicy(miss_overhead=0.0)
     # L + F * C * 2**P / S(GiB) = 1.5 + 3 * 8.0 * 2 / 2
     assert p.value(entry("m", 2.0, uses=3, load=8.0, priority=1, clock=1.5)) == 25.5
     # offloadable: C is the measured host reload time
@@ -38,12 +38,16 @@ def test_gdsf_value_formula() -> None:
 
 
 def test_reload_cost_estimates_until_measured() -> None:
-    p = CostAwarePolicy(load_bandwidth=2 * GiB, load_overhead=1.0, host_bandwidth=4 * GiB)
+    p = CostAwarePolicy(load_bandwidth=2 * GiB, load_overhead=1.0, host_bandwidth=4 * GiB,
+                        miss_overhead=0.0)
     assert p.reload_cost(entry("a", 8.0, load=None)) == 1.0 + 4.0
     assert p.reload_cost(entry("b", 8.0, offload=True)) == 2.0
     assert p.reload_cost(entry("c", 8.0, load=3.0, offload=True, reload=0.7)) == 0.7
     # a policy that never offloads prices every model by its loader
-    assert CostAwarePolicy(offload=False).reload_cost(entry("d", load=3.0, offload=True)) == 3.0
+    assert CostAwarePolicy(offload=False, miss_overhead=0.0).reload_cost(
+        entry("d", load=3.0, offload=True)) == 3.0
+    # every miss also pays the fixed overhead
+    assert CostAwarePolicy(miss_overhead=0.05).reload_cost(entry("e", 8.0, load=3.0)) == 3.05
 
 
 def test_gdsf_evicts_cheap_to_reload_first() -> None:
@@ -75,7 +79,7 @@ def test_gdsf_offloadable_models_are_cheaper_to_lose() -> None:
 
 
 def test_gdsf_clock_gives_recency() -> None:
-    p = CostAwarePolicy()
+    p = CostAwarePolicy(miss_overhead=0.0)
     old = entry("old", uses=5, load=10.0, clock=0.0)
     victim = entry("victim", uses=1, load=10.0, clock=0.0)
     clock = p.inflate(0.0, victim)
@@ -84,6 +88,16 @@ def test_gdsf_clock_gives_recency() -> None:
     fresh = entry("fresh", uses=1, load=10.0, clock=clock * 5)
     assert names(p.order([fresh, old])) == ["old", "fresh"]
     assert p.inflate(100.0, victim) == 100.0  # the clock never goes back
+
+
+def test_fixed_miss_cost_keeps_small_models_when_reloads_are_copies() -> None:
+    # Reload time proportional to size (a host copy): without a fixed cost per miss the
+    # size term cancels; with it the big model goes first (more hits per byte kept).
+    small = entry("small", 0.1, uses=2, reload=0.01, offload=True)
+    big = entry("big", 2.0, uses=2, reload=0.2, offload=True)
+    assert names(CostAwarePolicy().order([small, big])) == ["big", "small"]
+    assert CostAwarePolicy(miss_overhead=0.0).value(small) == pytest.approx(
+        CostAwarePolicy(miss_overhead=0.0).value(big))
 
 
 def test_lru_count_orders_by_recency_only() -> None:

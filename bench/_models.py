@@ -1,0 +1,170 @@
+"""Models, trace and statistics for bench/multimodel.py (pure helpers, no cluster).
+
+* `plan_models`: N torch MLPs whose sizes are spread log-uniformly over a range (one
+  size per log-stratum, jittered, so a short list still covers the whole range), with
+  popularity ranks assigned by a seeded shuffle (so popularity is independent of size).
+* `make_model` / `make_function`: a `@gpufn.model` whose loader builds the MLP with a
+  seeded init (real construction work, no downloads) and one `@gpufn.gpu` function per
+  model running a small forward pass. The loaders and functions are closures, so
+  cloudpickle ships them by value (workers never import this module).
+* `zipf_trace`: Poisson arrivals (open loop) with Zipf(s) popularity over the ranks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 2**20
+WIDTHS = (256, 512, 1024, 2048)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    rank: int  # popularity rank, 1 = most popular
+    width: int
+    layers: int
+    seed: int
+
+    @property
+    def nbytes(self) -> int:
+        """fp32 weights + biases of `layers` Linear(width, width) layers."""
+        return self.layers * 4 * (self.width * self.width + self.width)
+
+
+def _shape_for(target: float) -> tuple[int, int]:
+    """(width, layers) of an MLP of about `target` bytes: the widest layer that leaves
+    at least two layers (so the forward pass is a real stack), capped at 2048."""
+    width = WIDTHS[0]
+    for w in WIDTHS:
+        if 4 * (w * w + w) * 2 <= target:
+            width = w
+    per_layer = 4 * (width * width + width)
+    return width, max(1, round(target / per_layer))
+
+
+def model_count_for(pool_bytes: int, ratio: float, min_bytes: float, max_bytes: float) -> int:
+    """How many log-uniform models in [min, max] weigh about `ratio` x the pool."""
+    mean = (max_bytes - min_bytes) / math.log(max_bytes / min_bytes)
+    return max(2, round(ratio * pool_bytes / mean))
+
+
+def plan_models(n: int, min_bytes: float, max_bytes: float, seed: int) -> list[ModelSpec]:
+    """`n` model specs, sizes log-stratified over [min_bytes, max_bytes], ranks shuffled."""
+    rng = random.Random(seed)
+    lo, hi = math.log(min_bytes), math.log(max_bytes)
+    targets = [math.exp(lo + (i + rng.random()) / n * (hi - lo)) for i in range(n)]
+    ranks = list(range(1, n + 1))
+    rng.shuffle(ranks)
+    specs = []
+    for i, (target, rank) in enumerate(zip(targets, ranks, strict=True)):
+        width, layers = _shape_for(target)
+        specs.append(ModelSpec(f"mm{i:02d}", rank, width, layers, seed * 1000 + i))
+    return sorted(specs, key=lambda s: s.rank)
+
+
+def make_model(spec: ModelSpec) -> Any:
+    """A `@gpufn.model` for `spec` (estimate = its exact weight bytes)."""
+    import gpufn
+
+    width, layers, seed = spec.width, spec.layers, spec.seed
+
+    def load() -> Any:
+        import torch
+        from torch import nn
+
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).eval()
+        finally:
+            torch.random.set_rng_state(gen_state)
+
+    load.__name__ = load.__qualname__ = f"load_{spec.name}"
+    return gpufn.model(name=spec.name, memory=spec.nbytes)(load)
+
+
+def make_function(model: Any, workspace: str, concurrency: int = 1) -> Any:
+    """One `@gpufn.gpu` function per model: a forward pass of `batch` rows of ones."""
+    import gpufn
+
+    def infer(batch: int) -> float:
+        import torch
+
+        m = model.get()
+        with torch.inference_mode():
+            y = m(torch.ones(batch, m[0].in_features))
+        return float(y[0, 0])
+
+    infer.__name__ = infer.__qualname__ = f"infer_{model.name}"
+    return gpufn.gpu(models=[model], memory=workspace, concurrency=concurrency)(infer)
+
+
+def zipf_trace(n: int, n_models: int, rate: float, s: float, seed: int) -> list[tuple[float, int]]:
+    """`n` (arrival seconds, model rank - 1): Poisson(rate) arrivals, Zipf(s) ranks."""
+    rng = random.Random(seed)
+    cum = []
+    total = 0.0
+    for k in range(1, n_models + 1):
+        total += 1.0 / k**s
+        cum.append(total)
+    t = 0.0
+    out = []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append((t, min(bisect.bisect_left(cum, rng.random() * total), n_models - 1)))
+    return out
+
+
+# ---------------------------------------------------------------------------- stats
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); nan for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def descendants(root: int) -> set[int]:
+    """Pids of every live process below `root` (from /proc; empty off Linux)."""
+    parent: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return set()
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] == "Z":
+            continue
+        parent[int(e)] = int(fields[1])
+    out: set[int] = set()
+    frontier = [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in out]
+        out.update(kids)
+        frontier.extend(kids)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split()[0] != "Z"

@@ -1,0 +1,124 @@
+"""Regression tests for failure modes found in review: reused thread ids, malformed
+input, a client the scheduler forgot, cancels racing dispatch, async cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+import pytest
+import zmq
+
+import gpufn
+from gpufn import protocol as p
+from gpufn.scheduler.core import SchedulerConfig
+from gpufn.scheduler.server import SchedulerServer
+
+from .funcs import sleepy, square
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_blocking_remote_from_successive_pool_threads(cluster: gpufn.Client) -> None:
+    for _ in range(3):  # each pool has a new thread, which may reuse an old thread id
+        with ThreadPoolExecutor(1) as ex:
+            t0 = time.monotonic()
+            assert ex.submit(square.remote, 6).result(timeout=20) == 36
+            assert time.monotonic() - t0 < 5
+
+
+def test_malformed_messages_do_not_stop_the_scheduler() -> None:
+    server = SchedulerServer("127.0.0.1", 0, SchedulerConfig())
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(server.address)
+    try:
+        s.send_multipart([p.BATCH_TAG, msgpack.packb({"not": "a list"}), b"x"])
+        s.send_multipart(p.encode(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, 5, 1, {})))  # type: ignore[arg-type]
+        s.send_multipart(p.encode(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "", 1, {})))
+        s.send_multipart(p.encode(p.Register("f", "c", "f", {"count": "2"}, [], (b"x",))))
+        s.send_multipart(p.encode(p.Submit("i", "f", {}, (b"a",))))
+        s.send_multipart(p.encode(p.StatusRequest(1)))
+        replies: list[p.Message] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(isinstance(m, p.StatusReply) for m in replies):
+            if s.poll(200):
+                replies += p.decode_all(s.recv_multipart())
+        assert t.is_alive()
+        assert any(isinstance(m, p.StatusReply) for m in replies)
+        errors = [m for m in replies if isinstance(m, (p.Error, p.Welcome)) and not getattr(m, "ok", False)]
+        assert any("count='2' must be an integer" in m.message for m in errors)  # type: ignore[union-attr]
+    finally:
+        server.stop()
+        t.join(5)
+        s.close(0)
+        ctx.term()
+        server.close()
+
+
+def test_a_forgotten_client_reconnects_and_sends_its_calls_again(
+        fresh_cluster: Callable[..., gpufn.Client]) -> None:
+    client = fresh_cluster(GPUFN_CPU_DEVICES=1, GPUFN_CLIENT_TIMEOUT=1)
+    assert square.remote(3) == 9
+    time.sleep(2.5)  # pings every 2 s: the scheduler forgets this client in between
+    calls = [sleepy.spawn(0.05) for _ in range(5)]
+    assert [c.get(timeout=30) for c in calls] == [0.05] * 5
+    time.sleep(2.5)
+    assert square.remote(4) == 16  # the blocking path re-announces itself too
+    assert client.status()["counters"]["succeeded"] >= 7
+
+
+def test_cancel_right_after_dispatch_is_not_lost(cluster: gpufn.Client) -> None:
+    @gpufn.gpu(concurrency=4)
+    def slow() -> str:
+        for _ in range(100):
+            time.sleep(0.02)
+        return "finished"
+
+    before = cluster.status()["counters"]
+    calls = [slow.spawn() for _ in range(4)]
+    for c in calls:
+        c.cancel()
+    for c in calls:
+        with pytest.raises(gpufn.Cancelled):
+            c.get(timeout=10)
+    time.sleep(1.0)
+    after = cluster.status()
+    assert all(not d["running"] for d in after["devices"])  # stopped, not run to the end
+    assert after["counters"]["restarts"] == before["restarts"]  # and nobody was killed
+
+
+def test_cancelling_an_async_map_cancels_its_calls(cluster: gpufn.Client) -> None:
+    async def consume() -> list[float]:
+        return [x async for x in sleepy.map.aio([0.3] * 20)]
+
+    before = cluster.status()["counters"]["cancelled"]
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(consume(), timeout=0.5))
+    time.sleep(1.0)
+    st = cluster.status()
+    assert st["counters"]["cancelled"] - before >= 10 and st["queued"] == 0
+
+
+def test_spmd_false_after_a_cancel_returns_its_own_value(
+        fresh_cluster: Callable[..., gpufn.Client]) -> None:
+    fresh_cluster(GPUFN_CPU_DEVICES=2)
+
+    @gpufn.gpu(count=2, spmd=False, timeout=120)
+    def echo_multi(x: str, seconds: float) -> str:
+        time.sleep(seconds)
+        return x
+
+    assert echo_multi.remote("warm", 0.0) == "warm"
+    a = echo_multi.spawn("A", 3.0)
+    time.sleep(0.5)
+    a.cancel()
+    with pytest.raises(gpufn.Cancelled):
+        a.get(timeout=10)
+    assert echo_multi.remote("B", 0.0) == "B"

@@ -21,6 +21,9 @@ def configure(sock: zmq.Socket[Any], *, router: bool = False) -> None:
         # Refuse rather than drop: a full or unknown peer raises, and the shell retries
         # later or reports the peer unreachable.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A peer that reconnects under its identity (half-open TCP, a restarted process
+        # with the same pid in a container) takes the identity over instead of being ignored.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     else:
         sock.setsockopt(zmq.IMMEDIATE, 0)
 

@@ -3,6 +3,7 @@ settings, and a check that no gpufn process outlives the tests that started it."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +64,23 @@ def wait_ready(c: gpufn.Client, n: int | None = None, timeout: float = 60.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"devices not ready: {st['devices']}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def cluster_with(**env: object) -> Iterator[gpufn.Client]:
+    """A fresh embedded cluster started with these GPUFN_* settings (module fixtures);
+    torn down, and checked for leftover processes, afterwards."""
+    mp = pytest.MonkeyPatch()
+    shutdown_default()
+    for k, v in env.items():
+        mp.setenv(k, str(v))
+    try:
+        c = gpufn.connect()
+        wait_ready(c)
+        yield c
+    finally:
+        shutdown_default()
+        mp.undo()
 
 
 @pytest.fixture

@@ -12,25 +12,16 @@ import pytest
 
 import gpufn
 
-from ..conftest import wait_ready
+from ..conftest import cluster_with, wait_ready
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def four(request: pytest.FixtureRequest) -> Iterator[gpufn.Client]:
+def four() -> Iterator[gpufn.Client]:
     """Four simulated devices in two NVLink-like islands: {0, 1} and {2, 3}."""
-    from ..conftest import shutdown_default
-
-    mp = pytest.MonkeyPatch()
-    shutdown_default()
-    mp.setenv("GPUFN_CPU_DEVICES", "4")
-    mp.setenv("GPUFN_CPU_ISLANDS", "2")
-    c = gpufn.connect()
-    wait_ready(c)
-    yield c
-    shutdown_default()
-    mp.undo()
+    with cluster_with(GPUFN_CPU_DEVICES=4, GPUFN_CPU_ISLANDS=2) as c:
+        yield c
 
 
 @gpufn.gpu(count=2, timeout=60)

@@ -11,7 +11,7 @@ import torch
 
 import gpufn
 
-from ..conftest import shutdown_default, wait_ready
+from ..conftest import cluster_with
 
 pytestmark = pytest.mark.timeout(180)
 MiB = 2**20
@@ -107,15 +107,8 @@ def not_listed() -> None:
 @pytest.fixture(scope="module")
 def pool() -> Iterator[gpufn.Client]:
     """One simulated device of 128 MiB: room for three 40 MiB models, not four."""
-    mp = pytest.MonkeyPatch()
-    shutdown_default()
-    mp.setenv("GPUFN_CPU_DEVICES", "1")
-    mp.setenv("GPUFN_DEVICE_MEMORY", "128MiB")
-    c = gpufn.connect()
-    wait_ready(c)
-    yield c
-    shutdown_default()
-    mp.undo()
+    with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_DEVICE_MEMORY="128MiB") as c:
+        yield c
 
 
 def models_on(c: gpufn.Client) -> dict[str, dict[str, object]]:

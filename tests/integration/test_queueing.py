@@ -11,22 +11,15 @@ import pytest
 
 import gpufn
 
-from ..conftest import shutdown_default, wait_ready
+from ..conftest import cluster_with, wait_ready
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def one() -> Iterator[gpufn.Client]:
-    mp = pytest.MonkeyPatch()
-    shutdown_default()
-    mp.setenv("GPUFN_CPU_DEVICES", "1")
-    mp.setenv("GPUFN_STOP_GRACE_SECONDS", "1")
-    c = gpufn.connect()
-    wait_ready(c)
-    yield c
-    shutdown_default()
-    mp.undo()
+    with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_STOP_GRACE_SECONDS=1) as c:
+        yield c
 
 
 @gpufn.gpu

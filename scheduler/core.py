@@ -7,6 +7,7 @@ events and executes the returned sends. User payload frames pass through untouch
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import logging
 from dataclasses import dataclass
@@ -185,6 +186,8 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         self.needs_rendezvous = False
         self._now = 0.0
         self._wakeup_at: float | None = None
+        self._deadlines: list[tuple[float, int, Invocation]] = []
+        self._failing: set[Invocation] = set()
         self._feasible: dict[str, str | None] = {}
         self._out: list[Send] = []
         self._dirty = False
@@ -570,6 +573,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         inv.history.append(("queued", now))
         if spec.deadline is not None:
             inv.deadline = now + spec.deadline
+            heapq.heappush(self._deadlines, (inv.deadline, inv.seq, inv))
         self.invocations[inv.id] = inv
         self.queue.push(inv)
         self._dirty = True
@@ -672,6 +676,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
     def _gang_failing(self, inv: Invocation, now: float, reason: str) -> None:
         if inv.failing_since is None:
             inv.failing_since = now
+            self._failing.add(inv)
             self._stop_ranks(inv, reason)
 
     def _settle_gang(self, inv: Invocation, now: float, force: bool = False) -> None:
@@ -829,9 +834,10 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         if self._wakeup_at is not None and now >= self._wakeup_at:
             self._wakeup_at = None
             self._dirty = True
-        for inv in [i for i in self.invocations.values() if i.failing_since is not None
+        for inv in [i for i in self._failing if i.failing_since is not None
                     and now - i.failing_since > self.config.gang_settle_seconds]:
             self._settle_gang(inv, now, force=True)
+        self._failing = {i for i in self._failing if i.state is InvState.RUNNING}
         for d in list(self.devices.values()):
             if d.state is DeviceState.READY and now - d.last_seen > self.config.heartbeat_timeout:
                 self._kill_worker(d, now, f"no heartbeat for {now - d.last_seen:.0f}s")
@@ -859,8 +865,11 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
                     for m in members:
                         self._kill_worker(m, now, f"call {inv.id} exceeded its {t:g}s timeout")
                     break
-        for inv in [i for i in self.invocations.values()
-                    if i.state is InvState.QUEUED and i.deadline is not None and now > i.deadline]:
+        # Deadlines: a heap, so a tick costs O(due), not O(queued).
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, _, inv = heapq.heappop(self._deadlines)
+            if inv.state is not InvState.QUEUED or inv.deadline is None or now <= inv.deadline:
+                continue  # started (or finished) in time
             self.queue.discard(inv)
             self._finish(inv, now, InvState.FAILED, Timeout(
                 f"{inv.function.name} call {inv.id} could not start within its deadline of "

@@ -201,6 +201,7 @@ class SchedulingPass:
     def _dispatch(self, inv: Invocation, devices: list[Device], now: float,
                   plans: dict[str, Plan] | None = None) -> None:
         inv.to(InvState.RUNNING, now)
+        inv.deadline = None  # it started in time; a retry or preemption never drops it
         inv.devices = tuple(d.key for d in devices)
         inv.started = now
         inv.attempts += 1

@@ -74,6 +74,7 @@ class Client:
         self._channel_ids = itertools.count(1)
         self._channels: list[_SyncChannel] = []
         self.idle_rehello = config.env_float("GPUFN_CLIENT_TIMEOUT", 120.0) / 2
+        self._wake_pending = False
         self._closed = threading.Event()
         self._io_done = threading.Event()
         self._last_heard = time.monotonic()
@@ -203,6 +204,11 @@ class Client:
         self._wake()
 
     def _wake(self) -> None:
+        # One pending wake-up is enough: the I/O thread drains the whole outbox when it
+        # wakes (a write per call costs a context switch each on a busy machine).
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -236,6 +242,7 @@ class Client:
                 wait_ms = 5 if blocked else max(0, int((next_ping - now) * 1000))
                 ready = dict(poller.poll(wait_ms))
                 if ready.get(self._wake_r):
+                    self._wake_pending = False  # cleared before draining: no wake is lost
                     try:
                         os.read(self._wake_r, 65536)
                     except BlockingIOError:

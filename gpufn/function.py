@@ -25,6 +25,7 @@ from gpufn.spec import OPTION_NAMES, GpuSpec, make_spec
 T = TypeVar("T")
 
 MAP_WINDOW = 4096               # calls in flight per .map()
+MAP_REFILL = 128                # refill the window in batches of at least this many
 MAP_WINDOW_BYTES = 256 * 2**20  # argument bytes in flight per .map()
 
 
@@ -334,6 +335,9 @@ class _MapRun:
         self.failed = False
 
     def _fill(self, client: Client) -> None:
+        free = self.window - len(self.calls)
+        if self.calls and free < min(MAP_REFILL, self.window // 2):
+            return  # refill in batches: one send and one wake-up for many calls
         batch: list[tuple[int, p.Submit]] = []
         while (not self.exhausted and len(self.calls) + len(batch) < self.window
                and self.inflight_bytes < MAP_WINDOW_BYTES):

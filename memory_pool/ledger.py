@@ -239,6 +239,8 @@ class DeviceLedger:
     clock: float = 0.0
     holds: dict[str, tuple[str, ...]] = field(default_factory=dict)
     version: int = 0
+    _used_at: tuple[int, int] = field(default=(-1, -1), repr=False, compare=False)
+    _used: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.host is not None and not self.key:
@@ -257,7 +259,11 @@ class DeviceLedger:
 
     @property
     def used(self) -> int:
-        return self.workspace_bytes + self.model_bytes
+        # Read on every placement decision: cached until the ledger (or host) changes.
+        v = self._version()
+        if self._used_at != v:
+            self._used_at, self._used = v, self.workspace_bytes + self.model_bytes
+        return self._used
 
     @property
     def free(self) -> int:

@@ -34,13 +34,14 @@ class DeviceInfo:
     nvlink_peers: tuple[int, ...] = ()
     # peer index -> NVML common-ancestor level (TOPO_*); missing means TOPO_SYSTEM.
     pcie_levels: dict[int, int] = field(default_factory=dict)
+    key: str = field(init=False, repr=False, compare=False)  # "node:index", made once
 
-    @property
-    def key(self) -> str:
-        return f"{self.node}:{self.index}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.node}:{self.index}")
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("key")
         d["nvlink_peers"] = list(self.nvlink_peers)
         d["pcie_levels"] = {str(k): v for k, v in self.pcie_levels.items()}
         return d
@@ -48,6 +49,7 @@ class DeviceInfo:
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> DeviceInfo:
         d = dict(d)
+        d.pop("key", None)
         d["nvlink_peers"] = tuple(d.get("nvlink_peers", ()))
         d["pcie_levels"] = {int(k): int(v) for k, v in d.get("pcie_levels", {}).items()}
         return cls(**d)

@@ -242,11 +242,13 @@ class Client:
                 wait_ms = 5 if blocked else max(0, int((next_ping - now) * 1000))
                 ready = dict(poller.poll(wait_ms))
                 if ready.get(self._wake_r):
-                    self._wake_pending = False  # cleared before draining: no wake is lost
                     try:
                         os.read(self._wake_r, 65536)
                     except BlockingIOError:
                         pass
+                    # Read, then clear, then drain: a wake written after the read sets the
+                    # flag again and writes a byte the next poll sees.
+                    self._wake_pending = False
                 if ready.get(sock):
                     self._receive(sock)
                 # Send what callers queued, batched; a full socket (HWM) keeps the rest here.

@@ -369,7 +369,7 @@ class _MapRun:
         self.done_q.put(idx)
 
     def _cancel_rest(self, client: Client, include_running: bool) -> None:
-        for call in self.calls.values():
+        for call in list(self.calls.values()):  # may run beside the thread that fills it
             if not call.done():
                 client._enqueue(p.encode(p.Cancel(call.id, "the map was stopped", include_running)))
 

@@ -239,7 +239,7 @@ class Cancel(Message):
     invocation_id: str
     reason: str = ""
     include_running: bool = True
-    attempt: int = 0  # scheduler -> worker: the attempt meant (0: any)
+    attempt: int = 0  # scheduler -> worker: the dispatch token meant (0: any)
 
 
 @message(13)

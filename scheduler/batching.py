@@ -64,6 +64,7 @@ class Batching:
         for m in carrier.members:
             m.to(InvState.RUNNING, now)
             m.devices, m.started = carrier.devices, now
+            m.deadline = None  # started in time, like a single call
             m.attempts += 1
 
     def _member_results(self, carrier: Invocation, msg: p.Result) -> list[p.Result]:

@@ -178,7 +178,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         self.counters = Counters()
         self.gangs = GangBook()
         self.models: dict[str, ModelRecord] = {}
-        self._replan_models: set[str] = set()
+        self._replan: set[str] = set()
         self.hosts: dict[str, HostLedger] = {}
         self.policy = self.config.policy()
         self.rendezvous_port: int | None = None
@@ -192,6 +192,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         self._out: list[Send] = []
         self._dirty = False
         self._seq = 0
+        self._tokens = 0  # dispatch tokens (see Invocation.token)
         self._handlers: dict[type, Any] = {
             p.Hello: self._on_hello,
             p.Ping: self._on_ping,
@@ -235,7 +236,10 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
                                                 f"{type(ev.msg).__name__}: {e}"))
         if self._dirty:
             self._dirty = False
-            self._schedule(now)
+            try:
+                self._schedule(now)
+            except Exception:  # a placement bug must not take the scheduler down
+                log.exception("scheduling pass failed")
         out, self._out = self._out, []
         return out
 
@@ -295,7 +299,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
             "devices": list(inv.devices),
             "attempts": inv.attempts,
             "queued_s": ((inv.started or now) - inv.submitted),
-            "cold_start": inv.cold or False,
+            "cold_start": inv.cold or (inv.carrier.cold if inv.carrier else "") or False,
         }
         if extra:
             meta.update(extra)
@@ -333,13 +337,15 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         gang = inv.gang
         if gang is not None:
             self.gangs.broken(inv.devices)
-        for key in inv.devices:
+        # spmd=False runs one process, on the first device; the others are only held.
+        keys = inv.devices if inv.spec.spmd or len(inv.devices) == 1 else inv.devices[:1]
+        for key in keys:
             d = self.devices.get(key)
             target = self._control_peer(key)
             if key == skip or d is None or inv.id not in d.running or target is None:
                 continue
             d.stopping.setdefault(inv.id, self._now)
-            self._send(target, p.Cancel(inv.id, reason, True, inv.attempts))
+            self._send(target, p.Cancel(inv.id, reason, True, inv.token))
             if gang is not None:
                 self._send(target, p.GroupOp("abort", {"gang_id": gang[0], "generation": gang[1],
                                                        "reason": reason}))
@@ -636,18 +642,26 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         d.last_seen = now
         attempt = msg.meta.get("attempt")
         if (inv.state is not InvState.RUNNING or d.key not in inv.devices
-                or (attempt is not None and attempt != inv.attempts)):
+                or (attempt is not None and attempt != inv.token)):
             self._release_device(inv, d)  # a stopped rank or an earlier attempt: free it
+            if not inv.spec.spmd and inv.devices and d.key == inv.devices[0] and (
+                    inv.state is not InvState.RUNNING):
+                self._release(inv)  # its one process stopped: the held devices are free
             return
         if len(inv.devices) > 1:
             self._on_rank_result(inv, d, msg, now)
             return
         if self._should_replan(inv, msg):
             self._release_device(inv, d)
-            inv.replans += 1
-            inv.to(InvState.QUEUED, now)
-            inv.devices, inv.started, inv.cold = (), None, ""
-            self.queue.push(inv)
+            if inv.members:  # a batch: its calls are queued again on their own
+                inv.to(InvState.FAILED, now)
+                for m in inv.members:
+                    if m.state is InvState.RUNNING:
+                        self._requeue(m, now)
+                        m.replans += 1
+            else:
+                inv.replans += 1
+                self._requeue(inv, now)
             return
         d.completed += 1
         duration = msg.meta.get("duration")
@@ -686,6 +700,8 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         if inv.state is not InvState.RUNNING:
             return
         answered = len(inv.rank_results) + len(inv.lost_ranks)
+        if not inv.spec.spmd:  # only the process on the first device reports
+            answered = int(0 in inv.rank_results or 0 in inv.lost_ranks)
         if inv.failing_since is None:
             if len(inv.rank_results) >= inv.reporters:
                 self._gang_succeeded(inv, now)
@@ -730,6 +746,22 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
                              result=p.Result(m.id, res.ok, res.error_kind, res.message, meta,
                                              res.frames), release=False)
 
+    def _fail_if_never_fits(self, inv: Invocation, now: float) -> bool:
+        """A queued call whose models (at their learned sizes) fit on no device fails
+        now with Unschedulable instead of waiting forever."""
+        err = self._never_fits(inv.function, inv.spec.memory)
+        if err is None:
+            return False
+        self.queue.discard(inv)
+        self._finish(inv, now, InvState.FAILED, Unschedulable(err))
+        return True
+
+    def _requeue(self, inv: Invocation, now: float) -> None:
+        inv.to(InvState.QUEUED, now)
+        inv.devices, inv.started, inv.cold, inv.carrier = (), None, "", None
+        inv.run_started = None
+        self.queue.push(inv)
+
     def _preempt(self, victim: Invocation, d: Device, now: float, reason: str) -> None:
         """Stop a preemptible call and queue it again (its device stays held until its
         worker reports it stopped)."""
@@ -737,14 +769,20 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
         victim.preemptions += 1
         log.info("[%s] %s %s", victim.id, victim.function.name, reason)
         self._stop_ranks(victim, reason)
-        victim.to(InvState.QUEUED, now)
-        victim.devices, victim.started, victim.cold = (), None, ""
-        self.queue.push(victim)
+        self._requeue(victim, now)
 
     def _on_output(self, peer: bytes, msg: p.Output, now: float) -> None:
         inv = self.invocations.get(msg.invocation_id)
-        if inv is not None and inv.client in self.peers:
-            self._send(inv.client, msg)
+        if inv is not None:
+            if inv.client in self.peers:
+                self._send(inv.client, msg)
+            return
+        d = self._device_of(peer)
+        carrier = d.running.get(msg.invocation_id) if d is not None else None
+        if carrier is not None:  # printed by a batch: every caller in it sees it
+            for m in carrier.members:
+                if m.state is InvState.RUNNING and m.client in self.peers:
+                    self._send(m.client, p.Output(m.id, msg.stream, msg.text))
 
     def _on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> None:
         d = self._device_of(peer)
@@ -799,9 +837,10 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
             inv.unstarted_losses += 1  # it never ran: queue it again, no retry used
         if len(inv.devices) > 1:
             # Other ranks stop and keep their devices until they report; then it settles.
-            inv.lost_ranks[inv.devices.index(d.key)] = why
-            if not inv.spec.spmd:
-                self._release(inv)
+            rank = inv.devices.index(d.key)
+            inv.lost_ranks[rank] = why
+            if not inv.spec.spmd and rank == 0:
+                self._release(inv)  # nothing runs any more: free the held devices
             self._gang_failing(inv, now, why)
             self._settle_gang(inv, now)
             return
@@ -813,6 +852,8 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
             for m in inv.members:
                 if m.state is InvState.RUNNING:
                     m.carrier = None
+                    if inv.run_started is None:
+                        m.unstarted_losses += 1  # the batch never started: no retry used
                     self._retry_or_fail_lost(m, now, why)
             return
         if inv.attempts - inv.preemptions - inv.unstarted_losses <= inv.spec.retries:
@@ -822,8 +863,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
             inv.started = None
             self.queue.push(inv)
             self.counters.retried += 1
-            log.warning("[%s] %s: %s; retrying (attempt %d of %d)", inv.id, inv.function.name, why,
-                        inv.attempts + 1, inv.spec.retries + 1)
+            log.warning("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
             return
         hint = "" if inv.spec.retries else " Set retries=N in @gpu to retry on another worker."
         self._finish(inv, now, InvState.FAILED, WorkerLost(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufn import protocol as p
-from gpufn.memory_pool.ledger import DeviceLedger, ModelNeed, NeverFits, Plan, Request
+from gpufn.memory_pool.ledger import DeviceLedger, ModelNeed, NeverFits, Plan, Request, StalePlan
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.placement import drain_seconds
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation
@@ -55,7 +55,8 @@ class ModelPlacement:
 
     models: dict[str, ModelRecord]
     devices: dict[str, Device]
-    _replan_models: set[str]
+    _replan: set[str]  # invocations whose model turned out larger than declared
+    _invalidate_feasibility: Callable[[], None]
     _device_of: Callable[[bytes], Device | None]
     _advance_starts: Callable[[Device, float], None]
     _send: Callable[[bytes, p.Message], None]
@@ -118,7 +119,7 @@ class ModelPlacement:
         if best is None:
             return None
         _, d, plan, cold = best
-        if cold > 0:
+        if cold > 0 and not plan.waiting:
             for other in self.devices.values():
                 if other is d or other in devices or other.state is not DeviceState.READY:
                     continue
@@ -147,7 +148,14 @@ class ModelPlacement:
     def _apply_plan(self, inv: Invocation, d: Device, plan: Plan, now: float) -> dict[str, str]:
         """Commit the plan in the ledger and send the worker orders, in order; returns
         the call's name -> model key map for `Model.get()`."""
-        d.ledger.admit(inv.id, plan, now)
+        try:
+            d.ledger.admit(inv.id, plan, now)
+        except StalePlan:  # a gang's earlier device changed the shared host ledger: plan again
+            fresh = d.ledger.plan(self._request(inv))
+            if not isinstance(fresh, Plan):
+                raise
+            plan = fresh
+            d.ledger.admit(inv.id, plan, now)
         for dev_key, key in plan.drop_host:
             other = self.devices.get(dev_key)
             if other is not None and other.worker is not None:
@@ -189,17 +197,21 @@ class ModelPlacement:
                     if fix is not None:
                         log.warning("%s", fix)
                     if rec is not None:
+                        if rec.measured != msg.nbytes:
+                            self._invalidate_feasibility()  # feasibility used the old size
                         rec.measured = msg.nbytes
                         rec.loads += 1
                         rec.load_seconds += msg.seconds
             elif msg.state == "load_failed" and entry is not None:
-                led.load_failed(msg.model, now)
+                holders = led.load_failed(msg.model, now)
                 if rec is not None and msg.error_kind == "OutOfMemory" and msg.nbytes > rec.size:
-                    # Declared too small: learn the real size; its calls are planned again.
+                    # Declared too small: learn the real size; the calls that waited for
+                    # this load (and only they) are planned again with it.
                     log.warning("model %s needs %d bytes, more than declared; re-planning",
                                 rec.name, msg.nbytes)
                     rec.measured = msg.nbytes
-                    self._replan_models.add(msg.model)
+                    self._replan.update(holders)
+                    self._invalidate_feasibility()
                 elif rec is not None:
                     rec.failures += 1
                 log.warning("model %s on %s: %s", msg.model, d.key, msg.message.splitlines()[0])
@@ -208,7 +220,9 @@ class ModelPlacement:
             elif msg.state == "offload_failed" and entry is not None:
                 led.offload_failed(msg.model, now)
             elif msg.state == "evicted" and entry is not None:
-                if entry.state is Residency.EVICTING:
+                if entry.state is Residency.OFFLOADING:  # the worker dropped it instead
+                    led.offload_failed(msg.model, now)
+                elif entry.state is Residency.EVICTING:
                     led.evict_done(msg.model, now)
                 elif entry.state is Residency.OFFLOADED:
                     led.drop_host_copy(msg.model, now)
@@ -218,10 +232,12 @@ class ModelPlacement:
         self._dirty = True
 
     def _should_replan(self, inv: Invocation, msg: p.Result) -> bool:
-        """A call that failed only because one of its models was larger than declared
-        (and the ledger has now learned its size) is queued again, once."""
-        return (not msg.ok and msg.error_kind == "OutOfMemory" and inv.replans == 0
-                and any(k in self._replan_models for k in inv.function.model_keys))
+        """A call that failed only because a model it waited for was larger than
+        declared (the ledger has now learned the size) is queued again, once."""
+        if inv.id not in self._replan:
+            return False
+        self._replan.discard(inv.id)
+        return not msg.ok and msg.error_kind == "OutOfMemory" and inv.replans == 0
 
     def _models_status(self, d: Device) -> list[dict[str, Any]]:
         out = []

@@ -81,10 +81,6 @@ def feasibility_error(
     return f"{name} needs {need}, which no device can provide: {'; '.join(fixes)}. Devices: {listing}."
 
 
-def free_slots(device: Device, slots: int) -> bool:
-    return device.state is DeviceState.READY and len(device.running) < slots
-
-
 def drain_seconds(d: Device, now: float) -> float:
     """Expected seconds until the work on a device finishes (unknown run times count 0)."""
     total = 0.0

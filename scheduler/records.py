@@ -71,6 +71,9 @@ class Invocation:
     started: float | None = None
     deadline: float | None = None  # latest start (per-call deadline)
     attempts: int = 0
+    # Unique per dispatch, scheduler-wide: what workers echo and cancels name, so a
+    # late result or a remembered cancel never matches a later run of the same id.
+    token: int = 0
     preemptions: int = 0
     gang: tuple[str, int] | None = None  # (gang id, generation) of a multi-device call
     rank_results: dict[int, Any] = field(default_factory=dict)

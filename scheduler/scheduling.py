@@ -38,6 +38,7 @@ class SchedulingPass:
     """The placement half of the scheduler core (state lives in `SchedulerCore`)."""
 
     # Provided by SchedulerCore and its other mixins (ModelPlacement, Batching).
+    _fail_if_never_fits: Callable[[Invocation, float], bool]
     _preempt: Callable[[Invocation, Device, float, str], None]
     _batch_ready: Callable[[Invocation, float], bool]
     _form_batch: Callable[[Invocation, float], Invocation]
@@ -47,6 +48,7 @@ class SchedulingPass:
     _request: Callable[[Invocation], Any]
     _apply_plan: Callable[[Invocation, Device, Plan, float], dict[str, str]]
     config: Any
+    _tokens: int
     devices: dict[str, Device]
     queue: ReadyQueue
     gangs: GangBook
@@ -59,8 +61,9 @@ class SchedulingPass:
             return
         slots = self.config.slots_per_device
         if not any(d.state is DeviceState.READY and len(d.running) < slots
-                   for d in self.devices.values()):
-            return
+                   for d in self.devices.values()) and not any(
+                       i.spec.preemptible for d in self.devices.values() for i in d.running.values()):
+            return  # every device is full and nothing could be preempted
         this = _Pass()
         heads = self.queue.heads()
         heapq.heapify(heads)
@@ -93,14 +96,17 @@ class SchedulingPass:
         r = this.reservation
         usable = [d for d in ranked if inv.id not in d.running and (
             r is None or d.key not in r.devices or can_backfill(fn.runtime_ewma, r.start_eta))]
+        if not ranked:  # no device could take it now at all: make room if that is allowed
+            self._maybe_preempt(inv, now)
+            return False
         plan = None
         if with_models and usable:
             best = self._best_plan(inv, usable, now)
             usable, plan = ([best[0]], best[1]) if best is not None else ([], None)
+            if best is None and self._fail_if_never_fits(inv, now):
+                return True  # finished (Unschedulable): the next call of it may go
         if not usable:
-            if spec.priority > 0 or inv.preempt_asked is None:
-                self._maybe_preempt(inv, now)
-            return False
+            return False  # waiting by choice (a resident device frees soon) or for room
         d = usable[0]
         if spec.batch_size is not None:
             carrier = self._form_batch(inv, now)
@@ -117,6 +123,9 @@ class SchedulingPass:
         fit; it goes back to the queue (keeping its place) and runs again from the start."""
         if inv.preempt_asked is not None and now - inv.preempt_asked < self.config.stop_grace_seconds:
             return  # a call preempted for it is still stopping
+        if not any(i.spec.preemptible and i.spec.priority < inv.spec.priority
+                   for d in self.devices.values() for i in d.running.values()):
+            return
         spec = inv.spec
         best: tuple[tuple[Any, ...], Device, Invocation] | None = None
         for d in self.devices.values():
@@ -130,6 +139,9 @@ class SchedulingPass:
                     continue
                 if d.ledger.free + vs.memory < spec.memory:
                     continue
+                if any(d.ledger.state(k) is not Residency.RESIDENT
+                       for k in inv.function.model_keys):
+                    continue  # stopping the victim would not make its models appear here
                 same_fn = victim.function.code_id == inv.function.code_id
                 if d.running_by_fn[inv.function.code_id] - same_fn >= spec.concurrency:
                     continue
@@ -205,10 +217,12 @@ class SchedulingPass:
         inv.devices = tuple(d.key for d in devices)
         inv.started = now
         inv.attempts += 1
+        self._tokens += 1
+        inv.token = self._tokens
         inv.rank_results = {}
         fn, spec = inv.function, inv.spec
         base: dict[str, Any] = {"timeout": spec.timeout, "concurrency": spec.concurrency,
-                                "inline": self._short(inv)}
+                                "inline": self._short(inv), "attempt_number": inv.attempts}
         if inv.members:
             base.update(self._batch_meta(inv))
             self._start_members(inv, now)
@@ -244,6 +258,8 @@ class SchedulingPass:
                 models = self._apply_plan(inv, d, plan, now)  # model orders go first
                 if meta is not None:
                     meta["models"] = models
+                    if plan.load or plan.restore or plan.waiting:
+                        meta["inline"] = False  # it waits for a model: never on the main thread
             else:
                 d.ledger.reserve(inv.id, spec.memory)
             if meta is None:
@@ -252,7 +268,7 @@ class SchedulingPass:
                 self._send(d.worker, p.LoadCode(fn.code_id, fn.name, fn.code_frames))
                 d.code.add(fn.code_id)
             self._send(d.worker, p.Run(inv.id, fn.function_id, fn.code_id, fn.name,
-                                       inv.attempts, meta, inv.frames))
+                                       inv.token, meta, inv.frames))
         self._advance_starts(devices[0], now)
 
     def _advance_starts(self, d: Device, now: float) -> None:

@@ -110,14 +110,13 @@ class WorkerCore:
         self.running.add(msg.invocation_id)
         context = ctxmod.CallContext(
             invocation_id=msg.invocation_id, function=msg.name, device=self.device,
-            devices=[self.device], attempt=msg.attempt,
+            devices=[self.device], attempt=int(msg.meta.get("attempt_number", 1)),
         )
         call = Call(msg.invocation_id, msg.name, fn, msg.frames, context, msg.meta,
                     attempt=msg.attempt, batch=msg.meta.get("batch"))
         if self.models is not None:
             manager, needed = self.models, dict(msg.meta.get("models") or {})
-            timeout = msg.meta.get("timeout")
-            call.prepare = lambda: manager.prepare(needed, timeout)
+            call.prepare = lambda: manager.prepare(needed)
         if "gang" in msg.meta:
             self._as_gang_rank(call, msg.meta)
         elif "multi" in msg.meta:

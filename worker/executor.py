@@ -168,6 +168,8 @@ class Executor:
                 f"{type(e).__name__}: {e}. Is a module the arguments need missing on the worker?"
             )
             return _gpufn_failure(inv, err, t0)
+        if call.batch is not None and len(call.meta.get("batch_bad", {})) == len(call.batch):
+            return _batch_result(call, [], t0)  # no input could be read: each says why
         try:
             if call.prepare is not None:
                 call.prepare()
@@ -207,12 +209,21 @@ class Executor:
 
 
 def _batched_arguments(call: Call) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Each caller passed one input; the batched function gets one list per argument."""
+    """Each caller passed one input; the batched function gets one list per argument.
+    An input that cannot be unpickled is left out and answered with its own error."""
     assert call.batch is not None
-    items, i = [], 0
-    for n in call.batch:
-        items.append(ser.loads(call.frames[i:i + n]))
+    items, bad, i = [], {}, 0
+    for pos, n in enumerate(call.batch):
+        try:
+            items.append(ser.loads(call.frames[i:i + n]))
+        except Exception as e:
+            bad[pos] = SerializationError(
+                f"this input of {call.name} could not be unpickled on the worker: "
+                f"{type(e).__name__}: {e}")
         i += n
+    call.meta["batch_bad"] = bad
+    if not items:
+        return (), {}
     shapes = {(len(a), tuple(sorted(k))) for a, k in items}
     if len(shapes) != 1:
         raise GpufnError(
@@ -228,15 +239,22 @@ def _batched_arguments(call: Call) -> tuple[tuple[Any, ...], dict[str, Any]]:
 def _batch_result(call: Call, value: Any, t0: float) -> p.Result:
     """One output per input (an exception in an item's place fails only that caller)."""
     assert call.batch is not None
-    n = len(call.batch)
+    bad: dict[int, GpufnError] = call.meta.pop("batch_bad", {})
+    n = len(call.batch) - len(bad)
     if not isinstance(value, (list, tuple)) or len(value) != n:
         got = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (list, tuple)) else "")
         return _gpufn_failure(call.invocation_id, GpufnError(
             f"batched function {call.name} must return a list of {n} outputs, one per input "
             f"in order; it returned {got}"), t0)
+    outputs = iter(value)
     frames: list[Any] = []
     items: list[dict[str, Any]] = []
-    for v in value:
+    for pos in range(len(call.batch)):
+        if pos in bad:
+            items.append({"ok": False, "n": 0, "error_kind": kind_of(bad[pos]),
+                          "message": str(bad[pos])})
+            continue
+        v = next(outputs)
         if isinstance(v, BaseException):
             f, tb = ser.dump_exception(v)
             items.append({"ok": False, "n": len(f), "error_kind": "", "message": str(v),

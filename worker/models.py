@@ -53,9 +53,12 @@ class ModelManager:
         restore = bool(spec.get("restore"))
         name = spec.get("name", key)
         try:
-            if restore:
+            if key in self.arena.resident():  # already here (the ledger was reset): adopt it
+                nbytes, seconds = self.arena.resident()[key], 0.0
+            elif restore or key in self.arena.offloaded():
                 report = self.arena.restore(key)
                 nbytes, seconds = report.nbytes, report.seconds
+                restore = True
             else:
                 loader = ser.load_code(frames)
                 rep = self.arena.load(key, loader)
@@ -104,20 +107,27 @@ class ModelManager:
 
     # ------------------------------------------------------------------ calls
 
-    def prepare(self, models: dict[str, str], timeout: float | None) -> None:
-        """In the call's thread: wait until its models are resident; map names for get()."""
-        for name, key in models.items():
-            if not self._event(key).wait(timeout):
-                raise ModelLoadError(f"model {name!r} was not resident within {timeout:g}s")
+    def prepare(self, models: dict[str, str]) -> None:
+        """In the call's thread: wait until its models are resident; map names for get().
+
+        The wait is in short slices so a cancel (an async exception) lands at once, and
+        it is not bounded by the call's timeout: the scheduler starts that clock only
+        once the models are resident."""
+        for key in models.values():
+            ev = self._event(key)
+            while not ev.wait(0.05):
+                pass
             with self._lock:
                 err = self._errors.get(key)
             if err is not None:
                 raise type(err)(str(err))
         _call_models.mapping = dict(models)
 
-    @staticmethod
-    def finish_call() -> None:
-        _call_models.mapping = {}
+    def forget_all(self) -> None:
+        """The scheduler lost track of this worker (it restarted): drop every model, so
+        the ledger it starts afresh is true."""
+        for key in [*self.arena.resident(), *self.arena.offloaded()]:
+            self.ops.submit(self._evict, key, False)
 
     def resolve(self, name: str) -> Any:
         """`Model.get()` inside a call."""

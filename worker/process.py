@@ -165,6 +165,8 @@ class WorkerProcess:
             try:
                 if self._rehello.is_set():  # scheduler restarted: announce the work socket too
                     self._rehello.clear()
+                    if self.core.models is not None:
+                        self.core.models.forget_all()  # its new ledger starts empty
                     self.sock.send_multipart(p.encode(self._hello("work")))
                 if self._inbox:
                     self._receive()

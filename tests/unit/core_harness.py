@@ -64,8 +64,13 @@ class Harness:
         self.feed(client, p.Submit(inv, fid, options, (b"args",)))
         return inv
 
+    def token(self, inv: str) -> int:
+        """The dispatch token of the invocation's latest Run (what a worker echoes)."""
+        return [r for r in self.runs() if r.invocation_id == inv][-1].attempt
+
     def finish(self, worker: bytes, inv: str, ok: bool = True, duration: float = 0.1) -> list[Send]:
-        return self.feed(worker, p.Result(inv, ok, "", "", {"duration": duration}, (b"value",)), dt=duration)
+        meta = {"duration": duration, "attempt": self.token(inv)}
+        return self.feed(worker, p.Result(inv, ok, "", "", meta, (b"value",)), dt=duration)
 
     # ------------------------------------------------------------------ inspecting
 

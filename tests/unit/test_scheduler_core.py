@@ -130,7 +130,7 @@ def test_worker_loss_fails_with_worker_lost_or_retries() -> None:
     w0b = h.start_worker(0, peer=b"w0b", pid=200)
     assert h.core.devices["n:0"].state is DeviceState.READY
     retry = [r for r in h.runs(w0b) if r.invocation_id == i2]
-    assert retry and retry[0].attempt == 2
+    assert retry and retry[0].meta["attempt_number"] == 2
     h.finish(w0b, i2)
     assert h.results()[i2].ok and h.results()[i2].meta["attempts"] == 2
 

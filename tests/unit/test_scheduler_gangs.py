@@ -39,15 +39,15 @@ def test_gang_success_returns_rank_zero_and_gather_returns_all() -> None:
     r0, _ = _gang_runs(h, inv)
     keys = r0.meta["gang"]["devices"]
     w = {f"n:{i}": ws[i] for i in range(4)}
-    h.feed(w[keys[1]], p.Result(inv, True, "", "", {"attempt": 1}, (b"one",)))
+    h.feed(w[keys[1]], p.Result(inv, True, "", "", {"attempt": h.token(inv)}, (b"one",)))
     assert inv not in h.results()
-    h.feed(w[keys[0]], p.Result(inv, True, "", "", {"attempt": 1}, (b"zero",)))
+    h.feed(w[keys[0]], p.Result(inv, True, "", "", {"attempt": h.token(inv)}, (b"zero",)))
     assert h.results()[inv].frames == (b"zero",)
     g = h.register("gather", count=2, gather=True)
     inv2 = h.submit(g)
     for r in _gang_runs(h, inv2):
         h.feed(w[r.meta["gang"]["devices"][r.meta["gang"]["rank"]]],
-               p.Result(inv2, True, "", "", {"attempt": 1}, (f"r{r.meta['gang']['rank']}".encode(),)))
+               p.Result(inv2, True, "", "", {"attempt": h.token(inv2)}, (f"r{r.meta['gang']['rank']}".encode(),)))
     res = h.results()[inv2]
     assert res.frames == (b"r0", b"r1") and res.meta["gather"] == [1, 1]
 
@@ -64,7 +64,7 @@ def test_warm_gang_is_reused_with_the_same_generation() -> None:
                      runs[0].meta["warm"]))
         for r in runs:
             h.feed(w[r.meta["gang"]["devices"][r.meta["gang"]["rank"]]],
-                   p.Result(inv, True, "", "", {"attempt": 1}, (b"x",)))
+                   p.Result(inv, True, "", "", {"attempt": h.token(inv)}, (b"x",)))
     assert gens[0][0] == gens[1][0] and gens[0][1] == gens[1][1]
     assert (gens[0][2], gens[1][2]) == (False, True)
 
@@ -78,10 +78,10 @@ def test_failing_rank_stops_the_others_and_the_root_cause_wins() -> None:
     w = {f"n:{i}": ws[i] for i in range(4)}
     # rank 0's communication error arrives before rank 1's own exception
     h.feed(w[keys[0]], p.Result(inv, False, "", "[rank 0 of 2] Connection reset by peer",
-                                {"attempt": 1, "comm_error": True, "rank": 0}, (b"e0",)))
+                                {"attempt": h.token(inv), "comm_error": True, "rank": 0}, (b"e0",)))
     aborts = [s for s in h.of_type(p.GroupOp) if s.msg.op == "abort"]
     assert aborts and inv not in h.results()
-    h.feed(w[keys[1]], p.Result(inv, False, "", "[rank 1 of 2] ValueError", {"attempt": 1, "rank": 1},
+    h.feed(w[keys[1]], p.Result(inv, False, "", "[rank 1 of 2] ValueError", {"attempt": h.token(inv), "rank": 1},
                                 (b"e1",)))
     res = h.results()[inv]
     assert res.frames == (b"e1",) and res.meta["rank"] == 1
@@ -95,7 +95,7 @@ def test_dead_rank_gives_worker_lost_even_after_a_peer_error() -> None:
     keys = _gang_runs(h, inv)[0].meta["gang"]["devices"]
     w = {f"n:{i}": ws[i] for i in range(4)}
     h.feed(w[keys[0]], p.Result(inv, False, "", "Connection reset by peer",
-                                {"attempt": 1, "comm_error": True}, (b"e0",)))
+                                {"attempt": h.token(inv), "comm_error": True}, (b"e0",)))
     h.feed(b"sup", p.WorkerExited(keys[1], 100, -9, "killed by signal 9"))
     res = h.results()[inv]
     assert res.error_kind == "WorkerLost" and "rank 1" in res.message
@@ -107,7 +107,7 @@ def test_gang_failure_settles_after_a_grace_when_a_rank_is_silent() -> None:
     inv = h.submit(fid)
     keys = _gang_runs(h, inv)[0].meta["gang"]["devices"]
     w = {f"n:{i}": ws[i] for i in range(4)}
-    h.feed(w[keys[0]], p.Result(inv, False, "", "boom", {"attempt": 1}, (b"e0",)))
+    h.feed(w[keys[0]], p.Result(inv, False, "", "boom", {"attempt": h.token(inv)}, (b"e0",)))
     h.tick(dt=1.0)
     assert inv not in h.results()
     h.tick(dt=1.5)

@@ -66,11 +66,13 @@ def test_preemption_requeues_the_victim_and_frees_the_device_when_it_stops() -> 
     assert h.core.invocations[victim].state is InvState.QUEUED
     assert h.core.invocations[urgent].state is InvState.QUEUED  # waits for the device
     # the victim stops: its (stale) result frees the device; the urgent call runs first
-    h.feed(w, p.Result(victim, False, "Cancelled", "preempted", {"attempt": 1}))
+    first = h.token(victim)
+    h.feed(w, p.Result(victim, False, "Cancelled", "preempted", {"attempt": first}))
     assert h.core.invocations[urgent].state is InvState.RUNNING
     h.finish(w, urgent)
     assert h.core.invocations[victim].state is InvState.RUNNING
-    h.feed(w, p.Result(victim, True, "", "", {"attempt": 2}, (b"v",)))
+    assert h.token(victim) != first
+    h.feed(w, p.Result(victim, True, "", "", {"attempt": h.token(victim)}, (b"v",)))
     res = h.results()[victim]
     assert res.ok and res.meta["attempts"] == 2 and h.core.counters.preempted == 1
 
@@ -99,7 +101,7 @@ def test_batches_fill_up_or_leave_after_the_wait() -> None:
     assert run.meta["members"] == [a, b, c] and run.meta["batch"] == [1, 1, 1]
     items = [{"ok": True, "n": 1}, {"ok": False, "n": 1, "error_kind": "", "message": "x"},
              {"ok": True, "n": 1}]
-    h.feed(w, p.Result(run.invocation_id, True, "", "", {"attempt": 1, "batch_items": items},
+    h.feed(w, p.Result(run.invocation_id, True, "", "", {"attempt": run.attempt, "batch_items": items},
                        (b"ra", b"rb", b"rc")))
     res = h.results()
     assert res[a].ok and res[a].frames == (b"ra",) and res[a].meta["batch_size"] == 3

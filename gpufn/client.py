@@ -111,9 +111,6 @@ class Client:
             frames = self._register_frames[register.function_id] = p.encode(register)
         self._enqueue(frames)
 
-    def is_registered(self, function_id: str) -> bool:
-        return function_id in self._registered
-
     def submit(self, submit: p.Submit, name: str) -> Future[p.Result]:
         fut: Future[p.Result] = Future()
         if self._closed.is_set():
@@ -180,9 +177,6 @@ class Client:
         finally:
             self._status.pop(rid, None)
             self._status_frames.pop(rid, None)
-
-    def outstanding(self) -> int:
-        return len(self._calls)
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -537,9 +537,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
             return
         ncode = len(msg.frames) - sum(int(m.get("nframes", 0)) for m in msg.models)
         fn = self.functions[msg.function_id] = FunctionRecord(
-            msg.function_id, msg.code_id, msg.name, spec, tuple(msg.frames[:ncode]),
-            list(msg.models),
-        )
+            msg.function_id, msg.code_id, msg.name, spec, tuple(msg.frames[:ncode]))
         fn.model_keys = self._register_models(list(msg.models), tuple(msg.frames[ncode:]))
 
     def _spec_for(self, fn: FunctionRecord, options: dict[str, Any]) -> GpuSpec:

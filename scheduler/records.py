@@ -27,7 +27,6 @@ class FunctionRecord:
     name: str
     spec: GpuSpec
     code_frames: tuple[Any, ...]
-    models: list[dict[str, Any]] = field(default_factory=list)
     runtime_ewma: float | None = None
     calls: int = 0
     runtime_by_device: dict[str, float] = field(default_factory=dict)

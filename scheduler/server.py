@@ -65,8 +65,6 @@ class SchedulerServer:
         self._store_error = ""
         self._store_error_sent = False
         self._store_thread: threading.Thread | None = None
-        self.sent = 0
-        self.received = 0
 
     def stop(self, *_: object) -> None:
         self._running = False
@@ -92,7 +90,6 @@ class SchedulerServer:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self.received += 1
                         peer = frames[0].bytes
                         try:
                             msgs = p.decode_all(frames[1:])
@@ -139,7 +136,6 @@ class SchedulerServer:
         """True if sent; False if the peer is full. Unknown peers become events."""
         try:
             self.sock.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
-            self.sent += 1
             return True
         except zmq.Again:
             return False

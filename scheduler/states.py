@@ -20,10 +20,6 @@ class InvState(Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
-    @property
-    def terminal(self) -> bool:
-        return self in (InvState.SUCCEEDED, InvState.FAILED, InvState.CANCELLED)
-
 
 INV_TRANSITIONS: dict[InvState, frozenset[InvState]] = {
     InvState.QUEUED: frozenset({InvState.RUNNING, InvState.FAILED, InvState.CANCELLED}),

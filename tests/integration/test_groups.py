@@ -254,6 +254,21 @@ def gid() -> str:
 def expect(world: int) -> list[float]:
     return [float(sum(range(1, world + 1)))] * 4
 
+def reforms(workers: Pool, ranks: list[Any], g: str) -> None:
+    """The same ranks join a new generation of the gang and reduce correctly."""
+    workers.form(ranks, gang_id=g, generation=2)
+    assert workers.all_reduce(ranks) == [expect(len(ranks))] * len(ranks)
+
+
+def fails_fast_then_aborts(w: Any, value: float) -> None:
+    """A rank whose peer tore the group down: its next collective fails at once (not at
+    the timeout), then it aborts its side too."""
+    w.send("all_reduce", value)
+    status, reply, seconds = w.recv(timeout=10.0)
+    assert status == "err" and seconds < 3.0, (reply, seconds)
+    w.call("abort", "test: peer aborted")
+
+
 
 # --------------------------------------------------------------------------- pure bits
 
@@ -352,8 +367,7 @@ def test_failed_rank_abort_unblocks_peer_and_gang_recovers(workers: Pool) -> Non
           f"(collective ran {seconds:.3f}s, timeout 30s): {value[:80]}")
     assert a.call("abort", "test: peer failed") is True
     # back in service without a restart: next generation, same processes
-    workers.form([a, b], gang_id=g, generation=2)
-    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    reforms(workers, [a, b], g)
     assert a.call("keep") == before
 
 
@@ -369,12 +383,8 @@ def test_abort_from_another_thread_while_blocked(workers: Pool) -> None:
     assert seconds < 3.0, f"blocked collective took {seconds:.2f}s to end after abort"
     print(f"\nself-abort ended the blocked collective after {seconds:.3f}s (abort at 0.5s)")
     # the peer's next collective fails fast too, instead of waiting 30 s
-    b.send("all_reduce", 2.0)
-    status, value, seconds = b.recv(timeout=10.0)
-    assert status == "err" and seconds < 3.0, (value, seconds)
-    b.call("abort", "test: peer aborted")
-    workers.form([a, b], gang_id=g, generation=2)
-    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    fails_fast_then_aborts(b, 2.0)
+    reforms(workers, [a, b], g)
 
 
 @TIMEOUT
@@ -389,8 +399,7 @@ def test_hanging_collective_ends_at_timeout(workers: Pool) -> None:
     print(f"\nhung collective ended after {seconds:.2f}s (timeout_s=3): {value[:80]}")
     a.call("abort", "test: timeout")
     b.call("abort", "test: timeout")
-    workers.form([a, b], gang_id=g, generation=2)
-    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    reforms(workers, [a, b], g)
 
 
 @TIMEOUT
@@ -401,17 +410,13 @@ def test_abort_while_joining(workers: Pool) -> None:
     a.send("ensure_abort_after", (workers.spec(0, 2, gang_id=g), 0.3))
     time.sleep(1.0)
     b.send("ensure", workers.spec(1, 2, gang_id=g))
-    status, value, seconds = a.recv()
+    status, value, _ = a.recv()
     assert status == "err" and value.startswith("GangAborted"), value
     assert b.recv()[0] == "ok"
     assert a.call("state")["current"] is False
     # b's group is dead on arrival: its first collective fails fast, not at the timeout
-    b.send("all_reduce", 1.0)
-    status, value, seconds = b.recv(timeout=10.0)
-    assert status == "err" and seconds < 3.0, (value, seconds)
-    b.call("abort", "test: peer aborted")
-    workers.form([a, b], gang_id=g, generation=2)
-    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    fails_fast_then_aborts(b, 1.0)
+    reforms(workers, [a, b], g)
 
 
 @TIMEOUT
@@ -434,8 +439,7 @@ def test_destroyed_behind_our_back_is_reported(workers: Pool) -> None:
     status, value, _ = a.recv()
     assert status == "err" and value.startswith("GangAborted"), value
     b.call("abort", "test: peer lost its group")
-    workers.form([a, b], gang_id=g, generation=2)
-    assert workers.all_reduce([a, b]) == [expect(2)] * 2
+    reforms(workers, [a, b], g)
 
 
 @TIMEOUT

@@ -315,6 +315,9 @@ class Heartbeat(Message):
     stats: dict[str, Any]
 
 
+GAVE_UP = -999  # WorkerExited.returncode: the supervisor gave up restarting the worker
+
+
 @message(23)
 @dataclass(frozen=True, slots=True)
 class WorkerExited(Message):

@@ -1,1 +1,2 @@
-"""The scheduler: queues, placement, gangs, the process shell and the deployment store."""
+"""The scheduler: a sans-I/O core composed of queues, books and a placement pass, and the
+ZeroMQ process shell around it."""

@@ -7,8 +7,8 @@ import logging
 import os
 
 from gpufn import config
-from gpufn.scheduler.core import SchedulerConfig
 from gpufn.scheduler.server import run
+from gpufn.scheduler.settings import SchedulerConfig
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from gpufn.scheduler.records import Device, FunctionRecord
+from gpufn.scheduler.records import Device, FunctionRecord, Invocation
 from gpufn.scheduler.states import DeviceState
 from gpufn.spec import GpuSpec, format_bytes
 
@@ -113,7 +113,7 @@ def rank_devices(
             continue
         if d.running_by_fn[fn.code_id] >= spec.concurrency + pipeline_depth:
             continue
-        if any(len(other.devices) > 1 for other in d.running.values()):
+        if any(other.shape.multi_device for other in d.running.values()):
             continue
         rank = type_rank(spec.type, d.info.name)
         if rank is None or (check_memory and d.ledger.free < spec.memory):
@@ -122,3 +122,10 @@ def rank_devices(
         scored.append((rank, finish, len(d.running), -d.ledger.free, d.key, d))
     scored.sort(key=lambda s: s[:5])
     return [s[-1] for s in scored]
+
+
+def is_short(inv: Invocation, threshold: float) -> bool:
+    """A call measured shorter than `threshold`: it may run inline on the worker's main
+    thread and be pipelined behind another (single-device, concurrency 1 only)."""
+    s = inv.spec
+    return s.concurrency == 1 and s.count == 1 and inv.function.is_short(threshold)

@@ -8,6 +8,7 @@ from typing import Any
 
 from gpufn.memory_pool.ledger import DeviceLedger
 from gpufn.memory_pool.probe import DeviceInfo
+from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import (
     DEVICE_TRANSITIONS,
     INV_TRANSITIONS,
@@ -69,10 +70,11 @@ class Invocation:
     devices: tuple[str, ...] = ()
     started: float | None = None
     deadline: float | None = None  # latest start (per-call deadline)
-    attempts: int = 0
+    attempts: int = 0  # times dispatched (the attempt number of the latest run)
     # Unique per dispatch, scheduler-wide: what workers echo and cancels name, so a
     # late result or a remembered cancel never matches a later run of the same id.
-    token: int = 0
+    dispatch_token: int = 0
+    shape: Shape = Shape.SINGLE
     preemptions: int = 0
     gang: tuple[str, int] | None = None  # (gang id, generation) of a multi-device call
     rank_results: dict[int, Any] = field(default_factory=dict)
@@ -90,14 +92,45 @@ class Invocation:
 
     @property
     def reporters(self) -> int:
-        """How many ranks report a result (spmd=False: only the process on rank 0)."""
-        return len(self.devices) if self.spec.spmd else 1
+        """How many of its processes report a result (see `Shape`)."""
+        return self.shape.reporters(self.devices)
+
+    @property
+    def counted_attempts(self) -> int:
+        """Attempts that count against `retries`: not preemptions, not runs lost before
+        they started."""
+        return self.attempts - self.preemptions - self.unstarted_losses
 
     def to(self, new: InvState, now: float) -> None:
         check(f"invocation {self.id} ({self.function.name})", INV_TRANSITIONS, self.state, new,
               self.history)
         self.state = new
         self.history.append((new.value, now))
+
+    # Each transition's effects on the record itself live in exactly one method; what it
+    # means for queues and devices is done by the one core method that calls it.
+
+    def start(self, now: float, devices: tuple[str, ...], token: int, shape: Shape) -> None:
+        """QUEUED -> RUNNING on these devices, as dispatch `token`."""
+        self.to(InvState.RUNNING, now)
+        self.deadline = None  # it started in time; a retry or preemption never drops it
+        self.devices = devices
+        self.started = now
+        self.run_started = None  # its clock starts once its models are resident
+        self.attempts += 1
+        self.dispatch_token = token
+        self.shape = shape
+        self._clear_run()
+
+    def requeue(self, now: float) -> None:
+        """RUNNING -> QUEUED: forget everything about the run that ended."""
+        self.to(InvState.QUEUED, now)
+        self.devices, self.started, self.run_started = (), None, None
+        self.cold, self.carrier = "", None
+        self._clear_run()
+
+    def _clear_run(self) -> None:
+        self.rank_results, self.lost_ranks, self.failing_since, self.gang = {}, {}, None, None
 
 
 @dataclass(slots=True, eq=False)

@@ -28,7 +28,7 @@ log = logging.getLogger("gpufn.supervisor")
 PING_SECONDS = 2.0
 FAST_FAILURE_SECONDS = 10.0
 GIVE_UP_AFTER = 5
-GAVE_UP = -999
+GAVE_UP = p.GAVE_UP
 
 
 def _host_memory() -> int:

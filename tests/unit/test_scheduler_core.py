@@ -218,7 +218,7 @@ def test_deadline_drops_calls_that_cannot_start_in_time() -> None:
 def test_supervisor_gave_up_makes_device_failed_and_calls_unschedulable() -> None:
     h = Harness(devices=1)
     fid = h.register()
-    h.feed(b"sup", p.WorkerExited("n:0", 5, -999, "ImportError: no module named foo"))
+    h.feed(b"sup", p.WorkerExited("n:0", 5, p.GAVE_UP, "ImportError: no module named foo"))
     assert h.core.devices["n:0"].state is DeviceState.FAILED
     inv = h.submit(fid)
     res = h.results()[inv]

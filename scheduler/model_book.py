@@ -1,7 +1,7 @@
-"""Shared models in the scheduler (mixin of `SchedulerCore`): the model registry, each
-call's memory request, admission through the device ledgers, the worker orders that
-make it true (drop host copies, offload, evict, restore, load), and model events.
+"""The scheduler's book of shared models: their records, each call's memory request,
+where a call's models are cheapest to have, and the worker orders that admit a plan.
 
+It answers questions and returns plans and orders; it never sends a message itself.
 A model's key is its name plus its loader's content hash, so redefining a loader makes
 a new model; the old one stops being used and leaves the pool by policy.
 """
@@ -9,12 +9,13 @@ a new model; the old one stops being used and leaves the pool by policy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from gpufn import protocol as p
-from gpufn.memory_pool.ledger import DeviceLedger, ModelNeed, NeverFits, Plan, Request, StalePlan
+from gpufn.exceptions import OutOfMemory, kind_of
+from gpufn.memory_pool.ledger import ModelNeed, NeverFits, Plan, Request, StalePlan
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.placement import drain_seconds
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation
@@ -50,19 +51,25 @@ class ModelRecord:
         return self.measured or self.memory
 
 
-class ModelPlacement:
-    """Model residency orchestration (state lives in `SchedulerCore`)."""
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A plan committed on a device: the orders to send (to which device's worker, in
+    order), the call's model name -> key map for `Model.get()`, and how cold it was."""
 
-    models: dict[str, ModelRecord]
-    devices: dict[str, Device]
-    _replan: set[str]  # invocations whose model turned out larger than declared
-    _invalidate_feasibility: Callable[[], None]
-    _device_of: Callable[[bytes], Device | None]
-    _advance_starts: Callable[[Device, float], None]
-    _send: Callable[[bytes, p.Message], None]
-    _dirty: bool
+    orders: tuple[tuple[Device, p.Message], ...]
+    names: dict[str, str]
+    cold: str  # "loaded" / "restored" / "waited" / ""
 
-    def _register_models(self, descs: list[dict[str, Any]], frames: tuple[Any, ...]) -> tuple[str, ...]:
+
+class ModelBook:
+    def __init__(self) -> None:
+        self.models: dict[str, ModelRecord] = {}
+        self._replan: set[str] = set()  # calls whose model turned out larger than declared
+
+    # ------------------------------------------------------------------ registry
+
+    def register(self, descs: list[dict[str, Any]], frames: tuple[Any, ...]) -> tuple[str, ...]:
+        """Record the models a function names (loader frames in order); their keys."""
         keys = []
         i = 0
         for d in descs:
@@ -76,16 +83,20 @@ class ModelPlacement:
             i += n
         return tuple(keys)
 
-    def _model_bytes(self, fn: FunctionRecord) -> int:
+    def model_bytes(self, fn: FunctionRecord) -> int:
         return sum(self.models[k].size for k in fn.model_keys)
 
-    def _request(self, inv: Invocation) -> Request:
-        needs = tuple(ModelNeed(k, self.models[k].size, self.models[k].pin,
-                                self.models[k].offload, inv.spec.priority)
-                      for k in inv.function.model_keys)
-        return Request(needs, inv.spec.memory, inv.function.name)
+    def request(self, inv: Invocation) -> Request:
+        return self._request(inv.function, inv.spec.memory, inv.spec.priority)
 
-    def _cold_seconds(self, plan: Plan) -> float:
+    def _request(self, fn: FunctionRecord, memory: int, priority: int = 0) -> Request:
+        needs = tuple(ModelNeed(k, self.models[k].size, self.models[k].pin,
+                                self.models[k].offload, priority) for k in fn.model_keys)
+        return Request(needs, memory, fn.name)
+
+    # ------------------------------------------------------------------ questions
+
+    def cold_seconds(self, plan: Plan) -> float:
         """Expected seconds to make a plan's models resident (restores, then loads)."""
         total = 0.0
         for key in plan.restore:
@@ -96,23 +107,23 @@ class ModelPlacement:
             total += r.load_seconds / r.loads if r.loads else 1.0 + r.size / LOAD_BANDWIDTH
         return total
 
-    def _best_plan(self, inv: Invocation, devices: list[Device],
-                   now: float = 0.0) -> tuple[Device, Plan] | None:
+    def best_plan(self, inv: Invocation, candidates: list[Device], every: Iterable[Device],
+                  now: float) -> tuple[Device, Plan] | None:
         """Where the call's models are cheapest to have, by expected time: what must
         drain there plus what must load (resident, then on host, then least eviction).
         None means wait: nothing fits now, or a device that already holds the models
         frees up sooner than another could load them (no second copy for a short wait)."""
-        req = self._request(inv)
+        req = self.request(inv)
         mine = set(inv.function.model_keys)
         best: tuple[tuple[Any, ...], Device, Plan, float] | None = None
-        for d in devices:
+        for d in candidates:
             plan = d.ledger.plan(req)
             if not isinstance(plan, Plan):
                 continue
             swapping = any(e.state in _MOVING and e.name not in mine for e in d.ledger.models.values())
             if swapping and (plan.load or plan.restore or plan.victims):
                 continue  # one swap at a time per device: calls that hit go first (no thrash)
-            cold = self._cold_seconds(plan)
+            cold = self.cold_seconds(plan)
             key = (drain_seconds(d, now) + cold, plan.cost, len(d.running), -plan.free_after, d.key)
             if best is None or key < best[0]:
                 best = (key, d, plan, cold)
@@ -120,23 +131,34 @@ class ModelPlacement:
             return None
         _, d, plan, cold = best
         if cold > 0 and not plan.waiting:
-            for other in self.devices.values():
-                if other is d or other in devices or other.state is not DeviceState.READY:
+            for other in every:
+                if other is d or other in candidates or other.state is not DeviceState.READY:
                     continue
                 if all(other.ledger.state(k) is Residency.RESIDENT for k in mine) and \
                         drain_seconds(other, now) < cold:
                     return None  # it will be free there sooner than a copy could load here
         return d, plan
 
-    def _never_fits(self, fn: FunctionRecord, spec_memory: int) -> str | None:
+    def gang_plans(self, inv: Invocation, devices: list[Device]) -> dict[str, Plan] | None:
+        """A plan on every device of a gang, or None if one of them cannot admit now."""
+        req = self.request(inv)
+        plans: dict[str, Plan] = {}
+        for d in devices:
+            plan = d.ledger.plan(req)
+            if not isinstance(plan, Plan):
+                return None
+            plans[d.key] = plan
+        return plans
+
+    def never_fits(self, fn: FunctionRecord, spec_memory: int, devices: Iterable[Device]) -> str | None:
         """Why the function's models plus workspace fit on no registered device, or None."""
-        if not fn.model_keys or not self.devices:
+        devs = list(devices)
+        if not fn.model_keys or not devs:
             return None
         verdicts = []
-        for d in self.devices.values():
-            needs = tuple(ModelNeed(k, self.models[k].size, self.models[k].pin, self.models[k].offload)
-                          for k in fn.model_keys)
-            plan = d.ledger.plan(Request(needs, spec_memory, fn.name))
+        req = self._request(fn, spec_memory)
+        for d in devs:
+            plan = d.ledger.plan(req)
             if not isinstance(plan, NeverFits):
                 return None
             verdicts.append((plan.shortfall, d.key, plan))
@@ -145,46 +167,49 @@ class ModelPlacement:
         return (f"{fn.name} with models [{names}] {plan} on the best device ({key}). Lower "
                 "@gpu(memory=...), use smaller models, or add larger devices.")
 
-    def _apply_plan(self, inv: Invocation, d: Device, plan: Plan, now: float) -> dict[str, str]:
-        """Commit the plan in the ledger and send the worker orders, in order; returns
-        the call's name -> model key map for `Model.get()`."""
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, inv: Invocation, d: Device, plan: Plan, now: float,
+              devices: dict[str, Device]) -> Admission:
+        """Commit the plan in the device's ledger; the orders that make it true."""
         try:
             d.ledger.admit(inv.id, plan, now)
         except StalePlan:  # a gang's earlier device changed the shared host ledger: plan again
-            fresh = d.ledger.plan(self._request(inv))
+            fresh = d.ledger.plan(self.request(inv))
             if not isinstance(fresh, Plan):
                 raise
             plan = fresh
             d.ledger.admit(inv.id, plan, now)
+        orders: list[tuple[Device, p.Message]] = []
         for dev_key, key in plan.drop_host:
-            other = self.devices.get(dev_key)
+            other = devices.get(dev_key)
             if other is not None and other.worker is not None:
-                self._send(other.worker, p.EvictModel(key, False))
-        assert d.worker is not None
+                orders.append((other, p.EvictModel(key, False)))
         for key in plan.offload:
             self.models[key].offloads += 1
-            self._send(d.worker, p.EvictModel(key, True))
+            orders.append((d, p.EvictModel(key, True)))
         for key in plan.evict:
             self.models[key].evictions += 1
-            self._send(d.worker, p.EvictModel(key, False))
+            orders.append((d, p.EvictModel(key, False)))
         for key in plan.restore:
-            rec = self.models[key]
-            self._send(d.worker, p.LoadModel(key, {"restore": True, "name": rec.name}))
+            orders.append((d, p.LoadModel(key, {"restore": True, "name": self.models[key].name})))
         for key in plan.load:
             rec = self.models[key]
-            self._send(d.worker, p.LoadModel(key, {"name": rec.name, "memory": rec.memory},
-                                             rec.frames))
-        inv.cold = ("loaded" if plan.load else "restored" if plan.restore
-                    else "waited" if plan.waiting else "")
-        return {self.models[k].name: k for k in inv.function.model_keys}
+            orders.append((d, p.LoadModel(key, {"name": rec.name, "memory": rec.memory}, rec.frames)))
+        cold = ("loaded" if plan.load else "restored" if plan.restore
+                else "waited" if plan.waiting else "")
+        names = {self.models[k].name: k for k in inv.function.model_keys}
+        return Admission(tuple(orders), names, cold)
 
-    def _on_model_event(self, peer: bytes, msg: p.ModelEvent, now: float) -> None:
-        d = self._device_of(peer)
+    # ------------------------------------------------------------------ worker reports
+
+    def on_event(self, d: Device, msg: p.ModelEvent, now: float) -> bool:
+        """Apply a worker's model event to the device's ledger and the records.
+        Returns True if a model's learned size changed (feasibility must be re-checked)."""
         rec = self.models.get(msg.model)
-        if d is None:
-            return
-        led: DeviceLedger = d.ledger
+        led = d.ledger
         entry = led.models.get(msg.model)
+        resized = False
         try:
             if msg.state == "resident" and entry is not None:
                 if entry.from_host:
@@ -197,21 +222,20 @@ class ModelPlacement:
                     if fix is not None:
                         log.warning("%s", fix)
                     if rec is not None:
-                        if rec.measured != msg.nbytes:
-                            self._invalidate_feasibility()  # feasibility used the old size
+                        resized = rec.measured != msg.nbytes
                         rec.measured = msg.nbytes
                         rec.loads += 1
                         rec.load_seconds += msg.seconds
             elif msg.state == "load_failed" and entry is not None:
                 holders = led.load_failed(msg.model, now)
-                if rec is not None and msg.error_kind == "OutOfMemory" and msg.nbytes > rec.size:
+                if rec is not None and msg.error_kind == kind_of(OutOfMemory) and msg.nbytes > rec.size:
                     # Declared too small: learn the real size; the calls that waited for
                     # this load (and only they) are planned again with it.
                     log.warning("model %s needs %d bytes, more than declared; re-planning",
                                 rec.name, msg.nbytes)
                     rec.measured = msg.nbytes
                     self._replan.update(holders)
-                    self._invalidate_feasibility()
+                    resized = True
                 elif rec is not None:
                     rec.failures += 1
                 log.warning("model %s on %s: %s", msg.model, d.key, msg.message.splitlines()[0])
@@ -228,18 +252,19 @@ class ModelPlacement:
                     led.drop_host_copy(msg.model, now)
         except (KeyError, ValueError) as e:  # an event from before a reset: stale
             log.info("ignoring model event %s %s on %s: %s", msg.model, msg.state, d.key, e)
-        self._advance_starts(d, now)  # calls that waited for this model start their clocks
-        self._dirty = True
+        return resized
 
-    def _should_replan(self, inv: Invocation, msg: p.Result) -> bool:
+    def should_replan(self, inv: Invocation, msg: p.Result) -> bool:
         """A call that failed only because a model it waited for was larger than
         declared (the ledger has now learned the size) is queued again, once."""
         if inv.id not in self._replan:
             return False
         self._replan.discard(inv.id)
-        return not msg.ok and msg.error_kind == "OutOfMemory" and inv.replans == 0
+        return not msg.ok and msg.error_kind == kind_of(OutOfMemory) and inv.replans == 0
 
-    def _models_status(self, d: Device) -> list[dict[str, Any]]:
+    # ------------------------------------------------------------------ status
+
+    def device_status(self, d: Device) -> list[dict[str, Any]]:
         out = []
         for e in d.ledger.models.values():
             if e.state is Residency.ABSENT:
@@ -250,7 +275,7 @@ class ModelPlacement:
                         "in_use": e.in_use, "uses": e.uses, "pinned": e.pinned})
         return out
 
-    def _model_counters(self) -> list[dict[str, Any]]:
+    def counters(self) -> list[dict[str, Any]]:
         return [{"name": r.name, "key": r.key, "bytes": r.size, "loads": r.loads,
                  "mean_load_s": r.load_seconds / r.loads if r.loads else None,
                  "restores": r.restores,

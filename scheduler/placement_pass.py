@@ -1,0 +1,233 @@
+"""One scheduling pass: reads the queue, the devices and the model book, and yields
+decisions (dispatch, preempt, fail as unschedulable, wake later) that the core applies.
+
+Decisions are yielded one at a time and the core applies each before the pass goes on,
+so every later choice in the same pass sees the devices as they now are.
+
+Queue heads are taken best-first. A single-device call goes to the best ranked device;
+a multi-device call (a gang) gets `count` idle devices chosen close together, all at
+once or not at all. When the best gang cannot start, it reserves the devices that will
+drain soonest; other calls may use those only if they will finish before it could start.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufn.memory_pool.ledger import Plan
+from gpufn.memory_pool.residency import Residency
+from gpufn.scheduler import batches
+from gpufn.scheduler.gang_choice import Reservation, can_backfill, choose_gang, reservation_for
+from gpufn.scheduler.model_book import ModelBook
+from gpufn.scheduler.placement import could_ever_run, is_short, rank_devices, type_rank
+from gpufn.scheduler.queues import ReadyQueue
+from gpufn.scheduler.records import Device, Invocation
+from gpufn.scheduler.settings import SchedulerConfig
+from gpufn.scheduler.states import DeviceState, InvState
+
+# --------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Start the queue head `inv` (for a batched function: a batch led by it) on these
+    devices, admitting its models by `plans` (device key -> plan) where it has any."""
+
+    inv: Invocation
+    devices: tuple[Device, ...]
+    plans: dict[str, Plan] = field(default_factory=dict)
+    batch: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    """Stop the preemptible `victim` on `device` and queue it again, for `beneficiary`."""
+
+    victim: Invocation
+    device: Device
+    beneficiary: Invocation
+
+
+@dataclass(frozen=True, slots=True)
+class Unplaceable:
+    """The queued call can never run (its models at their learned sizes fit nowhere)."""
+
+    inv: Invocation
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WakeAt:
+    """Run a pass again at this time although nothing arrives (a batch's wait ends)."""
+
+    when: float
+
+
+@dataclass(frozen=True, slots=True)
+class NeedRendezvous:
+    """A gang waits for the rendezvous store, which the shell starts on request."""
+
+
+Decision = Dispatch | Preempt | Unplaceable | WakeAt | NeedRendezvous
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+class PlacementPass:
+    def __init__(self, config: SchedulerConfig, devices: dict[str, Device], queue: ReadyQueue,
+                 models: ModelBook) -> None:
+        self.config = config
+        self.devices = devices
+        self.queue = queue
+        self.models = models
+
+    def run(self, now: float, rendezvous_port: int | None) -> Iterator[Decision]:
+        if not len(self.queue):
+            return
+        slots = self.config.slots_per_device
+        if not any(d.state is DeviceState.READY and len(d.running) < slots
+                   for d in self.devices.values()) and not any(
+                       i.spec.preemptible for d in self.devices.values() for i in d.running.values()):
+            return  # every device is full and nothing could be preempted
+        reservation: Reservation | None = None
+        owner: Invocation | None = None
+        heads = self.queue.heads()
+        heapq.heapify(heads)
+        while heads:
+            _, _, fid = heapq.heappop(heads)
+            inv = self.queue.head(fid)
+            if inv is None:
+                continue
+            if inv.spec.count > 1:
+                reserved = reservation.devices if reservation and owner is not inv else ()
+                placed = yield from self._gang(inv, reserved, rendezvous_port)
+                if not placed and reservation is None:
+                    reservation, owner = self._reserve(inv, now), inv
+            else:
+                placed = yield from self._single(inv, now, reservation)
+            if not placed:
+                continue  # this function is blocked for the rest of the pass
+            nxt = self.queue.head(fid)
+            if nxt is not None:
+                heapq.heappush(heads, (self.queue.key(nxt), nxt.seq, fid))
+
+    # ------------------------------------------------------------------ single device
+
+    def _single(self, inv: Invocation, now: float,
+                r: Reservation | None) -> Generator[Decision, None, bool]:
+        spec, fn = inv.spec, inv.function
+        if spec.batch_size is not None:
+            when = batches.due(self.queue, inv)
+            if when is not None and now < when:
+                yield WakeAt(when)
+                return False
+        short = is_short(inv, self.config.short_call_seconds)
+        depth = self.config.pipeline_depth if short else 0
+        with_models = bool(fn.model_keys)
+        ranked = rank_devices(spec, fn, self.devices.values(), self.config.slots_per_device,
+                              depth, check_memory=not with_models, now=now)
+        if not ranked:  # no device could take it now at all: make room if that is allowed
+            preempt = self._preemption(inv, now)
+            if preempt is not None:
+                yield preempt
+            return False
+        usable = [d for d in ranked if inv.id not in d.running and (
+            r is None or d.key not in r.devices or can_backfill(fn.runtime_ewma, r.start_eta))]
+        plans: dict[str, Plan] = {}
+        if with_models and usable:
+            best = self.models.best_plan(inv, usable, self.devices.values(), now)
+            if best is None:
+                reason = self.models.never_fits(fn, spec.memory, self.devices.values())
+                if reason is not None:
+                    yield Unplaceable(inv, reason)
+                    return True  # finished: the next call of the function may go
+                return False  # waiting by choice (a resident device frees soon) or for room
+            usable, plans = [best[0]], {best[0].key: best[1]}
+        if not usable:
+            return False
+        yield Dispatch(inv, (usable[0],), plans, batch=spec.batch_size is not None)
+        return True
+
+    # ------------------------------------------------------------------ preemption
+
+    def _preemption(self, inv: Invocation, now: float) -> Preempt | None:
+        """A running preemptible call of lower priority to stop so this call would then
+        fit; it goes back to the queue (keeping its place) and runs again from the start."""
+        if inv.preempt_asked is not None and now - inv.preempt_asked < self.config.stop_grace_seconds:
+            return None  # a call preempted for it is still stopping
+        spec = inv.spec
+        if not any(i.spec.preemptible and i.spec.priority < spec.priority
+                   for d in self.devices.values() for i in d.running.values()):
+            return None
+        best: tuple[tuple[Any, ...], Device, Invocation] | None = None
+        for d in self.devices.values():
+            if d.state is not DeviceState.READY or type_rank(spec.type, d.info.name) is None:
+                continue
+            for victim in d.running.values():
+                vs = victim.spec
+                if (victim.state is not InvState.RUNNING or not vs.preemptible
+                        or vs.priority >= spec.priority or victim.shape.multi_device
+                        or victim.id in d.stopping or victim.members):
+                    continue
+                if d.ledger.free + vs.memory < spec.memory:
+                    continue
+                if any(d.ledger.state(k) is not Residency.RESIDENT
+                       for k in inv.function.model_keys):
+                    continue  # stopping the victim would not make its models appear here
+                same_fn = victim.function.code_id == inv.function.code_id
+                if d.running_by_fn[inv.function.code_id] - same_fn >= spec.concurrency:
+                    continue
+                key = (vs.priority, -(victim.started or now), d.key)
+                if best is None or key < best[0]:
+                    best = (key, d, victim)
+        if best is None:
+            return None
+        return Preempt(best[2], best[1], inv)
+
+    # ------------------------------------------------------------------ gangs
+
+    def _gang_capable(self, inv: Invocation) -> list[Device]:
+        return [d for d in self.devices.values()
+                if d.state is DeviceState.READY and could_ever_run(inv.spec, d)]
+
+    def _gang(self, inv: Invocation, reserved: tuple[str, ...],
+              rendezvous_port: int | None) -> Generator[Decision, None, bool]:
+        spec, fn = inv.spec, inv.function
+        if spec.spmd and rendezvous_port is None:
+            yield NeedRendezvous()  # the shell starts the store, then schedules again
+            return False
+        idle = [d for d in self._gang_capable(inv) if not d.running and d.key not in reserved
+                and (fn.model_keys or d.ledger.free >= spec.memory)]  # models: planned below
+        chosen = choose_gang([d.info for d in idle], spec.count, prefer=fn.warm_gang)
+        if chosen is None or (not spec.spmd and len({c.node for c in chosen}) > 1):
+            return False
+        devices = tuple(self.devices[c.key] for c in chosen)
+        plans: dict[str, Plan] = {}
+        if fn.model_keys:
+            found = self.models.gang_plans(inv, list(devices))
+            if found is None:
+                return False
+            plans = found
+        yield Dispatch(inv, devices, plans)
+        return True
+
+    def _reserve(self, inv: Invocation, now: float) -> Reservation | None:
+        """Reserve the devices that will drain soonest for a gang that cannot start yet."""
+        capable = self._gang_capable(inv)
+        drain: dict[str, float] = {}
+        for d in capable:
+            left = 0.0
+            for other in d.running.values():
+                ewma = other.function.runtime_ewma
+                if ewma is None or other.started is None:
+                    left = math.inf
+                    break
+                left = max(left, ewma - (now - other.started))
+            drain[d.key] = max(0.0, left)
+        return reservation_for(inv.spec.count, [d.info for d in capable], drain,
+                               prefer=inv.function.warm_gang)

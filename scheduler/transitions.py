@@ -1,0 +1,309 @@
+"""Invocation transitions, each with all of its effects, in one place.
+
+Like Dask's worker state machine, a table names the one method that performs each
+(start, finish) move of an invocation; nothing else changes an invocation's state.
+The methods update the record (its own `start`/`requeue`), the devices it holds, the
+queue, the counters and the gang formations, and queue the messages that the move
+implies (runs, model orders, cancels, results). They never call back into the core.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gpufn import protocol as p
+from gpufn.exceptions import Cancelled, GpufnError, WorkerLost, kind_of
+from gpufn.memory_pool.ledger import Plan
+from gpufn.memory_pool.residency import Residency
+from gpufn.rendezvous import DEFAULT_TIMEOUT_S, GangSpec, resolve_backend
+from gpufn.scheduler import batches, gang_results
+from gpufn.scheduler.events import Send
+from gpufn.scheduler.formations import GangBook
+from gpufn.scheduler.model_book import ModelBook
+from gpufn.scheduler.placement import is_short
+from gpufn.scheduler.queues import ReadyQueue
+from gpufn.scheduler.records import Device, Invocation, Peer
+from gpufn.scheduler.settings import Counters, SchedulerConfig
+from gpufn.scheduler.shapes import Shape
+from gpufn.scheduler.states import InvState
+
+log = logging.getLogger("gpufn.scheduler")
+
+_TERMINAL = (InvState.SUCCEEDED, InvState.FAILED, InvState.CANCELLED)
+
+# (from, to) -> the Transitions method that performs the move.
+TABLE: dict[tuple[InvState, InvState], str] = {
+    (InvState.QUEUED, InvState.RUNNING): "dispatch",
+    (InvState.RUNNING, InvState.QUEUED): "requeue",
+    **{(s, t): "finish" for s in (InvState.QUEUED, InvState.RUNNING) for t in _TERMINAL},
+}
+
+
+class Transitions:
+    def __init__(self, config: SchedulerConfig, devices: dict[str, Device], queue: ReadyQueue,
+                 invocations: dict[str, Invocation], peers: dict[bytes, Peer], counters: Counters,
+                 gangs: GangBook, models: ModelBook, out: list[Send]) -> None:
+        self.config = config
+        self.devices = devices
+        self.queue = queue
+        self.invocations = invocations
+        self.peers = peers
+        self.counters = counters
+        self.gangs = gangs
+        self.models = models
+        self.out = out
+        self.now = 0.0  # the time of the event being handled (set by the core)
+        self.dirty = False  # devices were freed or calls queued: a pass is worth running
+        self.tokens = 0  # dispatch tokens (see Invocation.dispatch_token)
+        self.rendezvous_port: int | None = None
+        self.failing: set[Invocation] = set()  # gangs waiting for their ranks to settle
+
+    def send(self, peer: bytes, msg: p.Message) -> None:
+        self.out.append(Send(peer, msg))
+
+    def dispatch(self, inv: Invocation, devices: tuple[Device, ...], plans: dict[str, Plan],
+                  now: float) -> None:
+        """QUEUED -> RUNNING: hold the devices, admit the models, send the runs."""
+        self.tokens += 1
+        shape = Shape.of(inv.spec)
+        inv.start(now, tuple(d.key for d in devices), self.tokens, shape)
+        for m in inv.members:
+            m.start(now, inv.devices, inv.dispatch_token, shape)
+        fn = inv.function
+        for d, meta in zip(devices, self._run_metas(inv, devices), strict=True):
+            assert d.worker is not None
+            d.running[inv.id] = inv
+            d.running_by_fn[fn.code_id] += 1
+            plan = plans.get(d.key)
+            if plan is not None:
+                admitted = self.models.admit(inv, d, plan, now, self.devices)
+                for target, order in admitted.orders:  # model orders go first
+                    assert target.worker is not None
+                    self.send(target.worker, order)
+                inv.cold = admitted.cold
+                if meta is not None:
+                    meta["models"] = admitted.names
+                    if plan.load or plan.restore or plan.waiting:
+                        meta["inline"] = False  # it waits for a model: never on the main thread
+            else:
+                d.ledger.reserve(inv.id, inv.spec.memory)
+            if meta is None:
+                continue  # a held device of a HELD_SET: nothing runs there
+            if fn.code_id not in d.code:
+                self.send(d.worker, p.LoadCode(fn.code_id, fn.name, fn.code_frames))
+                d.code.add(fn.code_id)
+            self.send(d.worker, p.Run(inv.id, fn.function_id, fn.code_id, fn.name,
+                                       inv.dispatch_token, meta, inv.frames))
+        self.advance_starts(devices[0], now)
+
+    def _run_metas(self, inv: Invocation, devices: tuple[Device, ...]) -> list[dict[str, Any] | None]:
+        """What each device's worker is told with the run (None: it runs nothing)."""
+        spec = inv.spec
+        base: dict[str, Any] = {"timeout": spec.timeout, "concurrency": spec.concurrency,
+                                "inline": is_short(inv, self.config.short_call_seconds),
+                                "attempt_number": inv.attempts}
+        if inv.shape is Shape.BATCH:
+            base["batch"] = [len(m.frames) for m in inv.members]
+            base["members"] = [m.id for m in inv.members]
+        if inv.shape is Shape.GANG:
+            formation, warm = self.gangs.form(inv.devices)
+            inv.gang = (formation.gang_id, formation.generation)
+            inv.function.warm_gang = inv.devices
+            backend = resolve_backend(devices[0].info.kind)
+            assert self.rendezvous_port is not None
+            return [{**base, "gather": spec.gather, "warm": warm, "gang": GangSpec(
+                formation.gang_id, formation.generation, rank, len(devices), "",
+                self.rendezvous_port, backend, spec.timeout or DEFAULT_TIMEOUT_S, inv.devices,
+                formation.nonce).to_wire()} for rank in range(len(devices))]
+        if inv.shape is Shape.HELD_SET:
+            # One process pinned to every granted device runs the call on the first
+            # device's worker; the other devices are held idle for it.
+            multi = [{"key": d.key, "uuid": d.info.uuid, "kind": d.info.kind} for d in devices]
+            return [{**base, "multi": multi}] + [None] * (len(devices) - 1)
+        return [base]
+
+    def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False) -> None:
+        """RUNNING -> QUEUED: the run ended without a result; the call waits again."""
+        inv.requeue(now)
+        self.queue.push(inv)
+        self.dirty = True
+        if retry:
+            self.counters.retried += 1
+            log.warning("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
+        else:
+            log.info("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
+
+    def finish(self, inv: Invocation, now: float, state: InvState, error: GpufnError | None = None,
+                result: p.Result | None = None, release: bool = True) -> None:
+        """Move an invocation to a terminal state and tell its client (exactly once).
+
+        With release=False the call keeps its hold on its devices until its workers
+        report that they stopped (a cancelled call still occupies its worker)."""
+        inv.to(state, now)
+        if release:
+            for key in inv.devices:
+                self.release_device(inv, self.devices.get(key))
+        self.invocations.pop(inv.id, None)
+        if inv.members:  # a batch carrier: its calls get the outcome, not a client
+            for m in inv.members:
+                if m.state is InvState.RUNNING and state is not InvState.SUCCEEDED:
+                    res = (p.Result(m.id, False, result.error_kind, result.message,
+                                    self.meta(m, now, result.meta), result.frames)
+                           if result is not None else None)
+                    self.finish(m, now, state, error, res, release=False)
+            return
+        if state is InvState.SUCCEEDED:
+            self.counters.succeeded += 1
+        elif state is InvState.CANCELLED:
+            self.counters.cancelled += 1
+        else:
+            self.counters.failed += 1
+        if result is None:
+            assert error is not None
+            result = p.Result(inv.id, False, kind_of(error), str(error), self.meta(inv, now))
+        if inv.client in self.peers:
+            self.send(inv.client, result)
+
+    def meta(self, inv: Invocation, now: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "devices": list(inv.devices),
+            "attempts": inv.attempts,
+            "queued_s": ((inv.started or now) - inv.submitted),
+            "cold_start": inv.cold or (inv.carrier.cold if inv.carrier else "") or False,
+        }
+        if extra:
+            meta.update(extra)
+        return meta
+
+    def release_device(self, inv: Invocation, d: Device | None) -> None:
+        """Free what a call holds on one device."""
+        if d is None:
+            return
+        d.stopping.pop(inv.id, None)
+        if d.running.pop(inv.id, None) is None:
+            return
+        self.advance_starts(d, self.now)  # a pipelined call behind it starts now
+        code = inv.function.code_id  # with_options() variants share one concurrency limit
+        d.running_by_fn[code] -= 1
+        if d.running_by_fn[code] <= 0:
+            del d.running_by_fn[code]
+        d.ledger.release(inv.id, self.now)
+        self.dirty = True
+
+    def release_reporter(self, inv: Invocation, d: Device) -> None:
+        """A process of the call ended on `d`: free what its end frees (see `Shape`)."""
+        for key in inv.shape.frees_on_report(inv.devices, d.key):
+            self.release_device(inv, self.devices.get(key))
+        self.release_device(inv, d)
+
+    def advance_starts(self, d: Device, now: float) -> None:
+        """Mark calls on a device as really running (their timeout clock starts) once
+        their models are resident and no earlier call of theirs holds their slot."""
+        busy: dict[str, int] = {}
+        waiting = []
+        for inv in d.running.values():
+            if inv.state is not InvState.RUNNING:
+                continue
+            if inv.run_started is not None:
+                busy[inv.function.code_id] = busy.get(inv.function.code_id, 0) + 1
+            else:
+                waiting.append(inv)
+        for inv in sorted(waiting, key=lambda i: (i.started or now, i.seq)):
+            code = inv.function.code_id
+            if busy.get(code, 0) >= inv.spec.concurrency:
+                continue
+            if any(d.ledger.state(k) is not Residency.RESIDENT for k in inv.function.model_keys):
+                continue
+            inv.run_started = now
+            busy[code] = busy.get(code, 0) + 1
+
+    def stop_ranks(self, inv: Invocation, reason: str) -> None:
+        """Interrupt every process of the call still holding a device (a gang also tears
+        its group down); the devices are freed as the processes report."""
+        gang = inv.gang
+        if gang is not None:
+            self.gangs.broken(inv.devices)
+        for key in inv.shape.runners(inv.devices):
+            d = self.devices.get(key)
+            target = (d.control or d.worker) if d is not None else None
+            if d is None or inv.id not in d.running or target is None:
+                continue
+            d.stopping.setdefault(inv.id, self.now)
+            self.send(target, p.Cancel(inv.id, reason, True, inv.dispatch_token))
+            if gang is not None:
+                self.send(target, p.GroupOp("abort", {"gang_id": gang[0], "generation": gang[1],
+                                                       "reason": reason}))
+
+    def preempt(self, victim: Invocation, beneficiary: Invocation, now: float) -> None:
+        """Stop a preemptible call and queue it again (its device stays held until its
+        worker reports it stopped)."""
+        reason = (f"preempted by {beneficiary.function.name} call {beneficiary.id} "
+                  f"(priority {beneficiary.spec.priority} > {victim.spec.priority})")
+        self.counters.preempted += 1
+        victim.preemptions += 1
+        beneficiary.preempt_asked = now
+        self.stop_ranks(victim, reason)
+        self.requeue(victim, now, reason)
+
+    def cancel_running(self, inv: Invocation, now: float, reason: str) -> None:
+        """Tell the caller at once; the devices stay held until the worker stops the call."""
+        self.stop_ranks(inv, reason)
+        self.finish(inv, now, InvState.CANCELLED, Cancelled(
+            f"{inv.function.name} call {inv.id} was cancelled while running ({reason})"),
+            release=False)
+
+    def finish_batch(self, carrier: Invocation, msg: p.Result, now: float) -> None:
+        if not msg.ok:  # the batch as a whole failed: every member gets the error
+            self.finish(carrier, now, InvState.FAILED, result=msg)
+            return
+        results = batches.split_result(carrier, msg)
+        self.finish(carrier, now, InvState.SUCCEEDED, result=msg)
+        for m, res in zip(carrier.members, results, strict=False):
+            if m.state is InvState.RUNNING:
+                self.finish(m, now, InvState.SUCCEEDED if res.ok else InvState.FAILED,
+                             result=p.Result(m.id, res.ok, res.error_kind, res.message,
+                                             self.meta(m, now, res.meta), res.frames),
+                             release=False)
+
+    def gang_failing(self, inv: Invocation, now: float, reason: str) -> None:
+        if inv.failing_since is None:
+            inv.failing_since = now
+            self.failing.add(inv)
+            self.stop_ranks(inv, reason)
+
+    def settle(self, inv: Invocation, now: float, force: bool = False) -> None:
+        """Finish a multi-device call once its verdict is in (see `gang_results`)."""
+        if inv.state is not InvState.RUNNING:
+            return
+        v = gang_results.verdict(inv, force)
+        if isinstance(v, gang_results.Succeeded):
+            duration = v.meta.get("duration")
+            if isinstance(duration, (int, float)):
+                inv.function.observe_runtime(float(duration), inv.devices[0])
+            self.finish(inv, now, InvState.SUCCEEDED, result=p.Result(
+                inv.id, True, "", "", self.meta(inv, now, v.meta), v.frames), release=False)
+        elif isinstance(v, gang_results.Lost):
+            self.retry_or_fail_lost(inv, now, f"{v.why} (rank {v.rank})")
+        elif isinstance(v, gang_results.Failed):
+            msg = v.result
+            self.finish(inv, now, InvState.FAILED, result=p.Result(
+                inv.id, False, msg.error_kind, msg.message,
+                self.meta(inv, now, {**msg.meta, "rank": v.rank}), msg.frames), release=False)
+
+    def retry_or_fail_lost(self, inv: Invocation, now: float, why: str) -> None:
+        if inv.members:  # a lost batch: each of its calls is retried or fails on its own
+            for m in inv.members:
+                if m.state is InvState.RUNNING:
+                    if inv.run_started is None:
+                        m.unstarted_losses += 1  # the batch never started: no retry used
+                    self.retry_or_fail_lost(m, now, why)
+            self.finish(inv, now, InvState.FAILED, release=False)
+            return
+        if inv.counted_attempts <= inv.spec.retries:
+            self.requeue(inv, now, why, retry=True)
+            return
+        hint = "" if inv.spec.retries else " Set retries=N in @gpu to retry on another worker."
+        self.finish(inv, now, InvState.FAILED, WorkerLost(
+            f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s).{hint}"),
+            release=False)

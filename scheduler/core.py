@@ -347,7 +347,7 @@ class SchedulerCore(SchedulingPass, ModelPlacement, Batching):
             d.stopping.setdefault(inv.id, self._now)
             self._send(target, p.Cancel(inv.id, reason, True, inv.token))
             if gang is not None:
-                self._send(target, p.GroupOp("abort", {"gang_id": gang[0], "generation": gang[1],
+                self._send(target, p.GroupOp(p.GroupOpKind.ABORT, {"gang_id": gang[0], "generation": gang[1],
                                                        "reason": reason}))
 
     def _invalidate_feasibility(self) -> None:

@@ -2,10 +2,11 @@
 
 It feeds scheduler messages to the sans-I/O `WorkerCore` and carries out its actions
 with what it owns: the executor, the model cache, the gang's process group and the
-spmd=False device-set helper. Two sockets: the work socket (main thread) receives code and calls and sends results;
-the control socket (its own thread) sends heartbeats and receives cancels, so both keep
-flowing while user code runs. Calls the scheduler marks `inline` (short, measured) run
-on the main thread itself, saving two thread hand-offs; others run in executor threads.
+spmd=False device-set helper. Two sockets: the work socket (main thread) receives code
+and calls and sends results; the control socket (its own thread) sends heartbeats and
+receives cancels, so both keep flowing while user code runs. Calls the scheduler marks
+`inline` (short, measured) run on the main thread itself, saving two thread hand-offs;
+others run in executor threads.
 """
 
 from __future__ import annotations

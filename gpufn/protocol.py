@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any, TypeVar
 
 import msgpack
@@ -359,25 +360,82 @@ class EvictModel(Message):
     offload: bool
 
 
+class ModelState(str, Enum):
+    """Where a model operation left the model on a worker (a string on the wire)."""
+
+    RESIDENT = "resident"
+    OFFLOADED = "offloaded"
+    EVICTED = "evicted"
+    LOAD_FAILED = "load_failed"
+    OFFLOAD_FAILED = "offload_failed"
+
+
 @message(27)
 @dataclass(frozen=True, slots=True)
 class ModelEvent(Message):
-    """Worker -> scheduler: a model operation finished: state is "resident" (message
-    "restored" when it came back from host), "offloaded", "evicted", "load_failed" or
-    "offload_failed"; nbytes and seconds are measured."""
+    """Worker -> scheduler: a model operation finished, leaving the model in `state`
+    (message "restored" when it came back from host); nbytes and seconds are measured."""
 
     model: str
-    state: str
+    state: ModelState
     nbytes: int
     seconds: float
     error_kind: str = ""
     message: str = ""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", ModelState(self.state))  # a plain str off the wire
+
+
+class GroupOpKind(str, Enum):
+    """What a GroupOp orders (a string on the wire)."""
+
+    ABORT = "abort"
+
 
 @message(28)
 @dataclass(frozen=True, slots=True)
 class GroupOp(Message):
-    """Scheduler -> worker: join, keep or leave a gang's process group."""
+    """Scheduler -> worker: tear down a gang's process group now (`gang` names the
+    formation: gang_id, generation, reason); sent on the control channel so it lands
+    while a collective blocks."""
 
-    op: str
+    op: GroupOpKind
     gang: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op", GroupOpKind(self.op))
+
+
+# --------------------------------------------------------------------------- spmd=False helper
+# The worker and its device-set helper process (worker/multidevice.py) speak these over
+# a multiprocessing pipe, one `send_bytes` per frame. The helper's prints travel as
+# `Output`, and `Shutdown` stops it.
+
+
+@message(40)
+@dataclass(frozen=True, slots=True)
+class HelperRun(Message):
+    """Worker -> helper: run a call. frames: the code's frames (the first `code_frames`,
+    none when the helper has this code already), then the pickled (args, kwargs)."""
+
+    invocation_id: str
+    name: str
+    code_id: str
+    attempt: int  # the attempt number (1, 2, ...), for gpufn.context().attempt
+    code_frames: int
+    frames: tuple[Frame, ...] = ()
+
+
+@message(41)
+@dataclass(frozen=True, slots=True)
+class HelperResult(Message):
+    """Helper -> worker: the call ended. ok: frames hold the pickled value; else the
+    pickled exception, its type name, message and formatted traceback."""
+
+    invocation_id: str
+    ok: bool
+    error_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    frames: tuple[Frame, ...] = ()

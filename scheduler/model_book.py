@@ -211,7 +211,7 @@ class ModelBook:
         entry = led.models.get(msg.model)
         resized = False
         try:
-            if msg.state == "resident" and entry is not None:
+            if msg.state is p.ModelState.RESIDENT and entry is not None:
                 if entry.from_host:
                     led.restore_done(msg.model, now, msg.seconds)
                     if rec is not None:
@@ -226,7 +226,7 @@ class ModelBook:
                         rec.measured = msg.nbytes
                         rec.loads += 1
                         rec.load_seconds += msg.seconds
-            elif msg.state == "load_failed" and entry is not None:
+            elif msg.state is p.ModelState.LOAD_FAILED and entry is not None:
                 holders = led.load_failed(msg.model, now)
                 if rec is not None and msg.error_kind == kind_of(OutOfMemory) and msg.nbytes > rec.size:
                     # Declared too small: learn the real size; the calls that waited for
@@ -239,11 +239,11 @@ class ModelBook:
                 elif rec is not None:
                     rec.failures += 1
                 log.warning("model %s on %s: %s", msg.model, d.key, msg.message.splitlines()[0])
-            elif msg.state == "offloaded" and entry is not None:
+            elif msg.state is p.ModelState.OFFLOADED and entry is not None:
                 led.offload_done(msg.model, now)
-            elif msg.state == "offload_failed" and entry is not None:
+            elif msg.state is p.ModelState.OFFLOAD_FAILED and entry is not None:
                 led.offload_failed(msg.model, now)
-            elif msg.state == "evicted" and entry is not None:
+            elif msg.state is p.ModelState.EVICTED and entry is not None:
                 if entry.state is Residency.OFFLOADING:  # the worker dropped it instead
                     led.offload_failed(msg.model, now)
                 elif entry.state is Residency.EVICTING:

@@ -232,7 +232,7 @@ class Transitions:
             d.stopping.setdefault(inv.id, self.now)
             self.send(target, p.Cancel(inv.id, reason, True, inv.dispatch_token))
             if gang is not None:
-                self.send(target, p.GroupOp("abort", {"gang_id": gang[0], "generation": gang[1],
+                self.send(target, p.GroupOp(p.GroupOpKind.ABORT, {"gang_id": gang[0], "generation": gang[1],
                                                        "reason": reason}))
 
     def preempt(self, victim: Invocation, beneficiary: Invocation, now: float) -> None:

@@ -1,7 +1,9 @@
 """The worker's sans-I/O core: scheduler messages in, actions out.
 
-It holds the code cache and what runs; the process shell (`process.py`) performs the
-actions (start a call in the executor, interrupt one, send a message, exit).
+It holds the code cache and the calls it handed out, and decides what each message
+means; it starts no thread or process and touches no device. The process shell
+(`process.py`) owns the executor, the model cache, the gang's process group and the
+spmd=False helper, and carries the actions out. Only the shell's main thread calls it.
 """
 
 from __future__ import annotations
@@ -16,24 +18,103 @@ from gpufn import call_context as ctxmod
 from gpufn import protocol as p
 from gpufn import serialization as ser
 from gpufn.exceptions import GpufnError, SerializationError, kind_of
+from gpufn.rendezvous import GangSpec
 from gpufn.worker.executor import Call
 
 log = logging.getLogger("gpufn.worker")
 
 
+# --------------------------------------------------------------------------- Run.meta
+
+
+@dataclass(frozen=True, slots=True)
+class RunMeta:
+    """What the worker reads from a Run's meta; `run_meta` is the one place that parses it."""
+
+    attempt_number: int = 1  # 1 for the first attempt (gpufn.context().attempt)
+    inline: bool = False  # short: run on the main thread, no hand-off
+    batch: list[int] | None = None  # frames per input when the call is a batch
+    models: dict[str, str] = field(default_factory=dict)  # model name -> key to wait for
+    gang: GangSpec | None = None  # this rank's gang (spmd, count > 1)
+    gather: bool = False  # every rank's value is returned, not only rank 0's
+    multi: list[dict[str, Any]] | None = None  # the device set of an spmd=False call
+
+
+def run_meta(meta: dict[str, Any]) -> RunMeta:
+    gang = meta.get("gang")
+    return RunMeta(
+        attempt_number=int(meta.get("attempt_number", 1)),
+        inline=bool(meta.get("inline")),
+        batch=meta.get("batch"),
+        models=dict(meta.get("models") or {}),
+        gang=GangSpec.from_wire(gang) if gang is not None else None,
+        gather=bool(meta.get("gather")),
+        multi=meta.get("multi"),
+    )
+
+
+# --------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class JoinGroup:
+    """Before `call` runs (in its thread, after its models are resident): join or reuse
+    the gang's process group; if the call raises, abort the group."""
+
+    call: Call
+    gang: GangSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RunInHelper:
+    """Run `call` in a helper process that sees every device of the set (spmd=False),
+    started or replaced now unless the warm one serves this set."""
+
+    call: Call
+    devices: list[dict[str, Any]]
+    code_id: str
+    code_frames: list[bytes]
+
+
 @dataclass(frozen=True, slots=True)
 class Execute:
+    """Start `call`: wait for `call.models`, then run it (refused if a cancel for it
+    came first). `inline`: on the main thread, else in an executor thread."""
+
     call: Call
+    inline: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Interrupt:
     invocation_id: str
-    attempt: int = 0
+    attempt: int = 0  # the dispatch token meant (0: any)
 
 
 @dataclass(frozen=True, slots=True)
-class SendMsg:
+class AbortGroup:
+    reason: str
+    gang_id: str | None
+    generation: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class StartLoad:
+    """Make a model resident (its loader in `frames`, or restored from host memory)."""
+
+    model: str
+    spec: dict[str, Any]
+    frames: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    model: str
+    offload: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
     msg: p.Message
 
 
@@ -42,7 +123,22 @@ class Exit:
     reason: str
 
 
-Action = Execute | Interrupt | SendMsg | Exit
+Action = JoinGroup | RunInHelper | Execute | Interrupt | AbortGroup | StartLoad | Evict | Send | Exit
+
+
+def control_actions(msg: p.Message) -> list[Action]:
+    """Cancel and GroupOp: pure and stateless, so the control thread uses it too (it must
+    act while the main thread runs user code); the shell carries these out thread-safely."""
+    if isinstance(msg, p.Cancel):
+        return [Interrupt(msg.invocation_id, msg.attempt)]
+    if isinstance(msg, p.GroupOp) and msg.op is p.GroupOpKind.ABORT:
+        gang = msg.gang
+        return [AbortGroup(str(gang.get("reason", "aborted by the scheduler")),
+                           gang.get("gang_id"), gang.get("generation"))]
+    return []
+
+
+# --------------------------------------------------------------------------- core
 
 
 @dataclass
@@ -55,33 +151,36 @@ class WorkerCore:
     code_errors: dict[str, str] = field(default_factory=dict)
     running: set[str] = field(default_factory=set)
     completed: int = 0
-    groups: Any = None  # GroupManager, made on the first gang call (imports torch.distributed)
-    helper: Any = None  # DeviceSetHelper of the last spmd=False call
-    models: Any = None  # ModelManager (the process shell makes it)
 
     def handle(self, msg: p.Message) -> list[Action]:
         if isinstance(msg, p.LoadCode):
-            return self._load_code(msg)
+            self._load_code(msg)
+            return []
         if isinstance(msg, p.Run):
             return self._run(msg)
-        if isinstance(msg, p.Cancel):
-            return [Interrupt(msg.invocation_id, msg.attempt)]
         if isinstance(msg, p.Shutdown):
             return [Exit(msg.reason or "scheduler asked")]
-        if isinstance(msg, (p.LoadModel, p.EvictModel)) and self.models is not None:
-            self.models.handle(msg)
-            return []
-        if isinstance(msg, p.GroupOp) and msg.op == "abort" and self.groups is not None:
-            self.groups.abort(str(msg.gang.get("reason", "aborted by the scheduler")),
-                              gang_id=msg.gang.get("gang_id"), generation=msg.gang.get("generation"))
-        return []
+        if isinstance(msg, p.LoadModel):
+            return [StartLoad(msg.model, msg.spec, tuple(msg.frames))]
+        if isinstance(msg, p.EvictModel):
+            return [Evict(msg.model, msg.offload)]
+        return control_actions(msg)
 
     def done(self, result: p.Result) -> list[Action]:
+        """A call ended (or was refused at its start)."""
         self.running.discard(result.invocation_id)
         self.completed += 1
-        return [SendMsg(result)]
+        return [Send(result)]
 
-    def _load_code(self, msg: p.LoadCode) -> list[Action]:
+    def failed(self, msg: p.Message, exc: Exception) -> list[Action]:
+        """Carrying out `msg` raised in the shell: a Run fails alone, the worker lives on."""
+        if not isinstance(msg, p.Run):
+            return []
+        self.running.discard(msg.invocation_id)
+        return self._fail(msg.invocation_id, GpufnError(
+            f"worker {self.device_key} failed: {exc}"), msg.attempt)
+
+    def _load_code(self, msg: p.LoadCode) -> None:
         try:
             self.code_frames[msg.code_id] = [bytes(memoryview(f.buffer if hasattr(f, "buffer") else f))
                                              for f in msg.frames]
@@ -90,10 +189,9 @@ class WorkerCore:
         except Exception as e:
             self.code_errors[msg.code_id] = f"{type(e).__name__}: {e}"
             log.warning("could not unpickle %s: %s", msg.name, e)
-        return []
 
     def _fail(self, inv: str, err: GpufnError, attempt: int) -> list[Action]:
-        return [SendMsg(p.Result(inv, False, kind_of(err), str(err), {"attempt": attempt}))]
+        return [Send(p.Result(inv, False, kind_of(err), str(err), {"attempt": attempt}))]
 
     def _run(self, msg: p.Run) -> list[Action]:
         fn = self.code.get(msg.code_id)
@@ -107,69 +205,30 @@ class WorkerCore:
                 f"{msg.name} could not be unpickled on worker {self.device_key}: {why}. If it is "
                 "defined in a module, that module must be importable on the worker (same code "
                 "and PYTHONPATH), or define it in __main__ / a notebook cell"), msg.attempt)
+        meta = run_meta(msg.meta)
         self.running.add(msg.invocation_id)
         context = ctxmod.CallContext(
             invocation_id=msg.invocation_id, function=msg.name, device=self.device,
-            devices=[self.device], attempt=int(msg.meta.get("attempt_number", 1)),
+            devices=[self.device], attempt=meta.attempt_number,
         )
-        call = Call(msg.invocation_id, msg.name, fn, msg.frames, context, msg.meta,
-                    attempt=msg.attempt, batch=msg.meta.get("batch"))
-        if self.models is not None:
-            manager, needed = self.models, dict(msg.meta.get("models") or {})
-            call.prepare = lambda: manager.prepare(needed)
-        if "gang" in msg.meta:
-            self._as_gang_rank(call, msg.meta)
-        elif "multi" in msg.meta:
-            self._in_device_set_helper(call, msg.code_id, msg.meta["multi"])
-        return [Execute(call)]
+        call = Call(msg.invocation_id, msg.name, fn, msg.frames, context,
+                    attempt=msg.attempt, batch=meta.batch, models=meta.models)
+        actions: list[Action] = []
+        if meta.gang is not None:
+            actions.append(self._as_gang_rank(call, meta.gang, meta.gather))
+        elif meta.multi is not None:
+            call.context.devices = [self.device] * len(meta.multi)
+            actions.append(RunInHelper(call, meta.multi, msg.code_id, self.code_frames[msg.code_id]))
+        actions.append(Execute(call, meta.inline))
+        return actions
 
-    def _as_gang_rank(self, call: Call, meta: dict[str, Any]) -> None:
-        """Join (or reuse) the gang's process group before the function runs."""
-        from gpufn.rendezvous import GangSpec
-
-        gang = GangSpec.from_wire(meta["gang"])
+    def _as_gang_rank(self, call: Call, gang: GangSpec, gather: bool) -> JoinGroup:
         if not gang.store_host:  # the store runs in the scheduler process
             gang = dataclasses.replace(gang, store_host=self.scheduler_host)
-        if self.groups is None:
-            from gpufn.worker.groups import GroupManager
-
-            self.groups = GroupManager()
-        groups, ctx = self.groups, call.context
-        ctx.rank, ctx.world_size = gang.rank, gang.world_size
-
-        first = call.prepare
-
-        def prepare() -> None:
-            if first is not None:
-                first()
-            ctx.group = groups.ensure(gang, self.device)
-            call.meta["group_inits"] = groups.inits
-            call.meta["group_init_s"] = groups.last_init_s
-
-        def on_error(exc: BaseException) -> None:
-            groups.abort(f"rank {gang.rank} raised {type(exc).__name__}",
-                         gang_id=gang.gang_id, generation=gang.generation)
-
-        gather = bool(meta.get("gather"))
+        call.context.rank, call.context.world_size = gang.rank, gang.world_size
 
         def finish(value: Any) -> Any:
             return value if gather or gang.rank == 0 else None  # only rank 0's value is used
 
-        call.prepare, call.on_error, call.finish = prepare, on_error, finish
-
-    def _in_device_set_helper(self, call: Call, code_id: str, devices: list[dict[str, Any]]) -> None:
-        from gpufn.worker.multidevice import DeviceSetHelper
-
-        keys = tuple(d["key"] for d in devices)
-        if self.helper is not None and (self.helper.keys != keys or not self.helper.alive()):
-            self.helper.close()
-            self.helper = None
-        if self.helper is None:
-            self.helper = DeviceSetHelper(devices)
-        helper, frames, inv, name = self.helper, self.code_frames[code_id], call.invocation_id, call.name
-
-        def run_there(*args: Any, **kwargs: Any) -> Any:
-            return helper.run(inv, name, code_id, frames, args, kwargs, call.attempt)
-
-        call.fn = run_there
-        call.context.devices = [self.device] * len(devices)
+        call.finish = finish
+        return JoinGroup(call, gang)

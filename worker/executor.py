@@ -36,6 +36,7 @@ class Call:
     fn: Callable[..., Any]
     frames: tuple[Any, ...]
     context: ctxmod.CallContext
+    # What the worker adds to the Result's meta (group_inits, comm_error) and scratch.
     meta: dict[str, Any] = field(default_factory=dict)
     # Runs in the call's thread before the function (model resolution, group setup).
     prepare: Callable[[], None] | None = None
@@ -43,8 +44,9 @@ class Call:
     finish: Callable[[Any], Any] | None = None
     # Runs in the call's thread when the function raised (a gang rank tears its group down).
     on_error: Callable[[BaseException], None] | None = None
-    attempt: int = 1
+    attempt: int = 1  # the dispatch token (Run.attempt), echoed in the Result
     batch: list[int] | None = None  # frames per input when the call is a batch
+    models: dict[str, str] = field(default_factory=dict)  # name -> key, resident before it runs
 
 
 class Executor:
@@ -265,7 +267,7 @@ def _batch_result(call: Call, value: Any, t0: float) -> p.Result:
                 items.append({"ok": True, "n": len(f)})
             except Exception as e:
                 f = []
-                items.append({"ok": False, "n": 0, "error_kind": "SerializationError",
+                items.append({"ok": False, "n": 0, "error_kind": kind_of(SerializationError),
                               "message": f"an output of {call.name} cannot be pickled: {e}"})
         frames.extend(f)
     return p.Result(call.invocation_id, True, "", "",

@@ -18,13 +18,26 @@ import multiprocessing as mp
 import os
 import sys
 import threading
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from gpufn import protocol as p
 from gpufn import serialization as ser
 
 POLL_SECONDS = 0.05
+
+
+def send(conn: Connection, msg: p.Message) -> None:
+    """One protocol message over the pipe: its frame count, then each frame."""
+    frames = p.encode(msg)
+    conn.send_bytes(len(frames).to_bytes(4, "little"))
+    for f in frames:
+        conn.send_bytes(f)
+
+
+def recv(conn: Connection) -> p.Message:
+    n = int.from_bytes(conn.recv_bytes(), "little")
+    return p.decode([conn.recv_bytes() for _ in range(n)])
 
 
 class _PipeStream:
@@ -35,7 +48,7 @@ class _PipeStream:
     def write(self, s: str) -> int:
         if s:
             with self.lock:
-                self.conn.send(("out", self.inv, self.name, s))
+                send(self.conn, p.Output(self.inv, self.name, s))
         return len(s)
 
     def flush(self) -> None:
@@ -62,28 +75,26 @@ def _helper_main(conn: Connection, kind: str, count: int, parent: int, visible: 
     sys.stdout, sys.stderr = streams
     code: dict[str, Any] = {}
     while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        inv, name, code_id, code_frames, arg_frames, attempt = msg
+        msg = recv(conn)
+        if not isinstance(msg, p.HelperRun):
+            return  # Shutdown
+        inv = msg.invocation_id
         for s in streams:
             s.inv = inv
-        t0 = time.perf_counter()
         try:
-            if code_id not in code:
-                code[code_id] = ser.load_code(code_frames)
-            ctxmod._set(ctxmod.CallContext(invocation_id=inv, function=name, device=devices[0],
-                                           devices=list(devices), attempt=attempt))
-            args, kwargs = ser.loads(arg_frames)
-            frames = ser.dumps(code[code_id](*args, **kwargs))
-            reply: tuple[Any, ...] = ("ok", [bytes(memoryview(f)) for f in frames])
+            if msg.code_id not in code:
+                code[msg.code_id] = ser.load_code(msg.frames[:msg.code_frames])
+            ctxmod._set(ctxmod.CallContext(invocation_id=inv, function=msg.name, device=devices[0],
+                                           devices=list(devices), attempt=msg.attempt))
+            args, kwargs = ser.loads(msg.frames[msg.code_frames:])
+            reply = p.HelperResult(inv, True, frames=tuple(ser.dumps(code[msg.code_id](*args, **kwargs))))
         except BaseException as e:
             frames, tb = ser.dump_exception(e)
-            reply = ("err", [bytes(memoryview(f)) for f in frames], type(e).__name__, str(e), tb)
+            reply = p.HelperResult(inv, False, type(e).__name__, str(e), tb, tuple(frames))
         finally:
             ctxmod._set(None)
         with lock:
-            conn.send((reply[0], inv, *reply[1:], time.perf_counter() - t0))
+            send(conn, reply)
 
 
 class DeviceSetHelper:
@@ -108,7 +119,8 @@ class DeviceSetHelper:
 
     def run(self, inv: str, name: str, code_id: str, code_frames: list[bytes], args: tuple[Any, ...],
             kwargs: dict[str, Any], attempt: int) -> Any:
-        """Run the call in the helper; its prints go to this thread's stdout/stderr.
+        """Run the call in the helper (`attempt`: the attempt number, 1, 2, ...); its
+        prints go to this thread's stdout/stderr.
 
         If waiting ends any other way than with this call's reply (a cancel, a dead
         helper), the helper is killed: it may still be running the call, and a later call
@@ -122,31 +134,31 @@ class DeviceSetHelper:
 
     def _run(self, inv: str, name: str, code_id: str, code_frames: list[bytes],
              args: tuple[Any, ...], kwargs: dict[str, Any], attempt: int) -> Any:
-        frames = [bytes(memoryview(f)) for f in ser.dumps((args, kwargs))]
         send_code = code_frames if code_id not in self.sent_code else []
-        self.conn.send((inv, name, code_id, send_code, frames, attempt))
+        send(self.conn, p.HelperRun(inv, name, code_id, attempt, len(send_code),
+                                    (*send_code, *ser.dumps((args, kwargs)))))
         self.sent_code.add(code_id)
         while True:
             while not self.conn.poll(POLL_SECONDS):  # short waits let a cancel land
                 if not self.proc.is_alive():
                     raise RuntimeError(f"the multi-device helper process died "
                                        f"(exit code {self.proc.exitcode})")
-            msg = self.conn.recv()
-            if msg[1] != inv:
+            msg = recv(self.conn)
+            if not isinstance(msg, (p.Output, p.HelperResult)) or msg.invocation_id != inv:
                 continue  # from an earlier call (cannot happen once killed; kept safe)
-            if msg[0] == "out":
-                (sys.stdout if msg[2] == "stdout" else sys.stderr).write(msg[3])
+            if isinstance(msg, p.Output):
+                (sys.stdout if msg.stream == "stdout" else sys.stderr).write(msg.text)
                 continue
-            if msg[0] == "ok":
-                return ser.loads(msg[2])
-            raise ser.load_exception(msg[2], msg[3], msg[4], msg[5],
+            if msg.ok:
+                return ser.loads(msg.frames)
+            raise ser.load_exception(msg.frames, msg.error_type, msg.message, msg.traceback,
                                      f"traceback in the multi-device process of {name}:")
 
     def close(self, force: bool = False) -> None:
         if force:
             self.proc.kill()
         try:
-            self.conn.send(None)
+            send(self.conn, p.Shutdown("closing"))
         except (OSError, ValueError):
             pass
         self.proc.join(2)

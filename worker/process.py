@@ -1,9 +1,12 @@
 """The worker process shell: one per device, owning its CUDA context.
 
-Two sockets: the work socket (main thread) receives code and calls and sends results;
-the control socket (its own thread) sends heartbeats and receives cancels, so both keep
-flowing while user code runs. Calls the scheduler marks `inline` (short, measured) run
-on the main thread itself, saving two thread hand-offs; others run in executor threads.
+It feeds scheduler messages to the sans-I/O `WorkerCore` and carries out its actions
+with what it owns: the executor, the model cache, the gang's process group and the
+spmd=False device-set helper. Two sockets: the work socket (main thread) receives code
+and calls and sends results; the control socket (its own thread) sends heartbeats and
+receives cancels, so both keep flowing while user code runs. Calls the scheduler marks
+`inline` (short, measured) run on the main thread itself, saving two thread hand-offs;
+others run in executor threads.
 """
 
 from __future__ import annotations
@@ -23,7 +26,20 @@ import zmq
 from gpufn import _sockets
 from gpufn import protocol as p
 from gpufn.exceptions import Cancelled, kind_of
-from gpufn.worker.core import Execute, Exit, Interrupt, SendMsg, WorkerCore
+from gpufn.worker.core import (
+    AbortGroup,
+    Action,
+    Evict,
+    Execute,
+    Exit,
+    Interrupt,
+    JoinGroup,
+    RunInHelper,
+    Send,
+    StartLoad,
+    WorkerCore,
+    control_actions,
+)
 from gpufn.worker.executor import Executor
 from gpufn.worker.output import OutputRouter
 
@@ -80,12 +96,14 @@ class WorkerProcess:
         os.set_blocking(self._wake_w, False)
         self.executor = Executor(self.router, self._on_done)
         from gpufn.model import set_resolver
-        from gpufn.worker.models import ModelManager
+        from gpufn.worker.model_cache import ModelManager
 
         # Simulated devices enforce their configured size; real GPUs their real memory.
         capacity = memory if kind == "cpu" and memory > 0 else None
-        self.core.models = ModelManager(self.core.device, capacity, self._on_done)
-        set_resolver(self.core.models.resolve)
+        self.models = ModelManager(self.core.device, capacity, self._on_done)
+        set_resolver(self.models.resolve)
+        self.groups: Any = None  # GroupManager, made on the first gang call (imports torch.distributed)
+        self.helper: Any = None  # DeviceSetHelper of the last spmd=False call
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         _sockets.configure(self.sock)
@@ -127,27 +145,92 @@ class WorkerProcess:
             msgs, self._outgoing = self._outgoing, []
             self.sock.send_multipart(p.encode_batch(msgs), copy=False)
 
-    def _act(self, actions: list[Any]) -> None:
+    def _act(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Execute):
-                if self.executor.take_cancelled(a.call.invocation_id, a.call.attempt):
-                    self._act(self.core.done(p.Result(
-                        a.call.invocation_id, False, kind_of(Cancelled),
-                        "cancelled before it started", {"attempt": a.call.attempt})))
-                elif a.call.meta.get("inline"):
-                    self.executor.run_inline(a.call)
-                    self._drain_done()
-                else:
-                    self.executor.submit(a.call)
-            elif isinstance(a, SendMsg):
+                self._execute(a)
+            elif isinstance(a, Send):
                 if isinstance(a.msg, p.Result):  # its output first, then the result
                     self._outgoing.extend(self.router.drain(a.msg.invocation_id))
                 self._queue(a.msg)
-            elif isinstance(a, Interrupt):
-                self.executor.interrupt(a.invocation_id, a.attempt)
+            elif isinstance(a, JoinGroup):
+                self._join_group(a)
+            elif isinstance(a, RunInHelper):
+                self._run_in_helper(a)
+            elif isinstance(a, StartLoad):
+                self.models.load(a.model, a.spec, a.frames)
+            elif isinstance(a, Evict):
+                self.models.evict(a.model, a.offload)
+            elif isinstance(a, (Interrupt, AbortGroup)):
+                self._act_now(a)
             elif isinstance(a, Exit):
                 log.info("worker %s exiting: %s", self.device_key, a.reason)
                 self._running = False
+
+    def _act_now(self, a: Interrupt | AbortGroup) -> None:
+        """From either thread: the executor and the group manager are thread-safe, and an
+        interrupt or abort must land while the main thread runs user code, so the control
+        thread carries these out itself instead of queueing them for the main thread."""
+        if isinstance(a, Interrupt):
+            self.executor.interrupt(a.invocation_id, a.attempt)  # or refused when it starts
+        elif self.groups is not None:  # blocked collectives end now
+            self.groups.abort(a.reason, gang_id=a.gang_id, generation=a.generation)
+
+    def _execute(self, a: Execute) -> None:
+        call = a.call
+        if self.executor.take_cancelled(call.invocation_id, call.attempt):
+            self._act(self.core.done(p.Result(
+                call.invocation_id, False, kind_of(Cancelled),
+                "cancelled before it started", {"attempt": call.attempt})))
+            return
+        manager, needed, then = self.models, call.models, call.prepare
+
+        def prepare() -> None:  # in the call's thread: its models first, then the group
+            manager.prepare(needed)
+            if then is not None:
+                then()
+
+        call.prepare = prepare
+        if a.inline:
+            self.executor.run_inline(call)
+            self._drain_done()
+        else:
+            self.executor.submit(call)
+
+    def _join_group(self, a: JoinGroup) -> None:
+        if self.groups is None:
+            from gpufn.worker.groups import GroupManager
+
+            self.groups = GroupManager()
+        groups, gang, call, device = self.groups, a.gang, a.call, self.core.device
+
+        def join() -> None:
+            call.context.group = groups.ensure(gang, device)
+            call.meta["group_inits"] = groups.inits
+            call.meta["group_init_s"] = groups.last_init_s
+
+        def on_error(exc: BaseException) -> None:
+            groups.abort(f"rank {gang.rank} raised {type(exc).__name__}",
+                         gang_id=gang.gang_id, generation=gang.generation)
+
+        call.prepare, call.on_error = join, on_error
+
+    def _run_in_helper(self, a: RunInHelper) -> None:
+        from gpufn.worker.multidevice import DeviceSetHelper
+
+        keys = tuple(d["key"] for d in a.devices)
+        if self.helper is not None and (self.helper.keys != keys or not self.helper.alive()):
+            self.helper.close()
+            self.helper = None
+        if self.helper is None:
+            self.helper = DeviceSetHelper(a.devices)
+        helper, call = self.helper, a.call
+        code_id, frames, attempt = a.code_id, a.code_frames, call.context.attempt
+
+        def run_there(*args: Any, **kwargs: Any) -> Any:
+            return helper.run(call.invocation_id, call.name, code_id, frames, args, kwargs, attempt)
+
+        call.fn = run_there
 
     def _drain_done(self) -> None:
         while self._done:
@@ -165,8 +248,7 @@ class WorkerProcess:
             try:
                 if self._rehello.is_set():  # scheduler restarted: announce the work socket too
                     self._rehello.clear()
-                    if self.core.models is not None:
-                        self.core.models.forget_all()  # its new ledger starts empty
+                    self.models.forget_all()  # its new ledger starts empty
                     self.sock.send_multipart(p.encode(self._hello("work")))
                 if self._inbox:
                     self._receive()
@@ -210,12 +292,7 @@ class WorkerProcess:
                     raise
                 except Exception as e:  # a bad message must not take the worker down
                     log.exception("failed to handle %s", type(msg).__name__)
-                    inv = getattr(msg, "invocation_id", None)
-                    if isinstance(msg, p.Run) and inv:
-                        self.core.running.discard(inv)
-                        self._queue(p.Result(inv, False, "GpufnError",
-                                             f"worker {self.device_key} failed: {e}",
-                                             {"attempt": msg.attempt}))
+                    self._act(self.core.failed(msg, e))
 
     # ------------------------------------------------------------------ control thread
 
@@ -240,10 +317,10 @@ class WorkerProcess:
         while True:
             now = time.monotonic()
             if now >= next_beat:
-                groups = self.core.groups
+                groups = self.groups
                 sock.send_multipart(p.encode(p.Heartbeat(
                     self.executor.running(),
-                    {"completed": self.core.completed,
+                    {"completed": self.core.completed,  # an int read, not a call into the core
                      "group_inits": groups.inits if groups is not None else 0})))
                 next_beat = now + HEARTBEAT_SECONDS
                 self.executor.forget_cancels(CANCEL_MEMORY_SECONDS)
@@ -258,10 +335,10 @@ class WorkerProcess:
                     self._control(sock, msg)
 
     def _control(self, sock: zmq.Socket[Any], msg: p.Message) -> None:
-        if isinstance(msg, p.Cancel):
-            self.executor.interrupt(msg.invocation_id, msg.attempt)  # or refused when it starts
-        elif isinstance(msg, p.GroupOp):
-            self.core.handle(msg)  # abort from any thread: blocked collectives end now
+        if isinstance(msg, (p.Cancel, p.GroupOp)):
+            for a in control_actions(msg):
+                assert isinstance(a, (Interrupt, AbortGroup))
+                self._act_now(a)
         elif isinstance(msg, p.Shutdown):
             os._exit(0)
         elif isinstance(msg, p.Error) and msg.error_kind == "AuthenticationError":

@@ -17,7 +17,7 @@ def square(x: int) -> int:
 def where() -> dict[str, object]:
     ctx = gpufn.context()
     return {"pid": os.getpid(), "device": str(ctx.device), "rank": ctx.rank,
-            "world": ctx.world_size, "inv": ctx.invocation_id}
+            "world": ctx.world_size, "inv": ctx.invocation_id, "attempt": ctx.attempt}
 
 
 @gpufn.gpu

@@ -228,13 +228,16 @@ def test_retries_run_the_call_again_elsewhere(cluster: gpufn.Client) -> None:
         if not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
-        return "second attempt"
+        return f"attempt {gpufn.context().attempt}"
 
     import tempfile
 
+    for x in range(3):  # dispatch tokens are scheduler-wide: make them differ from 1
+        assert square.remote(x) == x * x
+    assert where.remote()["attempt"] == 1
     marker = os.path.join(tempfile.mkdtemp(), "died")
     call = die_once.spawn(marker)
-    assert call.get(timeout=60) == "second attempt"
+    assert call.get(timeout=60) == "attempt 2"
     assert call.result_meta()["attempts"] == 2
     wait_ready(cluster)
 

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -153,6 +154,21 @@ def test_single_process_multi_device(four: gpufn.Client) -> None:
     assert out["pid"] not in pids(four).values()
     again = one_process.remote()
     assert again["pid"] == out["pid"]  # the helper stays warm for the same device set
+
+
+def test_single_process_multi_device_sees_the_attempt_number(four: gpufn.Client, tmp_path: Path) -> None:
+    @gpufn.gpu(count=2, spmd=False, retries=1, timeout=120)
+    def attempt_of(marker: str) -> int:
+        if marker and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getppid(), signal.SIGKILL)  # the worker holding this helper: lost
+        return gpufn.context().attempt
+
+    for x in range(3):  # dispatch tokens are scheduler-wide: make them differ from 1
+        assert [v for _, v in each_rank.remote(x)] == [x * 10, x * 10]
+    assert attempt_of.remote("") == 1
+    assert attempt_of.remote(str(tmp_path / "died")) == 2  # ran again after its worker died
+    wait_ready(four)
 
 
 def test_gang_larger_than_the_cluster_is_unschedulable(four: gpufn.Client) -> None:

@@ -26,8 +26,13 @@ SAMPLES: list[p.Message] = [
     p.KillWorker("n:0", 123, "timeout"),
     p.LoadModel("llama", {"memory": 10}, (b"loader",)),
     p.EvictModel("llama", True),
-    p.ModelEvent("llama", "resident", 1000, 0.5),
-    p.GroupOp("join", {"gang_id": "g"}),
+    p.ModelEvent("llama", p.ModelState.RESIDENT, 1000, 0.5),
+    p.ModelEvent("llama", p.ModelState.LOAD_FAILED, 0, 0.0, "OutOfMemory", "too big"),
+    p.GroupOp(p.GroupOpKind.ABORT, {"gang_id": "g", "generation": 2, "reason": "rank 1 died"}),
+    p.HelperRun("i1", "square", "c1", 2, 1, (b"code", b"args")),
+    p.HelperRun("i1", "square", "c1", 1, 0, (b"args",)),
+    p.HelperResult("i1", True, frames=(b"value",)),
+    p.HelperResult("i1", False, "ValueError", "bad", "Traceback ...", (b"exc",)),
 ]
 
 
@@ -82,3 +87,12 @@ def test_batches_round_trip_in_order() -> None:
     assert p.decode_all(p.encode_batch([p.Ping(7)])) == [p.Ping(7)]
     with pytest.raises(p.DecodeError):
         p.decode_all([p.BATCH_TAG, msgpack.packb([5]), b"\x03"])
+
+
+def test_states_are_enums_that_travel_as_strings() -> None:
+    back = p.decode(p.encode(p.ModelEvent("m", p.ModelState.OFFLOADED, 1, 0.1)))
+    assert isinstance(back, p.ModelEvent) and back.state is p.ModelState.OFFLOADED
+    assert back.state == "offloaded"  # a str on the wire and for old readers
+    assert msgpack.unpackb(p.encode(p.GroupOp(p.GroupOpKind.ABORT, {}))[1]) == ["abort", {}]
+    with pytest.raises(p.DecodeError):
+        p.decode([p.encode(p.Ping(1))[0][:0] + bytes([27]), msgpack.packb(["m", "melted", 1, 0.0])])

@@ -17,6 +17,7 @@ from typing import Any
 from gpufn import protocol as p
 from gpufn import serialization as ser
 from gpufn.exceptions import GpufnError, ModelLoadError, OutOfMemory, kind_of
+from gpufn.protocol import ModelState
 
 log = logging.getLogger("gpufn.worker")
 
@@ -36,14 +37,15 @@ class ModelManager:
 
     # ------------------------------------------------------------------ orders
 
-    def handle(self, msg: p.Message) -> None:
-        if isinstance(msg, p.LoadModel):
-            with self._lock:
-                self._ready[msg.model] = threading.Event()
-                self._errors.pop(msg.model, None)
-            self.ops.submit(self._load, msg.model, msg.spec, tuple(msg.frames))
-        elif isinstance(msg, p.EvictModel):
-            self.ops.submit(self._evict, msg.model, msg.offload)
+    def load(self, key: str, spec: dict[str, Any], frames: tuple[Any, ...]) -> None:
+        """Make a model resident, in order on the model thread; calls needing it wait."""
+        with self._lock:
+            self._ready[key] = threading.Event()
+            self._errors.pop(key, None)
+        self.ops.submit(self._load, key, spec, frames)
+
+    def evict(self, key: str, offload: bool) -> None:
+        self.ops.submit(self._evict, key, offload)
 
     def _event(self, key: str) -> threading.Event:
         with self._lock:
@@ -78,10 +80,10 @@ class ModelManager:
             with self._lock:
                 self._errors[key] = err
             needed = int(getattr(err, "needed", 0) or 0)  # an under-estimated model's real size
-            self.emit(p.ModelEvent(key, "load_failed", needed, 0.0, kind_of(err), str(err)))
+            self.emit(p.ModelEvent(key, ModelState.LOAD_FAILED, needed, 0.0, kind_of(err), str(err)))
             self._event(key).set()
             return
-        self.emit(p.ModelEvent(key, "resident", nbytes, seconds, "", "restored" if restore else ""))
+        self.emit(p.ModelEvent(key, ModelState.RESIDENT, nbytes, seconds, "", "restored" if restore else ""))
         self._event(key).set()
 
     def _evict(self, key: str, offload: bool) -> None:
@@ -90,19 +92,19 @@ class ModelManager:
         try:
             if offload:
                 report = self.arena.offload(key)
-                self.emit(p.ModelEvent(key, "offloaded", report.nbytes, report.seconds))
+                self.emit(p.ModelEvent(key, ModelState.OFFLOADED, report.nbytes, report.seconds))
             else:
                 freed = self.arena.evict(key)
-                self.emit(p.ModelEvent(key, "evicted", freed, 0.0))
+                self.emit(p.ModelEvent(key, ModelState.EVICTED, freed, 0.0))
         except KeyError:
-            self.emit(p.ModelEvent(key, "evicted", 0, 0.0))
+            self.emit(p.ModelEvent(key, ModelState.EVICTED, 0, 0.0))
         except Exception as e:
             log.exception("could not %s model %s", "offload" if offload else "evict", key)
             try:
                 self.arena.evict(key)
             except KeyError:
                 pass
-            self.emit(p.ModelEvent(key, "offload_failed" if offload else "evicted", 0, 0.0,
+            self.emit(p.ModelEvent(key, ModelState.OFFLOAD_FAILED if offload else ModelState.EVICTED, 0, 0.0,
                                    type(e).__name__, str(e)))
 
     # ------------------------------------------------------------------ calls

@@ -1,0 +1,202 @@
+"""The worker's sans-I/O core: scheduler messages in, actions out (no processes, no threads)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+
+from gpufn import protocol as p
+from gpufn import serialization as ser
+from gpufn.exceptions import GpufnError, SerializationError, kind_of
+from gpufn.worker import core as wc
+from gpufn.worker import multidevice
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+def _core() -> wc.WorkerCore:
+    core = wc.WorkerCore("n:0", "cpu", "10.0.0.5")
+    _, frames = ser.dump_code(double, "double")
+    assert core.handle(p.LoadCode("c1", "double", tuple(frames))) == []
+    return core
+
+
+def _run(meta: dict[str, Any], inv: str = "i1", token: int = 7, code_id: str = "c1") -> p.Run:
+    return p.Run(inv, "f1", code_id, "double", token, meta, tuple(ser.dumps(((3,), {}))))
+
+
+def _gang(rank: int, store_host: str = "") -> dict[str, Any]:
+    return {"gang_id": "g1", "generation": 3, "rank": rank, "world_size": 2,
+            "store_host": store_host, "store_port": 4242, "backend": "gloo",
+            "devices": ["n:0", "n:1"]}
+
+
+def test_run_executes_with_its_context() -> None:
+    core = _core()
+    actions = core.handle(_run({"attempt_number": 2, "inline": True, "models": {"m": "k1"}}))
+    assert [type(a) for a in actions] == [wc.Execute]
+    ex = actions[0]
+    assert isinstance(ex, wc.Execute) and ex.inline
+    call = ex.call
+    assert call.fn(*ser.loads(call.frames)[0]) == 6
+    assert call.attempt == 7  # the dispatch token, echoed in the Result
+    ctx = call.context
+    assert (ctx.invocation_id, ctx.function, ctx.device, ctx.devices) == ("i1", "double", "cpu", ["cpu"])
+    assert ctx.attempt == 2  # the attempt number, not the token
+    assert (ctx.rank, ctx.world_size) == (0, 1)
+    assert call.models == {"m": "k1"}
+    assert call.prepare is None and call.finish is None and call.on_error is None
+    assert call.meta == {}  # the worker's own, not the Run's meta
+    assert core.running == {"i1"}
+
+
+def test_run_defaults_to_a_thread_and_the_first_attempt() -> None:
+    ex = _core().handle(_run({}))[0]
+    assert isinstance(ex, wc.Execute) and not ex.inline
+    assert ex.call.context.attempt == 1 and ex.call.batch is None and ex.call.models == {}
+
+
+def test_batch_meta_reaches_the_call() -> None:
+    ex = _core().handle(_run({"batch": [1, 2]}))[0]
+    assert isinstance(ex, wc.Execute) and ex.call.batch == [1, 2]
+
+
+def test_unknown_code_fails_the_call() -> None:
+    core = _core()
+    [send] = core.handle(_run({}, code_id="nope"))
+    assert isinstance(send, wc.Send) and isinstance(send.msg, p.Result)
+    r = send.msg
+    assert (r.invocation_id, r.ok, r.error_kind) == ("i1", False, kind_of(GpufnError))
+    assert "has no code nope" in r.message and r.meta == {"attempt": 7}
+    assert core.running == set()
+
+
+def test_code_that_cannot_be_unpickled_names_the_fix() -> None:
+    core = _core()
+    assert core.handle(p.LoadCode("c2", "broken", (b"not a pickle",))) == []
+    [send] = core.handle(_run({}, code_id="c2"))
+    assert isinstance(send, wc.Send) and isinstance(send.msg, p.Result)
+    r = send.msg
+    assert r.error_kind == kind_of(SerializationError) and not r.ok
+    assert "could not be unpickled on worker n:0" in r.message and "importable" in r.message
+    # the same code id sent again, readable now, clears the error
+    _, frames = ser.dump_code(double, "double")
+    core.handle(p.LoadCode("c2", "double", tuple(frames)))
+    assert isinstance(core.handle(_run({}, code_id="c2"))[0], wc.Execute)
+
+
+def test_cancel_interrupts() -> None:
+    core = _core()
+    assert core.handle(p.Cancel("i1", "user", True, 7)) == [wc.Interrupt("i1", 7)]
+    assert wc.control_actions(p.Cancel("i1")) == [wc.Interrupt("i1", 0)]
+
+
+def test_group_abort_is_an_abort_action() -> None:
+    msg = p.GroupOp(p.GroupOpKind.ABORT, {"gang_id": "g1", "generation": 3, "reason": "rank 1 died"})
+    expected = [wc.AbortGroup("rank 1 died", "g1", 3)]
+    assert _core().handle(msg) == expected
+    assert wc.control_actions(msg) == expected  # the control thread's path says the same
+    assert wc.control_actions(p.GroupOp(p.GroupOpKind.ABORT, {}))[0] == wc.AbortGroup(
+        "aborted by the scheduler", None, None)
+
+
+@pytest.mark.parametrize("rank,gather,returned", [(0, False, 6), (1, False, None), (1, True, 6)])
+def test_gang_rank_joins_its_group_first(rank: int, gather: bool, returned: object) -> None:
+    core = _core()
+    actions = core.handle(_run({"gang": _gang(rank), "gather": gather}))
+    assert [type(a) for a in actions] == [wc.JoinGroup, wc.Execute]
+    join, ex = actions
+    assert isinstance(join, wc.JoinGroup) and isinstance(ex, wc.Execute)
+    assert join.call is ex.call
+    assert join.gang.store_host == "10.0.0.5"  # the store runs where the scheduler is
+    assert (join.gang.gang_id, join.gang.generation, join.gang.rank) == ("g1", 3, rank)
+    ctx = ex.call.context
+    assert (ctx.rank, ctx.world_size) == (rank, 2)
+    assert ex.call.finish is not None and ex.call.finish(6) == returned
+
+
+def test_gang_keeps_a_store_host_it_was_given() -> None:
+    join = _core().handle(_run({"gang": _gang(0, "10.9.9.9")}))[0]
+    assert isinstance(join, wc.JoinGroup) and join.gang.store_host == "10.9.9.9"
+
+
+def test_multi_device_runs_in_the_helper_with_the_attempt_number() -> None:
+    core = _core()
+    devices = [{"key": "n:0", "kind": "cpu", "uuid": ""}, {"key": "n:1", "kind": "cpu", "uuid": ""}]
+    actions = core.handle(_run({"multi": devices, "attempt_number": 1}, token=42))
+    assert [type(a) for a in actions] == [wc.RunInHelper, wc.Execute]
+    helper, ex = actions
+    assert isinstance(helper, wc.RunInHelper) and isinstance(ex, wc.Execute)
+    assert helper.call is ex.call and helper.devices == devices and helper.code_id == "c1"
+    assert ser.load_code(helper.code_frames)(5) == 10  # the code, to send to the helper
+    assert ex.call.context.devices == ["cpu", "cpu"]
+    assert ex.call.context.attempt == 1 and ex.call.attempt == 42
+
+
+def test_model_orders_are_model_actions() -> None:
+    core = _core()
+    assert core.handle(p.LoadModel("k1", {"name": "m"}, (b"loader",))) == [
+        wc.StartLoad("k1", {"name": "m"}, (b"loader",))]
+    assert core.handle(p.EvictModel("k1", True)) == [wc.Evict("k1", True)]
+
+
+def test_shutdown_exits() -> None:
+    assert _core().handle(p.Shutdown("bye")) == [wc.Exit("bye")]
+    assert _core().handle(p.Shutdown()) == [wc.Exit("scheduler asked")]
+
+
+def test_done_sends_the_result_and_counts() -> None:
+    core = _core()
+    core.handle(_run({}, inv="a"))
+    core.handle(_run({}, inv="b"))
+    assert core.running == {"a", "b"}
+    result = p.Result("a", True, "", "", {"attempt": 7})
+    assert core.done(result) == [wc.Send(result)]
+    assert core.running == {"b"} and core.completed == 1
+
+
+def test_a_run_the_shell_failed_to_start_fails_alone() -> None:
+    core = _core()
+    msg = _run({}, inv="a")
+    core.handle(msg)
+    [send] = core.failed(msg, RuntimeError("no helper"))
+    assert isinstance(send, wc.Send) and isinstance(send.msg, p.Result)
+    assert send.msg.error_kind == kind_of(GpufnError) and "no helper" in send.msg.message
+    assert send.msg.meta == {"attempt": 7}
+    assert core.running == set() and core.completed == 0
+    assert core.failed(p.LoadModel("k", {}), RuntimeError("x")) == []
+
+
+def test_run_meta_is_parsed_in_one_place() -> None:
+    m = wc.run_meta({"attempt_number": 3, "inline": 1, "gang": _gang(1), "gather": True,
+                     "models": {"a": "k"}, "timeout": 5})
+    assert (m.attempt_number, m.inline, m.gather, m.models) == (3, True, True, {"a": "k"})
+    assert m.gang is not None and m.gang.rank == 1 and m.multi is None and m.batch is None
+    assert wc.run_meta({}) == wc.RunMeta()
+
+
+def test_helper_pipe_carries_protocol_messages() -> None:
+    a, b = mp.Pipe()
+    try:
+        msgs: list[p.Message] = [
+            p.HelperRun("i1", "f", "c1", 2, 1, (b"code", memoryview(b"args"))),
+            p.Output("i1", "stdout", "hi\n"),
+            p.HelperResult("i1", False, "ValueError", "bad", "tb", (b"exc",)),
+            p.Shutdown("closing"),
+        ]
+        for m in msgs:
+            multidevice.send(a, m)
+        back = [multidevice.recv(b) for _ in msgs]
+        assert back[1:] == msgs[1:]
+        run = back[0]
+        assert isinstance(run, p.HelperRun) and (run.attempt, run.code_frames) == (2, 1)
+        assert [bytes(f) for f in run.frames] == [b"code", b"args"]
+    finally:
+        a.close()
+        b.close()

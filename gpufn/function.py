@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import queue
 import sys
 import threading
@@ -375,7 +374,7 @@ def _total(iterables: tuple[Iterable[Any], ...]) -> int | None:
 def _show_progress(progress: bool | None, total: int | None) -> bool:
     if progress is not None:
         return progress
-    if os.environ.get("GPUFN_PROGRESS", "") == "0" or (total is not None and total < 2):
+    if not config.progress_enabled() or (total is not None and total < 2):
         return False
     if "ipykernel" in sys.modules:
         return True
@@ -411,7 +410,7 @@ class _MapRun:
             self.total = len(listed)
         else:
             self.items = ((i, a, k) for i, (a, k) in enumerate(items))
-        self.window = config.env_int("GPUFN_MAP_WINDOW", MAP_WINDOW)
+        self.window = config.map_window()
         self.calls: dict[int, FunctionCall[Any]] = {}
         self.sizes: dict[int, int] = {}
         self.inflight_bytes = 0

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from gpufn.call_context import CallContext, context, current_device
 from gpufn.client import Client, connect
 from gpufn.exceptions import (
@@ -31,6 +33,9 @@ from gpufn.function import Function, FunctionCall, gpu
 from gpufn.model import Model, model
 from gpufn.spec import GpuSpec
 
+if TYPE_CHECKING:
+    from gpufn import parallel as parallel
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -40,3 +45,13 @@ __all__ = [
     "SerializationError", "Timeout", "Unschedulable", "WorkerLost", "connect", "context",
     "current_device", "gpu", "model",
 ]
+
+if not TYPE_CHECKING:  # hidden from type checkers, which would type every unknown name as Any
+
+    def __getattr__(name: str) -> Any:
+        """`gpufn.parallel` on first use: it imports torch, which `import gpufn` does not."""
+        if name == "parallel":
+            import importlib
+
+            return importlib.import_module("gpufn.parallel")
+        raise AttributeError(f"module 'gpufn' has no attribute {name!r}")

@@ -151,7 +151,13 @@ class Client:
                 self._channels.append(ch)
             # A finished thread's socket is closed (thread ids are reused; sockets are not).
             weakref.finalize(threading.current_thread(), self._drop_channel, ch)
-        return ch.call(register, submit, name)
+        try:
+            return ch.call(register, submit, name)
+        except zmq.ZMQError:
+            if self._closed.is_set():  # closed by another thread (exit, connect()) meanwhile
+                raise ConnectionLost(f"the gpufn client was closed while a {name} call was "
+                                     "waiting; call again (a new connection is made)") from None
+            raise
 
     def _drop_channel(self, ch: _SyncChannel) -> None:
         with self._lock:
@@ -449,6 +455,7 @@ class _SyncChannel:
 
 _default: Client | None = None
 _default_lock = threading.RLock()
+_exiting = False  # set when interpreter exit begins: no connection or cluster is made after it
 
 
 def connect(address: str | None = None, *, token: str | None = None) -> Client:
@@ -458,6 +465,10 @@ def connect(address: str | None = None, *, token: str | None = None) -> Client:
     """
     global _default
     with _default_lock:
+        if _exiting or sys.is_finalizing():
+            raise ConnectionLost(
+                "the interpreter is exiting; gpufn calls made after exit has begun are refused "
+                "(is a daemon thread still calling? stop or join it before the main thread ends)")
         addr = address or config.address()
         tok = token if token is not None else config.token()
         if addr is None and _default is not None and _default.pid != os.getpid():
@@ -512,4 +523,10 @@ def _shutdown_default() -> None:
         c.cluster.stop()
 
 
-atexit.register(_shutdown_default)
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+    _shutdown_default()
+
+
+atexit.register(_at_exit)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import tempfile
+from pathlib import Path
 
 from gpufn.exceptions import InvalidSpec
 from gpufn.spec import parse_memory
@@ -36,21 +39,53 @@ def env_float(name: str, default: float) -> float:
         raise InvalidSpec(f"{name}={v!r} must be a number.") from None
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """A yes/no setting: 1/0, true/false, yes/no or on/off (any case); unset means `default`."""
+    v = env_str(name)
+    if v is None:
+        return default
+    if v.strip().lower() in _TRUE:
+        return True
+    if v.strip().lower() in _FALSE:
+        return False
+    raise InvalidSpec(f"{name}={v!r} must be 1 or 0 (or true/false, yes/no, on/off).")
+
+
+def env_positive_int(name: str, default: int) -> int:
+    n = env_int(name, default)
+    if n < 1:
+        raise InvalidSpec(f"{name}={n} must be at least 1.")
+    return n
+
+
 def address() -> str | None:
     """GPUFN_ADDRESS: the scheduler to connect to; unset means the embedded local cluster."""
     return env_str("GPUFN_ADDRESS")
 
 
 def token() -> str | None:
+    """GPUFN_TOKEN: the cluster's shared secret; unset (or empty) means none."""
     return env_str("GPUFN_TOKEN")
 
 
 def cpu_devices() -> int:
     """GPUFN_CPU_DEVICES: simulated devices where no GPU is found (default 2)."""
-    n = env_int("GPUFN_CPU_DEVICES", 2)
-    if n < 1:
-        raise InvalidSpec(f"GPUFN_CPU_DEVICES={n} must be at least 1.")
-    return n
+    return env_positive_int("GPUFN_CPU_DEVICES", 2)
+
+
+def cpu_islands() -> int:
+    """GPUFN_CPU_ISLANDS: groups the simulated devices are split into, as if on separate
+    interconnects (default 1)."""
+    return env_positive_int("GPUFN_CPU_ISLANDS", 1)
+
+
+def force_cpu() -> bool:
+    """GPUFN_FORCE_CPU: simulate CPU devices even where GPUs are found (default off)."""
+    return env_bool("GPUFN_FORCE_CPU", False)
 
 
 def device_memory() -> int:
@@ -69,7 +104,51 @@ def high_water_mark() -> int:
 
 
 def log_level() -> str:
-    return (env_str("GPUFN_LOG_LEVEL", "WARNING") or "WARNING").upper()
+    """GPUFN_LOG_LEVEL: level of gpufn's own logs, e.g. INFO or DEBUG (default WARNING)."""
+    level = (env_str("GPUFN_LOG_LEVEL", "WARNING") or "WARNING").strip().upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise InvalidSpec(f"GPUFN_LOG_LEVEL={level!r} must be a logging level: "
+                          "DEBUG, INFO, WARNING, ERROR or CRITICAL.")
+    return level
+
+
+def log_dir() -> Path:
+    """GPUFN_LOG_DIR: where workers' output goes (default $TMPDIR/gpufn-$UID)."""
+    d = env_str("GPUFN_LOG_DIR")
+    return Path(d) if d else Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
+
+
+def home() -> Path:
+    """GPUFN_HOME: where `gpufn serve` leaves its address and token (default ~/.gpufn)."""
+    d = env_str("GPUFN_HOME")
+    return Path(d) if d else Path.home() / ".gpufn"
+
+
+def embedded_transport() -> str:
+    """GPUFN_EMBEDDED_TRANSPORT: how this process reaches its embedded cluster, "ipc"
+    (a Unix socket, the default) or "tcp" (loopback)."""
+    v = (env_str("GPUFN_EMBEDDED_TRANSPORT", "ipc") or "ipc").strip().lower()
+    if v not in ("ipc", "tcp"):
+        raise InvalidSpec(f"GPUFN_EMBEDDED_TRANSPORT={v!r} must be ipc or tcp.")
+    return v
+
+
+def dist_backend() -> str | None:
+    """GPUFN_DIST_BACKEND: the torch.distributed backend for gangs, e.g. gloo; unset means
+    nccl on GPUs and gloo on CPU devices."""
+    v = env_str("GPUFN_DIST_BACKEND")
+    return v.strip() if v and v.strip() else None
+
+
+def progress_enabled() -> bool:
+    """GPUFN_PROGRESS: 0 hides `.map` progress bars; 1 (the default) shows them where
+    output is a terminal or a notebook."""
+    return env_bool("GPUFN_PROGRESS", True)
+
+
+def map_window() -> int:
+    """GPUFN_MAP_WINDOW: calls one `.map()` keeps in flight (default 4096)."""
+    return env_positive_int("GPUFN_MAP_WINDOW", 4096)
 
 
 def normalize_address(addr: str) -> str:

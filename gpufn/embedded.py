@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpufn import config
 from gpufn.exceptions import ConnectionLost
 
 
@@ -53,7 +54,7 @@ class LocalCluster:
         self.islands = islands
         self.extra_env = extra_env or {}
         self.host, self.port, self.workers = host, port, workers
-        self.transport = transport or os.environ.get("GPUFN_EMBEDDED_TRANSPORT", "ipc")
+        self.transport = transport or config.embedded_transport()
         self.scheduler: subprocess.Popen[bytes] | None = None
         self.supervisor: subprocess.Popen[bytes] | None = None
         self.address = ""

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import queue
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from gpufn import config
 from gpufn import protocol as p
@@ -22,7 +21,10 @@ from gpufn.client import Client, get_client
 from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
 from gpufn.spec import OPTION_NAMES, GpuSpec, make_spec
 
-T = TypeVar("T")
+P = ParamSpec("P")  # the user function's parameters
+R = TypeVar("R")    # and its return type
+P2 = ParamSpec("P2")
+R2 = TypeVar("R2")
 
 MAP_WINDOW = 4096               # calls in flight per .map()
 MAP_REFILL = 128                # refill the window in batches of at least this many
@@ -50,33 +52,116 @@ def decode_result(res: p.Result, name: str) -> Any:
     raise from_wire(res.error_kind, res.message)
 
 
-class _Dual:
-    """A method with an async twin: `obj.m(...)` and `await obj.m.aio(...)`."""
-
-    def __init__(self, sync: Callable[..., Any], aio: Callable[..., Any]) -> None:
-        self._sync, self._aio = sync, aio
-        self.__doc__ = sync.__doc__
-
-    def __get__(self, obj: Any, cls: Any = None) -> Any:
-        if obj is None:
-            return self
-        return _BoundDual(obj, self._sync, self._aio)
+# Each method with an async twin (`f.remote(...)` / `await f.remote.aio(...)`) is a
+# non-data descriptor that binds a small typed object, so the user function's signature
+# reaches `f.remote`, `f.spawn`, `call.get`, ... in type checkers and editors.
 
 
-class _BoundDual:
-    __slots__ = ("_aio", "_obj", "_sync")
+class _Remote(Generic[P, R]):
+    """`f.remote(*args, **kwargs)`: run on a worker and return the value;
+    `await f.remote.aio(...)` is the same without blocking the event loop."""
 
-    def __init__(self, obj: Any, sync: Callable[..., Any], aio: Callable[..., Any]) -> None:
-        self._obj, self._sync, self._aio = obj, sync, aio
+    __slots__ = ("_fn",)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._sync(self._obj, *args, **kwargs)
+    def __init__(self, fn: Function[P, R]) -> None:
+        self._fn = fn
 
-    def aio(self, *args: Any, **kwargs: Any) -> Any:
-        return self._aio(self._obj, *args, **kwargs)
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._fn._remote(*args, **kwargs)
+
+    def aio(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
+        return self._fn._remote_aio(*args, **kwargs)
 
 
-class FunctionCall(Generic[T]):
+class _RemoteAttr:
+    @overload
+    def __get__(self, obj: None, cls: Any = None) -> _RemoteAttr: ...
+    @overload
+    def __get__(self, obj: Function[P2, R2], cls: Any = None) -> _Remote[P2, R2]: ...
+    def __get__(self, obj: Function[Any, Any] | None, cls: Any = None) -> Any:
+        return self if obj is None else _Remote(obj)
+
+
+class _Map(Generic[R]):
+    """`f.map(*iterables, ...)`: one call per input, results as they are needed;
+    `async for r in f.map.aio(...)` is its async twin."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Function[Any, R]) -> None:
+        self._fn = fn
+
+    def __call__(self, *iterables: Iterable[Any], order_outputs: bool = True,
+                 return_exceptions: bool = False, cost: Callable[[Any], float] | None = None,
+                 progress: bool | None = None) -> Iterator[R]:
+        return self._fn._map(*iterables, order_outputs=order_outputs,
+                             return_exceptions=return_exceptions, cost=cost, progress=progress)
+
+    def aio(self, *iterables: Iterable[Any], order_outputs: bool = True,
+            return_exceptions: bool = False, cost: Callable[[Any], float] | None = None,
+            progress: bool | None = False) -> AsyncIterator[R]:
+        return self._fn._map_aio(*iterables, order_outputs=order_outputs,
+                                 return_exceptions=return_exceptions, cost=cost, progress=progress)
+
+
+class _MapAttr:
+    @overload
+    def __get__(self, obj: None, cls: Any = None) -> _MapAttr: ...
+    @overload
+    def __get__(self, obj: Function[Any, R2], cls: Any = None) -> _Map[R2]: ...
+    def __get__(self, obj: Function[Any, Any] | None, cls: Any = None) -> Any:
+        return self if obj is None else _Map(obj)
+
+
+class _Starmap(Generic[R]):
+    """`f.starmap(iterable_of_arg_tuples, ...)`: `map` over argument tuples (and `.aio`)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Function[Any, R]) -> None:
+        self._fn = fn
+
+    def __call__(self, iterable: Iterable[Iterable[Any]], **kw: Any) -> Iterator[R]:
+        return self._fn._starmap(iterable, **kw)
+
+    def aio(self, iterable: Iterable[Iterable[Any]], **kw: Any) -> AsyncIterator[R]:
+        return self._fn._starmap_aio(iterable, **kw)
+
+
+class _StarmapAttr:
+    @overload
+    def __get__(self, obj: None, cls: Any = None) -> _StarmapAttr: ...
+    @overload
+    def __get__(self, obj: Function[Any, R2], cls: Any = None) -> _Starmap[R2]: ...
+    def __get__(self, obj: Function[Any, Any] | None, cls: Any = None) -> Any:
+        return self if obj is None else _Starmap(obj)
+
+
+class _Get(Generic[R]):
+    """`call.get(timeout=None)`: wait for the result; `await call.get.aio()` awaits it."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: FunctionCall[R]) -> None:
+        self._call = call
+
+    def __call__(self, timeout: float | None = None) -> R:
+        return self._call._get(timeout)
+
+    def aio(self, timeout: float | None = None) -> Coroutine[Any, Any, R]:
+        return self._call._get_aio(timeout)
+
+
+class _GetAttr:
+    @overload
+    def __get__(self, obj: None, cls: Any = None) -> _GetAttr: ...
+    @overload
+    def __get__(self, obj: FunctionCall[R2], cls: Any = None) -> _Get[R2]: ...
+    def __get__(self, obj: FunctionCall[Any] | None, cls: Any = None) -> Any:
+        return self if obj is None else _Get(obj)
+
+
+class FunctionCall(Generic[R]):
     """A handle on one spawned call."""
 
     def __init__(self, invocation_id: str, future: Future[p.Result], name: str, client: Client) -> None:
@@ -93,7 +178,7 @@ class FunctionCall(Generic[T]):
         state = "done" if self._future.done() else "pending"
         return f"<FunctionCall {self._name} {self._id} {state}>"
 
-    def _get(self, timeout: float | None = None) -> T:
+    def _get(self, timeout: float | None = None) -> R:
         try:
             res = self._future.result(timeout)
         except FutureTimeout:
@@ -103,14 +188,14 @@ class FunctionCall(Generic[T]):
             ) from None
         return decode_result(res, self._name)
 
-    async def _get_aio(self, timeout: float | None = None) -> T:
+    async def _get_aio(self, timeout: float | None = None) -> R:
         try:
             res = await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"{self._name} call {self._id} has no result after {timeout}s") from None
         return decode_result(res, self._name)
 
-    get = _Dual(_get, _get_aio)
+    get = _GetAttr()
 
     def done(self) -> bool:
         return self._future.done()
@@ -142,10 +227,10 @@ class _CodeCache:
         self.lock = threading.Lock()
 
 
-class Function(Generic[T]):
+class Function(Generic[P, R]):
     """A function that runs on gpufn workers; call it like the original to run locally."""
 
-    def __init__(self, fn: Callable[..., T], spec: GpuSpec, models: tuple[Any, ...] = ()) -> None:
+    def __init__(self, fn: Callable[P, R], spec: GpuSpec, models: tuple[Any, ...] = ()) -> None:
         self._fn = fn
         self.spec = spec
         self._models = models
@@ -167,14 +252,14 @@ class Function(Generic[T]):
     def __repr__(self) -> str:
         return f"<gpufn.Function {self.name} {self.spec.describe()}>"
 
-    def __call__(self, *args: Any, **kwargs: Any) -> T:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._fn(*args, **kwargs)
 
-    def local(self, *args: Any, **kwargs: Any) -> T:
+    def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Run in this process (no worker, no device assignment)."""
         return self._fn(*args, **kwargs)
 
-    def with_options(self, **options: Any) -> Function[T]:
+    def with_options(self, **options: Any) -> Function[P, R]:
         """A copy with changed options, e.g. f.with_options(priority=10, timeout=60)."""
         models = self._models
         if "models" in options:
@@ -219,20 +304,20 @@ class Function(Generic[T]):
 
     # ------------------------------------------------------------------ calls
 
-    def spawn(self, *args: Any, **kwargs: Any) -> FunctionCall[T]:
+    def spawn(self, *args: P.args, **kwargs: P.kwargs) -> FunctionCall[R]:
         """Start a call and return at once with a handle (.get(), .cancel(), .done(), .id)."""
         client = get_client()
         sub = self._submit_message(client, args, kwargs)
         return FunctionCall(sub.invocation_id, client.submit(sub, self.name), self.name, client)
 
-    def _remote(self, *args: Any, **kwargs: Any) -> T:
+    def _remote(self, *args: Any, **kwargs: Any) -> R:
         client = get_client()
         frames = ser.dump_args(self.name, args, kwargs)
         reg = self.register_message()
         sub = p.Submit(client.new_id(), reg.function_id, {}, tuple(frames))
         return decode_result(client.call(reg, sub, self.name), self.name)
 
-    async def _remote_aio(self, *args: Any, **kwargs: Any) -> T:
+    async def _remote_aio(self, *args: Any, **kwargs: Any) -> R:
         call = self.spawn(*args, **kwargs)
         try:
             return await call.get.aio()
@@ -240,7 +325,7 @@ class Function(Generic[T]):
             call.cancel()  # the awaiting task was cancelled: so is the remote call
             raise
 
-    remote = _Dual(_remote, _remote_aio)
+    remote = _RemoteAttr()
 
     def _map(self, *iterables: Iterable[Any], order_outputs: bool = True,
              return_exceptions: bool = False, cost: Callable[[Any], float] | None = None,
@@ -262,7 +347,7 @@ class Function(Generic[T]):
         async for value in run.run_aio():
             yield value
 
-    map = _Dual(_map, _map_aio)
+    map = _MapAttr()
 
     def _starmap(self, iterable: Iterable[Iterable[Any]], **kw: Any) -> Iterator[Any]:
         items: Iterator[tuple[tuple[Any, ...], dict[str, Any]]] = ((tuple(a), {}) for a in iterable)
@@ -276,7 +361,7 @@ class Function(Generic[T]):
         async for value in run.run_aio():
             yield value
 
-    starmap = _Dual(_starmap, _starmap_aio)
+    starmap = _StarmapAttr()
 
 
 def _total(iterables: tuple[Iterable[Any], ...]) -> int | None:
@@ -289,7 +374,7 @@ def _total(iterables: tuple[Iterable[Any], ...]) -> int | None:
 def _show_progress(progress: bool | None, total: int | None) -> bool:
     if progress is not None:
         return progress
-    if os.environ.get("GPUFN_PROGRESS", "") == "0" or (total is not None and total < 2):
+    if not config.progress_enabled() or (total is not None and total < 2):
         return False
     if "ipykernel" in sys.modules:
         return True
@@ -303,7 +388,7 @@ class _MapRun:
     """One .map(): windowed submission, ordered or unordered results, cancel on failure
     or when the caller stops iterating, optional LPT ordering by cost, progress bar."""
 
-    def __init__(self, fn: Function[Any], items: Iterable[tuple[tuple[Any, ...], dict[str, Any]]],
+    def __init__(self, fn: Function[Any, Any], items: Iterable[tuple[tuple[Any, ...], dict[str, Any]]],
                  total: int | None, order_outputs: bool, return_exceptions: bool,
                  cost: Callable[[Any], float] | None, progress: bool | None) -> None:
         self.fn = fn
@@ -325,7 +410,7 @@ class _MapRun:
             self.total = len(listed)
         else:
             self.items = ((i, a, k) for i, (a, k) in enumerate(items))
-        self.window = config.env_int("GPUFN_MAP_WINDOW", MAP_WINDOW)
+        self.window = config.map_window()
         self.calls: dict[int, FunctionCall[Any]] = {}
         self.sizes: dict[int, int] = {}
         self.inflight_bytes = 0
@@ -483,6 +568,32 @@ def _check_models(models: Any) -> tuple[Any, ...]:
     return out
 
 
+class _GpuDecorator(Protocol):
+    """What `gpu(...)` with options returns: a decorator that keeps the signature."""
+
+    def __call__(self, fn: Callable[P2, R2], /) -> Function[P2, R2]: ...
+
+
+@overload
+def gpu(
+    _fn: Callable[P, R], *, count: int = 1, type: str | list[str] | None = None,
+    memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
+    priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
+    spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
+    batch_wait_ms: float | None = None,
+) -> Function[P, R]: ...
+
+
+@overload
+def gpu(
+    _fn: None = None, *, count: int = 1, type: str | list[str] | None = None,
+    memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
+    priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
+    spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
+    batch_wait_ms: float | None = None,
+) -> _GpuDecorator: ...
+
+
 def gpu(
     _fn: Callable[..., Any] | None = None, *, count: int = 1, type: str | list[str] | None = None,
     memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
@@ -503,7 +614,7 @@ def gpu(
         batch_wait_ms=batch_wait_ms,
     )
 
-    def wrap(fn: Callable[..., Any]) -> Function[Any]:
+    def wrap(fn: Callable[..., Any]) -> Function[Any, Any]:
         if isinstance(fn, Function):
             fn = fn._fn
         if not callable(fn):

@@ -6,9 +6,10 @@ Wire-level and torch-free at import, so the scheduler and workers both use it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from gpufn import config
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -83,7 +84,7 @@ def resolve_backend(kind: str) -> str:
 
     Call this once where the gang is formed (the scheduler) so every rank uses the same.
     """
-    override = os.environ.get(ENV_BACKEND, "").strip()
+    override = config.dist_backend()
     if override:
         return override
     if kind == "cuda":

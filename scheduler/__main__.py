@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from gpufn import config
 from gpufn.scheduler.server import run
@@ -21,7 +20,7 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
-    cfg = SchedulerConfig.from_env(os.environ.get("GPUFN_TOKEN") or None)
+    cfg = SchedulerConfig.from_env(config.token())
     run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc)
 
 

@@ -180,6 +180,18 @@ class SchedulerServer:
         self.ctx.term()
 
 
+def _announce(ready_fd: int, address: str) -> bool:
+    """Write our address to the starter's ready pipe; False if nobody reads it any more
+    (the starter exited meanwhile): then there is no one to serve."""
+    try:
+        os.write(ready_fd, address.encode() + b"\n")
+        return True
+    except BrokenPipeError:
+        return False
+    finally:
+        os.close(ready_fd)
+
+
 def run(
     host: str, port: int, config: SchedulerConfig, ready_fd: int | None = None,
     parent_pid: int = 0, ipc_path: str | None = None,
@@ -188,11 +200,11 @@ def run(
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     _sockets.watch_parent(parent_pid, server.stop)
-    if ready_fd is not None:
-        os.write(ready_fd, server.address.encode() + b"\n")
-        os.close(ready_fd)
     log.info("scheduler listening on %s", server.address)
     try:
+        if ready_fd is not None and not _announce(ready_fd, server.address):
+            log.info("the process that started the scheduler is gone; stopping")
+            return
         server.serve_forever()
     finally:
         server.close()

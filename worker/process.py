@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from gpufn import _sockets
+from gpufn import _sockets, config
 from gpufn import protocol as p
 from gpufn.exceptions import Cancelled, kind_of
 from gpufn.worker.core import (
@@ -368,9 +368,9 @@ def main(argv: list[str] | None = None) -> None:
         f"%(asctime)s gpufn-worker[{a.device}] %(levelname)s %(message)s"))
     glog = logging.getLogger("gpufn")
     glog.addHandler(handler)
-    glog.setLevel(os.environ.get("GPUFN_LOG_LEVEL", "WARNING").upper())
+    glog.setLevel(config.log_level())
     glog.propagate = False
-    token = os.environ.get("GPUFN_TOKEN", "")
+    token = config.token() or ""
     worker = WorkerProcess(a.address, token, a.device, a.incarnation, a.kind, a.memory)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     # Exit if our supervisor dies without taking us along (e.g. started by hand).

@@ -12,14 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
-from gpufn import _sockets
+from gpufn import _sockets, config
 from gpufn import protocol as p
 from gpufn.memory_pool.probe import DeviceInfo
 
@@ -40,7 +39,7 @@ def _host_memory() -> int:
 
 
 def log_dir() -> Path:
-    d = Path(os.environ.get("GPUFN_LOG_DIR") or Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}")
+    d = config.log_dir()
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -240,7 +239,6 @@ class Supervisor:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from gpufn import config
     from gpufn.memory_pool.probe import probe_devices
     from gpufn.spec import parse_memory
 
@@ -258,14 +256,14 @@ def main(argv: list[str] | None = None) -> None:
     node = a.node or config.node_id()
     n = a.cpu_devices or config.cpu_devices()
     mem = parse_memory(a.device_memory, "--device-memory") if a.device_memory else config.device_memory()
-    islands = a.islands or config.env_int("GPUFN_CPU_ISLANDS", 1)
-    force_cpu = a.force_cpu or os.environ.get("GPUFN_FORCE_CPU") == "1"
+    islands = a.islands or config.cpu_islands()
+    force_cpu = a.force_cpu or config.force_cpu()
     devices = probe_devices(node, cpu_devices=n, device_memory=mem, islands=islands,
                             force_cpu=force_cpu)
     threads = None
     if devices and devices[0].kind == "cpu":
         threads = max(1, (os.cpu_count() or 1) // len(devices))
-    sup = Supervisor(a.address, os.environ.get("GPUFN_TOKEN", ""), devices, node, threads)
+    sup = Supervisor(a.address, config.token() or "", devices, node, threads)
     signal.signal(signal.SIGTERM, sup.stop)
     signal.signal(signal.SIGINT, sup.stop)
     _sockets.watch_parent(a.parent_pid, sup.stop)

@@ -8,9 +8,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gpufn import config
+
 
 def home() -> Path:
-    return Path(os.environ.get("GPUFN_HOME") or Path.home() / ".gpufn")
+    return config.home()
 
 
 def write_cluster_file(address: str, token: str) -> Path:

@@ -13,7 +13,7 @@ import zmq
 
 from gpufn import _sockets
 from gpufn import protocol as p
-from gpufn.exceptions import AuthenticationError, ConnectionLost, from_wire, kind_of
+from gpufn.exceptions import AuthenticationError, ConnectionLost, GpufnError, from_wire, kind_of
 
 log = logging.getLogger("gpufn.connection")
 
@@ -144,6 +144,16 @@ class Connection:
             return False
         self.hello()
         return True
+
+    def handshake_or_exit(self, timeout: float, who: str) -> list[p.Message]:
+        """`handshake` for processes that cannot go on without the scheduler (workers,
+        supervisors): a failure becomes SystemExit with the reason."""
+        try:
+            return self.handshake(timeout)
+        except ConnectionLost as e:
+            raise SystemExit(str(e)) from None
+        except GpufnError as e:
+            raise SystemExit(f"scheduler refused this {who}: {e}") from None
 
     def close(self, linger_ms: int = 0) -> None:
         self.sock.close(linger_ms)

@@ -23,7 +23,7 @@ import zmq
 from gpufn import _sockets
 from gpufn import protocol as p
 from gpufn.connection import Connection, ConnectionConfig, WakePipe
-from gpufn.exceptions import Cancelled, ConnectionLost, GpufnError, kind_of
+from gpufn.exceptions import Cancelled, kind_of
 from gpufn.worker.core import Execute, Exit, Interrupt, SendMsg, WorkerCore
 from gpufn.worker.executor import Executor
 from gpufn.worker.output import OutputRouter
@@ -32,6 +32,7 @@ log = logging.getLogger("gpufn.worker")
 
 HEARTBEAT_SECONDS = 1.0
 OUTPUT_FLUSH_SECONDS = 0.05
+HANDSHAKE_SECONDS = 60.0
 CANCEL_MEMORY_SECONDS = 300.0
 
 
@@ -52,16 +53,6 @@ def _host_of(address: str) -> str:
         host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
         return "127.0.0.1" if host in ("*", "0.0.0.0") else host
     return "127.0.0.1"
-
-
-def _handshake(conn: Connection, timeout: float = 60.0) -> list[p.Message]:
-    """Hello/Welcome; return what arrived with it (work may follow at once)."""
-    try:
-        return conn.handshake(timeout)
-    except ConnectionLost as e:
-        raise SystemExit(str(e)) from None
-    except GpufnError as e:
-        raise SystemExit(f"scheduler refused this worker: {e}") from None
 
 
 class WorkerProcess:
@@ -103,7 +94,8 @@ class WorkerProcess:
                                           "incarnation": self.incarnation, "channel": channel})
 
     def handshake(self) -> None:
-        self._inbox.extend(_handshake(self.conn))
+        # Work may follow the Welcome at once.
+        self._inbox.extend(self.conn.handshake_or_exit(HANDSHAKE_SECONDS, "worker"))
 
     def _on_done(self, msg: p.Message) -> None:
         """From executor and model threads: a finished call (Result) or a model event."""
@@ -218,7 +210,7 @@ class WorkerProcess:
         conn = self._connection("control", self.identity + "/ctl")
         sock = conn.sock
         try:
-            early = _handshake(conn)
+            early = conn.handshake_or_exit(HANDSHAKE_SECONDS, "worker")
         except SystemExit as e:
             log.error("control channel: %s", e)
             os._exit(3)

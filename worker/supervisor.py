@@ -22,7 +22,6 @@ import zmq
 from gpufn import _sockets
 from gpufn import protocol as p
 from gpufn.connection import Backoff, Connection, ConnectionConfig
-from gpufn.exceptions import ConnectionLost, GpufnError
 from gpufn.memory_pool.probe import DeviceInfo
 
 log = logging.getLogger("gpufn.supervisor")
@@ -90,12 +89,7 @@ class Supervisor:
         self.sock.send_multipart(p.encode(msg))
 
     def handshake(self, timeout: float = 30.0) -> None:
-        try:
-            self._early = self.conn.handshake(timeout)
-        except ConnectionLost as e:
-            raise SystemExit(str(e)) from None
-        except GpufnError as e:
-            raise SystemExit(f"scheduler refused this supervisor: {e}") from None
+        self._early = self.conn.handshake_or_exit(timeout, "supervisor")
 
     # ------------------------------------------------------------------ workers
 

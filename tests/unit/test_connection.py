@@ -144,6 +144,28 @@ def test_no_answer_names_the_address_and_the_fix(conn: Connection, sched: FakeSc
     assert sched.address in text and "gpufn serve" in text and "GPUFN_ADDRESS" in text
 
 
+def test_processes_that_need_the_scheduler_exit_with_the_reason(conn: Connection,
+                                                                sched: FakeScheduler) -> None:
+    with pytest.raises(SystemExit, match="no answer from a gpufn scheduler"):
+        conn.handshake_or_exit(0.1, "worker")
+    sched.recv()  # that Hello
+    out: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            conn.handshake_or_exit(5, "supervisor")
+        except BaseException as e:
+            out["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    peer, _ = sched.recv()
+    sched.send(peer, p.Welcome(False, "ProtocolMismatch", "speaks protocol 0"))
+    t.join(5)
+    assert isinstance(out.get("e"), SystemExit)
+    assert str(out["e"]) == "scheduler refused this supervisor: speaks protocol 0"
+
+
 def test_forgotten_peer_says_hello_again(conn: Connection, sched: FakeScheduler) -> None:
     join = _handshake_in_thread(conn)
     peer, _ = sched.recv()

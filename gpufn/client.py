@@ -22,19 +22,16 @@ from typing import Any
 
 import zmq
 
-from gpufn import _sockets, config
+from gpufn import config
 from gpufn import protocol as p
-from gpufn.exceptions import (
-    AuthenticationError,
-    ConnectionLost,
-    GpufnError,
-    from_wire,
-)
+from gpufn.connection import Connection, ConnectionConfig, WakePipe
+from gpufn.exceptions import ConnectionLost, GpufnError
 
 log = logging.getLogger("gpufn.client")
 
 PING_SECONDS = 2.0
 BATCH_MAX = 256
+HANDSHAKE_SECONDS = 30.0  # a blocking-call channel's Hello/Welcome
 
 
 @dataclass(slots=True)
@@ -66,15 +63,14 @@ class Client:
         self._resubmit = False
         self._lock = threading.Lock()
         self._outbox: deque[list[Any]] = deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_pipe = WakePipe()
+        self._connect_timeout = connect_timeout
         self._welcome: Future[p.Welcome] = Future()
+        self._conn: Connection | None = None  # the I/O thread's, once it is welcomed
         self._sync = threading.local()
         self._channel_ids = itertools.count(1)
         self._channels: list[_SyncChannel] = []
         self.idle_rehello = config.env_float("GPUFN_CLIENT_TIMEOUT", 120.0) / 2
-        self._wake_pending = False
         self._closed = threading.Event()
         self._io_done = threading.Event()
         self._last_heard = time.monotonic()
@@ -82,21 +78,15 @@ class Client:
         self._io = threading.Thread(target=self._loop, name="gpufn-client-io", daemon=True)
         self._io.start()
         try:
-            welcome = self._welcome.result(connect_timeout)
-        except TimeoutError:
+            # The I/O thread's handshake gives up after connect_timeout itself.
+            welcome = self._welcome.result(connect_timeout + 10)
+        except GpufnError:
             self.close()
-            raise ConnectionLost(
-                f"no answer from a gpufn scheduler at {self.address} within {connect_timeout:.0f}s. "
-                "Is `gpufn serve` running there? Check GPUFN_ADDRESS, or unset it to use the "
-                "embedded local cluster."
-            ) from None
-        if not welcome.ok:
-            self.close()
-            raise from_wire(welcome.error_kind, welcome.message)
+            raise
+        except BaseException:  # interrupted: the I/O thread ends once its handshake does
+            self._closed.set()
+            raise
         self.info = welcome.info
-        # Ping well within the time after which the scheduler forgets a silent client.
-        self.ping_seconds = min(PING_SECONDS, float(welcome.info.get("client_timeout", 120)) / 4)
-        self.idle_rehello = float(welcome.info.get("client_timeout", 120)) / 2
 
     # ------------------------------------------------------------------ public
 
@@ -204,15 +194,7 @@ class Client:
         self._wake()
 
     def _wake(self) -> None:
-        # One pending wake-up is enough: the I/O thread drains the whole outbox when it
-        # wakes (a write per call costs a context switch each on a busy machine).
-        if self._wake_pending:
-            return
-        self._wake_pending = True
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        self._wake_pipe.wake()  # coalesced: the I/O thread drains the whole outbox
 
     def _fail_all(self, exc: GpufnError) -> None:
         with self._lock:
@@ -224,31 +206,52 @@ class Client:
             if not fut.done():
                 fut.set_exception(exc)
 
+    def _connection(self, identity: str, info: dict[str, Any]) -> Connection:
+        return Connection(self._ctx, ConnectionConfig(self.address, self.token), identity,
+                          p.Role.CLIENT, info)
+
+    def _connect(self) -> Connection | None:
+        """The I/O thread's handshake; its outcome goes to the constructor's future."""
+        conn = self._connection(f"c/{os.getpid()}/{self._prefix}", {"argv": " ".join(sys.argv)[:200]})
+        try:
+            early = conn.handshake(self._connect_timeout)
+        except BaseException as e:
+            conn.close()
+            self._welcome.set_exception(e)
+            return None
+        welcome = conn.welcome
+        assert welcome is not None
+        # Ping well within the time after which the scheduler forgets a silent client.
+        client_timeout = float(welcome.info.get("client_timeout", 120))
+        self.ping_seconds = min(PING_SECONDS, client_timeout / 4)
+        self.idle_rehello = client_timeout / 2
+        self._last_heard = time.monotonic()
+        self._conn = conn
+        self._welcome.set_result(welcome)
+        for msg in early:
+            self._dispatch(msg)
+        return conn
+
     def _loop(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        _sockets.configure(sock)
-        sock.setsockopt(zmq.IDENTITY, f"c/{os.getpid()}/{self._prefix}".encode())
-        sock.connect(self.address)
+        conn = self._connect()
+        if conn is None:
+            self._io_done.set()
+            return
+        sock = conn.sock
+        wake_fd = self._wake_pipe.fileno()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(wake_fd, zmq.POLLIN)
         pending_send: list[Any] | None = None
         try:
-            sock.send_multipart(p.encode(self._hello()))
             next_ping = time.monotonic() + self.ping_seconds
             while not self._closed.is_set():
                 now = time.monotonic()
                 blocked = pending_send is not None
                 wait_ms = 5 if blocked else max(0, int((next_ping - now) * 1000))
                 ready = dict(poller.poll(wait_ms))
-                if ready.get(self._wake_r):
-                    try:
-                        os.read(self._wake_r, 65536)
-                    except BlockingIOError:
-                        pass
-                    # Read, then clear, then drain: a wake written after the read sets the
-                    # flag again and writes a byte the next poll sees.
-                    self._wake_pending = False
+                if ready.get(wake_fd):
+                    self._wake_pipe.drain()  # before draining the outbox below
                 if ready.get(sock):
                     self._receive(sock)
                 # Send what callers queued, batched; a full socket (HWM) keeps the rest here.
@@ -315,9 +318,7 @@ class Client:
         elif isinstance(msg, p.Output):
             self._print_output(msg)
         elif isinstance(msg, p.Welcome):
-            if not self._welcome.done():
-                self._welcome.set_result(msg)
-            elif self._resubmit and msg.ok:
+            if self._resubmit and msg.ok:
                 self._send_again()
         elif isinstance(msg, p.StatusReply):
             fut = self._status.get(msg.request_id)
@@ -326,20 +327,17 @@ class Client:
         elif isinstance(msg, p.Shutdown):
             self._fail_all(ConnectionLost(f"the scheduler stopped ({msg.reason})"))
         elif isinstance(msg, p.Error):
-            if msg.error_kind == AuthenticationError.__name__ and not self._welcome.done():
-                self._welcome.set_result(p.Welcome(False, msg.error_kind, msg.message))
-            elif msg.error_kind == AuthenticationError.__name__:
+            if Connection.needs_rehello(msg):
                 if not self._resubmit:  # forgotten (restart, long silence): announce again
                     log.warning("the scheduler forgot this client; reconnecting and sending "
                                 "%d outstanding call(s) again", len(self._calls))
                     self._resubmit = True
-                    self._enqueue(p.encode(self._hello()))
+                    # Through the outbox, behind what is queued: those are refused too and
+                    # sent again after the Welcome, so none reaches the scheduler twice.
+                    if self._conn is not None:
+                        self._enqueue(self._conn.hello_frames())
             else:
                 log.warning("scheduler: %s", msg.message)
-
-    def _hello(self) -> p.Hello:
-        return p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, self.token, os.getpid(),
-                       {"argv": " ".join(sys.argv)[:200]})
 
     def _send_again(self) -> None:
         """Welcomed again after being forgotten: register and submit what is outstanding
@@ -376,33 +374,24 @@ class _SyncChannel:
 
     def __init__(self, client: Client, number: int) -> None:
         self.client = client
-        self.sock = client._ctx.socket(zmq.DEALER)
-        _sockets.configure(self.sock)
-        self.sock.setsockopt(zmq.IDENTITY, f"c/{os.getpid()}/{client._prefix}/t{number}".encode())
-        self.sock.connect(client.address)
+        self.conn = client._connection(f"c/{os.getpid()}/{client._prefix}/t{number}",
+                                       {"channel": "sync"})
+        self.sock = self.conn.sock
         self.registered: set[str] = set()
         self.last_heard = 0.0
-        self._hello()
+        try:
+            self._hello()
+        except BaseException:
+            self.conn.close()
+            raise
 
     def _send(self, msg: p.Message) -> None:
         self.sock.send_multipart(p.encode(msg), copy=False)
 
     def _hello(self) -> None:
         self.registered.clear()
-        self._send(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, self.client.token, os.getpid(),
-                           {"channel": "sync"}))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.sock.poll(1000):
-                for msg in p.decode_all(self.sock.recv_multipart()):
-                    if isinstance(msg, p.Welcome):  # nothing else is addressed to us yet
-                        if not msg.ok:
-                            raise from_wire(msg.error_kind, msg.message)
-                        self.last_heard = time.monotonic()
-                        return
-        raise ConnectionLost(
-            f"no answer from the scheduler at {self.client.address} within 30s. Is it running? "
-            "Check GPUFN_ADDRESS (or unset it for the embedded local cluster)")
+        self.conn.handshake(HANDSHAKE_SECONDS)  # nothing else is addressed to us yet
+        self.last_heard = time.monotonic()
 
     def call(self, register: p.Register, submit: p.Submit, name: str) -> p.Result:
         if time.monotonic() - self.last_heard > self.client.idle_rehello:
@@ -441,14 +430,14 @@ class _SyncChannel:
             self.client._print_output(msg, name)
         elif isinstance(msg, p.Shutdown):
             raise ConnectionLost(f"the scheduler stopped ({msg.reason})")
-        elif isinstance(msg, p.Error) and msg.error_kind == AuthenticationError.__name__:
+        elif self.conn.needs_rehello(msg):
             self._hello()  # forgotten meanwhile: the submit was refused, send again
             self._send(register)
             self.registered.add(register.function_id)
             self._send(submit)
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.conn.close()
 
 
 # --------------------------------------------------------------------------- default client
@@ -494,11 +483,9 @@ def connect(address: str | None = None, *, token: str | None = None) -> Client:
                 raise
         else:
             if not tok:  # `gpufn serve` on this machine leaves its token for local clients
-                from gpufn.cli.state import load_cluster_file
+                from gpufn.cli.state import saved_token
 
-                saved = load_cluster_file()
-                if saved and saved["address"] == config.normalize_address(addr):
-                    tok = saved["token"]
+                tok = saved_token(addr)
             client = Client(addr, tok)
         _default = client
         return client

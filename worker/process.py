@@ -25,6 +25,7 @@ import zmq
 
 from gpufn import _sockets, config
 from gpufn import protocol as p
+from gpufn.connection import Connection, ConnectionConfig, WakePipe
 from gpufn.exceptions import Cancelled, kind_of
 from gpufn.worker.core import (
     AbortGroup,
@@ -47,6 +48,7 @@ log = logging.getLogger("gpufn.worker")
 
 HEARTBEAT_SECONDS = 1.0
 OUTPUT_FLUSH_SECONDS = 0.05
+HANDSHAKE_SECONDS = 60.0
 CANCEL_MEMORY_SECONDS = 300.0
 
 
@@ -69,17 +71,6 @@ def _host_of(address: str) -> str:
     return "127.0.0.1"
 
 
-def _handshake(sock: zmq.Socket[Any], hello: p.Hello, timeout: float = 60.0) -> list[p.Message]:
-    """Send Hello, wait for Welcome; return what arrived with it (work may follow at once)."""
-    sock.send_multipart(p.encode(hello))
-    if not sock.poll(int(timeout * 1000)):
-        raise SystemExit(f"no answer from the scheduler within {timeout:.0f}s")
-    first, *rest = p.decode_all(sock.recv_multipart(copy=False))
-    if not isinstance(first, p.Welcome) or not first.ok:
-        raise SystemExit(f"scheduler refused this worker: {getattr(first, 'message', first)}")
-    return rest
-
-
 class WorkerProcess:
     def __init__(self, address: str, token: str, device_key: str, incarnation: int, kind: str,
                  memory: int = 0) -> None:
@@ -91,9 +82,7 @@ class WorkerProcess:
         self.router.install()
         self.core = WorkerCore(device_key, _torch_device(kind), _host_of(address))
         self._done: deque[p.Message] = deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakePipe()
         self.executor = Executor(self.router, self._on_done)
         from gpufn.model import set_resolver
         from gpufn.worker.model_cache import ModelManager
@@ -105,11 +94,9 @@ class WorkerProcess:
         self.groups: Any = None  # GroupManager, made on the first gang call (imports torch.distributed)
         self.helper: Any = None  # DeviceSetHelper of the last spmd=False call
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        _sockets.configure(self.sock)
         self.identity = f"w/{device_key}/{incarnation}/{os.getpid()}"
-        self.sock.setsockopt(zmq.IDENTITY, self.identity.encode())
-        self.sock.connect(address)
+        self.conn = self._connection("work", self.identity)
+        self.sock = self.conn.sock
         self._running = True
         self._outgoing: list[p.Message] = []
         # Received messages not handled yet (kept on self: an interrupt aimed at an inline
@@ -119,21 +106,19 @@ class WorkerProcess:
 
     # ------------------------------------------------------------------ main thread
 
-    def _hello(self, channel: str) -> p.Hello:
-        return p.Hello(p.Role.WORKER, p.PROTOCOL_VERSION, self.token, os.getpid(),
-                       {"device": self.device_key, "incarnation": self.incarnation,
-                        "channel": channel})
+    def _connection(self, channel: str, identity: str) -> Connection:
+        return Connection(self.ctx, ConnectionConfig(self.address, self.token), identity,
+                          p.Role.WORKER, {"device": self.device_key,
+                                          "incarnation": self.incarnation, "channel": channel})
 
     def handshake(self) -> None:
-        self._inbox.extend(_handshake(self.sock, self._hello("work")))
+        # Work may follow the Welcome at once.
+        self._inbox.extend(self.conn.handshake_or_exit(HANDSHAKE_SECONDS, "worker"))
 
     def _on_done(self, msg: p.Message) -> None:
         """From executor and model threads: a finished call (Result) or a model event."""
         self._done.append(msg)
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full, so the loop is already awake
+        self._wake.wake()
 
     def _queue(self, msg: p.Message) -> None:
         self._outgoing.append(msg)
@@ -243,23 +228,21 @@ class WorkerProcess:
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        wake_fd = self._wake.fileno()
+        poller.register(wake_fd, zmq.POLLIN)
         while self._running:
             try:
                 if self._rehello.is_set():  # scheduler restarted: announce the work socket too
                     self._rehello.clear()
                     self.models.forget_all()  # its new ledger starts empty
-                    self.sock.send_multipart(p.encode(self._hello("work")))
+                    self.conn.hello()
                 if self._inbox:
                     self._receive()
                     self._flush()
                 wait = OUTPUT_FLUSH_SECONDS if self.router.pending() else HEARTBEAT_SECONDS
                 ready = dict(poller.poll(math.ceil(wait * 1000)))
-                if ready.get(self._wake_r):
-                    try:
-                        os.read(self._wake_r, 65536)
-                    except BlockingIOError:
-                        pass
+                if ready.get(wake_fd):
+                    self._wake.drain()
                 self._drain_done()
                 if ready.get(self.sock):
                     self._receive()
@@ -283,8 +266,7 @@ class WorkerProcess:
                 msg = self._inbox.popleft()
                 if isinstance(msg, p.Error):
                     log.warning("scheduler: %s", msg.message)
-                    if msg.error_kind == "AuthenticationError":
-                        self.sock.send_multipart(p.encode(self._hello("work")))
+                    self.conn.on_error(msg)
                     continue
                 try:
                     self._act(self.core.handle(msg))
@@ -302,17 +284,15 @@ class WorkerProcess:
         return t
 
     def _control_loop(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        _sockets.configure(sock)
-        sock.setsockopt(zmq.IDENTITY, (self.identity + "/ctl").encode())
-        sock.connect(self.address)
+        conn = self._connection("control", self.identity + "/ctl")
+        sock = conn.sock
         try:
-            early = _handshake(sock, self._hello("control"))
+            early = conn.handshake_or_exit(HANDSHAKE_SECONDS, "worker")
         except SystemExit as e:
             log.error("control channel: %s", e)
             os._exit(3)
         for msg in early:
-            self._control(sock, msg)
+            self._control(conn, msg)
         next_beat = 0.0
         while True:
             now = time.monotonic()
@@ -332,25 +312,21 @@ class WorkerProcess:
                 except zmq.Again:
                     break
                 for msg in msgs:
-                    self._control(sock, msg)
+                    self._control(conn, msg)
 
-    def _control(self, sock: zmq.Socket[Any], msg: p.Message) -> None:
+    def _control(self, conn: Connection, msg: p.Message) -> None:
         if isinstance(msg, (p.Cancel, p.GroupOp)):
             for a in control_actions(msg):
                 assert isinstance(a, (Interrupt, AbortGroup))
                 self._act_now(a)
         elif isinstance(msg, p.Shutdown):
             os._exit(0)
-        elif isinstance(msg, p.Error) and msg.error_kind == "AuthenticationError":
-            sock.send_multipart(p.encode(self._hello("control")))
+        elif conn.on_error(msg):
             self._rehello.set()  # the main thread announces the work socket again
-            try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:
-                pass
+            self._wake.wake()
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.conn.close()
 
 
 def main(argv: list[str] | None = None) -> None:

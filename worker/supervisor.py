@@ -20,6 +20,7 @@ import zmq
 
 from gpufn import _sockets, config
 from gpufn import protocol as p
+from gpufn.connection import Backoff, Connection, ConnectionConfig
 from gpufn.memory_pool.probe import DeviceInfo
 
 log = logging.getLogger("gpufn.supervisor")
@@ -28,6 +29,7 @@ PING_SECONDS = 2.0
 FAST_FAILURE_SECONDS = 10.0
 GIVE_UP_AFTER = 5
 GAVE_UP = p.GAVE_UP
+RESTART_BACKOFF = Backoff(initial=0.1, maximum=10.0)  # after a worker that died young
 
 
 def _host_memory() -> int:
@@ -70,10 +72,13 @@ class Supervisor:
                       for d in devices}
         self.threads_per_worker = threads_per_worker
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        _sockets.configure(self.sock)
-        self.sock.setsockopt(zmq.IDENTITY, f"s/{node}/{os.getpid()}".encode())
-        self.sock.connect(address)
+        self.conn = Connection(self.ctx, ConnectionConfig(address, token), f"s/{node}/{os.getpid()}",
+                               p.Role.SUPERVISOR, {
+                                   "node": node,
+                                   "devices": [s.device.to_wire() for s in self.slots.values()],
+                                   "host_memory": _host_memory(),
+                               })
+        self.sock = self.conn.sock
         self._running = True
         self._early: list[p.Message] = []
 
@@ -82,20 +87,8 @@ class Supervisor:
     def _send(self, msg: p.Message) -> None:
         self.sock.send_multipart(p.encode(msg))
 
-    def hello(self) -> None:
-        self._send(p.Hello(p.Role.SUPERVISOR, p.PROTOCOL_VERSION, self.token, os.getpid(), {
-            "node": self.node, "devices": [s.device.to_wire() for s in self.slots.values()],
-            "host_memory": _host_memory(),
-        }))
-
     def handshake(self, timeout: float = 30.0) -> None:
-        self.hello()
-        if not self.sock.poll(int(timeout * 1000)):
-            raise SystemExit(f"no answer from the scheduler at {self.address} within {timeout:.0f}s")
-        msg, *rest = p.decode_all(self.sock.recv_multipart())
-        if not isinstance(msg, p.Welcome) or not msg.ok:
-            raise SystemExit(f"scheduler refused this supervisor: {getattr(msg, 'message', msg)}")
-        self._early = rest
+        self._early = self.conn.handshake_or_exit(timeout, "supervisor")
 
     # ------------------------------------------------------------------ workers
 
@@ -157,7 +150,7 @@ class Supervisor:
                 if tail:
                     reason += f"; last output: {tail[-600:]}"
                 slot.fast_failures = slot.fast_failures + 1 if lived < FAST_FAILURE_SECONDS else 1
-                slot.restart_at = now + min(10.0, 0.1 * 2 ** (slot.fast_failures - 1))
+                slot.restart_at = now + RESTART_BACKOFF.delay(slot.fast_failures - 1)
             log.warning("worker for %s (pid %d) ended: %s", key, proc.pid, reason)
             if slot.fast_failures >= GIVE_UP_AFTER:
                 slot.gave_up = True
@@ -219,8 +212,8 @@ class Supervisor:
                                 self._kill(msg)
                             elif isinstance(msg, p.Shutdown):
                                 self._running = False
-                            elif isinstance(msg, p.Error) and msg.error_kind == "AuthenticationError":
-                                self.hello()  # the scheduler restarted
+                            else:
+                                self.conn.on_error(msg)  # Hello again if the scheduler restarted
                 now = time.monotonic()
                 self._reap(now)
                 if now >= next_ping:
@@ -232,7 +225,7 @@ class Supervisor:
                 self._send(p.Goodbye("supervisor stopping"))
             except zmq.ZMQError:
                 pass
-            self.sock.close(200)
+            self.conn.close(200)
             self.ctx.term()
 
 

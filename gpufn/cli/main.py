@@ -12,7 +12,7 @@ from rich.console import Console
 
 from gpufn import config
 from gpufn.cli import render
-from gpufn.cli.state import load_cluster_file, write_cluster_file
+from gpufn.cli.state import load_cluster_file, saved_token, write_cluster_file
 from gpufn.exceptions import GpufnError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -117,11 +117,9 @@ def status(
             err.print("[red]no scheduler address[/]: start one with `gpufn serve`, or pass "
                       "--address / set GPUFN_ADDRESS")
             raise typer.Exit(2)
-        address, token = saved["address"], token or saved["token"]
-    elif not token:
-        saved = load_cluster_file()
-        if saved is not None and saved["address"] == config.normalize_address(address):
-            token = saved["token"]
+        address = saved["address"]
+    if not token:
+        token = saved_token(address)
     try:
         client = Client(address, token, connect_timeout=timeout)
     except GpufnError as e:

@@ -33,3 +33,12 @@ def load_cluster_file() -> dict[str, Any] | None:
     if not isinstance(data, dict) or "address" not in data:
         return None
     return data
+
+
+def saved_token(address: str) -> str | None:
+    """The token `gpufn serve` on this machine left, if `address` is that scheduler."""
+    saved = load_cluster_file()
+    if saved is None or saved["address"] != config.normalize_address(address):
+        return None
+    tok = saved.get("token")
+    return tok if isinstance(tok, str) and tok else None

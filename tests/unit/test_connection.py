@@ -1,0 +1,320 @@
+"""`Connection` and `WakePipe` against a real ZeroMQ ROUTER acting as a tiny scheduler."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import select
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+import gpufn
+from gpufn import protocol as p
+from gpufn.cli.state import saved_token, write_cluster_file
+from gpufn.client import Client
+from gpufn.connection import Backoff, Connection, ConnectionConfig, WakePipe
+
+_names = itertools.count()
+
+
+class FakeScheduler:
+    """A ROUTER bound on inproc:// (shares the test's context) that answers by hand."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.address = f"inproc://fake-scheduler-{os.getpid()}-{next(_names)}"
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.bind(self.address)
+
+    def recv(self, timeout: float = 5.0) -> tuple[bytes, list[p.Message]]:
+        assert self.sock.poll(int(timeout * 1000)), "the fake scheduler received nothing"
+        peer, *frames = self.sock.recv_multipart()
+        return peer, p.decode_all(frames)
+
+    def send(self, peer: bytes, *msgs: p.Message) -> None:
+        self.sock.send_multipart([peer, *p.encode_batch(list(msgs))])
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    c: zmq.Context[Any] = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def sched(ctx: zmq.Context[Any]) -> Iterator[FakeScheduler]:
+    s = FakeScheduler(ctx)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def conn(ctx: zmq.Context[Any], sched: FakeScheduler) -> Iterator[Connection]:
+    c = Connection(ctx, ConnectionConfig(sched.address, "tok"), "w/test", p.Role.WORKER,
+                   {"device": "n:0", "channel": "work"})
+    yield c
+    c.close()
+
+
+def _handshake_in_thread(conn: Connection, timeout: float = 5.0) -> Callable[[], list[p.Message]]:
+    """Run conn.handshake in a thread; the returned function joins it and re-raises."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["msgs"] = conn.handshake(timeout)
+        except BaseException as e:
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def join() -> list[p.Message]:
+        t.join(timeout + 5)
+        assert not t.is_alive()
+        if "error" in out:
+            raise out["error"]
+        return out["msgs"]
+
+    return join
+
+
+def _welcome(**info: Any) -> p.Welcome:
+    return p.Welcome(True, info=info)
+
+
+def test_handshake_sends_hello_and_returns_on_welcome(conn: Connection, sched: FakeScheduler) -> None:
+    join = _handshake_in_thread(conn)
+    peer, msgs = sched.recv()
+    assert peer == b"w/test"
+    [hello] = msgs
+    assert isinstance(hello, p.Hello)
+    assert (hello.role, hello.version, hello.token, hello.pid) == (
+        p.Role.WORKER, p.PROTOCOL_VERSION, "tok", os.getpid())
+    assert hello.info == {"device": "n:0", "channel": "work"}
+    sched.send(peer, _welcome(client_timeout=7))
+    assert join() == []
+    assert conn.welcome is not None and conn.welcome.info == {"client_timeout": 7}
+
+
+@pytest.mark.parametrize("kind", [gpufn.AuthenticationError, gpufn.ProtocolMismatch])
+def test_a_refusal_raises_its_typed_error(conn: Connection, sched: FakeScheduler,
+                                         kind: type[gpufn.GpufnError]) -> None:
+    join = _handshake_in_thread(conn)
+    peer, _ = sched.recv()
+    sched.send(peer, p.Welcome(False, kind.__name__, "go away: set GPUFN_TOKEN"))
+    with pytest.raises(kind, match="go away"):
+        join()
+    assert conn.welcome is None
+
+
+def test_messages_batched_after_the_welcome_are_returned(conn: Connection,
+                                                         sched: FakeScheduler) -> None:
+    join = _handshake_in_thread(conn)
+    peer, _ = sched.recv()
+    early = [p.Cancel("inv1", "x"), p.Shutdown("bye")]
+    sched.send(peer, _welcome(), *early)
+    assert join() == early
+
+
+def test_stale_answers_before_the_welcome_are_dropped(conn: Connection,
+                                                      sched: FakeScheduler) -> None:
+    # Saying Hello again after being forgotten: the refusals of what was sent before
+    # the Hello arrive ahead of the Welcome and must not count as a refusal.
+    join = _handshake_in_thread(conn)
+    peer, _ = sched.recv()
+    forgot = p.Error("AuthenticationError", "this connection has not said Hello")
+    sched.send(peer, forgot)
+    sched.send(peer, forgot, _welcome(), p.Cancel("inv2", ""))
+    assert join() == [p.Cancel("inv2", "")]
+
+
+def test_no_answer_names_the_address_and_the_fix(conn: Connection, sched: FakeScheduler) -> None:
+    with pytest.raises(gpufn.ConnectionLost) as e:
+        conn.handshake(0.2)
+    text = str(e.value)
+    assert sched.address in text and "gpufn serve" in text and "GPUFN_ADDRESS" in text
+
+
+def test_processes_that_need_the_scheduler_exit_with_the_reason(conn: Connection,
+                                                                sched: FakeScheduler) -> None:
+    with pytest.raises(SystemExit, match="no answer from a gpufn scheduler"):
+        conn.handshake_or_exit(0.1, "worker")
+    sched.recv()  # that Hello
+    out: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            conn.handshake_or_exit(5, "supervisor")
+        except BaseException as e:
+            out["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    peer, _ = sched.recv()
+    sched.send(peer, p.Welcome(False, "ProtocolMismatch", "speaks protocol 0"))
+    t.join(5)
+    assert isinstance(out.get("e"), SystemExit)
+    assert str(out["e"]) == "scheduler refused this supervisor: speaks protocol 0"
+
+
+def test_forgotten_peer_says_hello_again(conn: Connection, sched: FakeScheduler) -> None:
+    join = _handshake_in_thread(conn)
+    peer, _ = sched.recv()
+    sched.send(peer, _welcome())
+    join()
+    forgot = p.Error("AuthenticationError", "this connection has not said Hello; reconnect")
+    other = p.Error("GpufnError", "a worker may not send Submit")
+    assert Connection.needs_rehello(forgot) and not Connection.needs_rehello(other)
+    assert not conn.needs_rehello(p.Shutdown("x"))
+    # Any other error is only reported: what the scheduler gets next is our marker.
+    assert conn.on_error(other) is False
+    conn.sock.send_multipart(p.encode(p.Ping(41)))
+    assert sched.recv()[1] == [p.Ping(41)]
+    assert conn.on_error(forgot) is True
+    _, [hello] = sched.recv()
+    assert isinstance(hello, p.Hello) and hello.token == "tok"
+    assert hello.info == {"device": "n:0", "channel": "work"}
+
+
+def test_wake_pipe_coalesces_and_wakes_after_a_drain() -> None:
+    w = WakePipe()
+    try:
+        def readable() -> bool:
+            return bool(select.select([w.fileno()], [], [], 0)[0])
+
+        assert not readable()
+        for _ in range(5):
+            w.wake()
+        assert readable()
+        assert os.read(w.fileno(), 100) == b"x"  # one byte for five wake-ups
+        w.drain()
+        assert not readable()
+        w.wake()  # a wake-up after the drain is seen again
+        assert readable()
+        w.drain()
+        w.drain()  # draining an empty pipe is harmless
+        assert not readable()
+        poller = zmq.Poller()
+        poller.register(w.fileno(), zmq.POLLIN)
+        w.wake()
+        assert dict(poller.poll(1000)).get(w.fileno())
+    finally:
+        w.close()
+
+
+def test_backoff_is_exponential_bounded_and_resets() -> None:
+    b = Backoff(initial=0.1, maximum=1.0)
+    assert [round(b.next(), 3) for _ in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert b.delay(1000) == 1.0
+    b.reset()
+    assert b.next() == pytest.approx(0.1)
+    j = Backoff(initial=1.0, maximum=4.0, jitter=0.5)
+    for attempt in range(5):
+        d = j.delay(attempt)
+        assert 0.5 * min(4.0, 2.0**attempt) <= d <= 4.0
+
+
+def test_saved_token_only_for_the_saved_address(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFN_HOME", str(tmp_path))
+    assert saved_token("tcp://127.0.0.1:7555") is None
+    write_cluster_file("tcp://127.0.0.1:7555", "s3cret")
+    assert saved_token("tcp://127.0.0.1:7555") == "s3cret"
+    assert saved_token("127.0.0.1:7555") == "s3cret"  # normalized like the client does
+    assert saved_token("tcp://127.0.0.1:7556") is None
+
+
+# --------------------------------------------------------------------------- the client's use
+
+
+class TcpScheduler:
+    """A loopback TCP ROUTER in its own context (the client has a context of its own),
+    answering from a thread with `answer(peer, msg) -> replies`."""
+
+    def __init__(self, answer: Callable[[bytes, p.Message], list[p.Message]]) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.answer = answer
+        self.seen: list[p.Message] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            peer, *frames = self.sock.recv_multipart()
+            for msg in p.decode_all(frames):
+                self.seen.append(msg)
+                replies = self.answer(peer, msg)
+                if replies:
+                    self.sock.send_multipart([peer, *p.encode_batch(replies)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_client_raises_the_refusal_and_names_the_address_on_silence() -> None:
+    refuse = TcpScheduler(lambda peer, msg: [p.Welcome(False, "AuthenticationError", "wrong token")]
+                          if isinstance(msg, p.Hello) else [])
+    try:
+        with pytest.raises(gpufn.AuthenticationError, match="wrong token"):
+            Client(refuse.address, "bad", connect_timeout=5)
+    finally:
+        refuse.close()
+    silent = TcpScheduler(lambda peer, msg: [])
+    try:
+        with pytest.raises(gpufn.ConnectionLost, match=silent.address):
+            Client(silent.address, "t", connect_timeout=0.3)
+    finally:
+        silent.close()
+
+
+def test_blocking_call_says_hello_again_when_forgotten_and_resubmits() -> None:
+    """The `.remote()` channel: a Submit refused because the scheduler forgot us is sent
+    again after a new Hello/Welcome, and its result comes back."""
+    known: set[bytes] = set()
+    forget_once = threading.Event()
+
+    def answer(peer: bytes, msg: p.Message) -> list[p.Message]:
+        if isinstance(msg, p.Hello):
+            known.add(peer)
+            return [p.Welcome(True, info={"client_timeout": 120})]
+        if isinstance(msg, p.Submit) and not forget_once.is_set():
+            forget_once.set()
+            known.clear()  # "restarted": this submit and everything after is refused
+        if peer not in known:
+            return [p.Error("AuthenticationError", "this connection has not said Hello")]
+        if isinstance(msg, p.Submit):
+            return [p.Result(msg.invocation_id, True, "", "", {})]
+        return []
+
+    sched = TcpScheduler(answer)
+    client = Client(sched.address, "t", connect_timeout=5)
+    try:
+        reg = p.Register("f1", "c1", "f", {}, [])
+        sub = p.Submit(client.new_id(), "f1", {})
+        result = client.call(reg, sub, "f")
+        assert result.ok and result.invocation_id == sub.invocation_id
+        submits = [m for m in sched.seen if isinstance(m, p.Submit)]
+        hellos = [m for m in sched.seen if isinstance(m, p.Hello)]
+        assert len(submits) == 2  # refused once, then accepted
+        assert len(hellos) == 3  # the I/O thread's, the channel's, the channel's again
+    finally:
+        client.close()
+        sched.close()

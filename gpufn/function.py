@@ -37,7 +37,7 @@ MAP_WINDOW_BYTES = 256 * 2**20  # argument bytes in flight per .map()
 def decode_result(res: p.Result, name: str) -> Any:
     """The value of a finished call, or raise its error (user exceptions keep their type)."""
     if res.ok:
-        counts = res.meta.get("gather")
+        counts = res.meta.gather
         if counts is not None:  # every rank's value, in rank order
             out, i = [], 0
             for n in counts:
@@ -46,9 +46,9 @@ def decode_result(res: p.Result, name: str) -> Any:
             return out
         return ser.loads(res.frames)
     if res.error_kind == "":
-        where = f"remote traceback of {name} call {res.invocation_id} on {','.join(res.meta.get('devices', [])) or 'a worker'}:"
-        raise ser.load_exception(res.frames, str(res.meta.get("type", "Exception")), res.message,
-                                 str(res.meta.get("traceback", "")), where)
+        where = f"remote traceback of {name} call {res.invocation_id} on {','.join(res.meta.devices) or 'a worker'}:"
+        raise ser.load_exception(res.frames, res.meta.error_type or "Exception", res.message,
+                                 res.meta.traceback, where)
     raise from_wire(res.error_kind, res.message)
 
 
@@ -210,7 +210,7 @@ class FunctionCall(Generic[R]):
 
     def result_meta(self) -> dict[str, Any]:
         """Scheduler metadata of a finished call (devices, attempts, queued_s, duration, ...)."""
-        return dict(self._future.result().meta)
+        return self._future.result().meta.to_dict()
 
 
 # --------------------------------------------------------------------------- functions

@@ -45,8 +45,23 @@ class Message:
     __slots__ = ()
 
 
-def message(tag: int) -> Callable[[M], M]:
-    """Register a message class under a one-byte tag."""
+_STRUCT_FIELDS: dict[type[Message], tuple[tuple[int, type[Any]], ...]] = {}
+
+S = TypeVar("S")
+
+
+def struct(cls: type[S]) -> type[S]:
+    """A typed record carried inside a message header (a dataclass): it travels as the
+    list of its field values in order, and is rebuilt on decode."""
+    getter = operator.attrgetter(*[f.name for f in fields(cls)])  # type: ignore[arg-type]
+    cls.to_wire = lambda self: list(getter(self))  # type: ignore[attr-defined]
+    cls.from_wire = classmethod(lambda c, v: c(*v))  # type: ignore[attr-defined]
+    return cls
+
+
+def message(tag: int, structs: dict[str, type[Any]] | None = None) -> Callable[[M], M]:
+    """Register a message class under a one-byte tag; `structs` names its header fields
+    that hold a `@struct` record."""
 
     def register(cls: M) -> M:
         if tag in _BY_TAG or not 0 < tag < 256:
@@ -62,6 +77,17 @@ def message(tag: int) -> Callable[[M], M]:
             getter = lambda m: (single(m),)  # noqa: E731
         else:
             getter = operator.attrgetter(*header_names)
+        if structs:
+            at = tuple((header_names.index(name), kind) for name, kind in structs.items())
+            plain = getter
+
+            def getter(m: Any) -> tuple[Any, ...]:
+                values = list(plain(m))
+                for i, _ in at:
+                    values[i] = values[i].to_wire()
+                return tuple(values)
+
+            _STRUCT_FIELDS[cls] = at
         _BY_TAG[tag] = cls
         _TAG_OF[cls] = bytes([tag])
         _GETTER[cls] = getter
@@ -94,6 +120,8 @@ def decode(frames: Sequence[Frame]) -> Message:
         raise DecodeError(f"unknown message tag {tag!r}: is the peer running another gpufn version?")
     try:
         values = msgpack.unpackb(_as_bytes(frames[1]), raw=False, use_list=True)
+        for i, kind in _STRUCT_FIELDS.get(cls, ()):
+            values[i] = kind.from_wire(values[i])
         if _HAS_FRAMES[cls]:
             return cls(*values, tuple(frames[2:]))  # type: ignore[call-arg]
         return cls(*values)
@@ -240,10 +268,40 @@ class Cancel(Message):
     invocation_id: str
     reason: str = ""
     include_running: bool = True
-    attempt: int = 0  # scheduler -> worker: the dispatch token meant (0: any)
+    dispatch_token: int = 0  # scheduler -> worker: the dispatch meant (0: any)
 
 
-@message(13)
+@struct
+@dataclass(slots=True)
+class ResultMeta:
+    """What a run measured and how it ended (`Result.meta`). The worker fills the first
+    group, the scheduler the second; the caller sees it as `FunctionCall.result_meta()`."""
+
+    dispatch_token: int = 0  # the dispatch this reports on (see Run.dispatch_token)
+    duration: float | None = None  # seconds the function ran
+    rank: int | None = None  # which rank of a multi-device call reported (or failed)
+    error_type: str = ""  # a user exception's type name
+    traceback: str = ""  # a user exception's formatted remote traceback
+    comm_error: bool = False  # the failure came from a peer rank going away
+    group_inits: int | None = None  # process-group inits this worker has done
+    group_init_s: float | None = None  # the last init's seconds
+    batch_items: list[dict[str, Any]] | None = None  # per input of a batch: ok, n, error...
+    devices: list[str] = field(default_factory=list)  # where it ran
+    attempts: int = 0  # times dispatched
+    queued_s: float = 0.0  # from submit to dispatch
+    cold_start: str | bool = False  # "loaded" / "restored" / "waited", False if resident
+    batch_size: int | None = None  # calls in the batch it ran in
+    gather: list[int] | None = None  # payload frames per rank, with gather=True
+
+    _PRIVATE = ("dispatch_token", "batch_items")
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the caller sees: every field that is set, less the wire-only ones."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in self._PRIVATE and getattr(self, f.name) is not None}
+
+
+@message(13, structs={"meta": ResultMeta})
 @dataclass(frozen=True, slots=True)
 class Result(Message):
     """The end of an invocation. ok: frames hold the pickled value. Not ok: with
@@ -253,7 +311,7 @@ class Result(Message):
     ok: bool
     error_kind: str
     message: str
-    meta: dict[str, Any]
+    meta: ResultMeta = field(default_factory=ResultMeta)
     frames: tuple[Frame, ...] = ()
 
 
@@ -293,17 +351,37 @@ class LoadCode(Message):
     frames: tuple[Frame, ...] = ()
 
 
-@message(21)
+@struct
+@dataclass(slots=True)
+class RunMeta:
+    """How to run one dispatch (`Run.meta`)."""
+
+    attempt_number: int = 1  # 1 for the first run, 2 for the first retry, ...
+    timeout: float | None = None
+    concurrency: int = 1
+    inline: bool = False  # short: run on the worker's main thread
+    models: dict[str, str] = field(default_factory=dict)  # model name -> key, for Model.get()
+    gang: dict[str, Any] | None = None  # a gang rank: GangSpec.to_wire()
+    gather: bool = False  # a gang rank returns its value (not only rank 0)
+    warm: bool = False  # the gang's group is already formed
+    multi: list[dict[str, Any]] | None = None  # spmd=False: every device (key, uuid, kind)
+    batch: list[int] | None = None  # a batch: payload frames per member
+    members: list[str] | None = None  # a batch: the members' invocation ids
+
+
+@message(21, structs={"meta": RunMeta})
 @dataclass(frozen=True, slots=True)
 class Run(Message):
-    """Scheduler -> worker: run an invocation. `meta` carries gang and model details."""
+    """Scheduler -> worker: run an invocation as one dispatch. `dispatch_token` is unique
+    per dispatch, scheduler-wide: the worker echoes it, and cancels name it, so a late
+    result or a remembered cancel never matches another run of the same invocation."""
 
     invocation_id: str
     function_id: str
     code_id: str
     name: str
-    attempt: int
-    meta: dict[str, Any]
+    dispatch_token: int
+    meta: RunMeta
     frames: tuple[Frame, ...] = ()
 
 

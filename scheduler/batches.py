@@ -9,6 +9,8 @@ function returned one in that item's place.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gpufn import protocol as p
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Invocation
@@ -43,13 +45,13 @@ def form(queue: ReadyQueue, head: Invocation, seq: int, now: float) -> Invocatio
 
 def split_result(carrier: Invocation, msg: p.Result) -> list[p.Result]:
     """A carrier's result as one result per member (in member order)."""
-    items = msg.meta.get("batch_items") or []
-    base = {k: v for k, v in msg.meta.items() if k != "batch_items"}
-    base["batch_size"] = len(carrier.members)
+    items = msg.meta.batch_items or []
+    base = replace(msg.meta, batch_items=None, batch_size=len(carrier.members))
     out, i = [], 0
     for m, item in zip(carrier.members, items, strict=False):
         n = int(item.get("n", 0))
-        meta = {**base, **{k: v for k, v in item.items() if k not in ("ok", "n")}}
+        meta = replace(base, error_type=str(item.get("type", "")),
+                       traceback=str(item.get("traceback", "")))
         out.append(p.Result(m.id, bool(item.get("ok")), str(item.get("error_kind", "")),
                             str(item.get("message", "")), meta, tuple(msg.frames[i:i + n])))
         i += n

@@ -363,13 +363,13 @@ class SchedulerCore:
         if fn is None:
             self._send(peer, p.Result(msg.invocation_id, False, kind_of(GpufnError), (
                 "the scheduler does not know this function (it may have restarted); "
-                "reconnect with gpufn.connect() and call again"), {}))
+                "reconnect with gpufn.connect() and call again")))
             return
         self.counters.submitted += 1
         try:
             spec = make_spec(fn.spec, **msg.options) if msg.options else fn.spec
         except GpufnError as e:
-            self._send(peer, p.Result(msg.invocation_id, False, kind_of(e), str(e), {}))
+            self._send(peer, p.Result(msg.invocation_id, False, kind_of(e), str(e)))
             return
         refused = self.intake.refusal(fn, spec, bool(msg.options))
         if refused is not None:
@@ -377,7 +377,7 @@ class SchedulerCore:
                 self.counters.unschedulable += 1
             else:
                 self.counters.rejected += 1
-            self._send(peer, p.Result(msg.invocation_id, False, kind_of(refused), str(refused), {}))
+            self._send(peer, p.Result(msg.invocation_id, False, kind_of(refused), str(refused)))
             return
         self._seq += 1
         inv = Invocation(msg.invocation_id, fn, peer, spec, tuple(msg.frames), now, self._seq)
@@ -415,9 +415,9 @@ class SchedulerCore:
         if d is None or inv is None:
             return  # late result of a call already settled (timed out, retried elsewhere)
         d.last_seen = now
-        token = msg.meta.get("attempt")
+        token = msg.meta.dispatch_token
         if (inv.state is not InvState.RUNNING or d.key not in inv.devices
-                or (token is not None and token != inv.dispatch_token)):
+                or token not in (0, inv.dispatch_token)):
             self.tx.release_reporter(inv, d)  # a stopped process or an earlier dispatch's
             return
         if inv.shape.multi_device:
@@ -433,9 +433,8 @@ class SchedulerCore:
                 self.tx.finish(inv, now, InvState.FAILED, release=False)
             return
         d.completed += 1
-        duration = msg.meta.get("duration")
-        if msg.ok and isinstance(duration, (int, float)):
-            inv.function.observe_runtime(float(duration), d.key)
+        if msg.ok and msg.meta.duration is not None:
+            inv.function.observe_runtime(msg.meta.duration, d.key)
         if inv.members:
             self.tx.finish_batch(inv, msg, now)
             return

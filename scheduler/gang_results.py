@@ -7,7 +7,7 @@ consequence of a peer failing (a communication error), else the first failure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpufn import protocol as p
@@ -18,7 +18,7 @@ from gpufn.scheduler.records import Invocation
 class Succeeded:
     """Every rank reported success: rank 0's value, or every rank's with gather=True."""
 
-    meta: dict[str, Any]
+    meta: p.ResultMeta
     frames: tuple[Any, ...]
 
 
@@ -61,16 +61,16 @@ def verdict(inv: Invocation, force: bool = False) -> Verdict | None:
     fails = [(r, m) for r, m in inv.rank_results.items() if not m.ok]  # in report order
     if not fails:  # told to stop, and nothing went wrong on any rank that answered
         return Lost(0, "its ranks were stopped")
-    root = [f for f in fails if not f[1].meta.get("comm_error")] or fails
+    root = [f for f in fails if not f[1].meta.comm_error] or fails
     return Failed(*root[0])
 
 
 def succeeded(inv: Invocation) -> Succeeded:
     first = inv.rank_results[0]
-    meta = dict(first.meta)
+    meta = replace(first.meta)
     frames = first.frames
     if inv.spec.gather:
         ordered = [inv.rank_results[r] for r in range(len(inv.devices))]
-        meta["gather"] = [len(r.frames) for r in ordered]
+        meta.gather = [len(r.frames) for r in ordered]
         frames = tuple(f for r in ordered for f in r.frames)
     return Succeeded(meta, frames)

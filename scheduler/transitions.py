@@ -10,7 +10,7 @@ implies (runs, model orders, cancels, results). They never call back into the co
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import replace
 
 from gpufn import protocol as p
 from gpufn.exceptions import Cancelled, GpufnError, WorkerLost, kind_of
@@ -83,9 +83,9 @@ class Transitions:
                     self.send(target.worker, order)
                 inv.cold = admitted.cold
                 if meta is not None:
-                    meta["models"] = admitted.names
+                    meta.models = admitted.names
                     if plan.load or plan.restore or plan.waiting:
-                        meta["inline"] = False  # it waits for a model: never on the main thread
+                        meta.inline = False  # it waits for a model: never on the main thread
             else:
                 d.ledger.reserve(inv.id, inv.spec.memory)
             if meta is None:
@@ -97,30 +97,30 @@ class Transitions:
                                        inv.dispatch_token, meta, inv.frames))
         self.advance_starts(devices[0], now)
 
-    def _run_metas(self, inv: Invocation, devices: tuple[Device, ...]) -> list[dict[str, Any] | None]:
+    def _run_metas(self, inv: Invocation, devices: tuple[Device, ...]) -> list[p.RunMeta | None]:
         """What each device's worker is told with the run (None: it runs nothing)."""
         spec = inv.spec
-        base: dict[str, Any] = {"timeout": spec.timeout, "concurrency": spec.concurrency,
-                                "inline": is_short(inv, self.config.short_call_seconds),
-                                "attempt_number": inv.attempts}
+        base = p.RunMeta(attempt_number=inv.attempts, timeout=spec.timeout,
+                         concurrency=spec.concurrency,
+                         inline=is_short(inv, self.config.short_call_seconds))
         if inv.shape is Shape.BATCH:
-            base["batch"] = [len(m.frames) for m in inv.members]
-            base["members"] = [m.id for m in inv.members]
+            base.batch = [len(m.frames) for m in inv.members]
+            base.members = [m.id for m in inv.members]
         if inv.shape is Shape.GANG:
             formation, warm = self.gangs.form(inv.devices)
             inv.gang = (formation.gang_id, formation.generation)
             inv.function.warm_gang = inv.devices
             backend = resolve_backend(devices[0].info.kind)
             assert self.rendezvous_port is not None
-            return [{**base, "gather": spec.gather, "warm": warm, "gang": GangSpec(
+            return [replace(base, gather=spec.gather, warm=warm, gang=GangSpec(
                 formation.gang_id, formation.generation, rank, len(devices), "",
                 self.rendezvous_port, backend, spec.timeout or DEFAULT_TIMEOUT_S, inv.devices,
-                formation.nonce).to_wire()} for rank in range(len(devices))]
+                formation.nonce).to_wire()) for rank in range(len(devices))]
         if inv.shape is Shape.HELD_SET:
             # One process pinned to every granted device runs the call on the first
             # device's worker; the other devices are held idle for it.
             multi = [{"key": d.key, "uuid": d.info.uuid, "kind": d.info.kind} for d in devices]
-            return [{**base, "multi": multi}] + [None] * (len(devices) - 1)
+            return [replace(base, multi=multi)] + [None] * (len(devices) - 1)
         return [base]
 
     def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False) -> None:
@@ -165,15 +165,13 @@ class Transitions:
         if inv.client in self.peers:
             self.send(inv.client, result)
 
-    def meta(self, inv: Invocation, now: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "devices": list(inv.devices),
-            "attempts": inv.attempts,
-            "queued_s": ((inv.started or now) - inv.submitted),
-            "cold_start": inv.cold or (inv.carrier.cold if inv.carrier else "") or False,
-        }
-        if extra:
-            meta.update(extra)
+    def meta(self, inv: Invocation, now: float, base: p.ResultMeta | None = None) -> p.ResultMeta:
+        """The caller's result meta: what the worker reported plus where and when it ran."""
+        meta = replace(base) if base is not None else p.ResultMeta()
+        meta.devices = list(inv.devices)
+        meta.attempts = inv.attempts
+        meta.queued_s = (inv.started or now) - inv.submitted
+        meta.cold_start = inv.cold or (inv.carrier.cold if inv.carrier else "") or False
         return meta
 
     def release_device(self, inv: Invocation, d: Device | None) -> None:
@@ -278,9 +276,8 @@ class Transitions:
             return
         v = gang_results.verdict(inv, force)
         if isinstance(v, gang_results.Succeeded):
-            duration = v.meta.get("duration")
-            if isinstance(duration, (int, float)):
-                inv.function.observe_runtime(float(duration), inv.devices[0])
+            if v.meta.duration is not None:
+                inv.function.observe_runtime(v.meta.duration, inv.devices[0])
             self.finish(inv, now, InvState.SUCCEEDED, result=p.Result(
                 inv.id, True, "", "", self.meta(inv, now, v.meta), v.frames), release=False)
         elif isinstance(v, gang_results.Lost):
@@ -289,7 +286,7 @@ class Transitions:
             msg = v.result
             self.finish(inv, now, InvState.FAILED, result=p.Result(
                 inv.id, False, msg.error_kind, msg.message,
-                self.meta(inv, now, {**msg.meta, "rank": v.rank}), msg.frames), release=False)
+                self.meta(inv, now, replace(msg.meta, rank=v.rank)), msg.frames), release=False)
 
     def retry_or_fail_lost(self, inv: Invocation, now: float, why: str) -> None:
         if inv.members:  # a lost batch: each of its calls is retried or fails on its own

@@ -24,35 +24,6 @@ from gpufn.worker.executor import Call
 log = logging.getLogger("gpufn.worker")
 
 
-# --------------------------------------------------------------------------- Run.meta
-
-
-@dataclass(frozen=True, slots=True)
-class RunMeta:
-    """What the worker reads from a Run's meta; `run_meta` is the one place that parses it."""
-
-    attempt_number: int = 1  # 1 for the first attempt (gpufn.context().attempt)
-    inline: bool = False  # short: run on the main thread, no hand-off
-    batch: list[int] | None = None  # frames per input when the call is a batch
-    models: dict[str, str] = field(default_factory=dict)  # model name -> key to wait for
-    gang: GangSpec | None = None  # this rank's gang (spmd, count > 1)
-    gather: bool = False  # every rank's value is returned, not only rank 0's
-    multi: list[dict[str, Any]] | None = None  # the device set of an spmd=False call
-
-
-def run_meta(meta: dict[str, Any]) -> RunMeta:
-    gang = meta.get("gang")
-    return RunMeta(
-        attempt_number=int(meta.get("attempt_number", 1)),
-        inline=bool(meta.get("inline")),
-        batch=meta.get("batch"),
-        models=dict(meta.get("models") or {}),
-        gang=GangSpec.from_wire(gang) if gang is not None else None,
-        gather=bool(meta.get("gather")),
-        multi=meta.get("multi"),
-    )
-
-
 # --------------------------------------------------------------------------- actions
 
 
@@ -88,7 +59,7 @@ class Execute:
 @dataclass(frozen=True, slots=True)
 class Interrupt:
     invocation_id: str
-    attempt: int = 0  # the dispatch token meant (0: any)
+    dispatch_token: int = 0  # the dispatch meant (0: any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +101,7 @@ def control_actions(msg: p.Message) -> list[Action]:
     """Cancel and GroupOp: pure and stateless, so the control thread uses it too (it must
     act while the main thread runs user code); the shell carries these out thread-safely."""
     if isinstance(msg, p.Cancel):
-        return [Interrupt(msg.invocation_id, msg.attempt)]
+        return [Interrupt(msg.invocation_id, msg.dispatch_token)]
     if isinstance(msg, p.GroupOp) and msg.op is p.GroupOpKind.ABORT:
         gang = msg.gang
         return [AbortGroup(str(gang.get("reason", "aborted by the scheduler")),
@@ -178,7 +149,7 @@ class WorkerCore:
             return []
         self.running.discard(msg.invocation_id)
         return self._fail(msg.invocation_id, GpufnError(
-            f"worker {self.device_key} failed: {exc}"), msg.attempt)
+            f"worker {self.device_key} failed: {exc}"), msg.dispatch_token)
 
     def _load_code(self, msg: p.LoadCode) -> None:
         try:
@@ -190,8 +161,8 @@ class WorkerCore:
             self.code_errors[msg.code_id] = f"{type(e).__name__}: {e}"
             log.warning("could not unpickle %s: %s", msg.name, e)
 
-    def _fail(self, inv: str, err: GpufnError, attempt: int) -> list[Action]:
-        return [Send(p.Result(inv, False, kind_of(err), str(err), {"attempt": attempt}))]
+    def _fail(self, inv: str, err: GpufnError, token: int) -> list[Action]:
+        return [Send(p.Result(inv, False, kind_of(err), str(err), p.ResultMeta(dispatch_token=token)))]
 
     def _run(self, msg: p.Run) -> list[Action]:
         fn = self.code.get(msg.code_id)
@@ -200,22 +171,22 @@ class WorkerCore:
             if why is None:
                 return self._fail(msg.invocation_id, GpufnError(
                     f"worker {self.device_key} has no code {msg.code_id} for {msg.name}"),
-                    msg.attempt)
+                    msg.dispatch_token)
             return self._fail(msg.invocation_id, SerializationError(
                 f"{msg.name} could not be unpickled on worker {self.device_key}: {why}. If it is "
                 "defined in a module, that module must be importable on the worker (same code "
-                "and PYTHONPATH), or define it in __main__ / a notebook cell"), msg.attempt)
-        meta = run_meta(msg.meta)
+                "and PYTHONPATH), or define it in __main__ / a notebook cell"), msg.dispatch_token)
+        meta = msg.meta
         self.running.add(msg.invocation_id)
         context = ctxmod.CallContext(
             invocation_id=msg.invocation_id, function=msg.name, device=self.device,
             devices=[self.device], attempt=meta.attempt_number,
         )
         call = Call(msg.invocation_id, msg.name, fn, msg.frames, context,
-                    attempt=msg.attempt, batch=meta.batch, models=meta.models)
+                    dispatch_token=msg.dispatch_token, batch=meta.batch, models=meta.models)
         actions: list[Action] = []
         if meta.gang is not None:
-            actions.append(self._as_gang_rank(call, meta.gang, meta.gather))
+            actions.append(self._as_gang_rank(call, GangSpec.from_wire(meta.gang), meta.gather))
         elif meta.multi is not None:
             call.context.devices = [self.device] * len(meta.multi)
             actions.append(RunInHelper(call, meta.multi, msg.code_id, self.code_frames[msg.code_id]))

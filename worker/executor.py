@@ -44,7 +44,7 @@ class Call:
     finish: Callable[[Any], Any] | None = None
     # Runs in the call's thread when the function raised (a gang rank tears its group down).
     on_error: Callable[[BaseException], None] | None = None
-    attempt: int = 1  # the dispatch token (Run.attempt), echoed in the Result
+    dispatch_token: int = 1  # Run.dispatch_token, echoed in the Result
     batch: list[int] | None = None  # frames per input when the call is a batch
     models: dict[str, str] = field(default_factory=dict)  # name -> key, resident before it runs
 
@@ -112,11 +112,11 @@ class Executor:
         registered = False
         try:
             with self._lock:
-                if self._take_cancelled_locked(inv, call.attempt):
+                if self._take_cancelled_locked(inv, call.dispatch_token):
                     result = p.Result(inv, False, kind_of(Cancelled),
-                                      f"{call.name} call {inv} was cancelled before it started", {})
+                                      f"{call.name} call {inv} was cancelled before it started")
                 else:
-                    self._threads[inv] = (threading.get_ident(), call.attempt)
+                    self._threads[inv] = (threading.get_ident(), call.dispatch_token)
                     registered = True
             if result is None:
                 self.router.started(inv)
@@ -136,12 +136,12 @@ class Executor:
             set_current(None)
             self.router.finished(inv)
         assert result is not None
-        result.meta["attempt"] = call.attempt
+        result.meta.dispatch_token = call.dispatch_token
         if call.context.world_size > 1:
-            result.meta["rank"] = call.context.rank
-        for key in ("group_inits", "group_init_s", "comm_error"):
+            result.meta.rank = call.context.rank
+        for key in ("group_inits", "group_init_s", "comm_error"):  # set by the call's hooks
             if key in call.meta:
-                result.meta[key] = call.meta[key]
+                setattr(result.meta, key, call.meta[key])
         self.on_done(result)
 
     def _out_of_memory(self, call: Call, exc: BaseException, t0: float) -> p.Result:
@@ -190,7 +190,8 @@ class Executor:
                 "Return tensors, arrays or plain Python values."
             )
             return _gpufn_failure(inv, err, t0)
-        return p.Result(inv, True, "", "", {"duration": time.perf_counter() - t0}, tuple(frames))
+        return p.Result(inv, True, "", "", p.ResultMeta(duration=time.perf_counter() - t0),
+                        tuple(frames))
 
     def _raised(self, call: Call, e: BaseException, t0: float) -> p.Result:
         inv = call.invocation_id
@@ -271,7 +272,8 @@ def _batch_result(call: Call, value: Any, t0: float) -> p.Result:
                               "message": f"an output of {call.name} cannot be pickled: {e}"})
         frames.extend(f)
     return p.Result(call.invocation_id, True, "", "",
-                    {"duration": time.perf_counter() - t0, "batch_items": items}, tuple(frames))
+                    p.ResultMeta(duration=time.perf_counter() - t0, batch_items=items),
+                    tuple(frames))
 
 
 _COMM_MARKERS = ("gloo", "NCCL", "nccl", "Connection closed by peer", "Connection reset by peer",
@@ -311,9 +313,11 @@ def _tag_rank(exc: BaseException, rank: int, world: int) -> None:
 
 def _failure(inv: str, exc: BaseException, t0: float) -> p.Result:
     frames, tb = ser.dump_exception(exc)
-    meta = {"duration": time.perf_counter() - t0, "type": type(exc).__name__, "traceback": tb}
+    meta = p.ResultMeta(duration=time.perf_counter() - t0, error_type=type(exc).__name__,
+                        traceback=tb)
     return p.Result(inv, False, "", str(exc), meta, tuple(frames))
 
 
 def _gpufn_failure(inv: str, exc: GpufnError, t0: float) -> p.Result:
-    return p.Result(inv, False, kind_of(exc), str(exc), {"duration": time.perf_counter() - t0})
+    return p.Result(inv, False, kind_of(exc), str(exc),
+                    p.ResultMeta(duration=time.perf_counter() - t0))

@@ -157,16 +157,16 @@ class WorkerProcess:
         interrupt or abort must land while the main thread runs user code, so the control
         thread carries these out itself instead of queueing them for the main thread."""
         if isinstance(a, Interrupt):
-            self.executor.interrupt(a.invocation_id, a.attempt)  # or refused when it starts
+            self.executor.interrupt(a.invocation_id, a.dispatch_token)  # or refused when it starts
         elif self.groups is not None:  # blocked collectives end now
             self.groups.abort(a.reason, gang_id=a.gang_id, generation=a.generation)
 
     def _execute(self, a: Execute) -> None:
         call = a.call
-        if self.executor.take_cancelled(call.invocation_id, call.attempt):
+        if self.executor.take_cancelled(call.invocation_id, call.dispatch_token):
             self._act(self.core.done(p.Result(
                 call.invocation_id, False, kind_of(Cancelled),
-                "cancelled before it started", {"attempt": call.attempt})))
+                "cancelled before it started", p.ResultMeta(dispatch_token=call.dispatch_token))))
             return
         manager, needed, then = self.models, call.models, call.prepare
 

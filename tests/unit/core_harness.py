@@ -66,10 +66,10 @@ class Harness:
 
     def token(self, inv: str) -> int:
         """The dispatch token of the invocation's latest Run (what a worker echoes)."""
-        return [r for r in self.runs() if r.invocation_id == inv][-1].attempt
+        return [r for r in self.runs() if r.invocation_id == inv][-1].dispatch_token
 
     def finish(self, worker: bytes, inv: str, ok: bool = True, duration: float = 0.1) -> list[Send]:
-        meta = {"duration": duration, "attempt": self.token(inv)}
+        meta = p.ResultMeta(dispatch_token=self.token(inv), duration=duration)
         return self.feed(worker, p.Result(inv, ok, "", "", meta, (b"value",)), dt=duration)
 
     # ------------------------------------------------------------------ inspecting

@@ -301,7 +301,7 @@ def test_blocking_call_says_hello_again_when_forgotten_and_resubmits() -> None:
         if peer not in known:
             return [p.Error("AuthenticationError", "this connection has not said Hello")]
         if isinstance(msg, p.Submit):
-            return [p.Result(msg.invocation_id, True, "", "", {})]
+            return [p.Result(msg.invocation_id, True, "", "")]
         return []
 
     sched = TcpScheduler(answer)

@@ -27,7 +27,7 @@ def test_message_before_hello_is_refused() -> None:
 
 def test_clients_may_not_send_worker_messages() -> None:
     h = Harness()
-    out = h.feed(b"cli", p.Result("i", True, "", "", {}))
+    out = h.feed(b"cli", p.Result("i", True, "", ""))
     assert isinstance(out[0].msg, p.Error) and "may not send Result" in out[0].msg.message
 
 
@@ -43,7 +43,7 @@ def test_call_waits_for_a_worker_then_runs_and_returns() -> None:
     assert run.invocation_id == inv
     h.finish(w, inv)
     res = h.results()[inv]
-    assert res.ok and res.frames == (b"value",) and res.meta["devices"] == ["n:0"]
+    assert res.ok and res.frames == (b"value",) and res.meta.devices == ["n:0"]
     assert h.core.devices["n:0"].ledger.used == 0
 
 
@@ -130,9 +130,9 @@ def test_worker_loss_fails_with_worker_lost_or_retries() -> None:
     w0b = h.start_worker(0, peer=b"w0b", pid=200)
     assert h.core.devices["n:0"].state is DeviceState.READY
     retry = [r for r in h.runs(w0b) if r.invocation_id == i2]
-    assert retry and retry[0].meta["attempt_number"] == 2
+    assert retry and retry[0].meta.attempt_number == 2
     h.finish(w0b, i2)
-    assert h.results()[i2].ok and h.results()[i2].meta["attempts"] == 2
+    assert h.results()[i2].ok and h.results()[i2].meta.attempts == 2
 
 
 def test_timeout_kills_the_worker_and_fails_the_call() -> None:

@@ -27,9 +27,9 @@ def test_gang_waits_for_the_rendezvous_then_gets_close_devices() -> None:
     assert h.core.needs_rendezvous and not _gang_runs(h, inv)
     h.sent += h.core.handle(RendezvousReady(4242), h.now)
     runs = _gang_runs(h, inv)
-    assert [r.meta["gang"]["rank"] for r in runs] == [0, 1]
-    assert runs[0].meta["gang"]["store_port"] == 4242
-    assert tuple(runs[0].meta["gang"]["devices"]) in (("n:0", "n:1"), ("n:2", "n:3"))  # one island
+    assert [r.meta.gang["rank"] for r in runs] == [0, 1]
+    assert runs[0].meta.gang["store_port"] == 4242
+    assert tuple(runs[0].meta.gang["devices"]) in (("n:0", "n:1"), ("n:2", "n:3"))  # one island
 
 
 def test_gang_success_returns_rank_zero_and_gather_returns_all() -> None:
@@ -37,19 +37,19 @@ def test_gang_success_returns_rank_zero_and_gather_returns_all() -> None:
     fid = h.register("g", count=2)
     inv = h.submit(fid)
     r0, _ = _gang_runs(h, inv)
-    keys = r0.meta["gang"]["devices"]
+    keys = r0.meta.gang["devices"]
     w = {f"n:{i}": ws[i] for i in range(4)}
-    h.feed(w[keys[1]], p.Result(inv, True, "", "", {"attempt": h.token(inv)}, (b"one",)))
+    h.feed(w[keys[1]], p.Result(inv, True, "", "", p.ResultMeta(dispatch_token=h.token(inv)), (b"one",)))
     assert inv not in h.results()
-    h.feed(w[keys[0]], p.Result(inv, True, "", "", {"attempt": h.token(inv)}, (b"zero",)))
+    h.feed(w[keys[0]], p.Result(inv, True, "", "", p.ResultMeta(dispatch_token=h.token(inv)), (b"zero",)))
     assert h.results()[inv].frames == (b"zero",)
     g = h.register("gather", count=2, gather=True)
     inv2 = h.submit(g)
     for r in _gang_runs(h, inv2):
-        h.feed(w[r.meta["gang"]["devices"][r.meta["gang"]["rank"]]],
-               p.Result(inv2, True, "", "", {"attempt": h.token(inv2)}, (f"r{r.meta['gang']['rank']}".encode(),)))
+        h.feed(w[r.meta.gang["devices"][r.meta.gang["rank"]]],
+               p.Result(inv2, True, "", "", p.ResultMeta(dispatch_token=h.token(inv2)), (f"r{r.meta.gang['rank']}".encode(),)))
     res = h.results()[inv2]
-    assert res.frames == (b"r0", b"r1") and res.meta["gather"] == [1, 1]
+    assert res.frames == (b"r0", b"r1") and res.meta.gather == [1, 1]
 
 
 def test_warm_gang_is_reused_with_the_same_generation() -> None:
@@ -60,11 +60,11 @@ def test_warm_gang_is_reused_with_the_same_generation() -> None:
     for _ in range(2):
         inv = h.submit(fid)
         runs = _gang_runs(h, inv)
-        gens.append((tuple(runs[0].meta["gang"]["devices"]), runs[0].meta["gang"]["generation"],
-                     runs[0].meta["warm"]))
+        gens.append((tuple(runs[0].meta.gang["devices"]), runs[0].meta.gang["generation"],
+                     runs[0].meta.warm))
         for r in runs:
-            h.feed(w[r.meta["gang"]["devices"][r.meta["gang"]["rank"]]],
-                   p.Result(inv, True, "", "", {"attempt": h.token(inv)}, (b"x",)))
+            h.feed(w[r.meta.gang["devices"][r.meta.gang["rank"]]],
+                   p.Result(inv, True, "", "", p.ResultMeta(dispatch_token=h.token(inv)), (b"x",)))
     assert gens[0][0] == gens[1][0] and gens[0][1] == gens[1][1]
     assert (gens[0][2], gens[1][2]) == (False, True)
 
@@ -74,17 +74,17 @@ def test_failing_rank_stops_the_others_and_the_root_cause_wins() -> None:
     fid = h.register("g", count=2)
     inv = h.submit(fid)
     runs = _gang_runs(h, inv)
-    keys = runs[0].meta["gang"]["devices"]
+    keys = runs[0].meta.gang["devices"]
     w = {f"n:{i}": ws[i] for i in range(4)}
     # rank 0's communication error arrives before rank 1's own exception
     h.feed(w[keys[0]], p.Result(inv, False, "", "[rank 0 of 2] Connection reset by peer",
-                                {"attempt": h.token(inv), "comm_error": True, "rank": 0}, (b"e0",)))
+                                p.ResultMeta(dispatch_token=h.token(inv), comm_error=True, rank=0), (b"e0",)))
     aborts = [s for s in h.of_type(p.GroupOp) if s.msg.op == "abort"]
     assert aborts and inv not in h.results()
-    h.feed(w[keys[1]], p.Result(inv, False, "", "[rank 1 of 2] ValueError", {"attempt": h.token(inv), "rank": 1},
+    h.feed(w[keys[1]], p.Result(inv, False, "", "[rank 1 of 2] ValueError", p.ResultMeta(dispatch_token=h.token(inv), rank=1),
                                 (b"e1",)))
     res = h.results()[inv]
-    assert res.frames == (b"e1",) and res.meta["rank"] == 1
+    assert res.frames == (b"e1",) and res.meta.rank == 1
     assert all(not h.core.devices[k].running for k in keys)
 
 
@@ -92,10 +92,10 @@ def test_dead_rank_gives_worker_lost_even_after_a_peer_error() -> None:
     h, ws = _harness()
     fid = h.register("g", count=2)
     inv = h.submit(fid)
-    keys = _gang_runs(h, inv)[0].meta["gang"]["devices"]
+    keys = _gang_runs(h, inv)[0].meta.gang["devices"]
     w = {f"n:{i}": ws[i] for i in range(4)}
     h.feed(w[keys[0]], p.Result(inv, False, "", "Connection reset by peer",
-                                {"attempt": h.token(inv), "comm_error": True}, (b"e0",)))
+                                p.ResultMeta(dispatch_token=h.token(inv), comm_error=True), (b"e0",)))
     h.feed(b"sup", p.WorkerExited(keys[1], 100, -9, "killed by signal 9"))
     res = h.results()[inv]
     assert res.error_kind == "WorkerLost" and "rank 1" in res.message
@@ -105,9 +105,9 @@ def test_gang_failure_settles_after_a_grace_when_a_rank_is_silent() -> None:
     h, ws = _harness(gang_settle_seconds=2.0)
     fid = h.register("g", count=2)
     inv = h.submit(fid)
-    keys = _gang_runs(h, inv)[0].meta["gang"]["devices"]
+    keys = _gang_runs(h, inv)[0].meta.gang["devices"]
     w = {f"n:{i}": ws[i] for i in range(4)}
-    h.feed(w[keys[0]], p.Result(inv, False, "", "boom", {"attempt": h.token(inv)}, (b"e0",)))
+    h.feed(w[keys[0]], p.Result(inv, False, "", "boom", p.ResultMeta(dispatch_token=h.token(inv)), (b"e0",)))
     h.tick(dt=1.0)
     assert inv not in h.results()
     h.tick(dt=1.5)
@@ -153,7 +153,7 @@ def test_spmd_false_holds_all_devices_and_runs_once() -> None:
     fid = h.register("multi", count=2, spmd=False)
     inv = h.submit(fid)
     runs = _gang_runs(h, inv)
-    assert len(runs) == 1 and len(runs[0].meta["multi"]) == 2
+    assert len(runs) == 1 and len(runs[0].meta.multi) == 2
     assert all(inv in d.running for d in h.core.devices.values())
     h.finish(ws[0], inv)
     assert h.results()[inv].ok and all(not d.running for d in h.core.devices.values())

@@ -67,14 +67,14 @@ def test_preemption_requeues_the_victim_and_frees_the_device_when_it_stops() -> 
     assert h.core.invocations[urgent].state is InvState.QUEUED  # waits for the device
     # the victim stops: its (stale) result frees the device; the urgent call runs first
     first = h.token(victim)
-    h.feed(w, p.Result(victim, False, "Cancelled", "preempted", {"attempt": first}))
+    h.feed(w, p.Result(victim, False, "Cancelled", "preempted", p.ResultMeta(dispatch_token=first)))
     assert h.core.invocations[urgent].state is InvState.RUNNING
     h.finish(w, urgent)
     assert h.core.invocations[victim].state is InvState.RUNNING
     assert h.token(victim) != first
-    h.feed(w, p.Result(victim, True, "", "", {"attempt": h.token(victim)}, (b"v",)))
+    h.feed(w, p.Result(victim, True, "", "", p.ResultMeta(dispatch_token=h.token(victim)), (b"v",)))
     res = h.results()[victim]
-    assert res.ok and res.meta["attempts"] == 2 and h.core.counters.preempted == 1
+    assert res.ok and res.meta.attempts == 2 and h.core.counters.preempted == 1
 
 
 def test_non_preemptible_calls_are_never_stopped() -> None:
@@ -98,19 +98,19 @@ def test_batches_fill_up_or_leave_after_the_wait() -> None:
     assert h.core.next_wakeup() is not None
     c = h.submit(f)
     (run,) = h.runs(w)
-    assert run.meta["members"] == [a, b, c] and run.meta["batch"] == [1, 1, 1]
+    assert run.meta.members == [a, b, c] and run.meta.batch == [1, 1, 1]
     items = [{"ok": True, "n": 1}, {"ok": False, "n": 1, "error_kind": "", "message": "x"},
              {"ok": True, "n": 1}]
-    h.feed(w, p.Result(run.invocation_id, True, "", "", {"attempt": run.attempt, "batch_items": items},
+    h.feed(w, p.Result(run.invocation_id, True, "", "", p.ResultMeta(dispatch_token=run.dispatch_token, batch_items=items),
                        (b"ra", b"rb", b"rc")))
     res = h.results()
-    assert res[a].ok and res[a].frames == (b"ra",) and res[a].meta["batch_size"] == 3
+    assert res[a].ok and res[a].frames == (b"ra",) and res[a].meta.batch_size == 3
     assert not res[b].ok and res[b].frames == (b"rb",)
     assert res[c].frames == (b"rc",)
     d = h.submit(f)  # alone: leaves when its wait is over
-    assert not [r for r in h.runs() if d in r.meta.get("members", [])]
+    assert not [r for r in h.runs() if d in (r.meta.members or [])]
     h.tick(dt=0.05)
-    assert [r for r in h.runs() if d in r.meta.get("members", [])]
+    assert [r for r in h.runs() if d in (r.meta.members or [])]
 
 
 def test_a_lost_batch_fails_each_member_or_retries_it() -> None:

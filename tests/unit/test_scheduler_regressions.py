@@ -30,14 +30,13 @@ def test_a_batch_whose_model_was_under_declared_requeues_its_calls() -> None:
     (run,) = h.runs(w)
     key = next(iter(h.core.models.models))
     h.feed(w, p.ModelEvent(key, "load_failed", 2 * GiB, 0.0, "OutOfMemory", "too big"))
-    h.feed(w, p.Result(run.invocation_id, False, "OutOfMemory", "oom", {"attempt": run.attempt}))
+    h.feed(w, p.Result(run.invocation_id, False, "OutOfMemory", "oom", p.ResultMeta(dispatch_token=run.dispatch_token)))
     h.tick(0.1)
     again = h.runs(w)[-1]
-    assert again.meta["members"] == [a, b] and again.meta["batch"] == [1, 1]  # not nested
+    assert again.meta.members == [a, b] and again.meta.batch == [1, 1]  # not nested
     h.feed(w, p.ModelEvent(key, "resident", 2 * GiB, 0.1))
     items = [{"ok": True, "n": 1}, {"ok": True, "n": 1}]
-    h.feed(w, p.Result(again.invocation_id, True, "", "", {"attempt": again.attempt,
-                                                           "batch_items": items}, (b"x", b"y")))
+    h.feed(w, p.Result(again.invocation_id, True, "", "", p.ResultMeta(dispatch_token=again.dispatch_token, batch_items=items), (b"x", b"y")))
     assert h.results()[a].frames == (b"x",) and h.results()[b].frames == (b"y",)
 
 
@@ -48,7 +47,7 @@ def test_a_model_that_fits_nowhere_once_measured_fails_its_calls() -> None:
     a = h.submit(f)
     key = next(iter(h.core.models.models))
     h.feed(w, p.ModelEvent(key, "load_failed", 10 * GiB, 0.0, "OutOfMemory", "needs 10GiB"))
-    h.feed(w, p.Result(a, False, "OutOfMemory", "oom", {"attempt": h.token(a)}))
+    h.feed(w, p.Result(a, False, "OutOfMemory", "oom", p.ResultMeta(dispatch_token=h.token(a))))
     b = h.submit(f)
     h.tick(0.1)
     assert h.results()[a].error_kind == h.results()[b].error_kind == "Unschedulable"
@@ -62,12 +61,12 @@ def test_only_the_calls_that_waited_for_the_load_are_replanned() -> None:
     a = h.submit(f)
     key = next(iter(h.core.models.models))
     h.feed(w, p.ModelEvent(key, "load_failed", 2 * GiB, 0.0, "OutOfMemory", "bigger"))
-    h.feed(w, p.Result(a, False, "OutOfMemory", "oom", {"attempt": h.token(a)}))
+    h.feed(w, p.Result(a, False, "OutOfMemory", "oom", p.ResultMeta(dispatch_token=h.token(a))))
     assert h.core.invocations[a].state is not InvState.FAILED  # re-planned
     h.feed(w, p.ModelEvent(key, "resident", 2 * GiB, 0.1))
     h.finish(w, a)
     b = h.submit(f)  # later, a real OOM in the user's code fails alone, once
-    h.feed(w, p.Result(b, False, "OutOfMemory", "user oom", {"attempt": h.token(b)}))
+    h.feed(w, p.Result(b, False, "OutOfMemory", "user oom", p.ResultMeta(dispatch_token=h.token(b))))
     assert h.results()[b].error_kind == "OutOfMemory"
     assert len([r for r in h.runs() if r.invocation_id == b]) == 1
 
@@ -80,7 +79,7 @@ def test_cancelling_a_single_process_multi_device_call_frees_every_device() -> N
     inv = h.submit(f)
     h.feed(b"cli", p.Cancel(inv))
     assert [s.peer for s in h.of_type(p.Cancel) if s.msg.invocation_id == inv] == [w0]
-    h.feed(w0, p.Result(inv, False, "Cancelled", "stopped", {"attempt": h.token(inv)}))
+    h.feed(w0, p.Result(inv, False, "Cancelled", "stopped", p.ResultMeta(dispatch_token=h.token(inv))))
     assert all(not d.running for d in h.core.devices.values())
     h.tick(dt=30.0)
     assert not h.of_type(p.KillWorker)
@@ -98,7 +97,7 @@ def test_losing_a_held_device_stops_the_one_process_before_anything_reruns() -> 
     h.feed(b"sup", p.WorkerExited(second, 100, -9, "killed"))
     assert inv in h.core.devices["n:0"].running  # still running there: not rerun yet
     assert [s.peer for s in h.of_type(p.Cancel)] == [w0]
-    h.feed(w0, p.Result(inv, False, "Cancelled", "stopped", {"attempt": h.token(inv)}))
+    h.feed(w0, p.Result(inv, False, "Cancelled", "stopped", p.ResultMeta(dispatch_token=h.token(inv))))
     assert h.core.invocations[inv].state is InvState.RUNNING  # the retry, elsewhere or here
     assert h.core.invocations[inv].attempts == 2
 

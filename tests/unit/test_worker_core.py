@@ -28,7 +28,8 @@ def _core() -> wc.WorkerCore:
 
 
 def _run(meta: dict[str, Any], inv: str = "i1", token: int = 7, code_id: str = "c1") -> p.Run:
-    return p.Run(inv, "f1", code_id, "double", token, meta, tuple(ser.dumps(((3,), {}))))
+    return p.Run(inv, "f1", code_id, "double", token, p.RunMeta(**meta),
+                 tuple(ser.dumps(((3,), {}))))
 
 
 def _gang(rank: int, store_host: str = "") -> dict[str, Any]:
@@ -45,7 +46,7 @@ def test_run_executes_with_its_context() -> None:
     assert isinstance(ex, wc.Execute) and ex.inline
     call = ex.call
     assert call.fn(*ser.loads(call.frames)[0]) == 6
-    assert call.attempt == 7  # the dispatch token, echoed in the Result
+    assert call.dispatch_token == 7  # the dispatch token, echoed in the Result
     ctx = call.context
     assert (ctx.invocation_id, ctx.function, ctx.device, ctx.devices) == ("i1", "double", "cpu", ["cpu"])
     assert ctx.attempt == 2  # the attempt number, not the token
@@ -73,7 +74,7 @@ def test_unknown_code_fails_the_call() -> None:
     assert isinstance(send, wc.Send) and isinstance(send.msg, p.Result)
     r = send.msg
     assert (r.invocation_id, r.ok, r.error_kind) == ("i1", False, kind_of(GpufnError))
-    assert "has no code nope" in r.message and r.meta == {"attempt": 7}
+    assert "has no code nope" in r.message and r.meta == p.ResultMeta(dispatch_token=7)
     assert core.running == set()
 
 
@@ -136,7 +137,7 @@ def test_multi_device_runs_in_the_helper_with_the_attempt_number() -> None:
     assert helper.call is ex.call and helper.devices == devices and helper.code_id == "c1"
     assert ser.load_code(helper.code_frames)(5) == 10  # the code, to send to the helper
     assert ex.call.context.devices == ["cpu", "cpu"]
-    assert ex.call.context.attempt == 1 and ex.call.attempt == 42
+    assert ex.call.context.attempt == 1 and ex.call.dispatch_token == 42
 
 
 def test_model_orders_are_model_actions() -> None:
@@ -156,7 +157,7 @@ def test_done_sends_the_result_and_counts() -> None:
     core.handle(_run({}, inv="a"))
     core.handle(_run({}, inv="b"))
     assert core.running == {"a", "b"}
-    result = p.Result("a", True, "", "", {"attempt": 7})
+    result = p.Result("a", True, "", "", p.ResultMeta(dispatch_token=7))
     assert core.done(result) == [wc.Send(result)]
     assert core.running == {"b"} and core.completed == 1
 
@@ -168,17 +169,18 @@ def test_a_run_the_shell_failed_to_start_fails_alone() -> None:
     [send] = core.failed(msg, RuntimeError("no helper"))
     assert isinstance(send, wc.Send) and isinstance(send.msg, p.Result)
     assert send.msg.error_kind == kind_of(GpufnError) and "no helper" in send.msg.message
-    assert send.msg.meta == {"attempt": 7}
+    assert send.msg.meta == p.ResultMeta(dispatch_token=7)
     assert core.running == set() and core.completed == 0
     assert core.failed(p.LoadModel("k", {}), RuntimeError("x")) == []
 
 
-def test_run_meta_is_parsed_in_one_place() -> None:
-    m = wc.run_meta({"attempt_number": 3, "inline": 1, "gang": _gang(1), "gather": True,
-                     "models": {"a": "k"}, "timeout": 5})
+def test_run_meta_round_trips_typed() -> None:
+    run = _run({"attempt_number": 3, "inline": True, "gang": _gang(1), "gather": True,
+                "models": {"a": "k"}, "timeout": 5})
+    m = p.decode(p.encode(run)).meta  # type: ignore[attr-defined]
+    assert isinstance(m, p.RunMeta) and m == run.meta
     assert (m.attempt_number, m.inline, m.gather, m.models) == (3, True, True, {"a": "k"})
-    assert m.gang is not None and m.gang.rank == 1 and m.multi is None and m.batch is None
-    assert wc.run_meta({}) == wc.RunMeta()
+    assert m.gang is not None and m.multi is None and m.batch is None
 
 
 def test_helper_pipe_carries_protocol_messages() -> None:

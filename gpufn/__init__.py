@@ -20,7 +20,6 @@ from gpufn.exceptions import (
     InvalidSpec,
     ModelLoadError,
     OutOfMemory,
-    Preempted,
     ProtocolMismatch,
     QueueFull,
     RemoteError,
@@ -41,7 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AuthenticationError", "CallContext", "Cancelled", "Client", "ConnectionLost", "Function",
     "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
-    "OutOfMemory", "Preempted", "ProtocolMismatch", "QueueFull", "RemoteError",
+    "OutOfMemory", "ProtocolMismatch", "QueueFull", "RemoteError",
     "SerializationError", "Timeout", "Unschedulable", "WorkerLost", "connect", "context",
     "current_device", "gpu", "model",
 ]

@@ -43,10 +43,6 @@ class Cancelled(GpufnError):
     """The call was cancelled before it produced a result."""
 
 
-class Preempted(GpufnError):
-    """A preemptible call was stopped for higher-priority work (it is re-queued)."""
-
-
 class AuthenticationError(GpufnError):
     """The token sent to the scheduler is missing or wrong."""
 
@@ -91,7 +87,7 @@ _BY_NAME: dict[str, type[GpufnError]] = {
     cls.__name__: cls
     for cls in (
         GpufnError, InvalidSpec, Unschedulable, SerializationError, Timeout, WorkerLost,
-        QueueFull, OutOfMemory, Cancelled, Preempted, AuthenticationError, ProtocolMismatch,
+        QueueFull, OutOfMemory, Cancelled, AuthenticationError, ProtocolMismatch,
         ConnectionLost, ModelLoadError,
     )
 }

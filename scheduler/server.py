@@ -21,6 +21,7 @@ import zmq
 
 from gpufn import _sockets
 from gpufn import protocol as p
+from gpufn.exceptions import ProtocolMismatch, kind_of
 from gpufn.scheduler.core import (
     Event,
     Received,
@@ -95,7 +96,7 @@ class SchedulerServer:
                             msgs = p.decode_all(frames[1:])
                         except p.DecodeError as e:
                             log.warning("undecodable message from %r: %s", peer, e)
-                            self._deliver([Send(peer, p.Error("ProtocolMismatch", str(e)))])
+                            self._deliver([Send(peer, p.Error(kind_of(ProtocolMismatch), str(e)))])
                             continue
                         events.extend(Received(peer, m) for m in msgs)
                 now = time.monotonic()

@@ -36,7 +36,9 @@ _TERMINAL = (InvState.SUCCEEDED, InvState.FAILED, InvState.CANCELLED)
 TABLE: dict[tuple[InvState, InvState], str] = {
     (InvState.QUEUED, InvState.RUNNING): "dispatch",
     (InvState.RUNNING, InvState.QUEUED): "requeue",
-    **{(s, t): "finish" for s in (InvState.QUEUED, InvState.RUNNING) for t in _TERMINAL},
+    (InvState.QUEUED, InvState.FAILED): "finish",  # refused, expired, unplaceable
+    (InvState.QUEUED, InvState.CANCELLED): "finish",
+    **{(InvState.RUNNING, t): "finish" for t in _TERMINAL},
 }
 
 

@@ -214,7 +214,7 @@ def main() -> None:
               f"{statistics.median(cold) / mw:,.0f}x")
     tab.add_row(f"a warm pool vs launching processes: torchrun --nproc-per-node {a.world}", ms(launch),
               f"{statistics.median(launch) / mw:,.0f}x")
-    Console().print(tab)
+    Console(width=None if sys.stdout.isatty() else 120).print(tab)
     print(f"gpufn's warm gang takes {mw / mh:.2f}x the hand-driven warm group's time per call "
           f"({(mw - mh) * 1e3:+.1f} ms: scheduler hop, placement, code and result frames)")
 

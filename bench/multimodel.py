@@ -23,7 +23,8 @@ Policies (each on a fresh embedded cluster, torn down between runs):
                     replica per device, max_num_models_per_replica = the LRU-count limit,
                     the same loaders; a load that takes a replica's cached model bytes
                     plus the call's workspace over --device-memory fails as an (emulated)
-                    OOM. Runs only when `ray[serve]` is importable.
+                    OOM (models Ray evicted while calls still used them are not counted,
+                    which errs in Ray's favour). Runs only when `ray[serve]` is importable.
 
 The host budget defaults to half the total weights (--host-fraction), so the host tier
 cannot hold everything and the eviction policy matters there too.
@@ -339,26 +340,31 @@ def run_ray(specs: list[ModelSpec], loaders: list[Any], trace: list[tuple[float,
     device_memory, workspace = a.device_memory_bytes, a.workspace_bytes
     threads = torch.get_num_threads()  # what a gpufn worker gets by default
     before = descendants(os.getpid())
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
     ray.init(num_cpus=max(2, a.devices), include_dashboard=False, log_to_driver=False,
              logging_level=logging.ERROR, object_store_memory=256 * MiB)
     try:
         serve.start(http_options={"location": "NoServer"}, logging_config={"log_level": "ERROR"})
 
         class Held:
-            """A cached model; Ray calls __del__ when its LRU evicts it."""
+            """A cached model; Ray calls __del__ when its LRU evicts it (and Python may
+            call it again at collection: only the entry it owns is removed)."""
 
-            def __init__(self, model: Any, mid: str, resident: dict[str, int]) -> None:
-                self.model, self.mid, self.resident = model, mid, resident
+            def __init__(self, model: Any, mid: str, nbytes: int,
+                         resident: dict[str, Any]) -> None:
+                self.model, self.mid, self.nbytes, self.resident = model, mid, nbytes, resident
+                resident[mid] = self
 
             def __del__(self) -> None:
-                self.resident.pop(self.mid, None)
+                if self.resident.get(self.mid) is self:
+                    del self.resident[self.mid]
 
         @serve.deployment(num_replicas=a.devices, max_ongoing_requests=a.slots or 8,
                           ray_actor_options={"num_cpus": 0})
         class Pool:
             def __init__(self) -> None:
                 torch.set_num_threads(threads)
-                self.resident: dict[str, int] = {}
+                self.resident: dict[str, Any] = {}  # model id -> Held, while Ray caches it
                 # the loader's seconds, seen by the call whose get_model ran it
                 self.loaded: contextvars.ContextVar[float] = contextvars.ContextVar(
                     "loaded", default=0.0)
@@ -368,15 +374,17 @@ def run_ray(specs: list[ModelSpec], loaders: list[Any], trace: list[tuple[float,
                 i = int(mid)
                 # Ray has already evicted its LRU model if the count was full; bytes are
                 # not looked at, so a device of this size would run out of memory here
-                if sum(self.resident.values()) + sizes[i] + workspace > device_memory:
+                if self.resident_bytes() + sizes[i] + workspace > device_memory:
                     raise RuntimeError(
                         f"OutOfMemory (emulated): model {mid} of {sizes[i]} bytes beside "
-                        f"{sum(self.resident.values())} resident on a {device_memory}-byte device")
+                        f"{self.resident_bytes()} resident on a {device_memory}-byte device")
                 t = time.perf_counter()
                 model = await asyncio.to_thread(loaders[i])
                 self.loaded.set(time.perf_counter() - t)
-                self.resident[mid] = sizes[i]
-                return Held(model, mid, self.resident)
+                return Held(model, mid, sizes[i], self.resident)
+
+            def resident_bytes(self) -> int:
+                return sum(h.nbytes for h in self.resident.values())
 
             async def __call__(self, batch: int) -> tuple[float, float, int, int]:
                 self.loaded.set(0.0)
@@ -389,7 +397,7 @@ def run_ray(specs: list[ModelSpec], loaders: list[Any], trace: list[tuple[float,
                         return float(m(torch.ones(batch, m[0].in_features))[0, 0])
 
                 y = await asyncio.to_thread(forward)
-                return y, load_s, os.getpid(), sum(self.resident.values())
+                return y, load_s, os.getpid(), self.resident_bytes()
 
         handle = serve.run(Pool.bind(), name="multimodel",  # type: ignore[attr-defined]
                            route_prefix=None)

@@ -69,6 +69,14 @@ def wait_gone(pids: set[int], timeout: float = 15.0) -> list[int]:
     return sorted(p for p in pids if alive(p))
 
 
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+    except OSError:
+        return "?"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
@@ -103,7 +111,7 @@ def main() -> None:
     tensor = torch.zeros(MiB, dtype=torch.float32)  # 4 MiB
     payload = tensor.numpy().tobytes()
     rows: dict[str, list[float]] = {}
-    leftover: set[int] = set()
+    leftover: set[int] = set()  # slow to exit after a phase; checked again at the end
 
     def add(key: str, value: float) -> None:
         rows.setdefault(key, []).append(value)
@@ -227,9 +235,11 @@ def main() -> None:
                   f"gpufn {med['gpufn map calls/s'] / med['ray 10k tasks/s']:.2f}x")
     else:
         t.add_row("Ray", "", "not installed (pip install ray)", "")
-    Console().print(t)
-    if leftover:
-        print(f"processes left behind: {sorted(leftover)}", file=sys.stderr)
+    Console(width=None if sys.stdout.isatty() else 120).print(t)
+    left = wait_gone(leftover, 30.0)
+    if left:
+        for p in left:
+            print(f"process left behind: {p} {cmdline(p)}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -38,10 +38,11 @@ tier under each rule, byte-accurate admission) and the issue's targets. With --r
 N each cell is "min / median" over N runs of the trace.
 
     python bench/multimodel.py [--requests 480 --rate 6 --repeats 3 --seed 0]
-    python bench/multimodel.py --quick        # a short smoke run (about 2 minutes)
+    python bench/multimodel.py --quick        # a short smoke run, 1 run (about 5 minutes)
 
-The defaults take about 1.5 minutes per policy on a 2-core CPU machine; the request
-rate is the knob to raise where there are more cores.
+The defaults take about 1.5 minutes per policy and run on a 2-core CPU machine (7
+policies x 3 runs: about 30 minutes; Ray Serve's start adds a minute per run); the
+request rate is the knob to raise where there are more cores.
 """
 
 from __future__ import annotations
@@ -706,7 +707,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="LRU-count models per device (0: how many average-size models fit)")
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help=f"comma-separated subset of {', '.join(POLICIES)}")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of the trace per policy")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of the trace per policy")
     ap.add_argument("--seed", type=int, default=0, help="seeds model sizes, ranks and trace")
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds to wait after the last arrival before cancelling the rest")
@@ -722,7 +723,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.device_memory, a.min_mib, a.max_mib = "128MiB", 8.0, 48.0
         a.requests, a.rate, a.drain_timeout, a.sample_ms = 60, 4.0, 15.0, 200.0
-        a.total_ratio = 2.0
+        a.total_ratio, a.repeats = 2.0, 1
     a.device_memory_bytes = parse_memory(a.device_memory, "--device-memory")
     a.workspace_bytes = workspace = parse_memory(a.workspace, "--workspace")
     if a.host_fraction <= 0:

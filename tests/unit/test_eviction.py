@@ -144,3 +144,14 @@ def test_host_tier_suffixes() -> None:
         policy_by_name("cost:nohost")
     with pytest.raises(InvalidSpec, match="unknown eviction policy"):
         policy_by_name("lru:host")
+
+
+def test_host_tier_suffix_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufn.scheduler.core import SchedulerConfig
+
+    monkeypatch.setenv("GPUFN_EVICTION_POLICY", "cost:no-host")
+    p = SchedulerConfig.from_env(None).policy()
+    assert isinstance(p, CostAwarePolicy) and not p.offload
+    monkeypatch.setenv("GPUFN_EVICTION_POLICY", "lru-bytes:host")
+    p = SchedulerConfig.from_env(None).policy()
+    assert isinstance(p, LRUBytesPolicy) and p.offload

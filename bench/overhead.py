@@ -236,7 +236,8 @@ def main() -> None:
     else:
         t.add_row("Ray", "", "not installed (pip install ray)", "")
     Console(width=None if sys.stdout.isatty() else 120).print(t)
-    left = wait_gone(leftover, 30.0)
+    # multiprocessing's resource tracker (started by the raw path) lives until we exit
+    left = [p for p in wait_gone(leftover, 30.0) if "resource_tracker" not in cmdline(p)]
     if left:
         for p in left:
             print(f"process left behind: {p} {cmdline(p)}", file=sys.stderr)

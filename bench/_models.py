@@ -98,7 +98,7 @@ def write_weights(specs: Sequence[ModelSpec], directory: str) -> int:
 
 def make_loader(spec: ModelSpec, directory: str, drop_file_cache: bool = False) -> Any:
     """A loader for `spec` that reads its safetensors file into an MLP built on the meta
-    device (no init work). `drop_file_cache`: ask the kernel to drop the file's pages
+    device (no init work): one read of the file, page cache permitting. `drop_file_cache`: ask the kernel to drop the file's pages
     first (posix_fadvise DONTNEED), so the read comes from disk, not the page cache."""
     width, layers = spec.width, spec.layers
     path = weights_path(spec, directory)
@@ -117,6 +117,10 @@ def make_loader(spec: ModelSpec, directory: str, drop_file_cache: bool = False) 
             finally:
                 os.close(fd)
         state = load_file(path)
+        if not torch.cuda.is_available():
+            # load_file maps the file lazily; copy so the weights are really read into
+            # the (simulated) device's memory, as moving them to a GPU would do
+            state = {k: v.clone() for k, v in state.items()}
         with torch.device("meta"):
             m = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
         m.load_state_dict(state, assign=True)

@@ -702,7 +702,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="loaders drop their file's page cache first (read from disk)")
     ap.add_argument("--quick", action="store_true",
                     help="a short smoke run: 128 MiB devices, 8-48 MiB models weighing 2x the pool, "
-                         "60 requests at 4/s, short drain")
+                         "100 requests at 5/s, short drain")
     ap.add_argument("--lru-max-models", type=int, default=0,
                     help="LRU-count models per device (0: how many average-size models fit)")
     ap.add_argument("--policies", default=",".join(POLICIES),
@@ -722,7 +722,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.quick:
         a.device_memory, a.min_mib, a.max_mib = "128MiB", 8.0, 48.0
-        a.requests, a.rate, a.drain_timeout, a.sample_ms = 60, 4.0, 15.0, 200.0
+        a.requests, a.rate, a.drain_timeout, a.sample_ms = 100, 5.0, 15.0, 200.0
         a.total_ratio, a.repeats = 2.0, 1
     a.device_memory_bytes = parse_memory(a.device_memory, "--device-memory")
     a.workspace_bytes = workspace = parse_memory(a.workspace, "--workspace")

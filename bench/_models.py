@@ -3,9 +3,11 @@
 * `plan_models`: N torch MLPs whose sizes are spread log-uniformly over a range (one
   size per log-stratum, jittered, so a short list still covers the whole range), with
   popularity ranks assigned by a seeded shuffle (so popularity is independent of size).
-* `make_model` / `make_function`: a `@gpufn.model` whose loader builds the MLP with a
-  seeded init (real construction work, no downloads) and one `@gpufn.gpu` function per
-  model running a small forward pass. The loaders and functions are closures, so
+* `write_weights`: each model's seeded weights written once to a safetensors file.
+* `make_loader` / `make_model` / `make_function`: a loader that reads the weights from
+  that file (as a real model server does: a file read plus tensor construction, no
+  random init, no downloads), a `@gpufn.model` over it, and one `@gpufn.gpu` function
+  per model running a small forward pass. The loaders and functions are closures, so
   cloudpickle ships them by value (workers never import this module).
 * `zipf_trace`: Poisson arrivals (open loop) with Zipf(s) popularity over the ranks.
 """
@@ -69,25 +71,70 @@ def plan_models(n: int, min_bytes: float, max_bytes: float, seed: int) -> list[M
     return sorted(specs, key=lambda s: s.rank)
 
 
-def make_model(spec: ModelSpec) -> Any:
-    """A `@gpufn.model` for `spec` (estimate = its exact weight bytes)."""
-    import gpufn
+def weights_path(spec: ModelSpec, directory: str) -> str:
+    return os.path.join(directory, f"{spec.name}.safetensors")
 
-    width, layers, seed = spec.width, spec.layers, spec.seed
+
+def write_weights(specs: Sequence[ModelSpec], directory: str) -> int:
+    """Write each spec's seeded fp32 weights (nn.Linear's init range) to
+    `directory/<name>.safetensors`, as keys of an nn.Sequential; returns bytes written."""
+    import torch
+    from safetensors.torch import save_file
+
+    total = 0
+    for spec in specs:
+        gen = torch.Generator().manual_seed(spec.seed)
+        bound = 1 / math.sqrt(spec.width)
+        tensors = {}
+        for i in range(spec.layers):
+            tensors[f"{i}.weight"] = torch.empty(spec.width, spec.width).uniform_(
+                -bound, bound, generator=gen)
+            tensors[f"{i}.bias"] = torch.empty(spec.width).uniform_(-bound, bound, generator=gen)
+        path = weights_path(spec, directory)
+        save_file(tensors, path)
+        total += os.path.getsize(path)
+    return total
+
+
+def make_loader(spec: ModelSpec, directory: str, drop_file_cache: bool = False) -> Any:
+    """A loader for `spec` that reads its safetensors file into an MLP built on the meta
+    device (no init work): one read of the file, page cache permitting. `drop_file_cache`: ask the kernel to drop the file's pages
+    first (posix_fadvise DONTNEED), so the read comes from disk, not the page cache."""
+    width, layers = spec.width, spec.layers
+    path = weights_path(spec, directory)
 
     def load() -> Any:
+        import os
+
         import torch
+        from safetensors.torch import load_file
         from torch import nn
 
-        gen_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
-        try:
-            return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).eval()
-        finally:
-            torch.random.set_rng_state(gen_state)
+        if drop_file_cache and hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        state = load_file(path)
+        if not torch.cuda.is_available():
+            # load_file maps the file lazily; copy so the weights are really read into
+            # the (simulated) device's memory, as moving them to a GPU would do
+            state = {k: v.clone() for k, v in state.items()}
+        with torch.device("meta"):
+            m = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        m.load_state_dict(state, assign=True)
+        return m.eval()
 
     load.__name__ = load.__qualname__ = f"load_{spec.name}"
-    return gpufn.model(name=spec.name, memory=spec.nbytes)(load)
+    return load
+
+
+def make_model(spec: ModelSpec, loader: Any) -> Any:
+    """A `@gpufn.model` for `spec` over `loader` (estimate = its exact weight bytes)."""
+    import gpufn
+
+    return gpufn.model(name=spec.name, memory=spec.nbytes)(loader)
 
 
 def make_function(model: Any, workspace: str, concurrency: int = 1) -> Any:

@@ -44,6 +44,10 @@ def forwarder(addr_q: Any, transport: str) -> None:
             sock.send_multipart([frames[2], *frames[3:]], copy=False)
         elif kind == b"X":
             break
+    sock.close(0)
+    ctx.term()
+    if addr.startswith("ipc://"):
+        os.unlink(addr.removeprefix("ipc://"))
 
 
 def echo_worker(addr: str, small_reply: bool) -> None:

@@ -1,24 +1,35 @@
-"""Gang call overhead: a no-op `@gpu(count=4)` call on a warm gang vs the first (cold)
-call of a new gang vs launching the same SPMD script with `torchrun --nproc-per-node 4`.
+"""Gang call overhead: a no-op `@gpu(count=4)` call on a warm gang vs a warm gloo group
+driven by hand, vs the first (cold) call of a new gang, vs launching the same SPMD
+script with `torchrun --nproc-per-node 4`.
 
     python bench/gang.py [--repeats 5] [--world 4]
+    python bench/gang.py --quick      # a short smoke run
 
+Warm alternative (the floor for a warm pool): 4 persistent processes that each hold an
+initialised gloo group and wait on a pyzmq DEALER socket (gpufn's transport, over a
+Unix socket); the driver sends each "run", they all_reduce one element and answer.
+No scheduler, no placement, no serialisation of code: how close gpufn's warm gang
+comes to it is the printed ratio.
 Cold = the first call after the gang's group was torn down (a failing rank breaks it),
 on workers that are already running: a process-group init, no process start.
 torchrun = starting 4 Python processes that import torch, init a gloo group, run the
-same no-op and exit: what each call costs without a warm pool.
+same no-op and exit: what each call costs without a warm pool (a warm pool vs
+launching processes, not a like-for-like comparison).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+from typing import Any
 
 SPMD_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
@@ -29,12 +40,92 @@ SPMD_SCRIPT = textwrap.dedent("""
 """)
 
 
+# ---------------------------------------------------------------------------- warm pool
+
+def pool_rank(rank: int, world: int, store_port: int, addr: str) -> None:
+    """One rank of the hand-driven warm group: init once, then all_reduce per command."""
+    import torch
+    import torch.distributed as dist
+    import zmq
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}",
+                            rank=rank, world_size=world)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(addr)
+    sock.send(b"ready")
+    try:
+        while sock.recv() == b"run":
+            dist.all_reduce(torch.ones(1))
+            sock.send(b"done")
+    finally:
+        dist.destroy_process_group()
+        sock.close(0)
+        ctx.term()
+
+
+class WarmGroup:
+    """`world` processes holding a gloo group, driven over zmq ROUTER -> DEALER (ipc)."""
+
+    def __init__(self, world: int) -> None:
+        import zmq
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.addr = f"ipc://{tempfile.gettempdir()}/gpufn-bench-gang-{os.getpid()}.sock"
+        self.sock.bind(self.addr)
+        spawn = mp.get_context("spawn")
+        self.procs = [spawn.Process(target=pool_rank, args=(r, world, port, self.addr), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.peers: list[bytes] = []
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        deadline = time.monotonic() + 120
+        while len(self.peers) < world:
+            if not poller.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                self.close()
+                raise RuntimeError("the warm gloo group did not start")
+            peer, _ = self.sock.recv_multipart()
+            self.peers.append(peer)
+
+    def call(self) -> None:
+        for peer in self.peers:
+            self.sock.send_multipart([peer, b"run"])
+        for _ in self.peers:
+            self.sock.recv_multipart()
+
+    def close(self) -> None:
+        for peer in self.peers:
+            self.sock.send_multipart([peer, b"stop"])
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+        try:
+            os.unlink(self.addr.removeprefix("ipc://"))
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------- main
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--warm-calls", type=int, default=50)
+    ap.add_argument("--quick", action="store_true", help="a short smoke run")
     a = ap.parse_args()
+    if a.quick:
+        a.repeats, a.warm_calls = 2, 10
     os.environ.setdefault("GPUFN_CPU_DEVICES", str(a.world))
     os.environ.setdefault("GPUFN_PROGRESS", "0")
 
@@ -54,38 +145,54 @@ def main() -> None:
             raise SystemExit("workers did not start")
         time.sleep(0.1)
 
-    cold, warm, launch = [], [], []
-    for r in range(a.repeats):
-        # cold: abort the warm group by running a gang whose rank fails, then time the next call
-        @gpufn.gpu(count=a.world, timeout=120)
-        def breaker() -> None:
-            if gpufn.context().rank == 0:
-                raise RuntimeError("break the group")
-            dist.all_reduce(torch.ones(1))
+    group = WarmGroup(a.world)
+    for _ in range(10):
+        group.call()
 
-        try:
-            breaker.remote()
-        except RuntimeError:
-            pass
-        t = time.perf_counter()
-        noop.remote()
-        cold.append(time.perf_counter() - t)
+    def warm_median(fn: Any) -> float:
         samples = []
         for _ in range(a.warm_calls):
             t = time.perf_counter()
-            noop.remote()
+            fn()
             samples.append(time.perf_counter() - t)
-        warm.append(statistics.median(samples))
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write(SPMD_SCRIPT)
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={a.world}", f.name], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-        launch.append(time.perf_counter() - t)
-        os.unlink(f.name)
-        print(f"round {r + 1}/{a.repeats} done", file=sys.stderr)
+        return statistics.median(samples)
+
+    cold: list[float] = []
+    warm: list[float] = []
+    hand: list[float] = []
+    launch: list[float] = []
+    try:
+        for r in range(a.repeats):
+            # cold: abort the warm group by running a gang whose rank fails, then time the next call
+            @gpufn.gpu(count=a.world, timeout=120)
+            def breaker() -> None:
+                if gpufn.context().rank == 0:
+                    raise RuntimeError("break the group")
+                dist.all_reduce(torch.ones(1))
+
+            try:
+                breaker.remote()
+            except RuntimeError:
+                pass
+            t = time.perf_counter()
+            noop.remote()
+            cold.append(time.perf_counter() - t)
+            # warm, alternating which of the two warm paths goes first
+            pair = [("gpufn", noop.remote), ("hand", group.call)]
+            for name, fn in pair if r % 2 == 0 else pair[::-1]:
+                (warm if name == "gpufn" else hand).append(warm_median(fn))
+            with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+                f.write(SPMD_SCRIPT)
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={a.world}", f.name], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+            launch.append(time.perf_counter() - t)
+            os.unlink(f.name)
+            print(f"round {r + 1}/{a.repeats} done", file=sys.stderr)
+    finally:
+        group.close()
 
     from rich.console import Console
     from rich.table import Table
@@ -93,16 +200,23 @@ def main() -> None:
     def ms(v: list[float]) -> str:
         return f"{min(v) * 1e3:,.1f} / {statistics.median(v) * 1e3:,.1f}"
 
-    t = Table(title=f"no-op gang call, world size {a.world} ({a.repeats} runs, min / median ms; "
-                    f"{os.cpu_count()} cores, gloo on simulated devices)")
-    t.add_column("path")
-    t.add_column("ms", justify="right")
-    t.add_column("vs warm (median)", justify="right")
-    mw = statistics.median(warm)
-    t.add_row("gpufn warm gang (no init)", ms(warm), "1x")
-    t.add_row("gpufn cold gang (group init)", ms(cold), f"{statistics.median(cold) / mw:,.0f}x")
-    t.add_row(f"torchrun --nproc-per-node {a.world}", ms(launch), f"{statistics.median(launch) / mw:,.0f}x")
-    Console().print(t)
+    tab = Table(title=f"no-op gang call, world size {a.world} ({a.repeats} runs, min / median ms; "
+                    f"warm rows: median of {a.warm_calls} calls per run; {os.cpu_count()} cores, "
+                    "gloo on simulated devices)")
+    tab.add_column("path")
+    tab.add_column("ms", justify="right")
+    tab.add_column("vs gpufn warm (median)", justify="right")
+    mw, mh = statistics.median(warm), statistics.median(hand)
+    tab.add_row("warm: gpufn warm gang (no init)", ms(warm), "1x")
+    tab.add_row(f"warm: hand-driven gloo group ({a.world} processes, zmq ipc, no scheduler)", ms(hand),
+              f"{mh / mw:.2f}x")
+    tab.add_row("gpufn cold gang (group init on running workers)", ms(cold),
+              f"{statistics.median(cold) / mw:,.0f}x")
+    tab.add_row(f"a warm pool vs launching processes: torchrun --nproc-per-node {a.world}", ms(launch),
+              f"{statistics.median(launch) / mw:,.0f}x")
+    Console(width=None if sys.stdout.isatty() else 120).print(tab)
+    print(f"gpufn's warm gang takes {mw / mh:.2f}x the hand-driven warm group's time per call "
+          f"({(mw - mh) * 1e3:+.1f} ms: scheduler hop, placement, code and result frames)")
 
 
 if __name__ == "__main__":

@@ -6,14 +6,21 @@ Prints, for this machine, side by side:
   * `.map()` throughput over 10,000 no-op inputs;
   * 1,000 inputs of a 4 MiB tensor each (MB/s) vs raw zmq moving the same bytes;
   * the same no-op round trip and 10k-task throughput with Ray when `ray` is importable.
-Each measurement is repeated (--repeats) and reported as min / median.
+
+The systems are interleaved within each round, each measured with the others stopped:
+gpufn's embedded cluster is started, measured and torn down, then the raw transport's
+processes, then Ray's (`ray.init` .. `ray.shutdown`); the order rotates from round to
+round so no system always goes first. Each measurement is repeated (--repeats) and
+reported as min / median.
 
     python bench/overhead.py [--repeats 5] [--transport ipc|tcp] [--no-ray]
+    python bench/overhead.py --quick       # a short smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -23,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _models import alive, descendants
 from _raw import RawPath
 
 MiB = 2**20
@@ -54,6 +62,21 @@ def summarize(vals: list[float]) -> str:
     return f"{min(vals):,.0f} / {statistics.median(vals):,.0f}"
 
 
+def wait_gone(pids: set[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return sorted(p for p in pids if alive(p))
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+    except OSError:
+        return "?"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
@@ -64,7 +87,10 @@ def main() -> None:
                     help="embedded cluster transport (ipc is its default)")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a short smoke run (2 rounds, small n)")
     a = ap.parse_args()
+    if a.quick:
+        a.repeats, a.n_latency, a.n_map, a.n_large = 2, 200, 1000, 50
     os.environ["GPUFN_EMBEDDED_TRANSPORT"] = a.transport
     os.environ["GPUFN_CPU_DEVICES"] = str(a.devices)
     os.environ.setdefault("GPUFN_PROGRESS", "0")
@@ -72,6 +98,7 @@ def main() -> None:
     import torch
 
     import gpufn
+    from gpufn import client as gclient
 
     @gpufn.gpu
     def noop() -> None:
@@ -82,71 +109,106 @@ def main() -> None:
         return None
 
     tensor = torch.zeros(MiB, dtype=torch.float32)  # 4 MiB
+    payload = tensor.numpy().tobytes()
     rows: dict[str, list[float]] = {}
+    leftover: set[int] = set()  # slow to exit after a phase; checked again at the end
 
     def add(key: str, value: float) -> None:
         rows.setdefault(key, []).append(value)
 
-    client = gpufn.connect()
-    deadline = time.monotonic() + 120
-    while any(d["state"] != "ready" for d in client.status()["devices"]):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"workers did not start: {client.status()['devices']}")
-        time.sleep(0.1)
-    for _ in range(200):
-        noop.remote()
+    def measure_gpufn() -> None:
+        before = descendants(os.getpid())
+        client = gpufn.connect()
+        try:
+            deadline = time.monotonic() + 120
+            while any(d["state"] != "ready" for d in client.status()["devices"]):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"workers did not start: {client.status()['devices']}")
+                time.sleep(0.1)
+            for _ in range(200):
+                noop.remote()
+            list(noop1.map(range(4 * a.devices)))
+            p50, p99 = roundtrips(noop.remote, a.n_latency)
+            add("gpufn p50 us", p50 * 1e6)
+            add("gpufn p99 us", p99 * 1e6)
+            dt = timed(lambda: list(noop1.map(range(a.n_map))))
+            add("gpufn map calls/s", a.n_map / dt)
+            dt = timed(lambda: list(noop1.map([tensor] * a.n_large)))
+            add("gpufn 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
+        finally:
+            mine = descendants(os.getpid()) - before
+            gclient._shutdown_default()
+            leftover.update(wait_gone(mine))
 
-    raw = {t: RawPath(transport=t) for t in ("tcp", "ipc")}
-    raw_small = RawPath(small_reply=True, transport=a.transport, n_workers=a.devices)
-    payload = tensor.numpy().tobytes()
-    for r in range(a.repeats):
-        for t, path in raw.items():
-            p50, p99 = roundtrips(lambda path=path: path.roundtrip(b"x"), a.n_latency)
-            add(f"raw {t} p50 us", p50 * 1e6)
-            add(f"raw {t} p99 us", p99 * 1e6)
-        p50, p99 = roundtrips(noop.remote, a.n_latency)
-        add("gpufn p50 us", p50 * 1e6)
-        add("gpufn p99 us", p99 * 1e6)
-        dt = timed(lambda: list(noop1.map(range(a.n_map))))
-        add("gpufn map calls/s", a.n_map / dt)
-        dt = timed(lambda: raw_small.pipelined([b"x"] * a.n_map))
-        add("raw map msgs/s", a.n_map / dt)
-        dt = timed(lambda: list(noop1.map([tensor] * a.n_large)))
-        add("gpufn 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
-        dt = timed(lambda: raw_small.pipelined([payload] * a.n_large, window=64))
-        add("raw 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
-        print(f"round {r + 1}/{a.repeats} done", file=sys.stderr)
-    for path in [*raw.values(), raw_small]:
-        path.close()
+    def measure_raw() -> None:
+        before = descendants(os.getpid())
+        raw = {t: RawPath(transport=t) for t in ("tcp", "ipc")}
+        raw_small = RawPath(small_reply=True, transport=a.transport, n_workers=a.devices)
+        try:
+            for t, path in raw.items():
+                p50, p99 = roundtrips(functools.partial(path.roundtrip, b"x"), a.n_latency)
+                add(f"raw {t} p50 us", p50 * 1e6)
+                add(f"raw {t} p99 us", p99 * 1e6)
+            dt = timed(lambda: raw_small.pipelined([b"x"] * a.n_map))
+            add("raw map msgs/s", a.n_map / dt)
+            dt = timed(lambda: raw_small.pipelined([payload] * a.n_large, window=64))
+            add("raw 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
+        finally:
+            for path in [*raw.values(), raw_small]:
+                path.close()
+            leftover.update(wait_gone(descendants(os.getpid()) - before))
 
-    ray_rows: dict[str, list[float]] = {}
+    systems: list[tuple[str, Callable[[], None]]] = [("gpufn", measure_gpufn), ("raw", measure_raw)]
+    ray: Any = None
     if not a.no_ray:
         try:
             import ray
         except ImportError:
             ray = None
-        if ray is not None:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            print("note: Ray is not installed (pip install ray); its rows are skipped",
+                  file=sys.stderr)
+    if ray is not None:
+        @ray.remote
+        def rnoop() -> None:
+            return None
 
-            @ray.remote
-            def rnoop() -> None:
-                return None
-
-            for _ in range(a.repeats):
+        def measure_ray() -> None:
+            before = descendants(os.getpid())
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     object_store_memory=256 * MiB)
+            try:
+                for _ in range(200):
+                    ray.get(rnoop.remote())
                 p50, p99 = roundtrips(lambda: ray.get(rnoop.remote()), a.n_latency)
-                ray_rows.setdefault("ray task p50 us", []).append(p50 * 1e6)
-                ray_rows.setdefault("ray task p99 us", []).append(p99 * 1e6)
+                add("ray task p50 us", p50 * 1e6)
+                add("ray task p99 us", p99 * 1e6)
                 dt = timed(lambda: ray.get([rnoop.remote() for _ in range(a.n_map)]))
-                ray_rows.setdefault("ray 10k tasks/s", []).append(a.n_map / dt)
-            ray.shutdown()
+                add("ray 10k tasks/s", a.n_map / dt)
+            finally:
+                ray.shutdown()
+                leftover.update(wait_gone(descendants(os.getpid()) - before))
+
+        systems.append(("ray", measure_ray))
+
+    for r in range(a.repeats):
+        k = r % len(systems)
+        order = systems[k:] + systems[:k]
+        for _, measure in order:
+            measure()
+        print(f"round {r + 1}/{a.repeats} done (order: {', '.join(n for n, _ in order)})",
+              file=sys.stderr)
+    ray_rows = {k: v for k, v in rows.items() if k.startswith("ray ")}
+    rows = {k: v for k, v in rows.items() if not k.startswith("ray ")}
 
     from rich.console import Console
     from rich.table import Table
 
     med = {k: statistics.median(v) for k, v in {**rows, **ray_rows}.items()}
     tr = a.transport
-    t = Table(title=f"gpufn call overhead ({a.repeats} runs, min / median; embedded transport {tr}, "
-                    f"{a.devices} simulated devices, {os.cpu_count()} cores)")
+    t = Table(title=f"gpufn call overhead ({a.repeats} rounds, min / median; each round measures "
+                    f"gpufn, raw zmq{' and Ray' if ray_rows else ''} in turn, the others stopped; "
+                    f"embedded transport {tr}, {a.devices} simulated devices, "
+                    f"{os.cpu_count()} cores)")
     t.add_column("measurement")
     t.add_column("gpufn", justify="right")
     t.add_column("baseline", justify="right")
@@ -169,11 +231,17 @@ def main() -> None:
     if ray_rows:
         t.add_row("Ray task no-op p50 (us)", "", summarize(ray_rows["ray task p50 us"]),
                   f"gpufn {med['ray task p50 us'] / med['gpufn p50 us']:.2f}x faster")
-        t.add_row("Ray 10k tasks (tasks/s)", "", summarize(ray_rows["ray 10k tasks/s"]),
+        t.add_row(f"Ray {a.n_map:,} tasks (tasks/s)", "", summarize(ray_rows["ray 10k tasks/s"]),
                   f"gpufn {med['gpufn map calls/s'] / med['ray 10k tasks/s']:.2f}x")
     else:
         t.add_row("Ray", "", "not installed (pip install ray)", "")
-    Console().print(t)
+    Console(width=None if sys.stdout.isatty() else 120).print(t)
+    # multiprocessing's resource tracker (started by the raw path) lives until we exit
+    left = [p for p in wait_gone(leftover, 30.0) if "resource_tracker" not in cmdline(p)]
+    if left:
+        for p in left:
+            print(f"process left behind: {p} {cmdline(p)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -121,17 +121,43 @@ class LRUCountPolicy(EvictionPolicy):
         return self.max_models
 
 
+@dataclass(frozen=True)
+class LRUBytesPolicy(EvictionPolicy):
+    """Plain LRU with byte-accurate admission: the least recently used idle models go
+    first until the request fits, and a request is only admitted when it fits (never
+    over-commits). The fair LRU baseline next to `cost`; no host tier unless asked."""
+
+    offload: bool = False
+
+    name: ClassVar[str] = "lru-bytes"
+
+    def value(self, entry: ModelEntry) -> float:
+        return entry.last_used
+
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     CostAwarePolicy.name: CostAwarePolicy,
     LRUCountPolicy.name: LRUCountPolicy,
+    LRUBytesPolicy.name: LRUBytesPolicy,
 }
+# `NAME:host` / `NAME:no-host` turn the host tier (offload to host memory) on or off
+# whatever the policy's default, e.g. `cost:no-host` or `lru-bytes:host` (ablations).
+HOST_SUFFIXES = {"host": True, "no-host": False}
 
 
 def policy_by_name(name: str, **options: Any) -> EvictionPolicy:
-    """A policy from config: `policy_by_name("lru-count", max_models=2)`."""
-    cls = POLICIES.get(name)
+    """A policy from config: `policy_by_name("lru-count", max_models=2)`,
+    `policy_by_name("cost:no-host")`."""
+    base, sep, suffix = name.partition(":")
+    if sep:
+        if suffix not in HOST_SUFFIXES:
+            raise InvalidSpec(f"eviction policy {name!r}: the suffix must be one of "
+                              f"{', '.join(':' + k for k in HOST_SUFFIXES)}")
+        options = {**options, "offload": HOST_SUFFIXES[suffix]}
+    cls = POLICIES.get(base)
     if cls is None:
-        raise InvalidSpec(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")
+        raise InvalidSpec(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)} "
+                          f"(each optionally with {' or '.join(':' + k for k in HOST_SUFFIXES)})")
     try:
         return cls(**options)
     except TypeError as exc:

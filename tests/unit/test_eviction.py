@@ -1,5 +1,5 @@
-"""Eviction policies: the GDSF value and its preferences, the LRU-count baseline, and
-the name registry."""
+"""Eviction policies: the GDSF value and its preferences, the LRU-count and LRU-bytes
+baselines, and the name registry (with its host-tier suffixes)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from gpufn.exceptions import InvalidSpec
 from gpufn.memory_pool.eviction import (
     CostAwarePolicy,
     GiB,
+    LRUBytesPolicy,
     LRUCountPolicy,
     policy_by_name,
 )
@@ -114,9 +115,43 @@ def test_registry() -> None:
     assert policy_by_name("cost", priority_base=3.0).priority_base == 3.0
     lru = policy_by_name("lru-count", max_models=4)
     assert isinstance(lru, LRUCountPolicy) and lru.max_models == 4
-    with pytest.raises(InvalidSpec, match="known: cost, lru-count"):
+    with pytest.raises(InvalidSpec, match="known: cost, lru-count, lru-bytes"):
         policy_by_name("fifo")
     with pytest.raises(InvalidSpec, match="lru-count"):
         policy_by_name("lru-count", size=3)
     with pytest.raises(InvalidSpec, match="at least 1"):
         policy_by_name("lru-count", max_models=0)
+
+
+def test_lru_bytes_orders_by_recency_only_and_is_bytes_aware() -> None:
+    p = LRUBytesPolicy()
+    es = [entry("a", 100.0, uses=9, load=60.0, last_used=5.0),
+          entry("b", 0.1, load=60.0, priority=5, last_used=1.0), entry("c", 1.0, last_used=3.0)]
+    assert names(p.order(es)) == ["b", "c", "a"]
+    assert p.bytes_aware and p.model_limit() is None and not p.offload
+    assert p.inflate(7.0, es[0]) == 7.0
+
+
+def test_host_tier_suffixes() -> None:
+    assert policy_by_name("cost").offload and not policy_by_name("cost:no-host").offload
+    nohost = policy_by_name("cost:no-host", priority_base=3.0)
+    assert isinstance(nohost, CostAwarePolicy) and nohost.priority_base == 3.0
+    assert not policy_by_name("lru-bytes").offload
+    host = policy_by_name("lru-bytes:host")
+    assert isinstance(host, LRUBytesPolicy) and host.offload
+    assert policy_by_name("lru-count:host", max_models=2).offload
+    with pytest.raises(InvalidSpec, match="suffix"):
+        policy_by_name("cost:nohost")
+    with pytest.raises(InvalidSpec, match="unknown eviction policy"):
+        policy_by_name("lru:host")
+
+
+def test_host_tier_suffix_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufn.scheduler.core import SchedulerConfig
+
+    monkeypatch.setenv("GPUFN_EVICTION_POLICY", "cost:no-host")
+    p = SchedulerConfig.from_env(None).policy()
+    assert isinstance(p, CostAwarePolicy) and not p.offload
+    monkeypatch.setenv("GPUFN_EVICTION_POLICY", "lru-bytes:host")
+    p = SchedulerConfig.from_env(None).policy()
+    assert isinstance(p, LRUBytesPolicy) and p.offload

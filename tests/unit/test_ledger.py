@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufn.memory_pool.eviction import CostAwarePolicy, LRUCountPolicy
+from gpufn.memory_pool.eviction import CostAwarePolicy, LRUBytesPolicy, LRUCountPolicy
 from gpufn.memory_pool.ledger import (
     DeviceLedger,
     HostLedger,
@@ -225,6 +225,28 @@ def test_lru_count_evicts_by_count_and_ignores_bytes() -> None:
     assert led.plan(Request((ModelNeed("c", 60),))) is None
     v = led.plan(Request((ModelNeed("c", 1), ModelNeed("d", 1), ModelNeed("e", 1))))
     assert isinstance(v, NeverFits) and "allows 2" in str(v)
+
+
+def test_lru_bytes_never_over_commits_and_offloads_only_when_asked() -> None:
+    for policy, host_tier in ((LRUBytesPolicy(), False), (LRUBytesPolicy(offload=True), True)):
+        host = HostLedger(1000)
+        led = DeviceLedger(100, host=host, key="n:0", policy=policy)
+        put(led, "old", 30, seconds=60.0)
+        put(led, "mid", 30)
+        put(led, "new", 30)
+        # old is used often and dear to reload, but least recently
+        for i, name in enumerate(["old"] * 5 + ["mid", "new"]):
+            led.acquire(f"u{i}", [ModelNeed(name, 30)], float(i))
+            led.release(f"u{i}", now=float(i))
+        # 10 free; a 45-byte model with 5 of workspace needs 40 more: the two least
+        # recently used go, by recency alone
+        p = plan(led, ModelNeed("x", 45), workspace=5)
+        assert set(p.victims) == {"old", "mid"} and p.free_after == 20
+        assert (set(p.offload), set(p.evict)) == (
+            ({"old", "mid"}, set()) if host_tier else (set(), {"old", "mid"}))
+        led.acquire("busy", [ModelNeed("new", 30)], 4.0)
+        assert led.plan(Request((ModelNeed("y", 71),))) is None  # would over-commit: waits
+        assert isinstance(led.plan(Request((ModelNeed("z", 101),))), NeverFits)
 
 
 def test_gdsf_in_the_ledger_keeps_hot_expensive_models() -> None:

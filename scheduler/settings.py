@@ -48,7 +48,7 @@ class SchedulerConfig:
         per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
         policy = c.env_str("GPUFN_EVICTION_POLICY", "cost") or "cost"
         options: dict[str, Any] = {}
-        if policy == "lru-count":
+        if policy.split(":")[0] == "lru-count":
             options["max_models"] = c.env_int("GPUFN_LRU_MAX_MODELS", 3)
         host = c.env_str("GPUFN_HOST_OFFLOAD_MEMORY")
         return cls(

@@ -32,6 +32,8 @@ class FunctionRecord:
     calls: int = 0
     runtime_by_device: dict[str, float] = field(default_factory=dict)
     warm_gang: tuple[str, ...] = ()  # the devices of its last gang, preferred again
+    app: str = ""  # the deployed app it belongs to ("" for an ad-hoc function)
+    version: int = 0  # the app version it belongs to (0: ad-hoc)
     model_keys: tuple[str, ...] = ()  # the shared models it uses (see scheduler/models.py)
 
     def is_short(self, threshold: float) -> bool:

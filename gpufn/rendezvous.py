@@ -1,5 +1,5 @@
 """The rendezvous a gang's ranks share: `GangSpec` (handed out by the scheduler in a
-Run's `meta["gang"]`), the backend choice, and the scheduler-hosted `TCPStore`.
+Run's `RunMeta.gang`), the backend choice, and the scheduler-hosted `TCPStore`.
 
 Wire-level and torch-free at import, so the scheduler and workers both use it.
 """
@@ -20,7 +20,7 @@ DEFAULT_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True, slots=True)
 class GangSpec:
-    """One rank's view of a gang formation, as the scheduler hands it out in `meta["gang"]`."""
+    """One rank's view of a gang formation, as the scheduler hands it out in `RunMeta.gang`."""
 
     gang_id: str
     generation: int

@@ -56,8 +56,8 @@ def test_64mib_tensors_cross_hosts(mesh: Mesh) -> None:
 
 
 def test_map_of_1000_from_two_client_hosts(mesh: Mesh) -> None:
-    ids = [(d, d.submit("map", n=1000)) for d in mesh.clients]
     t0 = time.monotonic()
+    ids = [(d, d.submit("map", n=1000)) for d in mesh.clients]
     outs = [d.wait(rid, 240) for d, rid in ids]
     for o in outs:
         assert o["ok"], o

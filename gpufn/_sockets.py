@@ -11,6 +11,9 @@ import zmq
 
 from gpufn import config
 
+RECONNECT_MS = 100
+RECONNECT_MAX_MS = 2000
+
 
 def configure(sock: zmq.Socket[Any], *, router: bool = False) -> None:
     hwm = config.high_water_mark()
@@ -26,6 +29,9 @@ def configure(sock: zmq.Socket[Any], *, router: bool = False) -> None:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     else:
         sock.setsockopt(zmq.IMMEDIATE, 0)
+        # Reconnect to a scheduler that went away with bounded exponential backoff.
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
 
 
 def watch_parent(parent_pid: int, on_exit: Any) -> None:

@@ -202,6 +202,7 @@ class SchedulerCore:
         if not isinstance(msg, p.Hello):
             known = self.peers.get(peer)
             if known is None:
+                self.counters.stale_results += isinstance(msg, p.Result)
                 self._send(peer, p.Error(
                     kind_of(AuthenticationError),
                     "this connection has not said Hello (or the scheduler restarted); reconnect",
@@ -413,12 +414,14 @@ class SchedulerCore:
         d = self._device_of(peer)
         inv = d.running.get(msg.invocation_id) if d is not None else None
         if d is None or inv is None:
+            self.counters.stale_results += 1
             return  # late result of a call already settled (timed out, retried elsewhere)
         d.last_seen = now
         token = msg.meta.dispatch_token
         if (inv.state is not InvState.RUNNING or d.key not in inv.devices
                 or token not in (0, inv.dispatch_token)):
             self.tx.release_reporter(inv, d)  # a stopped process or an earlier dispatch's
+            self.counters.stale_results += 1
             return
         if inv.shape.multi_device:
             self._on_rank_result(inv, d, msg, now)

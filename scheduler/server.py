@@ -61,6 +61,9 @@ class SchedulerServer:
         self._outbox: dict[bytes, deque[list[Any]]] = {}
         self._pending_events: list[Event] = []
         self._running = True
+        # Only an operator's explicit shutdown stops other hosts' supervisors and workers;
+        # a head that dies or is restarted leaves them reconnecting.
+        self.stop_hosts = False
         self._store: Any = None
         self._store_port: int | None = None
         self._store_error = ""
@@ -169,7 +172,12 @@ class SchedulerServer:
                 del self._outbox[peer]
 
     def _shutdown_peers(self) -> None:
-        for peer in list(self.core.peers):
+        """Tell clients we stop (their calls fail now instead of at their timeouts); tell
+        supervisors and workers only when `stop_hosts` (their own hosts' supervisors stop
+        with the process that started them)."""
+        for peer, info in list(self.core.peers.items()):
+            if info.role != p.Role.CLIENT and not self.stop_hosts:
+                continue
             try:
                 self.sock.send_multipart([peer, *p.encode(p.Shutdown("scheduler stopping"))],
                                          zmq.NOBLOCK)

@@ -82,6 +82,7 @@ class Counters:
     rejected: int = 0
     preempted: int = 0
     batches: int = 0
+    stale_results: int = 0  # results fenced off: from a lost worker, or an earlier dispatch
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import zmq
 
-from gpufn import _sockets, config
+from gpufn import _sockets, config, netif
 from gpufn import protocol as p
 from gpufn.connection import Backoff, Connection, ConnectionConfig
+from gpufn.exceptions import GpufnError
 from gpufn.memory_pool.probe import DeviceInfo
+from gpufn.worker.joining import JoinLog, refusal_reason
 
 log = logging.getLogger("gpufn.supervisor")
 
@@ -71,16 +73,22 @@ class Supervisor:
         self.slots = {d.key: _Slot(d, log_path=log_dir() / f"worker-{node}-{d.index}.log")
                       for d in devices}
         self.threads_per_worker = threads_per_worker
+        # Gang ranks on this host talk over the interface that reaches the scheduler.
+        self.net_env = netif.socket_ifname_env(address, os.environ)
         self.ctx = zmq.Context()
-        self.conn = Connection(self.ctx, ConnectionConfig(address, token), f"s/{node}/{os.getpid()}",
-                               p.Role.SUPERVISOR, {
-                                   "node": node,
-                                   "devices": [s.device.to_wire() for s in self.slots.values()],
-                                   "host_memory": _host_memory(),
-                               })
+        self.conn = self._connect()
         self.sock = self.conn.sock
         self._running = True
         self._early: list[p.Message] = []
+        self.join_log = JoinLog(address)
+
+    def _connect(self) -> Connection:
+        return Connection(self.ctx, ConnectionConfig(self.address, self.token),
+                          f"s/{self.node}/{os.getpid()}", p.Role.SUPERVISOR, {
+                              "node": self.node,
+                              "devices": [s.device.to_wire() for s in self.slots.values()],
+                              "host_memory": _host_memory(),
+                          })
 
     # ------------------------------------------------------------------ messages
 
@@ -90,6 +98,30 @@ class Supervisor:
     def handshake(self, timeout: float = 30.0) -> None:
         self._early = self.conn.handshake_or_exit(timeout, "supervisor")
 
+    def join(self, attempt_timeout: float = 10.0, give_up_after: float = 0.0) -> bool:
+        """Handshake until the scheduler welcomes us, retrying with bounded backoff and
+        logging each failed attempt with its reason (unreachable, wrong token, version
+        mismatch). False if stopped first, or if `give_up_after` seconds (>0) passed."""
+        start = time.monotonic()
+        while self._running:
+            try:
+                self._early = self.conn.handshake(attempt_timeout)
+                self.join_log.joined()
+                return True
+            except GpufnError as e:
+                wait = self.join_log.failed(refusal_reason(e))
+            if give_up_after and time.monotonic() - start + wait > give_up_after:
+                return False
+            # A fresh socket: hellos queued on the old one must not all arrive at once
+            # when the scheduler appears (each re-registers the devices).
+            self.conn.close()
+            self.conn = self._connect()
+            self.sock = self.conn.sock
+            deadline = time.monotonic() + wait
+            while self._running and time.monotonic() < deadline:
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        return False
+
     # ------------------------------------------------------------------ workers
 
     def _env(self, d: DeviceInfo) -> dict[str, str]:
@@ -98,6 +130,8 @@ class Supervisor:
         env["GPUFN_ADDRESS"] = self.address  # nested .remote() calls reach the same cluster
         env["CUDA_VISIBLE_DEVICES"] = d.uuid if d.kind == "cuda" else ""
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["GPUFN_NODE_ID"] = self.node
+        env.update(self.net_env)
         if self.threads_per_worker:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
                 env[var] = str(self.threads_per_worker)
@@ -172,6 +206,23 @@ class Supervisor:
         except ProcessLookupError:
             pass
 
+    def _on_other(self, msg: p.Message) -> None:
+        self.join_log.heard(time.monotonic())
+        if isinstance(msg, p.Welcome):
+            if msg.ok:
+                self.join_log.joined()
+            else:  # refused on a re-hello (e.g. restarted with another token): retry later
+                self.join_log.refused_again(refusal_reason(msg), time.monotonic())
+        elif self.conn.on_error(msg):  # forgotten: the scheduler restarted; Hello again
+            self.join_log.rejoining()
+
+    def _watch_scheduler(self, now: float) -> None:
+        """Log while the scheduler is silent, and say Hello again when a refusal's backoff
+        is over; ZeroMQ itself reconnects (with bounded backoff, see `_sockets`)."""
+        if self.join_log.hello_due(now):
+            self.conn.hello()
+        self.join_log.check_silence(now)
+
     def stop(self, *_: object) -> None:
         self._running = False
 
@@ -211,10 +262,12 @@ class Supervisor:
                             if isinstance(msg, p.KillWorker):
                                 self._kill(msg)
                             elif isinstance(msg, p.Shutdown):
+                                log.info("the scheduler asked this host to stop: %s", msg.reason)
                                 self._running = False
                             else:
-                                self.conn.on_error(msg)  # Hello again if the scheduler restarted
+                                self._on_other(msg)
                 now = time.monotonic()
+                self._watch_scheduler(now)
                 self._reap(now)
                 if now >= next_ping:
                     self._send(p.Ping(int(now)))
@@ -260,7 +313,12 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, sup.stop)
     signal.signal(signal.SIGINT, sup.stop)
     _sockets.watch_parent(a.parent_pid, sup.stop)
-    sup.handshake()
+    if a.parent_pid:  # started with a local scheduler: it must answer, or we fail
+        sup.handshake()
+    elif not sup.join():  # a host joining a cluster: wait for the head as long as it takes
+        sup.conn.close()
+        sup.ctx.term()
+        return
     sup.serve()
 
 

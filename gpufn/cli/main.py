@@ -6,11 +6,13 @@ import json
 import os
 import secrets
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
 
 from gpufn import config
+from gpufn.cli import address_file as addrfile
 from gpufn.cli import render
 from gpufn.cli.state import load_cluster_file, saved_token, write_cluster_file
 from gpufn.exceptions import GpufnError
@@ -34,6 +36,7 @@ def serve(
     islands: int | None = typer.Option(None, help="Split simulated devices into NVLink-like islands."),
     token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="Shared secret clients and workers must present (generated if unset)."),
     workers: bool = typer.Option(True, help="Start workers for this host's devices (--no-workers: scheduler only)."),
+    address_file: Path | None = typer.Option(None, help="Write the address here (e.g. on a shared filesystem) for `gpufn worker --address-file`."),
 ) -> None:
     """Run the scheduler (and this host's workers) in the foreground until Ctrl-C."""
     import signal
@@ -54,6 +57,8 @@ def serve(
     if not _is_loopback(host):
         address = f"tcp://{host if host not in ('0.0.0.0', '*') else config.node_id()}:{address.rsplit(':', 1)[1]}"
     write_cluster_file(address, tok)
+    if address_file is not None:
+        addrfile.write(address_file, address)
     console.print(f"gpufn scheduler listening on [bold]{address}[/]")
     console.print(f"connect with: export GPUFN_ADDRESS={address} GPUFN_TOKEN={tok}")
     if not workers:
@@ -70,6 +75,8 @@ def serve(
         code = 0
     finally:
         cluster.stop()
+        if address_file is not None:
+            addrfile.remove_if_ours(address_file)
     console.print("gpufn scheduler stopped")
     raise typer.Exit(code if code and code > 0 else 0)
 
@@ -81,8 +88,20 @@ def worker(
     cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found."),
     device_memory: str | None = typer.Option(None, help="Memory of each simulated device."),
     node: str | None = typer.Option(None, help="This host's name in device keys [hostname]."),
+    address_file: Path | None = typer.Option(None, help="Wait for `gpufn serve --address-file` to write this file, and join that scheduler."),
+    wait: float = typer.Option(0.0, help="With --address-file: give up after this many seconds (0: wait forever)."),
 ) -> None:
-    """Join a cluster: start a supervisor and one worker per device of this host."""
+    """Join a cluster: start a supervisor and one worker per device of this host.
+
+    It waits for the scheduler, and rejoins it after a restart, retrying with bounded
+    backoff; only `gpufn shutdown` (an operator's explicit stop) ends it remotely."""
+    if address_file is not None:
+        found = addrfile.wait_for(address_file, wait, on_wait=lambda: err.print(
+            f"waiting for the head to write {address_file} ..."))
+        if found is None:
+            err.print(f"[red]no address in {address_file} after {wait:g}s[/]")
+            raise typer.Exit(1)
+        address = found["address"]
     if not address:
         err.print("[red]no scheduler address[/]: pass --address tcp://HEAD:7555 or set GPUFN_ADDRESS")
         raise typer.Exit(2)

@@ -27,6 +27,7 @@ from gpufn.exceptions import (
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.scheduler import batches, handshake, status
+from gpufn.scheduler.ops import OpsDesk
 from gpufn.scheduler.events import (
     Event,
     Received,
@@ -105,6 +106,7 @@ class SchedulerCore:
             p.Output: self._on_output, p.Heartbeat: self._on_heartbeat,
             p.WorkerExited: self._on_worker_exited, p.ModelEvent: self._on_model_event,
         }
+        self.ops = OpsDesk(self)  # logs, usage and drain (wraps the Output/Submit handlers)
 
     # ------------------------------------------------------------------ entry points
 

@@ -27,7 +27,6 @@ from gpufn.exceptions import (
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.scheduler import batches, handshake, status
-from gpufn.scheduler.ops import OpsDesk
 from gpufn.scheduler.events import (
     Event,
     Received,
@@ -40,6 +39,7 @@ from gpufn.scheduler.events import (
 from gpufn.scheduler.formations import GangBook
 from gpufn.scheduler.intake import Intake
 from gpufn.scheduler.model_book import ModelBook
+from gpufn.scheduler.ops import OpsDesk
 from gpufn.scheduler.placement_pass import (
     Decision,
     Dispatch,

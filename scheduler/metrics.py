@@ -133,7 +133,7 @@ class Exporter:
         self._snap: dict[str, Any] | None = None
         self.wanted = False  # read by the scheduler loop once per iteration
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)  # type: ignore[arg-type]
+        self.registry.register(self)
         self.server, self.thread = start_http_server(port, host, registry=self.registry)
         self.port = self.server.server_port
 

@@ -15,8 +15,8 @@ from gpufn import protocol as p
 from gpufn.exceptions import Cancelled, ConnectionLost, kind_of
 from gpufn.scheduler.logs import LogStore
 from gpufn.scheduler.states import InvState
-from gpufn.scheduler.usage import UsageMeter
 from gpufn.scheduler.usage import Key as UsageKey
+from gpufn.scheduler.usage import UsageMeter
 
 if TYPE_CHECKING:
     from gpufn.scheduler.core import SchedulerCore

@@ -226,7 +226,13 @@ class Client:
 
     def _connect(self) -> Connection | None:
         """The I/O thread's handshake; its outcome goes to the constructor's future."""
-        conn = self._connection(f"c/{os.getpid()}/{self._prefix}", {"argv": " ".join(sys.argv)[:200]})
+        try:  # a malformed address fails here, in connect()
+            conn = self._connection(f"c/{os.getpid()}/{self._prefix}",
+                                    {"argv": " ".join(sys.argv)[:200]})
+        except BaseException as e:
+            self._ctx.destroy(linger=0)  # the half-made socket would block the context's exit
+            self._welcome.set_exception(e)
+            return None
         try:
             early = conn.handshake(self._connect_timeout)
         except BaseException as e:

@@ -128,3 +128,27 @@ def test_only_clients_may_drain() -> None:
     out = h.feed(w, p.Drain(1, 0.0))
     reply = next(s.msg for s in out if isinstance(s.msg, p.QueryReply))
     assert not reply.ok and not h.core.ops.draining
+
+
+def test_grafana_dashboard_parses_and_uses_the_exported_names() -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    from gpufn.scheduler import metrics
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "gpufn-dashboard.json"
+    dash = json.loads(path.read_text())
+    exprs = " ".join(t["expr"] for panel in dash["panels"] for t in panel["targets"])
+    used = set(re.findall(r"gpufn_[a-z_]+", exprs))
+    pytest.importorskip("prometheus_client")
+    snap = {"calls": [], "device_seconds": [], "queue_wait": [], "duration": [], "queue": [],
+            "devices": [], "workers": [], "loads": 0, "evictions": 0, "deployments": []}
+    exported = set()
+    for fam in metrics.families(snap):
+        exported |= {fam.name, f"{fam.name}_total", f"{fam.name}_bucket"}
+    assert used and used <= exported, used - exported
+    for name in ("gpufn_calls_total", "gpufn_queue_depth", "gpufn_queue_wait_seconds_bucket",
+                 "gpufn_call_duration_seconds_bucket", "gpufn_device_memory_used_bytes",
+                 "gpufn_models_resident", "gpufn_workers", "gpufn_deployment_info"):
+        assert name in used

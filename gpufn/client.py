@@ -8,6 +8,7 @@ the scheduler and fails every outstanding call with `ConnectionLost` if it goes 
 from __future__ import annotations
 
 import atexit
+import getpass
 import itertools
 import logging
 import os
@@ -160,16 +161,28 @@ class Client:
         self._enqueue(p.encode(p.Cancel(invocation_id, reason)))
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        return self._ask(p.StatusRequest, (), "a status request", timeout)
+
+    def query(self, kind: str, args: dict[str, Any] | None = None,
+              timeout: float = 10.0) -> dict[str, Any]:
+        """Read an operational book of the scheduler (`p.QueryKind`: logs, usage)."""
+        return self._ask(p.Query, (kind, args or {}), f"a {kind} query", timeout)
+
+    def drain(self, grace: float, reason: str = "", timeout: float = 10.0) -> dict[str, Any]:
+        """Ask the scheduler to stop cleanly (see `p.Drain`); returns its acknowledgement."""
+        return self._ask(p.Drain, (grace, reason), "the shutdown request", timeout)
+
+    def _ask(self, kind: Any, fields: tuple[Any, ...], what: str, timeout: float) -> dict[str, Any]:
         rid = next(self._counter)
         fut: Future[dict[str, Any]] = Future()
         self._status[rid] = fut
-        frames = self._status_frames[rid] = p.encode(p.StatusRequest(rid))
+        frames = self._status_frames[rid] = p.encode(kind(rid, *fields))
         self._enqueue(frames)
         try:
             return fut.result(timeout)
         except TimeoutError:
-            raise ConnectionLost(f"the scheduler at {self.address} did not answer a status "
-                                 f"request within {timeout:.0f}s") from None
+            raise ConnectionLost(f"the scheduler at {self.address} did not answer {what} "
+                                 f"within {timeout:.0f}s") from None
         finally:
             self._status.pop(rid, None)
             self._status_frames.pop(rid, None)
@@ -207,12 +220,19 @@ class Client:
                 fut.set_exception(exc)
 
     def _connection(self, identity: str, info: dict[str, Any]) -> Connection:
+        info = {**info, "user": _os_user()}  # usage by user (`gpufn usage --by user`)
         return Connection(self._ctx, ConnectionConfig(self.address, self.token), identity,
                           p.Role.CLIENT, info)
 
     def _connect(self) -> Connection | None:
         """The I/O thread's handshake; its outcome goes to the constructor's future."""
-        conn = self._connection(f"c/{os.getpid()}/{self._prefix}", {"argv": " ".join(sys.argv)[:200]})
+        try:  # a malformed address fails here, in connect()
+            conn = self._connection(f"c/{os.getpid()}/{self._prefix}",
+                                    {"argv": " ".join(sys.argv)[:200]})
+        except BaseException as e:
+            self._ctx.destroy(linger=0)  # the half-made socket would block the context's exit
+            self._welcome.set_exception(e)
+            return None
         try:
             early = conn.handshake(self._connect_timeout)
         except BaseException as e:
@@ -324,6 +344,13 @@ class Client:
             fut = self._status.get(msg.request_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg.status)
+        elif isinstance(msg, p.QueryReply):
+            fut = self._status.get(msg.request_id)
+            if fut is not None and not fut.done():
+                if msg.ok:
+                    fut.set_result(msg.data)
+                else:
+                    fut.set_exception(GpufnError(msg.error))
         elif isinstance(msg, p.Shutdown):
             self._fail_all(ConnectionLost(f"the scheduler stopped ({msg.reason})"))
         elif isinstance(msg, p.Error):
@@ -365,6 +392,13 @@ class Client:
             stream.flush()
         except Exception:  # a closed pipe (script | head) must not break the client
             pass
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name (a container without a passwd entry)
+        return str(os.getuid())
 
 
 class _SyncChannel:

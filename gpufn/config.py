@@ -124,6 +124,20 @@ def home() -> Path:
     return Path(d) if d else Path.home() / ".gpufn"
 
 
+def state_dir() -> Path:
+    """GPUFN_STATE_DIR: where the scheduler keeps its state (deployments, keys) and
+    `gpufn serve --detach` its pid and log files (default: GPUFN_HOME)."""
+    d = env_str("GPUFN_STATE_DIR")
+    return Path(d) if d else home()
+
+
+def metrics_port() -> int | None:
+    """GPUFN_METRICS_PORT: serve Prometheus metrics from the scheduler on this port
+    (unset: off; 0 picks a free port)."""
+    v = env_str("GPUFN_METRICS_PORT")
+    return None if v is None else env_int("GPUFN_METRICS_PORT", 0)
+
+
 def embedded_transport() -> str:
     """GPUFN_EMBEDDED_TRANSPORT: how this process reaches its embedded cluster, "ipc"
     (a Unix socket, the default) or "tcp" (loopback)."""

@@ -517,3 +517,48 @@ class HelperResult(Message):
     message: str = ""
     traceback: str = ""
     frames: tuple[Frame, ...] = ()
+
+
+# --------------------------------------------------------------------------- operations
+# The operator's CLI (`gpufn logs | usage | shutdown`) asks the scheduler through these;
+# every answer is a `QueryReply` matched by request id.
+
+
+class QueryKind(str, Enum):
+    """What a Query asks for (a string on the wire)."""
+
+    LOGS = "logs"  # args: target, since (seconds ago), after (a line seq), limit
+    USAGE = "usage"  # args: since (seconds ago), by ("app" | "function" | "user")
+
+
+@message(80)
+@dataclass(frozen=True, slots=True)
+class Query(Message):
+    """Client -> scheduler: read one of the scheduler's operational books."""
+
+    request_id: int
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@message(81)
+@dataclass(frozen=True, slots=True)
+class QueryReply(Message):
+    """Scheduler -> client: the answer to a Query or a Drain (ok False: `error` says why)."""
+
+    request_id: int
+    ok: bool
+    data: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+@message(82)
+@dataclass(frozen=True, slots=True)
+class Drain(Message):
+    """Client -> scheduler: stop cleanly. New calls are refused and queued calls fail at
+    once; running calls get `grace` seconds to finish; then every peer, remote worker
+    hosts included, is told to shut down and the scheduler exits."""
+
+    request_id: int
+    grace: float
+    reason: str = ""

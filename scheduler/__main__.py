@@ -21,7 +21,7 @@ def main() -> None:
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
     cfg = SchedulerConfig.from_env(config.token())
-    run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc)
+    run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, config.metrics_port())
 
 
 if __name__ == "__main__":

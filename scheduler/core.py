@@ -39,6 +39,7 @@ from gpufn.scheduler.events import (
 from gpufn.scheduler.formations import GangBook
 from gpufn.scheduler.intake import Intake
 from gpufn.scheduler.model_book import ModelBook
+from gpufn.scheduler.ops import OpsDesk
 from gpufn.scheduler.placement_pass import (
     Decision,
     Dispatch,
@@ -105,6 +106,7 @@ class SchedulerCore:
             p.Output: self._on_output, p.Heartbeat: self._on_heartbeat,
             p.WorkerExited: self._on_worker_exited, p.ModelEvent: self._on_model_event,
         }
+        self.ops = OpsDesk(self)  # logs, usage and drain (wraps the Output/Submit handlers)
 
     # ------------------------------------------------------------------ entry points
 

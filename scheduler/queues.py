@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -41,6 +42,8 @@ class ReadyQueue:
         self.aging_seconds = aging_seconds
         self._by_fn: dict[str, _FunctionQueue] = {}
         self._len = 0
+        # Queued calls per (function id, priority): `gpufn status` and the metrics read it.
+        self._by_priority: Counter[tuple[str, int]] = Counter()
 
     def __len__(self) -> int:
         return self._len
@@ -48,6 +51,17 @@ class ReadyQueue:
     def depth(self, function_id: str) -> int:
         q = self._by_fn.get(function_id)
         return q.live if q else 0
+
+    def depth_by_priority(self) -> dict[tuple[str, int], int]:
+        return {k: n for k, n in self._by_priority.items() if n > 0}
+
+    def _count(self, inv: Invocation, n: int) -> None:
+        key = (inv.function.function_id, inv.spec.priority)
+        left = self._by_priority[key] + n
+        if left:
+            self._by_priority[key] = left
+        else:
+            del self._by_priority[key]
 
     def key(self, inv: Invocation) -> float:
         return queue_key(inv.spec.priority, inv.submitted, self.aging_seconds)
@@ -59,12 +73,14 @@ class ReadyQueue:
         heapq.heappush(q.heap, (self.key(inv), inv.seq, inv))
         q.live += 1
         self._len += 1
+        self._count(inv, 1)
 
     def discard(self, inv: Invocation) -> None:
         """Account for an invocation that left QUEUED without being popped (cancel, expiry)."""
         q = self._by_fn[inv.function.function_id]
         q.live -= 1
         self._len -= 1
+        self._count(inv, -1)
         if q.live == 0:
             del self._by_fn[inv.function.function_id]
 
@@ -79,6 +95,7 @@ class ReadyQueue:
         heapq.heappop(q.heap)
         q.live -= 1
         self._len -= 1
+        self._count(inv, -1)
         if q.live == 0:
             del self._by_fn[function_id]
         return inv

@@ -91,6 +91,7 @@ class Invocation:
     # or waiting for its models to load. Timeouts count from here.
     run_started: float | None = None
     unstarted_losses: int = 0  # lost with its worker before it ever started (no retry used)
+    user: str = ""  # the caller's OS user (from its Hello), for usage by user
 
     @property
     def reporters(self) -> int:

@@ -69,6 +69,19 @@ class SchedulerServer:
         self._store_error = ""
         self._store_error_sent = False
         self._store_thread: threading.Thread | None = None
+        self.metrics: Any = None  # a metrics.Exporter with --metrics-port
+
+    def start_metrics(self, port: int, host: str = "0.0.0.0") -> None:
+        """Serve Prometheus metrics on `port` (a missing prometheus-client is reported, not fatal)."""
+        try:
+            from gpufn.scheduler.metrics import Exporter
+
+            self.metrics = Exporter(port, host)
+            log.info("metrics on http://%s:%d/metrics", host, self.metrics.port)
+        except ImportError:
+            log.error("--metrics-port needs prometheus-client: pip install 'gpufn[metrics]'")
+        except OSError as e:
+            log.error("cannot serve metrics on port %d: %s", port, e)
 
     def stop(self, *_: object) -> None:
         self._running = False
@@ -117,7 +130,13 @@ class SchedulerServer:
                     self._start_store()
                 if self._outbox:
                     self._flush_outboxes()
+                if self.metrics is not None and self.metrics.wanted:
+                    self.metrics.fill(self.core)  # a scrape waits for this
+                if self.core.ops.stop_now(now):
+                    log.info("drained; stopping (%s)", self.core.ops.drain_reason)
+                    self._running = False
         finally:
+            self._flush_outboxes()  # results of calls that finished while draining
             self._shutdown_peers()
 
     def _start_store(self) -> None:
@@ -172,11 +191,12 @@ class SchedulerServer:
                 del self._outbox[peer]
 
     def _shutdown_peers(self) -> None:
-        """Tell clients we stop (their calls fail now instead of at their timeouts); tell
-        supervisors and workers only when `stop_hosts` (their own hosts' supervisors stop
-        with the process that started them)."""
+        """Tell clients we stop. Workers and supervisors are told only after an explicit
+        `gpufn shutdown` (a drain) or when `stop_hosts` is set: otherwise they wait for the
+        scheduler to come back."""
+        everyone = self.core.ops.draining or self.stop_hosts
         for peer, info in list(self.core.peers.items()):
-            if info.role != p.Role.CLIENT and not self.stop_hosts:
+            if not everyone and info.role != p.Role.CLIENT:
                 continue
             try:
                 self.sock.send_multipart([peer, *p.encode(p.Shutdown("scheduler stopping"))],
@@ -185,6 +205,8 @@ class SchedulerServer:
                 pass
 
     def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         self.sock.close(1000)  # let the Shutdown messages out
         self.ctx.term()
 
@@ -203,9 +225,11 @@ def _announce(ready_fd: int, address: str) -> bool:
 
 def run(
     host: str, port: int, config: SchedulerConfig, ready_fd: int | None = None,
-    parent_pid: int = 0, ipc_path: str | None = None,
+    parent_pid: int = 0, ipc_path: str | None = None, metrics_port: int | None = None,
 ) -> None:
     server = SchedulerServer(host, port, config, ipc_path)
+    if metrics_port is not None:
+        server.start_metrics(metrics_port)
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     _sockets.watch_parent(parent_pid, server.stop)

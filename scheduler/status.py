@@ -25,7 +25,7 @@ def report(core: SchedulerCore, now: float) -> dict[str, Any]:
         })
     functions = [
         {"name": f.name, "function_id": f.function_id, "queued": core.queue.depth(fid),
-         "calls": f.calls, "runtime_ewma": f.runtime_ewma}
+         "calls": f.calls, "runtime_ewma": f.runtime_ewma, "app": f.app, "version": f.version}
         for fid, f in core.functions.items()
     ]
     return {
@@ -38,4 +38,29 @@ def report(core: SchedulerCore, now: float) -> dict[str, Any]:
         "models": core.models.counters(),
         "gangs": {"cold": core.gangs.cold_formations, "warm": core.gangs.warm_formations},
         "policy": core.policy.name,
+        "queue_by_priority": queue_by_priority(core),
+        "hosts": hosts(core),
+        "draining": core.ops.draining,
     }
+
+
+def queue_by_priority(core: SchedulerCore) -> list[dict[str, Any]]:
+    """Queued calls per function and priority, highest priority first (a counter, no scan)."""
+    rows = []
+    for (fid, prio), n in core.queue.depth_by_priority().items():
+        f = core.functions.get(fid)
+        rows.append({"function": f.name if f else fid, "app": f.app if f else "",
+                     "version": f.version if f else 0, "priority": prio, "queued": n})
+    return sorted(rows, key=lambda r: (-r["priority"], r["app"], r["function"]))
+
+
+def hosts(core: SchedulerCore) -> list[dict[str, Any]]:
+    """Per host: its workers by state, devices, and whether its supervisor is connected."""
+    out: dict[str, dict[str, Any]] = {}
+    for d in core.devices.values():
+        h = out.setdefault(d.info.node, {"host": d.info.node, "devices": 0, "workers": {},
+                                         "connected": False})
+        h["devices"] += 1
+        h["workers"][d.state.value] = h["workers"].get(d.state.value, 0) + 1
+        h["connected"] = h["connected"] or d.supervisor in core.peers
+    return sorted(out.values(), key=lambda h: h["host"])

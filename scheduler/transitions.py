@@ -10,6 +10,7 @@ implies (runs, model orders, cancels, results). They never call back into the co
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from gpufn import protocol as p
@@ -60,6 +61,8 @@ class Transitions:
         self.tokens = 0  # dispatch tokens (see Invocation.dispatch_token)
         self.rendezvous_port: int | None = None
         self.failing: set[Invocation] = set()  # gangs waiting for their ranks to settle
+        # Told when a run ends (finished, or QUEUED when requeued): the usage meter.
+        self.on_run_end: Callable[[Invocation, InvState, float], None] | None = None
 
     def send(self, peer: bytes, msg: p.Message) -> None:
         self.out.append(Send(peer, msg))
@@ -127,6 +130,8 @@ class Transitions:
 
     def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False) -> None:
         """RUNNING -> QUEUED: the run ended without a result; the call waits again."""
+        if self.on_run_end is not None:
+            self.on_run_end(inv, InvState.QUEUED, now)
         inv.requeue(now)
         self.queue.push(inv)
         self.dirty = True
@@ -143,6 +148,8 @@ class Transitions:
         With release=False the call keeps its hold on its devices until its workers
         report that they stopped (a cancelled call still occupies its worker)."""
         inv.to(state, now)
+        if self.on_run_end is not None:
+            self.on_run_end(inv, state, now)
         if release:
             for key in inv.devices:
                 self.release_device(inv, self.devices.get(key))

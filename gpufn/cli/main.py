@@ -1,4 +1,5 @@
-"""`gpufn serve | worker | status`: parse, call the library, render, exit with a code."""
+"""`gpufn serve | worker` (and the operator's commands from `ops`): parse, call the library,
+render, exit with a code."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from rich.console import Console
 
 from gpufn import config
 from gpufn.cli import address_file as addrfile
-from gpufn.cli import render
-from gpufn.cli.state import load_cluster_file, saved_token, write_cluster_file
+from gpufn.cli import common, ops
+from gpufn.cli.common import fail
+from gpufn.cli.state import load_cluster_file, write_cluster_file
 from gpufn.exceptions import GpufnError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -37,32 +39,51 @@ def serve(
     token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="Shared secret clients and workers must present (generated if unset)."),
     workers: bool = typer.Option(True, help="Start workers for this host's devices (--no-workers: scheduler only)."),
     address_file: Path | None = typer.Option(None, help="Write the address here (e.g. on a shared filesystem) for `gpufn worker --address-file`."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Run in the background (pid and log files in the state dir); stop it with `gpufn shutdown`."),
+    state_dir: Path | None = typer.Option(None, help="Where the scheduler keeps deployments and keys, and --detach its pid and log files [GPUFN_STATE_DIR, else GPUFN_HOME]."),
+    metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port at /metrics (needs `pip install gpufn[metrics]`)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the address and token as JSON."),
 ) -> None:
-    """Run the scheduler (and this host's workers) in the foreground until Ctrl-C."""
+    """Run the scheduler and this host's workers (until Ctrl-C or `gpufn shutdown`).
+
+    With --detach it runs in the background, with a pid file and a log file in the state dir."""
     import signal
 
     from gpufn.embedded import LocalCluster
 
     if cpu_devices is not None and cpu_devices < 1:
-        err.print("[red]--cpu-devices must be at least 1[/]")
-        raise typer.Exit(2)
+        fail("--cpu-devices must be at least 1", 2)
+    if metrics_port is not None:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            fail("--metrics-port needs prometheus-client: pip install 'gpufn[metrics]'", 2)
+        os.environ["GPUFN_METRICS_PORT"] = str(metrics_port)  # read by the scheduler process
+    if state_dir is not None:
+        os.environ["GPUFN_STATE_DIR"] = str(state_dir.resolve())
+    tok = token or secrets.token_hex(16)
+    if detach:
+        _detach(tok, as_json)
+        return
     cluster = LocalCluster(cpu_devices, device_memory, islands, host=host, port=port,
-                           token=token or secrets.token_hex(16), transport="tcp", workers=workers)
+                           token=tok, transport="tcp", workers=workers)
     try:
         address, tok = cluster.start()
     except GpufnError as e:
-        err.print(f"[red]the scheduler did not start[/]: {e} (is another `gpufn serve` using "
-                  f"port {port}? pick another with --port, or --port 0 for any free one)")
-        raise typer.Exit(1) from None
+        fail(f"the scheduler did not start: {e} (is another `gpufn serve` using port {port}? "
+             "pick another with --port, or --port 0 for any free one)")
     if not _is_loopback(host):
         address = f"tcp://{host if host not in ('0.0.0.0', '*') else config.node_id()}:{address.rsplit(':', 1)[1]}"
     write_cluster_file(address, tok)
     if address_file is not None:
         addrfile.write(address_file, address)
-    console.print(f"gpufn scheduler listening on [bold]{address}[/]")
-    console.print(f"connect with: export GPUFN_ADDRESS={address} GPUFN_TOKEN={tok}")
-    if not workers:
-        console.print(f"add workers with: gpufn worker --address {address} --token {tok}")
+    if as_json:
+        typer.echo(json.dumps({"address": address, "token": tok, "pid": os.getpid()}))
+    else:
+        console.print(f"gpufn scheduler listening on [bold]{address}[/]")
+        console.print(f"connect with: export GPUFN_ADDRESS={address} GPUFN_TOKEN={tok}")
+        if not workers:
+            console.print(f"add workers with: gpufn worker --address {address} --token {tok}")
     sys.stdout.flush()
     def stop(*_: object) -> None:
         if cluster.scheduler is not None:
@@ -75,10 +96,64 @@ def serve(
         code = 0
     finally:
         cluster.stop()
+        forget_server(os.getpid())
         if address_file is not None:
             addrfile.remove_if_ours(address_file)
-    console.print("gpufn scheduler stopped")
+    if not as_json:
+        console.print("gpufn scheduler stopped")
     raise typer.Exit(code if code and code > 0 else 0)
+
+
+def _detach(token: str, as_json: bool) -> None:
+    """Start this same `gpufn serve` in its own session, logging to the state dir; return
+    once it listens (or fail with the tail of its log)."""
+    import subprocess
+    import time
+
+    running = common.read_pid()
+    if running is not None:
+        fail(f"a detached gpufn server is already running (pid {running}, pid file "
+             f"{common.pid_file()}); stop it with `gpufn shutdown`")
+    argv = [a for a in sys.argv[1:] if a not in ("--detach", "-d")]
+    state = config.state_dir()
+    state.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, GPUFN_TOKEN=token)  # not on the command line, where ps shows it
+    with open(common.log_file(), "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gpufn.cli.main", *argv], env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    common.pid_file().write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + 120
+    while True:
+        saved = load_cluster_file()
+        if saved is not None and saved.get("pid") == proc.pid:
+            break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+            common.pid_file().unlink(missing_ok=True)
+            tail = common.log_file().read_text(errors="replace").strip().splitlines()[-1:]
+            fail(f"the detached server did not start: {tail[0] if tail else 'no output'} "
+                 f"(log: {common.log_file()})")
+        time.sleep(0.1)
+    info = {"address": saved["address"], "token": token, "pid": proc.pid,
+            "pid_file": str(common.pid_file()), "log_file": str(common.log_file())}
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    console.print(f"gpufn server started in the background (pid {proc.pid}), listening on "
+                  f"[bold]{info['address']}[/]")
+    console.print(f"log: {info['log_file']} · stop with: gpufn shutdown")
+    console.print(f"connect with: export GPUFN_ADDRESS={info['address']} GPUFN_TOKEN={token}")
+
+
+def forget_server(pid: int) -> None:
+    """The server is stopping: remove its pid file and address file if they name it."""
+    if common.read_pid() in (pid, None):
+        common.pid_file().unlink(missing_ok=True)
+    saved = load_cluster_file()
+    if saved is not None and saved.get("pid") == pid:
+        (config.home() / "cluster.json").unlink(missing_ok=True)
 
 
 @app.command()
@@ -119,39 +194,7 @@ def worker(
     supervisor_main(argv)
 
 
-@app.command()
-def status(
-    address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler address [the last `gpufn serve` on this machine]."),
-    token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="The cluster's token."),
-    as_json: bool = typer.Option(False, "--json", help="Print the raw status as JSON."),
-    timeout: float = typer.Option(5.0, help="Seconds to wait for the scheduler."),
-) -> None:
-    """Show devices (memory, running calls, models), functions and counters."""
-    from gpufn.client import Client
-    from gpufn.exceptions import GpufnError
-
-    if not address:
-        saved = load_cluster_file()
-        if saved is None:
-            err.print("[red]no scheduler address[/]: start one with `gpufn serve`, or pass "
-                      "--address / set GPUFN_ADDRESS")
-            raise typer.Exit(2)
-        address = saved["address"]
-    if not token:
-        token = saved_token(address)
-    try:
-        client = Client(address, token, connect_timeout=timeout)
-    except GpufnError as e:
-        err.print(f"[red]{type(e).__name__}[/]: {e}")
-        raise typer.Exit(1) from None
-    try:
-        st = client.status(timeout)
-    finally:
-        client.close()
-    if as_json:
-        console.print_json(json.dumps(st))
-    else:
-        console.print(render.status_view(st))
+ops.register(app)
 
 
 def main() -> None:

@@ -13,9 +13,17 @@ _STATE_STYLE = {"ready": "green", "starting": "yellow", "restarting": "yellow", 
                 "gone": "dim"}
 
 
+def memory_bar(used: int, capacity: int, width: int = 10) -> str:
+    """A text bar (markup) for a device's memory: green, yellow over 70%, red over 90%."""
+    frac = min(1.0, used / capacity) if capacity else 0.0
+    filled = round(frac * width)
+    color = "red" if frac > 0.9 else "yellow" if frac > 0.7 else "green"
+    return f"[{color}]{'█' * filled}[/][dim]{'░' * (width - filled)}[/]"
+
+
 def devices_table(status: dict[str, Any]) -> Table:
     t = Table(title="devices", title_justify="left")
-    for col in ("device", "name", "state", "memory used / total", "running", "done", "restarts"):
+    for col in ("device", "name", "state", "memory", "used / total", "running", "done", "restarts"):
         t.add_column(col, justify="right" if col in ("done", "restarts") else "left")
     for d in status.get("devices", []):
         running = ", ".join(f"{r['function']} {r['id'][-8:]} ({r['seconds']:.1f}s)"
@@ -24,6 +32,7 @@ def devices_table(status: dict[str, Any]) -> Table:
         style = _STATE_STYLE.get(state, "")
         pct = 100.0 * d["used"] / d["capacity"] if d["capacity"] else 0.0
         t.add_row(d["key"], d["name"], f"[{style}]{state}[/]" if style else state,
+                  memory_bar(d["used"], d["capacity"]),
                   f"{format_bytes(d['used'])} / {format_bytes(d['capacity'])} ({pct:.0f}%)",
                   running, str(d.get("completed", 0)), str(d.get("restarts", 0)))
     return t
@@ -75,14 +84,67 @@ def functions_table(status: dict[str, Any]) -> Table | None:
     return t
 
 
+def queue_table(status: dict[str, Any]) -> Table | None:
+    rows = status.get("queue_by_priority", [])
+    if not rows:
+        return None
+    t = Table(title="queue by priority", title_justify="left")
+    for col in ("priority", "function", "queued"):
+        t.add_column(col, justify="right" if col != "function" else "left")
+    for r in rows:
+        name = f"{r['app']}.{r['function']}" if r.get("app") else r["function"]
+        t.add_row(str(r["priority"]), name, str(r["queued"]))
+    return t
+
+
+def hosts_table(status: dict[str, Any]) -> Table | None:
+    hosts = status.get("hosts", [])
+    if not hosts:
+        return None
+    t = Table(title="hosts", title_justify="left")
+    for col in ("host", "connected", "devices", "workers"):
+        t.add_column(col)
+    for h in hosts:
+        workers = ", ".join(f"{n} {state}" for state, n in sorted(h["workers"].items()))
+        t.add_row(h["host"], "[green]yes[/]" if h["connected"] else "[red]no[/]",
+                  str(h["devices"]), workers)
+    return t
+
+
 def status_view(status: dict[str, Any]) -> Group:
     parts: list[Any] = [devices_table(status)]
-    for extra in (models_table(status), model_counters_table(status), functions_table(status)):
+    for extra in (hosts_table(status), models_table(status), model_counters_table(status),
+                  functions_table(status), queue_table(status)):
         if extra is not None:
             parts.append(extra)
     c = status.get("counters", {})
+    if status.get("draining"):
+        parts.append("[yellow]draining: shutting down once running calls finish[/]")
     parts.append(
         f"queued {status.get('queued', 0)} · running {status.get('running', 0)} · clients "
         f"{status.get('clients', 0)} · " + " · ".join(f"{k} {v}" for k, v in c.items() if v)
     )
     return Group(*parts)
+
+
+def usage_table(rows: list[dict[str, Any]], by: str, since: str) -> Table:
+    t = Table(title=f"usage by {by} (since {since})", title_justify="left")
+    first = {"app": "app", "user": "user"}.get(by, "function")
+    for col in (first, "calls", "device-seconds", "device-hours", "mean queue wait", "outcomes"):
+        t.add_column(col, justify="left" if col in (first, "outcomes") else "right")
+    for r in rows:
+        if by == "function":
+            name = f"{r['app']}.{r['function']}" if r["app"] else r["function"]
+        else:
+            name = r[by] or "(ad hoc)" if by == "app" else r[by] or "?"
+        outcomes = ", ".join(f"{n} {o}" for o, n in sorted(r["outcomes"].items()))
+        t.add_row(name, str(r["calls"]), f"{r['device_seconds']:.1f}",
+                  f"{r['device_seconds'] / 3600:.3f}",
+                  f"{r['mean_queue_wait_seconds'] * 1000:.1f} ms", outcomes)
+    return t
+
+
+def log_line(line: dict[str, Any], when: str) -> str:
+    """One line of `gpufn logs` (markup-free: output is printed as it was written)."""
+    name = f"{line['app']}.{line['function']}" if line["app"] else line["function"]
+    return f"{when} [{name} {line['invocation_id'][-8:]}] {line['text']}"

@@ -33,6 +33,9 @@ SAMPLES: list[p.Message] = [
     p.HelperRun("i1", "square", "c1", 1, 0, (b"args",)),
     p.HelperResult("i1", True, frames=(b"value",)),
     p.HelperResult("i1", False, "ValueError", "bad", "Traceback ...", (b"exc",)),
+    p.Query(3, p.QueryKind.LOGS, {"target": "app.fn", "since": 600.0}),
+    p.QueryReply(3, True, {"lines": []}), p.QueryReply(3, False, error="unknown query"),
+    p.Drain(4, 30.0, "maintenance"),
 ]
 
 

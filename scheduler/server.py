@@ -38,8 +38,8 @@ log = logging.getLogger("gpufn.scheduler")
 
 TICK_SECONDS = 0.05
 MAX_BATCH = 512
-# Room for a message's tag and header above the largest payload frame allowed.
-HEADER_SLACK = 1 << 20
+# Room for a header frame above the largest payload frame allowed (headers are small).
+HEADER_SLACK = 64 * 1024
 
 
 class SchedulerServer:

@@ -20,6 +20,7 @@ from gpufn.exceptions import (
     InvalidSpec,
     ModelLoadError,
     OutOfMemory,
+    PayloadTooLarge,
     ProtocolMismatch,
     QueueFull,
     RemoteError,
@@ -40,7 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AuthenticationError", "CallContext", "Cancelled", "Client", "ConnectionLost", "Function",
     "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
-    "OutOfMemory", "ProtocolMismatch", "QueueFull", "RemoteError",
+    "OutOfMemory", "PayloadTooLarge", "ProtocolMismatch", "QueueFull", "RemoteError",
     "SerializationError", "Timeout", "Unschedulable", "WorkerLost", "connect", "context",
     "current_device", "gpu", "model",
 ]

@@ -103,6 +103,15 @@ def high_water_mark() -> int:
     return env_int("GPUFN_HWM", 100_000)
 
 
+def max_payload() -> int:
+    """GPUFN_MAX_PAYLOAD: the largest argument or result payload a call may carry, and the
+    largest message the scheduler accepts (default 2GiB; e.g. 512MiB)."""
+    n = parse_memory(env_str("GPUFN_MAX_PAYLOAD", "2GiB"), "GPUFN_MAX_PAYLOAD")
+    if n < 1:
+        raise InvalidSpec(f"GPUFN_MAX_PAYLOAD={n} must be at least 1 byte.")
+    return n
+
+
 def log_level() -> str:
     """GPUFN_LOG_LEVEL: level of gpufn's own logs, e.g. INFO or DEBUG (default WARNING)."""
     level = (env_str("GPUFN_LOG_LEVEL", "WARNING") or "WARNING").strip().upper()

@@ -35,6 +35,10 @@ class QueueFull(GpufnError):
     """A queue limit was reached; the call was not accepted."""
 
 
+class PayloadTooLarge(GpufnError):
+    """An argument or result payload is larger than GPUFN_MAX_PAYLOAD allows."""
+
+
 class OutOfMemory(GpufnError, MemoryError):
     """The call (or a model load) ran out of device memory."""
 
@@ -87,7 +91,7 @@ _BY_NAME: dict[str, type[GpufnError]] = {
     cls.__name__: cls
     for cls in (
         GpufnError, InvalidSpec, Unschedulable, SerializationError, Timeout, WorkerLost,
-        QueueFull, OutOfMemory, Cancelled, AuthenticationError, ProtocolMismatch,
+        QueueFull, PayloadTooLarge, OutOfMemory, Cancelled, AuthenticationError, ProtocolMismatch,
         ConnectionLost, ModelLoadError,
     )
 }

@@ -9,10 +9,12 @@ msgpack call sites; the scheduler never looks inside payload frames.
 from __future__ import annotations
 
 import operator
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
 import msgpack
 
@@ -120,13 +122,69 @@ def decode(frames: Sequence[Frame]) -> Message:
         raise DecodeError(f"unknown message tag {tag!r}: is the peer running another gpufn version?")
     try:
         values = msgpack.unpackb(_as_bytes(frames[1]), raw=False, use_list=True)
+        _check_fields(cls, values)
         for i, kind in _STRUCT_FIELDS.get(cls, ()):
+            _check_fields(kind, values[i])
             values[i] = kind.from_wire(values[i])
         if _HAS_FRAMES[cls]:
             return cls(*values, tuple(frames[2:]))  # type: ignore[call-arg]
         return cls(*values)
     except Exception as e:  # whatever a malformed header raises, it is the peer's fault
         raise DecodeError(f"bad header for {cls.__name__}: {e}") from e
+
+
+# A field's checks: (name, the Python types msgpack may decode it to, or None for any).
+_CHECKS: dict[type[Any], tuple[tuple[str, tuple[type, ...] | None], ...]] = {}
+
+
+def _wire_types(hint: Any) -> tuple[type, ...] | None:
+    """The types a header field with this annotation may arrive as (None: anything)."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        out: list[type] = []
+        for arg in typing.get_args(hint):
+            t = _wire_types(arg)
+            if t is None:
+                return None
+            out += t
+        return tuple(out)
+    if origin is not None:
+        hint = origin  # dict[str, Any] -> dict, list[str] -> list
+    if hint is float:
+        return (int, float)
+    if hint is bool:
+        return (bool, int)
+    if hint in (Any, tuple) or not isinstance(hint, type):
+        return None
+    if issubclass(hint, Enum):
+        return (str,)  # a str enum travels as its value; the message converts it
+    if hasattr(hint, "from_wire"):
+        return (list,)  # a @struct record travels as the list of its fields
+    return (hint,)
+
+
+def _checks(cls: type[Any]) -> tuple[tuple[str, tuple[type, ...] | None], ...]:
+    checks = _CHECKS.get(cls)
+    if checks is None:
+        hints = typing.get_type_hints(cls)
+        checks = _CHECKS[cls] = tuple(
+            (f.name, _wire_types(hints.get(f.name, Any))) for f in fields(cls)
+            if f.name != "frames")
+    return checks
+
+
+def _check_fields(cls: type[Any], values: Any) -> None:
+    """Refuse a header whose values do not have the field types of `cls` (a peer may
+    send anything; a handler must never see a number where it expects a string)."""
+    if type(values) is not list:
+        raise TypeError(f"the header must be a list of fields, got {type(values).__name__}")
+    checks = _checks(cls)
+    if len(values) > len(checks):
+        raise TypeError(f"{len(values)} fields, at most {len(checks)} expected")
+    for value, (name, kinds) in zip(values, checks[: len(values)], strict=True):
+        if kinds is not None and not isinstance(value, kinds):
+            raise TypeError(f"field {name!r} is a {type(value).__name__}, expected "
+                            + " or ".join(k.__name__ for k in kinds))
 
 
 BATCH_TAG = b"\x00"

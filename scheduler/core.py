@@ -26,7 +26,7 @@ from gpufn.exceptions import (
 )
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
-from gpufn.scheduler import batches, handshake, status
+from gpufn.scheduler import batches, handshake, status, wire_checks
 from gpufn.scheduler.events import (
     Event,
     Received,
@@ -55,7 +55,6 @@ from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import DeviceState, InvState
 from gpufn.scheduler.transitions import Transitions
-from gpufn.spec import GpuSpec, make_spec
 
 log = logging.getLogger("gpufn.scheduler")
 
@@ -350,7 +349,7 @@ class SchedulerCore:
         if msg.function_id in self.functions:
             return
         try:
-            spec = make_spec(GpuSpec.from_wire(msg.spec))
+            spec = wire_checks.register_spec(msg)
         except GpufnError as e:
             self._send(peer, p.Error(kind_of(e), f"function {msg.name}: {e}"))
             return
@@ -370,7 +369,7 @@ class SchedulerCore:
             return
         self.counters.submitted += 1
         try:
-            spec = make_spec(fn.spec, **msg.options) if msg.options else fn.spec
+            spec = wire_checks.submit_spec(fn.spec, msg.options) if msg.options else fn.spec
         except GpufnError as e:
             self._send(peer, p.Result(msg.invocation_id, False, kind_of(e), str(e)))
             return

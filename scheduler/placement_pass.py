@@ -12,7 +12,6 @@ drain soonest; other calls may use those only if they will finish before it coul
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -89,17 +88,12 @@ class PlacementPass:
     def run(self, now: float, rendezvous_port: int | None) -> Iterator[Decision]:
         if not len(self.queue):
             return
-        slots = self.config.slots_per_device
-        if not any(d.state is DeviceState.READY and len(d.running) < slots
-                   for d in self.devices.values()) and not any(
-                       i.spec.preemptible for d in self.devices.values() for i in d.running.values()):
-            return  # every device is full and nothing could be preempted
+        if self._full():
+            return
         reservation: Reservation | None = None
         owner: Invocation | None = None
-        heads = self.queue.heads()
-        heapq.heapify(heads)
-        while heads:
-            _, _, fid = heapq.heappop(heads)
+        order = self.queue.ordered()
+        for fid in order:
             inv = self.queue.head(fid)
             if inv is None:
                 continue
@@ -112,9 +106,16 @@ class PlacementPass:
                 placed = yield from self._single(inv, now, reservation)
             if not placed:
                 continue  # this function is blocked for the rest of the pass
-            nxt = self.queue.head(fid)
-            if nxt is not None:
-                heapq.heappush(heads, (self.queue.key(nxt), nxt.seq, fid))
+            if self._full():
+                order.close()
+                return  # the rest of the queue cannot start now: a pass costs O(placed)
+
+    def _full(self) -> bool:
+        """Every device is full and nothing could be preempted: no call can start."""
+        slots = self.config.slots_per_device
+        return not any(d.state is DeviceState.READY and len(d.running) < slots
+                       for d in self.devices.values()) and not any(
+                           i.spec.preemptible for d in self.devices.values() for i in d.running.values())
 
     # ------------------------------------------------------------------ single device
 

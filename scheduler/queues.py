@@ -36,7 +36,13 @@ class _FunctionQueue:
 
 
 class ReadyQueue:
-    """Queued invocations of every function; removal is lazy (state leaves QUEUED)."""
+    """Queued invocations of every function; removal is lazy (state leaves QUEUED).
+
+    Besides one heap per function, a heap of function heads (key, seq, function id) says
+    which function goes first, so a placement pass visits only the functions it places
+    or finds blocked, not every function with queued calls. Its entries go stale when a
+    head leaves lazily; they are checked when they surface.
+    """
 
     def __init__(self, aging_seconds: float = 30.0) -> None:
         self.aging_seconds = aging_seconds
@@ -44,6 +50,7 @@ class ReadyQueue:
         self._len = 0
         # Queued calls per (function id, priority): `gpufn status` and the metrics read it.
         self._by_priority: Counter[tuple[str, int]] = Counter()
+        self._heads: list[tuple[float, int, str]] = []  # function heads, best first (lazy)
 
     def __len__(self) -> int:
         return self._len
@@ -70,10 +77,13 @@ class ReadyQueue:
         q = self._by_fn.get(inv.function.function_id)
         if q is None:
             q = self._by_fn[inv.function.function_id] = _FunctionQueue()
-        heapq.heappush(q.heap, (self.key(inv), inv.seq, inv))
+        entry = (self.key(inv), inv.seq, inv)
+        heapq.heappush(q.heap, entry)
         q.live += 1
         self._len += 1
         self._count(inv, 1)
+        if q.heap[0] is entry:  # a new head for its function
+            self._note(entry[0], inv.seq, inv.function.function_id)
 
     def discard(self, inv: Invocation) -> None:
         """Account for an invocation that left QUEUED without being popped (cancel, expiry)."""
@@ -98,7 +108,48 @@ class ReadyQueue:
         self._count(inv, -1)
         if q.live == 0:
             del self._by_fn[function_id]
+        else:
+            nxt = q.head()
+            if nxt is not None:
+                self._note(self.key(nxt), nxt.seq, function_id)
         return inv
+
+    def _note(self, key: float, seq: int, function_id: str) -> None:
+        heapq.heappush(self._heads, (key, seq, function_id))
+        if len(self._heads) > 2 * len(self._by_fn) + 64:  # many stale entries: rebuild
+            self._heads[:] = self.heads()  # in place: an ordered() may be iterating it
+
+    def ordered(self) -> Iterator[str]:
+        """Function ids, best head first, each head once. A function whose head the
+        caller pops meanwhile comes again with its next head, in order; one whose head
+        stays (blocked) does not come again in this iteration. O(log F) per function
+        visited, not O(F) per pass."""
+        visited: list[tuple[float, int, str]] = []
+        seen: set[tuple[str, int]] = set()
+        heads = self._heads
+        try:
+            while heads:
+                entry = heapq.heappop(heads)
+                _, seq, fid = entry
+                q = self._by_fn.get(fid)
+                inv = q.head() if q else None
+                if inv is None:
+                    continue  # the function has nothing queued any more
+                if inv.seq != seq:  # stale: its head left lazily; the real head goes in
+                    if (fid, inv.seq) not in seen:
+                        heapq.heappush(heads, (self.key(inv), inv.seq, fid))
+                    continue
+                if (fid, seq) in seen:
+                    continue  # a duplicate entry of a head already visited
+                seen.add((fid, seq))
+                visited.append(entry)
+                yield fid
+        finally:
+            for entry in visited:  # heads left in place (blocked) keep their entry
+                q = self._by_fn.get(entry[2])
+                inv = q.head() if q else None
+                if inv is not None and inv.seq == entry[1]:
+                    heapq.heappush(heads, entry)
 
     def heads(self) -> list[tuple[float, int, str]]:
         """(key, seq, function id) of each function's first call, best first."""

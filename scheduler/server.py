@@ -38,6 +38,8 @@ log = logging.getLogger("gpufn.scheduler")
 
 TICK_SECONDS = 0.05
 MAX_BATCH = 512
+# Room for a header frame above the largest payload frame allowed (headers are small).
+HEADER_SLACK = 64 * 1024
 
 
 class SchedulerServer:
@@ -49,6 +51,10 @@ class SchedulerServer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         _sockets.configure(self.sock, router=True)
+        # A peer that sends a frame over the payload limit is disconnected by ZeroMQ as
+        # soon as the frame's declared size arrives, before it is buffered.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.core.config.max_payload + HEADER_SLACK)
+        self._undecodable = _RateLimitedLog(log)
         if ipc_path:  # the embedded cluster: a Unix socket is cheaper than TCP loopback
             self.address = f"ipc://{ipc_path}"
             self.sock.bind(self.address)
@@ -111,7 +117,7 @@ class SchedulerServer:
                         try:
                             msgs = p.decode_all(frames[1:])
                         except p.DecodeError as e:
-                            log.warning("undecodable message from %r: %s", peer, e)
+                            self._undecodable.warning("undecodable message from %r: %s", peer, e)
                             self._deliver([Send(peer, p.Error(kind_of(ProtocolMismatch), str(e)))])
                             continue
                         events.extend(Received(peer, m) for m in msgs)
@@ -179,7 +185,9 @@ class SchedulerServer:
                 q = self._outbox.get(peer)
                 if q is not None:
                     q.append(frames)
-                elif not self._send_now(peer, frames):
+                elif not self._send_now(peer, frames) and peer in self.core.peers:
+                    # Only a known peer's messages wait; a refusal to a stranger that does
+                    # not read is dropped, so strangers cannot grow our memory.
                     self._outbox[peer] = deque([frames])
 
     def _flush_outboxes(self) -> None:
@@ -209,6 +217,26 @@ class SchedulerServer:
             self.metrics.close()
         self.sock.close(1000)  # let the Shutdown messages out
         self.ctx.term()
+
+
+class _RateLimitedLog:
+    """At most one line per `every` seconds; the lines held back are counted in the next
+    (a peer sending garbage must not flood the log)."""
+
+    def __init__(self, logger: logging.Logger, every: float = 5.0) -> None:
+        self.logger, self.every = logger, every
+        self.last = -math.inf
+        self.held = 0
+
+    def warning(self, fmt: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every:
+            self.held += 1
+            return
+        if self.held:
+            fmt += f" (and {self.held} more like it since the last such line)"
+        self.last, self.held = now, 0
+        self.logger.warning(fmt, *args)
 
 
 def _announce(ready_fd: int, address: str) -> bool:

@@ -33,6 +33,9 @@ class SchedulerConfig:
     eviction_policy: str = "cost"
     eviction_options: dict[str, Any] | None = None
     host_offload_bytes: int = 0
+    # The largest frame a peer may send (GPUFN_MAX_PAYLOAD); ZeroMQ drops a peer that
+    # declares a larger one before buffering it.
+    max_payload: int = 2 * 2**30
 
     def policy(self) -> EvictionPolicy:
         return policy_by_name(self.eviction_policy, **(self.eviction_options or {}))
@@ -42,7 +45,8 @@ class SchedulerConfig:
         """Defaults overridden by GPUFN_SLOTS, GPUFN_AGING_SECONDS, GPUFN_HEARTBEAT_TIMEOUT,
         GPUFN_CLIENT_TIMEOUT, GPUFN_MAX_QUEUE, GPUFN_MAX_QUEUE_PER_FUNCTION,
         GPUFN_STOP_GRACE_SECONDS, GPUFN_GANG_SETTLE_SECONDS, GPUFN_PIPELINE_DEPTH,
-        GPUFN_EVICTION_POLICY (+ GPUFN_LRU_MAX_MODELS), GPUFN_HOST_OFFLOAD_MEMORY."""
+        GPUFN_EVICTION_POLICY (+ GPUFN_LRU_MAX_MODELS), GPUFN_HOST_OFFLOAD_MEMORY,
+        GPUFN_MAX_PAYLOAD."""
         from gpufn import config as c
 
         per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
@@ -65,6 +69,7 @@ class SchedulerConfig:
             eviction_policy=policy,
             eviction_options=options,
             host_offload_bytes=parse_memory(host, "GPUFN_HOST_OFFLOAD_MEMORY") if host else 0,
+            max_payload=c.max_payload(),
         )
 
 

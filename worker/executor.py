@@ -23,6 +23,7 @@ from gpufn.exceptions import (
     GpufnError,
     ModelLoadError,
     OutOfMemory,
+    PayloadTooLarge,
     SerializationError,
     kind_of,
 )
@@ -190,6 +191,10 @@ class Executor:
                 "Return tensors, arrays or plain Python values."
             )
             return _gpufn_failure(inv, err, t0)
+        try:
+            ser.check_payload(frames, f"the value returned by {call.name}")
+        except PayloadTooLarge as e:
+            return _gpufn_failure(inv, e, t0)
         return p.Result(inv, True, "", "", p.ResultMeta(duration=time.perf_counter() - t0),
                         tuple(frames))
 

@@ -124,6 +124,26 @@ def home() -> Path:
     return Path(d) if d else Path.home() / ".gpufn"
 
 
+def state_dir() -> Path:
+    """GPUFN_STATE_DIR: where a scheduler keeps its state, e.g. its CURVE keys in `keys/`
+    (default GPUFN_HOME)."""
+    d = env_str("GPUFN_STATE_DIR")
+    return Path(d) if d else home()
+
+
+def curve_forced() -> bool:
+    """GPUFN_CURVE: 1 encrypts with CURVE even on a loopback bind (off loopback it always
+    is); default off."""
+    return env_bool("GPUFN_CURVE", False)
+
+
+def client_key_file() -> Path | None:
+    """GPUFN_CLIENT_KEY: a CURVE secret key file this process presents to the scheduler
+    (one listed in its --allow-keys folder); unset means a fresh key pair per process."""
+    v = env_str("GPUFN_CLIENT_KEY")
+    return Path(v).expanduser() if v else None
+
+
 def embedded_transport() -> str:
     """GPUFN_EMBEDDED_TRANSPORT: how this process reaches its embedded cluster, "ipc"
     (a Unix socket, the default) or "tcp" (loopback)."""
@@ -151,10 +171,43 @@ def map_window() -> int:
     return env_positive_int("GPUFN_MAP_WINDOW", 4096)
 
 
+KEY_PARAM = "?key="
+_Z85_KEY_LEN = 40
+
+
+def split_address(addr: str) -> tuple[str, str | None]:
+    """'tcp://host:port?key=<z85 public key>' -> ('tcp://host:port', key); no key -> None.
+
+    The one place a scheduler address is taken apart. The key is everything after the
+    first '?key=' (Z85 text may itself contain '?', '&', '=' or ':'); it must be 40 chars.
+    """
+    endpoint, sep, key = addr.partition(KEY_PARAM)
+    if not sep:
+        if "?" in addr:
+            raise InvalidSpec(f"address {addr!r}: the only option is ?key=<server public key>.")
+        return addr, None
+    if len(key) != _Z85_KEY_LEN:
+        raise InvalidSpec(f"address {addr!r}: ?key= must be the scheduler's 40-character Z85 "
+                          "public key, as `gpufn serve` printed it.")
+    return endpoint, key
+
+
+def join_address(endpoint: str, key: str | None) -> str:
+    return f"{endpoint}{KEY_PARAM}{key}" if key else endpoint
+
+
 def normalize_address(addr: str) -> str:
-    """'host:port' or 'tcp://host:port' -> 'tcp://host:port'."""
-    if "://" in addr:
-        return addr
-    if ":" not in addr:
-        return f"tcp://{addr}:{DEFAULT_PORT}"
-    return f"tcp://{addr}"
+    """'host:port' or 'tcp://host:port' -> 'tcp://host:port' (a ?key= suffix is kept)."""
+    endpoint, key = split_address(addr)
+    if "://" not in endpoint:
+        endpoint = (f"tcp://{endpoint}:{DEFAULT_PORT}" if ":" not in endpoint
+                    else f"tcp://{endpoint}")
+    return join_address(endpoint, key)
+
+
+def address_host(addr: str) -> str:
+    """The host part of a tcp:// address ('' for ipc and others), without brackets."""
+    endpoint, _ = split_address(addr)
+    if not endpoint.startswith("tcp://"):
+        return ""
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")

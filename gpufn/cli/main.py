@@ -9,6 +9,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from gpufn import config
 from gpufn.cli import render
@@ -21,43 +22,73 @@ console = Console()
 err = Console(stderr=True)
 
 
-def _is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1")
+def _public_address(address: str, host: str) -> str:
+    """The scheduler's address as other hosts reach it (a wildcard bind names this host)."""
+    endpoint, key = config.split_address(address)
+    if host in ("0.0.0.0", "*", "::"):
+        endpoint = f"tcp://{config.node_id()}:{endpoint.rsplit(':', 1)[1]}"
+    return config.join_address(endpoint, key)
 
 
 @app.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 for a cluster)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 for a cluster; off loopback, traffic is CURVE-encrypted)."),
     port: int = typer.Option(config.DEFAULT_PORT, help="Port to bind (0 picks a free one)."),
     cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found [GPUFN_CPU_DEVICES, 2]."),
     device_memory: str | None = typer.Option(None, help="Memory of each simulated device, e.g. 8GiB [GPUFN_DEVICE_MEMORY]."),
     islands: int | None = typer.Option(None, help="Split simulated devices into NVLink-like islands."),
     token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="Shared secret clients and workers must present (generated if unset)."),
     workers: bool = typer.Option(True, help="Start workers for this host's devices (--no-workers: scheduler only)."),
+    allow_keys: str | None = typer.Option(None, "--allow-keys", help="Also admit only CURVE clients whose public key (*.key) is in this folder."),
+    curve: bool = typer.Option(False, "--curve", envvar="GPUFN_CURVE", help="Encrypt with CURVE on loopback too (always on off loopback)."),
+    state_dir: str | None = typer.Option(None, "--state-dir", envvar="GPUFN_STATE_DIR", help="Where the CURVE keys live, in keys/ [GPUFN_HOME]."),
 ) -> None:
     """Run the scheduler (and this host's workers) in the foreground until Ctrl-C."""
     import signal
+    from pathlib import Path
 
+    from gpufn import security
     from gpufn.embedded import LocalCluster
 
     if cpu_devices is not None and cpu_devices < 1:
         err.print("[red]--cpu-devices must be at least 1[/]")
         raise typer.Exit(2)
+    if curve:
+        os.environ["GPUFN_CURVE"] = "1"  # the scheduler process decides by it
+    if state_dir:
+        os.environ["GPUFN_STATE_DIR"] = state_dir
+    keys = security.keys_dir()
+    try:
+        security.server_keys(keys, create=True)  # made on first start; the mode is checked
+    except security.SecurityError as e:
+        err.print(f"[red]the scheduler did not start[/]: {e}")
+        raise typer.Exit(1) from None
     cluster = LocalCluster(cpu_devices, device_memory, islands, host=host, port=port,
-                           token=token or secrets.token_hex(16), transport="tcp", workers=workers)
+                           token=token or secrets.token_hex(16), transport="tcp", workers=workers,
+                           keys=keys, allow_keys=Path(allow_keys) if allow_keys else None)
     try:
         address, tok = cluster.start()
+    except security.SecurityError as e:
+        err.print(f"[red]the scheduler did not start[/]: {e}")
+        raise typer.Exit(1) from None
     except GpufnError as e:
         err.print(f"[red]the scheduler did not start[/]: {e} (is another `gpufn serve` using "
                   f"port {port}? pick another with --port, or --port 0 for any free one)")
         raise typer.Exit(1) from None
-    if not _is_loopback(host):
-        address = f"tcp://{host if host not in ('0.0.0.0', '*') else config.node_id()}:{address.rsplit(':', 1)[1]}"
-    write_cluster_file(address, tok)
-    console.print(f"gpufn scheduler listening on [bold]{address}[/]")
-    console.print(f"connect with: export GPUFN_ADDRESS={address} GPUFN_TOKEN={tok}")
+    address = _public_address(address, host)
+    token_file = write_cluster_file(address, tok)
+    encrypted = config.split_address(address)[1] is not None
+    console.print(f"gpufn scheduler listening on [bold]{escape(address)}[/]"
+                  + (" (CURVE-encrypted)" if encrypted else " (loopback: token only)"),
+                  soft_wrap=True)
+    console.print(f"the token is in {token_file} (readable by you only); give it to clients "
+                  "and workers as GPUFN_TOKEN over a channel you trust", soft_wrap=True)
+    # Z85 keys hold shell characters ($ & ( ...) but never a single quote.
+    console.print(f"connect with: export GPUFN_ADDRESS='{address}' GPUFN_TOKEN=<the token>",
+                  soft_wrap=True, markup=False)
     if not workers:
-        console.print(f"add workers with: gpufn worker --address {address} --token {tok}")
+        console.print(f"add workers with: GPUFN_TOKEN=<the token> gpufn worker --address "
+                      f"'{address}'", soft_wrap=True, markup=False)
     sys.stdout.flush()
     def stop(*_: object) -> None:
         if cluster.scheduler is not None:
@@ -76,7 +107,7 @@ def serve(
 
 @app.command()
 def worker(
-    address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler to join, tcp://host:port."),
+    address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler to join, tcp://host:port?key=<its public key>, as `gpufn serve` printed it."),
     token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="The cluster's token."),
     cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found."),
     device_memory: str | None = typer.Option(None, help="Memory of each simulated device."),

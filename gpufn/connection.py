@@ -165,8 +165,8 @@ class Connection:
                     f"the scheduler at {where} closed the connection during the CURVE "
                     "handshake: the ?key= in the address is not its public key (take the "
                     "address `gpufn serve` printed)")
-            if failures >= 2:
-                raise ConnectionLost(
+            if failures >= 2:  # the same class as a mismatch seen as such (it races)
+                raise AuthenticationError(
                     f"the scheduler at {where} closed the connection during the handshake: "
                     "it probably requires encryption (CURVE); connect with the address "
                     "`gpufn serve` printed, tcp://HOST:PORT?key=<its public key>")

@@ -5,7 +5,9 @@ Prints, for this machine, side by side:
     DEALER -> ROUTER forwarder -> echo worker round trip (the transport's floor);
   * `.map()` throughput over 10,000 no-op inputs;
   * 1,000 inputs of a 4 MiB tensor each (MB/s) vs raw zmq moving the same bytes;
-  * the same no-op round trip and 10k-task throughput with Ray when `ray` is importable.
+  * the same no-op round trip and 10k-task throughput with Ray when `ray` is importable;
+  * with --curve: the cost of CURVE encryption, the same three measurements on an
+    embedded cluster over TCP loopback, plaintext against CURVE (GPUFN_CURVE=1).
 
 The systems are interleaved within each round, each measured with the others stopped:
 gpufn's embedded cluster is started, measured and torn down, then the raw transport's
@@ -13,7 +15,7 @@ processes, then Ray's (`ray.init` .. `ray.shutdown`); the order rotates from rou
 round so no system always goes first. Each measurement is repeated (--repeats) and
 reported as min / median.
 
-    python bench/overhead.py [--repeats 5] [--transport ipc|tcp] [--no-ray]
+    python bench/overhead.py [--repeats 5] [--transport ipc|tcp] [--no-ray] [--curve]
     python bench/overhead.py --quick       # a short smoke run
 """
 
@@ -88,6 +90,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (2 rounds, small n)")
+    ap.add_argument("--curve", action="store_true",
+                    help="also measure TCP loopback plaintext against CURVE-encrypted")
     a = ap.parse_args()
     if a.quick:
         a.repeats, a.n_latency, a.n_map, a.n_large = 2, 200, 1000, 50
@@ -116,9 +120,19 @@ def main() -> None:
     def add(key: str, value: float) -> None:
         rows.setdefault(key, []).append(value)
 
-    def measure_gpufn() -> None:
+    def measure_gpufn(prefix: str = "gpufn", curve: bool | None = None) -> None:
+        """The embedded cluster (curve None), or one over TCP loopback with or without
+        CURVE; rows are named `prefix ...`."""
         before = descendants(os.getpid())
-        client = gpufn.connect()
+        cluster: Any = None
+        if curve is None:
+            client = gpufn.connect()
+        else:
+            os.environ["GPUFN_CURVE"] = "1" if curve else "0"
+            cluster = LocalCluster(a.devices, transport="tcp", keys=keys if curve else None)
+            address, token = cluster.start()
+            assert (config.split_address(address)[1] is not None) == curve, address
+            client = gpufn.connect(address, token=token)
         try:
             deadline = time.monotonic() + 120
             while any(d["state"] != "ready" for d in client.status()["devices"]):
@@ -129,15 +143,18 @@ def main() -> None:
                 noop.remote()
             list(noop1.map(range(4 * a.devices)))
             p50, p99 = roundtrips(noop.remote, a.n_latency)
-            add("gpufn p50 us", p50 * 1e6)
-            add("gpufn p99 us", p99 * 1e6)
+            add(f"{prefix} p50 us", p50 * 1e6)
+            add(f"{prefix} p99 us", p99 * 1e6)
             dt = timed(lambda: list(noop1.map(range(a.n_map))))
-            add("gpufn map calls/s", a.n_map / dt)
+            add(f"{prefix} map calls/s", a.n_map / dt)
             dt = timed(lambda: list(noop1.map([tensor] * a.n_large)))
-            add("gpufn 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
+            add(f"{prefix} 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
         finally:
             mine = descendants(os.getpid()) - before
             gclient._shutdown_default()
+            if cluster is not None:
+                cluster.stop()
+            os.environ.pop("GPUFN_CURVE", None)
             leftover.update(wait_gone(mine))
 
     def measure_raw() -> None:
@@ -159,6 +176,17 @@ def main() -> None:
             leftover.update(wait_gone(descendants(os.getpid()) - before))
 
     systems: list[tuple[str, Callable[[], None]]] = [("gpufn", measure_gpufn), ("raw", measure_raw)]
+    if a.curve:
+        import tempfile
+        from pathlib import Path
+
+        from gpufn import config, security
+        from gpufn.embedded import LocalCluster
+
+        keys = Path(tempfile.mkdtemp(prefix="gpufn-bench-")) / "keys"
+        security.server_keys(keys, create=True)
+        systems += [("tcp", functools.partial(measure_gpufn, "tcp", False)),
+                    ("curve", functools.partial(measure_gpufn, "curve", True))]
     ray: Any = None
     if not a.no_ray:
         try:
@@ -198,7 +226,8 @@ def main() -> None:
         print(f"round {r + 1}/{a.repeats} done (order: {', '.join(n for n, _ in order)})",
               file=sys.stderr)
     ray_rows = {k: v for k, v in rows.items() if k.startswith("ray ")}
-    rows = {k: v for k, v in rows.items() if not k.startswith("ray ")}
+    curve_rows = {k: v for k, v in rows.items() if k.startswith(("tcp ", "curve "))}
+    rows = {k: v for k, v in rows.items() if not k.startswith("ray ") and k not in curve_rows}
 
     from rich.console import Console
     from rich.table import Table
@@ -235,7 +264,22 @@ def main() -> None:
                   f"gpufn {med['gpufn map calls/s'] / med['ray 10k tasks/s']:.2f}x")
     else:
         t.add_row("Ray", "", "not installed (pip install ray)", "")
-    Console(width=None if sys.stdout.isatty() else 120).print(t)
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    console.print(t)
+    if curve_rows:
+        cm = {k: statistics.median(v) for k, v in curve_rows.items()}
+        c = Table(title=f"what CURVE costs: embedded cluster over TCP loopback, plaintext vs "
+                        f"CURVE ({a.repeats} rounds, min / median)")
+        for col in ("measurement", "TCP plaintext", "TCP CURVE", "CURVE / plaintext (median)"):
+            c.add_column(col, justify="left" if col == "measurement" else "right")
+        for label, key in (("no-op .remote() p50 (us)", "p50 us"),
+                           ("no-op .remote() p99 (us)", "p99 us"),
+                           (f".map() {a.n_map:,} no-ops (calls/s)", "map calls/s"),
+                           (f".map() {a.n_large:,} x 4 MiB tensors (MB/s)", "4MiB MB/s")):
+            c.add_row(label, summarize(curve_rows[f"tcp {key}"]),
+                      summarize(curve_rows[f"curve {key}"]),
+                      f"{cm[f'curve {key}'] / cm[f'tcp {key}']:.2f}x")
+        console.print(c)
     # multiprocessing's resource tracker (started by the raw path) lives until we exit
     left = [p for p in wait_gone(leftover, 30.0) if "resource_tracker" not in cmdline(p)]
     if left:

@@ -134,8 +134,8 @@ def home() -> Path:
 
 
 def state_dir() -> Path:
-    """GPUFN_STATE_DIR: where the scheduler keeps its state (deployments, keys) and
-    `gpufn serve --detach` its pid and log files (default: GPUFN_HOME)."""
+    """GPUFN_STATE_DIR: where the scheduler keeps its state (deployments, CURVE keys in
+    `keys/`) and `gpufn serve --detach` its pid and log files (default: GPUFN_HOME)."""
     d = env_str("GPUFN_STATE_DIR")
     return Path(d) if d else home()
 
@@ -145,6 +145,19 @@ def metrics_port() -> int | None:
     (unset: off; 0 picks a free port)."""
     v = env_str("GPUFN_METRICS_PORT")
     return None if v is None else env_int("GPUFN_METRICS_PORT", 0)
+
+
+def curve_forced() -> bool:
+    """GPUFN_CURVE: 1 encrypts with CURVE even on a loopback bind (off loopback it always
+    is); default off."""
+    return env_bool("GPUFN_CURVE", False)
+
+
+def client_key_file() -> Path | None:
+    """GPUFN_CLIENT_KEY: a CURVE secret key file this process presents to the scheduler
+    (one listed in its --allow-keys folder); unset means a fresh key pair per process."""
+    v = env_str("GPUFN_CLIENT_KEY")
+    return Path(v).expanduser() if v else None
 
 
 def embedded_transport() -> str:
@@ -174,10 +187,43 @@ def map_window() -> int:
     return env_positive_int("GPUFN_MAP_WINDOW", 4096)
 
 
+KEY_PARAM = "?key="
+_Z85_KEY_LEN = 40
+
+
+def split_address(addr: str) -> tuple[str, str | None]:
+    """'tcp://host:port?key=<z85 public key>' -> ('tcp://host:port', key); no key -> None.
+
+    The one place a scheduler address is taken apart. The key is everything after the
+    first '?key=' (Z85 text may itself contain '?', '&', '=' or ':'); it must be 40 chars.
+    """
+    endpoint, sep, key = addr.partition(KEY_PARAM)
+    if not sep:
+        if "?" in addr:
+            raise InvalidSpec(f"address {addr!r}: the only option is ?key=<server public key>.")
+        return addr, None
+    if len(key) != _Z85_KEY_LEN:
+        raise InvalidSpec(f"address {addr!r}: ?key= must be the scheduler's 40-character Z85 "
+                          "public key, as `gpufn serve` printed it.")
+    return endpoint, key
+
+
+def join_address(endpoint: str, key: str | None) -> str:
+    return f"{endpoint}{KEY_PARAM}{key}" if key else endpoint
+
+
 def normalize_address(addr: str) -> str:
-    """'host:port' or 'tcp://host:port' -> 'tcp://host:port'."""
-    if "://" in addr:
-        return addr
-    if ":" not in addr:
-        return f"tcp://{addr}:{DEFAULT_PORT}"
-    return f"tcp://{addr}"
+    """'host:port' or 'tcp://host:port' -> 'tcp://host:port' (a ?key= suffix is kept)."""
+    endpoint, key = split_address(addr)
+    if "://" not in endpoint:
+        endpoint = (f"tcp://{endpoint}:{DEFAULT_PORT}" if ":" not in endpoint
+                    else f"tcp://{endpoint}")
+    return join_address(endpoint, key)
+
+
+def address_host(addr: str) -> str:
+    """The host part of a tcp:// address ('' for ipc and others), without brackets."""
+    endpoint, _ = split_address(addr)
+    if not endpoint.startswith("tcp://"):
+        return ""
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")

@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from gpufn import _sockets
+from gpufn import _sockets, config, security
 from gpufn import protocol as p
 from gpufn.exceptions import AuthenticationError, ConnectionLost, GpufnError, from_wire, kind_of
 
@@ -19,17 +19,36 @@ log = logging.getLogger("gpufn.connection")
 
 _FORGOTTEN = kind_of(AuthenticationError)
 
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+
 
 @dataclass(frozen=True, slots=True)
 class ConnectionConfig:
     """What a peer needs to reach a scheduler: where, and how to prove it may.
 
-    Every peer builds its sockets from one of these, so credentials (today the token;
-    a server key once traffic is encrypted) enter in one place.
+    Every peer builds its sockets from one of these, so credentials (the token, and the
+    scheduler's CURVE public key from `tcp://host:port?key=...`) enter in one place.
     """
 
     address: str
     token: str = ""
+
+    @property
+    def endpoint(self) -> str:
+        """The address ZeroMQ connects to (without ?key=)."""
+        return config.split_address(self.address)[0]
+
+    def server_key(self) -> str | None:
+        """The scheduler's public key: from the address, else from the cluster file that
+        `gpufn serve` on this machine left for this endpoint; None means plaintext."""
+        endpoint, key = config.split_address(self.address)
+        if key is None and endpoint.startswith("tcp://"):
+            from gpufn.cli.state import saved_server_key
+
+            key = saved_server_key(endpoint)
+        return key
 
 
 @dataclass(slots=True)
@@ -81,12 +100,77 @@ class Connection:
         self.sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
         _sockets.configure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
-        self._secure(self.sock)
-        self.sock.connect(config.address)
+        self.server_key = self._secure(self.sock)
+        # Over TCP, watch the security handshake until the Welcome, so a refused key or a
+        # plaintext/CURVE mismatch is reported at once instead of as a silent timeout.
+        self._monitor: zmq.Socket[Any] | None = None
+        endpoint = config.endpoint
+        if endpoint.startswith("tcp://"):
+            self._monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self.sock.connect(endpoint)
 
-    def _secure(self, sock: zmq.Socket[Any]) -> None:
-        """Socket security options, applied before connect (the place for CURVE keys from
-        `self.config`); plaintext with the token in Hello today."""
+    def _secure(self, sock: zmq.Socket[Any]) -> str | None:
+        """Security options, applied before connect; every peer's socket comes through here.
+
+        With the scheduler's public key this is a CURVE client: the traffic is encrypted and
+        only the holder of the matching secret key can answer. Our own key pair is
+        GPUFN_CLIENT_KEY's (for a scheduler with an allow-list) or made for this process.
+        The token still goes in Hello, inside the encrypted channel. Returns the server key.
+        """
+        key = self.config.server_key()
+        if key is not None:
+            mine = security.client_keys()
+            sock.curve_serverkey = key.encode()
+            sock.curve_publickey = mine.public
+            sock.curve_secretkey = mine.secret
+        return key
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+            self._monitor = None
+
+    def _handshake_event(self, failures: int) -> int:
+        """Read one security-handshake event; raise if it says we will never get in.
+        Returns the count of failed handshakes so far."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self._monitor is not None
+        ev = recv_monitor_message(self._monitor)
+        event, value = ev["event"], ev["value"]
+        where = self.config.endpoint
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            raise AuthenticationError(
+                f"the scheduler at {where} refused this {self.role}'s CURVE key (ZAP status "
+                f"{value}): it admits only the public keys in its --allow-keys folder; add "
+                "this host's .key file there and point GPUFN_CLIENT_KEY at its secret key")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _MECHANISM_MISMATCH:
+            if self.server_key is None:
+                raise AuthenticationError(
+                    f"the scheduler at {where} requires encryption (CURVE): connect with "
+                    "the address `gpufn serve` printed, tcp://HOST:PORT?key=<its public key>")
+            raise AuthenticationError(
+                f"the scheduler at {where} does not use CURVE encryption; drop ?key= from "
+                "the address (or start it with the keys this address names)")
+        if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+            # The scheduler hung up mid-handshake (a mechanism mismatch is often seen only
+            # as that); twice in a row is not a restart but a refusal.
+            failures += 1
+            if failures >= 2 and self.server_key is not None:
+                raise AuthenticationError(
+                    f"the scheduler at {where} closed the connection during the CURVE "
+                    "handshake: the ?key= in the address is not its public key (take the "
+                    "address `gpufn serve` printed)")
+            if failures >= 2:  # the same class as a mismatch seen as such (it races)
+                raise AuthenticationError(
+                    f"the scheduler at {where} closed the connection during the handshake: "
+                    "it probably requires encryption (CURVE); connect with the address "
+                    "`gpufn serve` printed, tcp://HOST:PORT?key=<its public key>")
+        return failures
 
     # ------------------------------------------------------------------ handshake
 
@@ -108,11 +192,27 @@ class Connection:
         Messages before the Welcome are answers to what was sent before this Hello
         (e.g. the refusals that made us say Hello again) and are dropped.
         """
+        try:
+            return self._handshake(timeout)
+        finally:
+            self._stop_monitor()
+
+    def _handshake(self, timeout: float) -> list[p.Message]:
         self.hello()
         deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        failures = 0
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+            ready = dict(poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+            if self._monitor is not None and ready.get(self._monitor):
+                failures = self._handshake_event(failures)
+                if not ready.get(self.sock):
+                    continue
+            if not ready.get(self.sock):
                 raise ConnectionLost(
                     f"no answer from a gpufn scheduler at {self.address} within {timeout:.0f}s. "
                     "Is `gpufn serve` running there? Check GPUFN_ADDRESS, or unset it to use the "
@@ -156,6 +256,7 @@ class Connection:
             raise SystemExit(f"scheduler refused this {who}: {e}") from None
 
     def close(self, linger_ms: int = 0) -> None:
+        self._stop_monitor()
         self.sock.close(linger_ms)
 
 

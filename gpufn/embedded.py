@@ -20,6 +20,7 @@ from typing import Any
 
 from gpufn import config
 from gpufn.exceptions import ConnectionLost
+from gpufn.security import LOCAL_KEY_NAME, ServerSecurity, ensure_keypair
 
 
 def _extra_pythonpath() -> list[str]:
@@ -47,7 +48,8 @@ class LocalCluster:
         self, cpu_devices: int | None = None, device_memory: str | int | None = None,
         islands: int | None = None, extra_env: dict[str, str] | None = None, *,
         host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-        transport: str | None = None, workers: bool = True,
+        transport: str | None = None, workers: bool = True, keys: Path | None = None,
+        allow_keys: Path | None = None,
     ) -> None:
         self.cpu_devices = cpu_devices
         self.device_memory = device_memory
@@ -59,6 +61,7 @@ class LocalCluster:
         self.supervisor: subprocess.Popen[bytes] | None = None
         self.address = ""
         self.token = token or secrets.token_hex(16)
+        self.keys, self.allow_keys = keys, allow_keys  # CURVE (see gpufn.security)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -69,11 +72,29 @@ class LocalCluster:
         env.update(self.extra_env)
         return env
 
+    def _security_args(self, env: dict[str, str]) -> list[str]:
+        """Scheduler arguments for CURVE; refuses here, before any process starts, what
+        the scheduler would refuse (an off-loopback bind without keys, an unsafe key)."""
+        ipc = self.transport == "ipc"
+        if ServerSecurity.for_bind(self.host, ipc, self.keys, self.allow_keys) is None:
+            return []
+        assert self.keys is not None
+        args = ["--keys", str(self.keys)]
+        if self.allow_keys is not None:
+            # This host's supervisor and workers get in with a key pair of their own.
+            _, secret = ensure_keypair(self.keys, LOCAL_KEY_NAME)
+            env["GPUFN_CLIENT_KEY"] = str(secret)
+            args += ["--allow-keys", str(self.allow_keys)]
+        return args
+
     def start(self, timeout: float = 60.0) -> tuple[str, str]:
         env = self._env()
+        # Before the pipe: a refusal here leaves nothing to clean up.
+        security_args = self._security_args(env)
         r, w = os.pipe()
         cmd = [sys.executable, "-m", "gpufn.scheduler", "--host", self.host, "--port",
-               str(self.port), "--ready-fd", str(w), "--parent-pid", str(os.getpid())]
+               str(self.port), "--ready-fd", str(w), "--parent-pid", str(os.getpid()),
+               *security_args]
         if self.transport == "ipc":
             sock_dir = Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
             sock_dir.mkdir(mode=0o700, exist_ok=True)

@@ -99,10 +99,29 @@ def resolve_backend(kind: str) -> str:
 def host_store(host: str = "127.0.0.1") -> tuple[TCPStore, int]:
     """Start the rendezvous store (in the scheduler process) on a free port: (store, port).
 
+    It listens on `host` only (the scheduler's own bind: torch's TCPStore alone would
+    listen on every interface), through a socket bound here and handed over as
+    `master_listen_fd`. The store is plaintext and unauthenticated (see GangSpec.nonce).
     Keep the store object alive for as long as gangs may form. Workers on other hosts
     must be given an address of this host they can reach as `GangSpec.store_host`.
     """
+    import socket
+
     from torch.distributed import TCPStore
 
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    return store, int(store.port)
+    bind = "0.0.0.0" if host in ("", "*") else host.strip("[]")
+    family, kind, proto, _, addr = socket.getaddrinfo(bind, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(addr)
+        listener.listen(512)
+        port = int(listener.getsockname()[1])
+    except OSError:
+        listener.close()
+        raise
+    # The store connects to itself too: through loopback when bound to every interface.
+    own = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
+    fd = listener.detach()  # the store owns the listening socket from here on
+    store = TCPStore(own, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    return store, port

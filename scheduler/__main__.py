@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+from pathlib import Path
 
 from gpufn import config
 from gpufn.scheduler.server import run
 from gpufn.scheduler.settings import SchedulerConfig
+from gpufn.security import SecurityError, ServerSecurity
 
 
 def main() -> None:
@@ -17,11 +20,20 @@ def main() -> None:
     ap.add_argument("--ready-fd", type=int, default=None)
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--ipc", default=None, help="bind this Unix socket path instead of TCP")
+    ap.add_argument("--keys", type=Path, default=None,
+                    help="folder with the CURVE key pair (server.key_secret); required off loopback")
+    ap.add_argument("--allow-keys", type=Path, default=None,
+                    help="admit only CURVE clients whose public key (*.key) is in this folder")
     a = ap.parse_args()
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
+    try:
+        security = ServerSecurity.for_bind(a.host, a.ipc is not None, a.keys, a.allow_keys)
+    except SecurityError as e:
+        print(f"gpufn scheduler refused to start: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     cfg = SchedulerConfig.from_env(config.token())
-    run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, config.metrics_port())
+    run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, security, config.metrics_port())
 
 
 if __name__ == "__main__":

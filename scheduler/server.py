@@ -21,6 +21,7 @@ import zmq
 
 from gpufn import _sockets
 from gpufn import protocol as p
+from gpufn.config import join_address
 from gpufn.exceptions import ProtocolMismatch, kind_of
 from gpufn.scheduler.core import (
     Event,
@@ -33,6 +34,7 @@ from gpufn.scheduler.core import (
     Tick,
     Unreachable,
 )
+from gpufn.security import ServerSecurity
 
 log = logging.getLogger("gpufn.scheduler")
 
@@ -45,16 +47,21 @@ HEADER_SLACK = 64 * 1024
 class SchedulerServer:
     def __init__(
         self, host: str = "127.0.0.1", port: int = 0, config: SchedulerConfig | None = None,
-        ipc_path: str | None = None,
+        ipc_path: str | None = None, security: ServerSecurity | None = None,
     ) -> None:
         self.core = SchedulerCore(config)
         self.ctx = zmq.Context()
+        # The ZAP allow-list must run before the first peer's handshake.
+        self._auth = security.start_auth(self.ctx) if security is not None else None
         self.sock = self.ctx.socket(zmq.ROUTER)
         _sockets.configure(self.sock, router=True)
         # A peer that sends a frame over the payload limit is disconnected by ZeroMQ as
         # soon as the frame's declared size arrives, before it is buffered.
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.core.config.max_payload + HEADER_SLACK)
         self._undecodable = _RateLimitedLog(log)
+        if security is not None:
+            security.apply(self.sock)
+        self.host = host
         if ipc_path:  # the embedded cluster: a Unix socket is cheaper than TCP loopback
             self.address = f"ipc://{ipc_path}"
             self.sock.bind(self.address)
@@ -64,6 +71,9 @@ class SchedulerServer:
             else:
                 port = self.sock.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
+        # What peers connect with: with CURVE, the address carries our public key.
+        self.public_address = join_address(
+            self.address, security.keys.public.decode() if security is not None else None)
         self._outbox: dict[bytes, deque[list[Any]]] = {}
         self._pending_events: list[Event] = []
         self._running = True
@@ -152,7 +162,7 @@ class SchedulerServer:
             from gpufn.rendezvous import host_store
 
             try:
-                self._store, self._store_port = host_store()
+                self._store, self._store_port = host_store(self._store_host())
                 log.info("gang rendezvous store on port %d", self._store_port)
             except Exception as e:
                 log.exception("cannot start the gang rendezvous store")
@@ -160,6 +170,11 @@ class SchedulerServer:
 
         self._store_thread = threading.Thread(target=run, name="gpufn-rendezvous", daemon=True)
         self._store_thread.start()
+
+    def _store_host(self) -> str:
+        """The interface the gang store listens on: the scheduler's own (the one its
+        workers reach it by), loopback for a Unix socket."""
+        return "127.0.0.1" if self.address.startswith("ipc://") else self.host
 
     def _send_now(self, peer: bytes, frames: list[Any]) -> bool:
         """True if sent; False if the peer is full. Unknown peers become events."""
@@ -216,6 +231,8 @@ class SchedulerServer:
         if self.metrics is not None:
             self.metrics.close()
         self.sock.close(1000)  # let the Shutdown messages out
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
 
 
@@ -253,17 +270,19 @@ def _announce(ready_fd: int, address: str) -> bool:
 
 def run(
     host: str, port: int, config: SchedulerConfig, ready_fd: int | None = None,
-    parent_pid: int = 0, ipc_path: str | None = None, metrics_port: int | None = None,
+    parent_pid: int = 0, ipc_path: str | None = None, security: ServerSecurity | None = None,
+    metrics_port: int | None = None,
 ) -> None:
-    server = SchedulerServer(host, port, config, ipc_path)
+    server = SchedulerServer(host, port, config, ipc_path, security)
     if metrics_port is not None:
         server.start_metrics(metrics_port)
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     _sockets.watch_parent(parent_pid, server.stop)
-    log.info("scheduler listening on %s", server.address)
+    log.info("scheduler listening on %s%s", server.address,
+             " (CURVE)" if security is not None else "")
     try:
-        if ready_fd is not None and not _announce(ready_fd, server.address):
+        if ready_fd is not None and not _announce(ready_fd, server.public_address):
             log.info("the process that started the scheduler is gone; stopping")
             return
         server.serve_forever()

@@ -65,10 +65,8 @@ def _torch_device(kind: str) -> Any:
 
 def _host_of(address: str) -> str:
     """The scheduler's host as this worker reaches it (where the gang store listens)."""
-    if address.startswith("tcp://"):
-        host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-        return "127.0.0.1" if host in ("*", "0.0.0.0") else host
-    return "127.0.0.1"
+    host = config.address_host(address)
+    return "127.0.0.1" if host in ("", "*", "0.0.0.0") else host
 
 
 class WorkerProcess:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from gpufn import config
 from gpufn.cli import address_file as addrfile
@@ -25,13 +26,17 @@ console = Console()
 err = Console(stderr=True)
 
 
-def _is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1")
+def _public_address(address: str, host: str) -> str:
+    """The scheduler's address as other hosts reach it (a wildcard bind names this host)."""
+    endpoint, key = config.split_address(address)
+    if host in ("0.0.0.0", "*", "::"):
+        endpoint = f"tcp://{config.node_id()}:{endpoint.rsplit(':', 1)[1]}"
+    return config.join_address(endpoint, key)
 
 
 @app.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 for a cluster)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 for a cluster; off loopback, traffic is CURVE-encrypted)."),
     port: int = typer.Option(config.DEFAULT_PORT, help="Port to bind (0 picks a free one)."),
     cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found [GPUFN_CPU_DEVICES, 2]."),
     device_memory: str | None = typer.Option(None, help="Memory of each simulated device, e.g. 8GiB [GPUFN_DEVICE_MEMORY]."),
@@ -40,15 +45,18 @@ def serve(
     workers: bool = typer.Option(True, help="Start workers for this host's devices (--no-workers: scheduler only)."),
     address_file: Path | None = typer.Option(None, help="Write the address here (e.g. on a shared filesystem) for `gpufn worker --address-file`."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Run in the background (pid and log files in the state dir); stop it with `gpufn shutdown`."),
-    state_dir: Path | None = typer.Option(None, help="Where the scheduler keeps deployments and keys, and --detach its pid and log files [GPUFN_STATE_DIR, else GPUFN_HOME]."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", envvar="GPUFN_STATE_DIR", help="Where the scheduler keeps deployments and CURVE keys (in keys/), and --detach its pid and log files [GPUFN_HOME]."),
     metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port at /metrics (needs `pip install gpufn[metrics]`)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the address and token as JSON."),
+    allow_keys: str | None = typer.Option(None, "--allow-keys", help="Also admit only CURVE clients whose public key (*.key) is in this folder."),
+    curve: bool = typer.Option(False, "--curve", envvar="GPUFN_CURVE", help="Encrypt with CURVE on loopback too (always on off loopback)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the address and where the token is as JSON."),
 ) -> None:
     """Run the scheduler and this host's workers (until Ctrl-C or `gpufn shutdown`).
 
     With --detach it runs in the background, with a pid file and a log file in the state dir."""
     import signal
 
+    from gpufn import security
     from gpufn.embedded import LocalCluster
 
     if cpu_devices is not None and cpu_devices < 1:
@@ -61,29 +69,47 @@ def serve(
         os.environ["GPUFN_METRICS_PORT"] = str(metrics_port)  # read by the scheduler process
     if state_dir is not None:
         os.environ["GPUFN_STATE_DIR"] = str(state_dir.resolve())
+    if curve:
+        os.environ["GPUFN_CURVE"] = "1"  # the scheduler process decides by it
+    keys = security.keys_dir()
+    try:
+        security.server_keys(keys, create=True)  # made on first start; the mode is checked
+    except security.SecurityError as e:
+        fail(f"the scheduler did not start: {e}")
     tok = token or secrets.token_hex(16)
     if detach:
         _detach(tok, as_json)
         return
     cluster = LocalCluster(cpu_devices, device_memory, islands, host=host, port=port,
-                           token=tok, transport="tcp", workers=workers)
+                           token=tok, transport="tcp", workers=workers,
+                           keys=keys, allow_keys=Path(allow_keys) if allow_keys else None)
     try:
         address, tok = cluster.start()
+    except security.SecurityError as e:
+        fail(f"the scheduler did not start: {e}")
     except GpufnError as e:
         fail(f"the scheduler did not start: {e} (is another `gpufn serve` using port {port}? "
              "pick another with --port, or --port 0 for any free one)")
-    if not _is_loopback(host):
-        address = f"tcp://{host if host not in ('0.0.0.0', '*') else config.node_id()}:{address.rsplit(':', 1)[1]}"
-    write_cluster_file(address, tok)
+    address = _public_address(address, host)
+    token_file = write_cluster_file(address, tok)
     if address_file is not None:
         addrfile.write(address_file, address)
+    encrypted = config.split_address(address)[1] is not None
     if as_json:
-        typer.echo(json.dumps({"address": address, "token": tok, "pid": os.getpid()}))
+        typer.echo(json.dumps({"address": address, "token_file": str(token_file),
+                               "encrypted": encrypted, "pid": os.getpid()}))
     else:
-        console.print(f"gpufn scheduler listening on [bold]{address}[/]")
-        console.print(f"connect with: export GPUFN_ADDRESS={address} GPUFN_TOKEN={tok}")
+        console.print(f"gpufn scheduler listening on [bold]{escape(address)}[/]"
+                      + (" (CURVE-encrypted)" if encrypted else " (loopback: token only)"),
+                      soft_wrap=True)
+        console.print(f"the token is in {token_file} (readable by you only); give it to clients "
+                      "and workers as GPUFN_TOKEN over a channel you trust", soft_wrap=True)
+        # Z85 keys hold shell characters ($ & ( ...) but never a single quote.
+        console.print(f"connect with: export GPUFN_ADDRESS='{address}' GPUFN_TOKEN=<the token>",
+                      soft_wrap=True, markup=False)
         if not workers:
-            console.print(f"add workers with: gpufn worker --address {address} --token {tok}")
+            console.print(f"add workers with: GPUFN_TOKEN=<the token> gpufn worker --address "
+                          f"'{address}'", soft_wrap=True, markup=False)
     sys.stdout.flush()
     def stop(*_: object) -> None:
         if cluster.scheduler is not None:
@@ -136,15 +162,19 @@ def _detach(token: str, as_json: bool) -> None:
             fail(f"the detached server did not start: {tail[0] if tail else 'no output'} "
                  f"(log: {common.log_file()})")
         time.sleep(0.1)
-    info = {"address": saved["address"], "token": token, "pid": proc.pid,
-            "pid_file": str(common.pid_file()), "log_file": str(common.log_file())}
+    from gpufn.cli.state import home
+
+    info = {"address": saved["address"], "token_file": str(home() / "cluster.json"),
+            "pid": proc.pid, "pid_file": str(common.pid_file()), "log_file": str(common.log_file())}
     if as_json:
         typer.echo(json.dumps(info))
         return
     console.print(f"gpufn server started in the background (pid {proc.pid}), listening on "
-                  f"[bold]{info['address']}[/]")
+                  f"[bold]{escape(str(info['address']))}[/]", soft_wrap=True)
     console.print(f"log: {info['log_file']} · stop with: gpufn shutdown")
-    console.print(f"connect with: export GPUFN_ADDRESS={info['address']} GPUFN_TOKEN={token}")
+    console.print(f"the token is in {info['token_file']} (readable by you only)")
+    console.print(f"connect with: export GPUFN_ADDRESS='{info['address']}' GPUFN_TOKEN=<the token>",
+                  soft_wrap=True, markup=False)
 
 
 def forget_server(pid: int) -> None:
@@ -158,7 +188,7 @@ def forget_server(pid: int) -> None:
 
 @app.command()
 def worker(
-    address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler to join, tcp://host:port."),
+    address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler to join, tcp://host:port?key=<its public key>, as `gpufn serve` printed it."),
     token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="The cluster's token."),
     cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found."),
     device_memory: str | None = typer.Option(None, help="Memory of each simulated device."),

@@ -1,5 +1,5 @@
-"""Where `gpufn serve` leaves its address and token for local clients and `gpufn status`
-($GPUFN_HOME/cluster.json, default ~/.gpufn, readable by the owner only)."""
+"""Where `gpufn serve` leaves its address (with ?key= when it encrypts) and token for local
+clients and `gpufn status` ($GPUFN_HOME/cluster.json, default ~/.gpufn, owner-only)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ def home() -> Path:
 
 def write_cluster_file(address: str, token: str) -> Path:
     d = home()
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = d / "cluster.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that existed already
     with os.fdopen(fd, "w") as f:
         json.dump({"address": address, "token": token, "pid": os.getpid()}, f)
     return path
@@ -35,10 +36,28 @@ def load_cluster_file() -> dict[str, Any] | None:
     return data
 
 
+def _saved_for(address: str) -> dict[str, Any] | None:
+    """The cluster file, if `address` (with or without ?key=) is its scheduler."""
+    saved = load_cluster_file()
+    if saved is None or not isinstance(saved["address"], str):
+        return None
+    try:
+        mine = config.split_address(config.normalize_address(address))[0]
+        theirs = config.split_address(saved["address"])[0]
+    except ValueError:
+        return None
+    return saved if mine == theirs else None
+
+
 def saved_token(address: str) -> str | None:
     """The token `gpufn serve` on this machine left, if `address` is that scheduler."""
-    saved = load_cluster_file()
-    if saved is None or saved["address"] != config.normalize_address(address):
-        return None
-    tok = saved.get("token")
+    saved = _saved_for(address)
+    tok = saved.get("token") if saved else None
     return tok if isinstance(tok, str) and tok else None
+
+
+def saved_server_key(address: str) -> str | None:
+    """The CURVE public key of the scheduler `gpufn serve` on this machine runs at
+    `address`, if it encrypts (its saved address carries ?key=)."""
+    saved = _saved_for(address)
+    return config.split_address(saved["address"])[1] if saved else None

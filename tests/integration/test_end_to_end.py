@@ -3,6 +3,7 @@ examples as scripts."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -39,17 +40,17 @@ def served(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
                             env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     assert proc.stdout is not None
-    address = token = ""
+    address = ""
     deadline = time.monotonic() + 60
     lines = []
-    while time.monotonic() < deadline and not (address and token):
+    while time.monotonic() < deadline and not (lines and "connect with" in lines[-1]):
         line = proc.stdout.readline()
         lines.append(line)
         if m := re.search(r"listening on (tcp://\S+)", line):
             address = m.group(1)
-        if m := re.search(r"GPUFN_TOKEN=(\w+)", line):
-            token = m.group(1)
-    assert address and token, "".join(lines)
+    # The token is left in the owner-only cluster file, never printed.
+    token = json.loads((tmp_path / "cluster.json").read_text())["token"]
+    assert address and token and token not in "".join(lines), "".join(lines)
     try:
         yield address, token, tmp_path
     finally:

@@ -49,7 +49,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tensor-parallel-noop", "gpufn/parallel/tensor.py",
         "    _check_divisible(modules, rules, fused, world)\n",
         "    _check_divisible(modules, rules, fused, world)\n    return module\n",
-        ("tests/integration/test_parallel.py::test_tensor_parallel_shards_the_weights",),
+        ("tests/integration/test_parallel.py::test_tensor_parallel_shards_the_weights[llama-2]",),
         "tensor_parallel returns the module unchanged after its plan checks",
     ),
     Mutation(

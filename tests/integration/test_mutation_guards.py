@@ -207,3 +207,21 @@ def test_aging_bounds_a_low_priority_wait_under_a_stream(
     bound = GAP * AGING + (backlog + 2) * SERVICE + 1.0  # aging + backlog ahead + slack
     assert high_after > backlog, "the stream did not outlast the low-priority call's wait"
     assert waited < bound, f"the low-priority call waited {waited:.2f}s (bound {bound:.2f}s)"
+
+
+# --------------------------------------------------------------------------- retries
+
+
+@gpufn.gpu(retries=1)
+def always_dies(folder: str) -> None:
+    Path(folder, f"attempt-{os.getpid()}").touch()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_retries_stop_after_the_last_attempt(cluster: gpufn.Client, tmp_path: Path) -> None:
+    with pytest.raises(gpufn.WorkerLost, match=r"after 2 attempt\(s\)"):
+        always_dies.remote(str(tmp_path))
+    assert len(list(tmp_path.glob("attempt-*"))) == 2  # the call and its one retry
+    from ..conftest import wait_ready
+
+    wait_ready(cluster)

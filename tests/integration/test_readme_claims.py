@@ -324,28 +324,31 @@ def test_worker_logs_go_to_gpufn_log_dir(fresh_cluster: Callable[..., gpufn.Clie
 
 
 _PROGRESS = """
+import sys
 import gpufn
 
 @gpufn.gpu
 def double(x):
     return 2 * x
 
-print(sum(double.map(range(12), progress=True)))
+print(sum(double.map(range(12), progress=True)), flush=True)
+print("--- default", flush=True)  # not a terminal: no bar unless asked for
+print(sum(double.map(range(12))), flush=True)
 """
 
 
 def test_map_progress_bar_can_be_forced_on(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-c", _PROGRESS], env=_env(tmp_path),
-                       capture_output=True, text=True, timeout=90)
+    env = _env(tmp_path)
+    del env["GPUFN_PROGRESS"]
+    r = subprocess.run([sys.executable, "-c", _PROGRESS], env=env, capture_output=True,
+                       text=True, timeout=90)
     assert r.returncode == 0, r.stderr
-    out = r.stdout + r.stderr
-    assert "132" in r.stdout
-    assert "double.map" in out and "12/12" in out, out
-    quiet = subprocess.run([sys.executable, "-c", _PROGRESS.replace("progress=True", "")],
-                           env=_env(tmp_path), capture_output=True, text=True, timeout=90)
-    assert quiet.returncode == 0 and "double.map" not in quiet.stdout + quiet.stderr
+    forced, _, default = r.stdout.partition("--- default")
+    assert "double.map" in forced and "12/12" in forced and "132" in forced, r.stdout
+    assert "double.map" not in default + r.stderr and "132" in default
 
 
+@pytest.mark.slow
 def test_tensor_parallel_generate_example(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "tensor_parallel_generate.py")],
                        env=_env(tmp_path, GPUFN_CPU_DEVICES="2"), capture_output=True, text=True,

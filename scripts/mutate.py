@@ -104,13 +104,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "retries=N gives N+1 retries",
     ),
     Mutation(
-        "late-result-token-ignored", "scheduler/core.py",
-        "                or (attempt is not None and attempt != inv.token)):\n",
-        "                or False):\n",
-        ("tests/unit/test_scheduler_regressions.py",),
-        "a late result of an earlier attempt settles the current one",
-    ),
-    Mutation(
         "gang-root-cause-inverted", "scheduler/core.py",
         '        root = [f for f in fails if not f[1].meta.get("comm_error")] or fails\n',
         '        root = [f for f in fails if f[1].meta.get("comm_error")] or fails\n',

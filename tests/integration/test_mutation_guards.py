@@ -19,6 +19,7 @@ import pytest
 
 import gpufn
 
+from ..conftest import wait_ready
 from ._waits import running_ids, wait_file, wait_for, wait_idle
 
 pytestmark = pytest.mark.timeout(90)
@@ -222,6 +223,4 @@ def test_retries_stop_after_the_last_attempt(cluster: gpufn.Client, tmp_path: Pa
     with pytest.raises(gpufn.WorkerLost, match=r"after 2 attempt\(s\)"):
         always_dies.remote(str(tmp_path))
     assert len(list(tmp_path.glob("attempt-*"))) == 2  # the call and its one retry
-    from ..conftest import wait_ready
-
     wait_ready(cluster)

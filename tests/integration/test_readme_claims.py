@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path

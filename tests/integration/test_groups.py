@@ -419,10 +419,17 @@ def test_abort_while_joining(workers: Pool) -> None:
     b.send("ensure", workers.spec(1, 2, gang_id=g))
     status, value, _ = a.recv()
     assert status == "err" and value.startswith("GangAborted"), value
-    assert b.recv()[0] == "ok"
     assert a.call("state")["current"] is False
-    # b's group is dead on arrival: its first collective fails fast, not at the timeout
-    fails_fast_then_aborts(b, 1.0)
+    # b's group is dead on arrival: its join fails as a tears the group down, or (when
+    # the join completed first) its first collective does; either at once, not at the
+    # 30 s timeout
+    b_status, b_value, b_seconds = b.recv(timeout=40.0)
+    print(f"\nb's join: {b_status} after {b_seconds:.2f}s {b_value if b_status == 'err' else ''}")
+    if b_status == "ok":
+        fails_fast_then_aborts(b, 1.0)
+    else:
+        assert b_seconds < 10.0, (b_value, b_seconds)
+        b.call("abort", "test: peer aborted")
     reforms(workers, [a, b], g)
 
 

@@ -27,7 +27,9 @@ from gpufn.worker.groups import (
     resolve_backend,
 )
 
-TIMEOUT = pytest.mark.timeout(60)
+# 120 s: the first test also pays for spawning the three rank processes (torch imports),
+# which takes a minute on two busy cores
+TIMEOUT = pytest.mark.timeout(120)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -179,7 +181,7 @@ class Pool:
         self.store, self.port = host_store()
         self.workers = [Worker(self.ctx) for _ in range(n)]
         for w in self.workers:
-            w.call("ping", timeout=50.0)
+            w.call("ping", timeout=100.0)
 
     def refresh(self) -> None:
         """Replace any worker that died or hangs; reset the others to no group."""
@@ -192,7 +194,7 @@ class Pool:
             else:
                 w.call("abort", "test reset", timeout=10.0)
         for w in fresh:
-            w.call("ping", timeout=50.0)
+            w.call("ping", timeout=100.0)
 
     def close(self) -> None:
         for w in self.workers:

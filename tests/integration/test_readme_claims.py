@@ -126,11 +126,12 @@ def test_a_second_host_joins_with_gpufn_worker(served: tuple[str, str], tmp_path
         [sys.executable, "-m", "gpufn.cli.main", "worker", "--address", address, "--token", token,
          "--node", "hostB", "--cpu-devices", "1"], env=_env(tmp_path, GPUFN_LOG_DIR=str(tmp_path)),
         stdin=subprocess.DEVNULL, text=True)
+    b_pid = 0
     try:
         devices = wait_for(lambda: [d for d in _devices(address, token)
                                     if d["key"] == "hostB:0" and d["state"] == "ready"],
                            60, "hostB:0 to be ready")
-        b_pid = devices[0]["pid"]
+        b_pid = int(devices[0]["pid"])
         # two concurrent calls (concurrency=1 per worker): one runs on each host
         env = _env(tmp_path, GPUFN_ADDRESS=address, GPUFN_TOKEN=token)
         r = subprocess.run([sys.executable, "-c", _WHERE.format(seconds=1.0, n=2)], env=env,
@@ -141,7 +142,7 @@ def test_a_second_host_joins_with_gpufn_worker(served: tuple[str, str], tmp_path
     finally:
         _stop(host_b)
     assert host_b.returncode == 0
-    assert_all_gone([int(b_pid)] if "b_pid" in locals() else [])
+    assert_all_gone([b_pid] if b_pid else [])
 
 
 def test_connection_lost_when_the_scheduler_dies(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -131,25 +131,32 @@ def test_failed_load_leaves_nothing_behind() -> None:
 
 
 def test_host_reload_bandwidth_vs_plain_pinned_copy() -> None:
+    """A host-tier restore moves the bytes at >= 0.8x of one pinned `copy_` of the same
+    size into preallocated device memory, measured alternately in this test."""
     arena = ModelArena("cuda")
     arena.load("m", lambda: mlp(4096, 8))  # 8 x 64 MiB
-    best_restore = 0.0
+    arena.offload("m")
+    arena.restore("m")  # warm-up: the first restore pays one-time costs
+    best_restore = best_copy = 0.0
     nbytes = 0
-    for _ in range(3):
+    host: torch.Tensor | None = None
+    target: torch.Tensor | None = None
+    for _ in range(5):
         arena.offload("m")
         rep = arena.restore("m")
         best_restore = max(best_restore, rep.bytes_per_second)
         nbytes = rep.nbytes
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    best_copy = 0.0
-    for _ in range(3):
+        if host is None:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            target = torch.empty(nbytes, dtype=torch.uint8, device=dev())
+            target.copy_(host, non_blocking=True)  # warm-up
+        assert target is not None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        on_dev = host.to(dev(), non_blocking=True)
+        target.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
         best_copy = max(best_copy, nbytes / (time.perf_counter() - t0))
-        del on_dev
     ratio = best_restore / best_copy
     print(f"\nhost-tier restore of {nbytes / MiB:.0f} MiB: {best_restore / 1e9:.1f} GB/s; "
-          f"one pinned copy of the same bytes: {best_copy / 1e9:.1f} GB/s; ratio {ratio:.2f}")
-    assert ratio > 0.25
+          f"one pinned copy_ of the same bytes: {best_copy / 1e9:.1f} GB/s; ratio {ratio:.2f}")
+    assert ratio >= 0.8

@@ -96,7 +96,19 @@ def _tp(name: str) -> dict[str, torch.Tensor]:
     return {
         "logits": model(ids).logits,
         "tokens": model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS),
+        "shapes": local_shapes(model),
     }
+
+
+def local_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each parameter's (shape held by this rank, full shape)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        out[name] = (tuple(local.shape), tuple(param.shape))
+    return out
 
 
 @torch.no_grad()

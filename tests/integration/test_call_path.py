@@ -14,6 +14,7 @@ import torch
 import gpufn
 
 from ..conftest import wait_ready
+from ._waits import running_ids, wait_for, wait_idle
 from .funcs import echo, fail, noop, sleepy, square, where
 
 pytestmark = pytest.mark.timeout(90)
@@ -106,11 +107,15 @@ def test_output_reaches_the_caller_with_a_prefix(cluster: gpufn.Client, capfd: p
 
     call = chatty.spawn(42)
     assert call.get(timeout=30) == 42
-    time.sleep(0.2)
-    out, err = capfd.readouterr()
     tag = f"[{chatty.name} {call.id[-8:]}]"
-    assert f"{tag} hello 42" in out
-    assert f"{tag} to stderr" in err and "a warning" in err
+    out = err = ""
+
+    def arrived() -> bool:  # output may trail the result by a message
+        nonlocal out, err
+        o, e = capfd.readouterr()
+        out, err = out + o, err + e
+        return f"{tag} hello 42" in out and f"{tag} to stderr" in err and "a warning" in err
+    wait_for(arrived, 10, "the call's output")
 
 
 def test_async_twins(cluster: gpufn.Client) -> None:
@@ -143,7 +148,7 @@ def test_map_failure_cancels_what_has_not_started(cluster: gpufn.Client) -> None
     before = cluster.status()["counters"]
     with pytest.raises(RuntimeError, match="first one fails"):
         list(slow_fail.map(range(200)))
-    time.sleep(0.5)
+    wait_idle(cluster)
     after = cluster.status()["counters"]
     assert after["cancelled"] - before["cancelled"] > 100  # queued calls were dropped, not run
     assert after["succeeded"] - before["succeeded"] < 100
@@ -180,7 +185,7 @@ def test_cancel_a_running_call(cluster: gpufn.Client) -> None:
             time.sleep(0.01)
 
     call = spin.spawn()
-    time.sleep(0.5)
+    wait_for(lambda: call.id in running_ids(cluster), 20, "the call to run")
     assert call.cancel()
     with pytest.raises(gpufn.Cancelled):
         call.get(timeout=10)
@@ -244,8 +249,11 @@ def test_retries_run_the_call_again_elsewhere(cluster: gpufn.Client) -> None:
 
 def test_noop_is_cheap_enough(cluster: gpufn.Client) -> None:
     noop.remote()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(50):
+        t0 = time.perf_counter()
         noop.remote()
-    # not a performance assertion (see bench/overhead.py): a sanity bound against hangs
-    assert time.perf_counter() - t0 < 30
+        times.append(time.perf_counter() - t0)
+    # Not a benchmark (see bench/overhead.py, ~1 ms): a bound 50x looser, which a polling
+    # loop or a per-call reconnect on the call path would still break.
+    assert sorted(times)[len(times) // 2] < 0.05, f"median no-op round trip {sorted(times)[25]:.3f}s"

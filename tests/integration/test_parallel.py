@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -117,6 +118,41 @@ def test_tensor_parallel_greedy_generation_matches(ranks, reference, world: int,
     assert expected.shape == (2, 12 + pw.NEW_TOKENS)
     for value in _values(ranks(world), f"tp_{model}"):
         assert torch.equal(value["tokens"], expected)
+
+
+# (parameter name suffix, dim split by the world size) of the layers each plan shards
+SHARDED: dict[str, list[tuple[str, int]]] = {
+    "llama": [("q_proj.weight", 0), ("k_proj.weight", 0), ("v_proj.weight", 0), ("o_proj.weight", 1),
+              ("gate_proj.weight", 0), ("up_proj.weight", 0), ("down_proj.weight", 1)],
+    # GPT-2's Conv1D layers become nn.Linear (out, in) before sharding
+    "gpt2": [("attn.c_attn.weight", 0), ("attn.c_attn.bias", 0), ("attn.c_proj.weight", 1),
+             ("mlp.c_fc.weight", 0), ("mlp.c_fc.bias", 0), ("mlp.c_proj.weight", 1)],
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_tensor_parallel_shards_the_weights(ranks, world: int, model: str) -> None:
+    """Each rank holds 1/world of every sharded layer (not a full copy), and the sharded
+    layers are most of the model's transformer-block parameters."""
+    for shapes in (v["shapes"] for v in _values(ranks(world), f"tp_{model}")):
+        total = local_total = 0
+        for name, (local, full) in shapes.items():
+            total += math.prod(full)
+            local_total += math.prod(local)
+            rule = next((dim for suffix, dim in SHARDED[model] if name.endswith(suffix)), None)
+            if rule is None:
+                continue
+            expected = list(full)
+            expected[rule] = full[rule] // world
+            assert list(local) == expected, f"{name}: local {local}, full {full}, world {world}"
+        blocks = [n for n in shapes if ".h." in n or ".layers." in n]
+        sharded = [n for n in blocks if any(n.endswith(s) for s, _ in SHARDED[model])]
+        share = sum(math.prod(shapes[n][1]) for n in sharded) / sum(math.prod(shapes[n][1]) for n in blocks)
+        assert share > 0.9, f"only {share:.0%} of the block parameters are sharded"
+        saved = sum(math.prod(shapes[n][1]) - math.prod(shapes[n][0]) for n in sharded)
+        assert total - local_total == saved > 0
 
 
 @pytest.mark.timeout(150)

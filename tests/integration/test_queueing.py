@@ -12,6 +12,7 @@ import pytest
 import gpufn
 
 from ..conftest import cluster_with, wait_ready
+from ._waits import running_ids, wait_for, wait_idle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,7 +31,7 @@ def stamp(tag: str, seconds: float = 0.05) -> tuple[str, float]:
 
 def test_higher_priority_runs_first(one: gpufn.Client) -> None:
     blocker = stamp.spawn("blocker", 0.5)
-    time.sleep(0.1)
+    wait_for(lambda: blocker.id in running_ids(one), 20, "the blocker to run")
     low = [stamp.spawn(f"low{i}") for i in range(4)]
     high = [stamp.with_options(priority=10).spawn(f"high{i}") for i in range(4)]
     blocker.get(timeout=30)
@@ -41,7 +42,7 @@ def test_higher_priority_runs_first(one: gpufn.Client) -> None:
 
 def test_deadline_drops_a_call_that_cannot_start_in_time(one: gpufn.Client) -> None:
     blocker = stamp.spawn("blocker", 1.0)
-    time.sleep(0.1)
+    wait_for(lambda: blocker.id in running_ids(one), 20, "the blocker to run")
     late = stamp.with_options(deadline=0.3).spawn("late")
     with pytest.raises(gpufn.Timeout, match="deadline"):
         late.get(timeout=30)
@@ -55,7 +56,7 @@ def test_cancel_stops_running_work_and_kills_a_stuck_worker(one: gpufn.Client) -
 
     pid = one.status()["devices"][0]["pid"]
     call = stuck_in_c.spawn()
-    time.sleep(0.5)
+    wait_for(lambda: call.id in running_ids(one), 20, "the call to run")
     t0 = time.monotonic()
     assert call.cancel()
     with pytest.raises(gpufn.Cancelled):
@@ -74,10 +75,9 @@ def test_closing_a_map_cancels_what_is_left(one: gpufn.Client) -> None:
     it = stamp.map([f"m{i}" for i in range(30)], [0.1] * 30)
     next(it)
     it.close()
-    time.sleep(0.5)
-    st = one.status()
-    assert st["queued"] == 0
-    assert st["counters"]["cancelled"] - before >= 25
+    wait_for(lambda: one.status()["counters"]["cancelled"] - before >= 25, 10,
+             "the map's remaining calls to be cancelled")
+    wait_idle(one)
 
 
 def test_preemptible_low_priority_call_yields_and_reruns(one: gpufn.Client) -> None:
@@ -88,7 +88,7 @@ def test_preemptible_low_priority_call_yields_and_reruns(one: gpufn.Client) -> N
         return steps
 
     bg = background.spawn(150)
-    time.sleep(0.4)
+    wait_for(lambda: bg.id in running_ids(one), 20, "the background call to run")
     # the same function at a higher priority: it cannot run beside bg (concurrency=1)
     urgent = background.with_options(priority=5, preemptible=False).spawn(1)
     t0 = time.monotonic()

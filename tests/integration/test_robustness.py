@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -18,6 +19,7 @@ from gpufn import protocol as p
 from gpufn.scheduler.core import SchedulerConfig
 from gpufn.scheduler.server import SchedulerServer
 
+from ._waits import running_ids, wait_for, wait_idle
 from .funcs import sleepy, square
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,33 +67,40 @@ def test_malformed_messages_do_not_stop_the_scheduler() -> None:
 def test_a_forgotten_client_reconnects_and_sends_its_calls_again(
         fresh_cluster: Callable[..., gpufn.Client]) -> None:
     client = fresh_cluster(GPUFN_CPU_DEVICES=1, GPUFN_CLIENT_TIMEOUT=1)
-    assert square.remote(3) == 9
-    time.sleep(2.5)  # pings every 2 s: the scheduler forgets this client in between
-    calls = [sleepy.spawn(0.05) for _ in range(5)]
-    assert [c.get(timeout=30) for c in calls] == [0.05] * 5
-    time.sleep(2.5)
-    assert square.remote(4) == 16  # the blocking path re-announces itself too
-    assert client.status()["counters"]["succeeded"] >= 7
+    observer = gpufn.Client(client.address, client.token)  # pings: never forgotten
+    try:
+        def forgotten() -> bool:
+            return observer.status(10)["clients"] == 1  # only the observer is known
+        assert square.remote(3) == 9
+        client.ping_seconds = 3600.0  # from its next ping on, the client goes silent
+        wait_for(forgotten, 20, "the scheduler to forget the silent client")
+        calls = [sleepy.spawn(0.05) for _ in range(5)]
+        assert [c.get(timeout=30) for c in calls] == [0.05] * 5
+        wait_for(forgotten, 20, "the scheduler to forget the client again")
+        assert square.remote(4) == 16  # the blocking path re-announces itself too
+        assert client.status()["counters"]["succeeded"] >= 7
+    finally:
+        observer.close()
 
 
-def test_cancel_right_after_dispatch_is_not_lost(cluster: gpufn.Client) -> None:
+def test_cancel_right_after_dispatch_is_not_lost(cluster: gpufn.Client, tmp_path: Path) -> None:
     @gpufn.gpu(concurrency=4)
-    def slow() -> str:
+    def slow(marker: str) -> str:
         for _ in range(100):
             time.sleep(0.02)
+        Path(marker).touch()
         return "finished"
 
     before = cluster.status()["counters"]
-    calls = [slow.spawn() for _ in range(4)]
+    calls = [slow.spawn(str(tmp_path / f"m{i}")) for i in range(4)]
     for c in calls:
         c.cancel()
     for c in calls:
         with pytest.raises(gpufn.Cancelled):
             c.get(timeout=10)
-    time.sleep(1.0)
-    after = cluster.status()
-    assert all(not d["running"] for d in after["devices"])  # stopped, not run to the end
-    assert after["counters"]["restarts"] == before["restarts"]  # and nobody was killed
+    wait_idle(cluster, "test_cancel_right_after_dispatch_is_not_lost.<locals>.slow")
+    assert not list(tmp_path.iterdir())  # stopped, not run to the end
+    assert cluster.status()["counters"]["restarts"] == before["restarts"]  # nobody was killed
 
 
 def test_cancelling_an_async_map_cancels_its_calls(cluster: gpufn.Client) -> None:
@@ -101,14 +110,16 @@ def test_cancelling_an_async_map_cancels_its_calls(cluster: gpufn.Client) -> Non
     before = cluster.status()["counters"]["cancelled"]
     with pytest.raises(asyncio.TimeoutError):
         asyncio.run(asyncio.wait_for(consume(), timeout=0.5))
-    time.sleep(1.0)
-    st = cluster.status()
-    assert st["counters"]["cancelled"] - before >= 10 and st["queued"] == 0
+
+    def cancelled() -> bool:
+        st = cluster.status()
+        return st["counters"]["cancelled"] - before >= 10 and st["queued"] == 0
+    wait_for(cancelled, 10, "the map's calls to be cancelled")
 
 
 def test_spmd_false_after_a_cancel_returns_its_own_value(
         fresh_cluster: Callable[..., gpufn.Client]) -> None:
-    fresh_cluster(GPUFN_CPU_DEVICES=2)
+    client = fresh_cluster(GPUFN_CPU_DEVICES=2)
 
     @gpufn.gpu(count=2, spmd=False, timeout=120)
     def echo_multi(x: str, seconds: float) -> str:
@@ -117,7 +128,7 @@ def test_spmd_false_after_a_cancel_returns_its_own_value(
 
     assert echo_multi.remote("warm", 0.0) == "warm"
     a = echo_multi.spawn("A", 3.0)
-    time.sleep(0.5)
+    wait_for(lambda: a.id in running_ids(client), 20, "the call to run")
     a.cancel()
     with pytest.raises(gpufn.Cancelled):
         a.get(timeout=10)

@@ -128,10 +128,11 @@ def test_head_gang_reserves_draining_devices_and_only_short_calls_backfill() -> 
     # teach the scheduler run times: long = 10 s, short = 0.1 s
     for fid, dur in ((long_fn, 10.0), (short_fn, 0.1)):
         inv = h.submit(fid)
-        dev = next(r for r in h.runs() if r.invocation_id == inv)
+        assert any(r.invocation_id == inv for r in h.runs())
         key = next(k for k, d in h.core.devices.items() if inv in d.running)
         h.finish(w[key], inv, duration=dur)
-    assert dev
+    learned = {f["name"]: f["runtime_ewma"] for f in h.core.status(0.0)["functions"]}
+    assert learned == {"long": 10.0, "short": 0.1, "g": None}
     busy = h.submit(long_fn)  # occupies one device for ~10 s
     g = h.submit(gang)  # cannot start: needs both devices
     assert not _gang_runs(h, g)

@@ -418,11 +418,12 @@ class SchedulerCore:
             self.counters.stale_results += 1
             return  # late result of a call already settled (timed out, retried elsewhere)
         d.last_seen = now
-        token = msg.meta.dispatch_token
-        if (inv.state is not InvState.RUNNING or d.key not in inv.devices
-                or token not in (0, inv.dispatch_token)):
-            self.tx.release_reporter(inv, d)  # a stopped process or an earlier dispatch's
+        earlier = msg.meta.dispatch_token not in (0, inv.dispatch_token)
+        running_here = inv.state is InvState.RUNNING and d.key in inv.devices
+        if earlier or not running_here:
             self.counters.stale_results += 1
+            if not (earlier and running_here):  # else a later dispatch holds this device
+                self.tx.release_reporter(inv, d)  # a stopped process's last word
             return
         if inv.shape.multi_device:
             self._on_rank_result(inv, d, msg, now)

@@ -132,3 +132,16 @@ def test_batch_members_lost_before_the_batch_started_use_no_retry() -> None:
     h.feed(b"sup", p.WorkerExited("n:0", 100, -9, "killed"))
     assert h.core.invocations[a].state is InvState.QUEUED
     assert h.core.invocations[b].state is InvState.QUEUED
+
+
+def test_a_result_from_an_earlier_dispatch_never_releases_a_later_one() -> None:
+    h = Harness(devices=1)
+    w = h.start_worker(0)
+    f = h.register("f")
+    inv = h.submit(f)
+    token = h.token(inv)
+    h.feed(w, p.Result(inv, True, "", "", p.ResultMeta(dispatch_token=token + 1000), (b"old",)))
+    assert inv not in h.results() and inv in h.core.devices["n:0"].running
+    assert h.core.counters.stale_results == 1
+    h.finish(w, inv)
+    assert h.results()[inv].ok and h.results()[inv].frames == (b"value",)

@@ -76,9 +76,8 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
         experts.intermediate_dim = chunk
 
     def sum_partials(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
-        from torch.distributed import _functional_collectives as funcol
-
-        # the functional collective, like torch's styles (a plain in-place all_reduce raced them on gloo)
-        return funcol.wait_tensor(funcol.all_reduce(output, "sum", group))
+        summed = output.clone()
+        dist.all_reduce(summed, group=group)
+        return summed
 
     experts.register_forward_hook(sum_partials)

@@ -39,7 +39,7 @@ def _out_features(layer: nn.Module) -> int:
 
 
 def _int_attr(module: nn.Module, name: str) -> int:
-    value = getattr(module, name, None)
+    value = getattr(module, name, getattr(getattr(module, "config", None), name, None))
     if not isinstance(value, int):
         raise InvalidSpec(f"tensor_parallel: {type(module).__name__} has no integer {name!r} to split its fused projection by")
     return value

@@ -95,7 +95,14 @@ def build(fam: Fam) -> torch.nn.Module:
 
     config = AutoConfig.for_model(fam.model_type, **{**COMMON, **fam.overrides})
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    # transformers leaves some 3-D expert weights as torch.empty: give them seeded values, the same on every rank
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.ndim == 3:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model
 
 
 def input_ids() -> torch.Tensor:

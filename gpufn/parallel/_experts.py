@@ -49,7 +49,7 @@ def _is_activation(module: nn.Module) -> bool:
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
-    """Keep this rank's slice of every expert (rank 0's weights) and sum the ranks' partial outputs.
+    """Keep this rank's slice of every expert (of its own weights) and sum the ranks' partial outputs.
 
     Each expert computes down(act(gate(x)) * up(x)); rank r keeps rows r of gate and up and the
     matching columns of down, so its output is a partial sum over the intermediate features.
@@ -57,19 +57,19 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
     import torch.distributed as dist
 
     group = mesh.get_group()
-    world, rank = mesh.size(), mesh.get_local_rank()
-    src = dist.get_global_rank(group, 0)
+    world = mesh.size()
     gate_up, down = experts.gate_up_proj, experts.down_proj
     assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
     inter = int(down.shape[2])
     chunk = inter // world
-    lo, hi = rank * chunk, (rank + 1) * chunk
-    with torch.no_grad():
-        full_gate_up, full_down = gate_up.detach().contiguous(), down.detach().contiguous()
-        dist.broadcast(full_gate_up, src, group=group)
-        dist.broadcast(full_down, src, group=group)
-        local_gate_up = torch.cat([full_gate_up[:, lo:hi], full_gate_up[:, inter + lo:inter + hi]], dim=1)
-        local_down = full_down[:, :, lo:hi]
+    # [gate | up] -> [gate_0 up_0 | gate_1 up_1 | ...], so that a contiguous split gives rank r both halves
+    order = torch.cat([
+        torch.arange(part * inter + r * chunk, part * inter + (r + 1) * chunk) for r in range(world) for part in (0, 1)
+    ]).to(gate_up.device)
+    rank = mesh.get_local_rank()
+    with torch.no_grad():  # this rank's own weights (like the replicated layers' weights)
+        local_gate_up = gate_up.detach()[:, order].chunk(world, dim=1)[rank]
+        local_down = down.detach().chunk(world, dim=2)[rank]
     experts.gate_up_proj = nn.Parameter(local_gate_up.contiguous(), requires_grad=gate_up.requires_grad)
     experts.down_proj = nn.Parameter(local_down.contiguous(), requires_grad=down.requires_grad)
     if hasattr(experts, "intermediate_dim"):

@@ -118,15 +118,15 @@ def _codegen_qkv(attn: nn.Module, layer: nn.Module, world: int) -> list[torch.Te
 
 
 def _codegen_local(attn: nn.Module, config: Any, world: int) -> None:
-    attn.mp_num = _int_attr(attn, "mp_num") // world
+    setattr(attn, "mp_num", _int_attr(attn, "mp_num") // world)  # noqa: B010 (nn.Module typing)
 
 
 def _bigcode_local(attn: nn.Module, config: Any, world: int) -> None:
     if getattr(attn, "multi_query", False):
-        attn.num_key_value_groups = _int_attr(attn, "num_key_value_groups") // world  # one shared k/v head
+        setattr(attn, "num_key_value_groups", _int_attr(attn, "num_key_value_groups") // world)  # noqa: B010
     else:
-        attn.kv_heads = _int_attr(attn, "kv_heads") // world
-        attn.kv_dim = _int_attr(attn, "kv_dim") // world
+        for attr in ("kv_heads", "kv_dim"):
+            setattr(attn, attr, _int_attr(attn, attr) // world)
 
 
 def _bigcode_qkv(attn: nn.Module, layer: nn.Module, world: int) -> list[torch.Tensor] | None:

@@ -50,9 +50,9 @@ class Sharding:
         """The family (and config) of the Hugging Face base model holding module `name`, if any."""
         best: tuple[int, tuple[Family, Any]] | None = None
         for prefix, entry in self.families.items():
-            if prefix == "" or name == prefix or name.startswith(prefix + "."):
-                if best is None or len(prefix) > best[0]:
-                    best = (len(prefix), entry)
+            inside = prefix == "" or name == prefix or name.startswith(prefix + ".")
+            if inside and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), entry)
         return best[1] if best else None
 
 
@@ -83,10 +83,10 @@ def parent_name(name: str) -> str:
 
 def hf_base_models(module: nn.Module) -> dict[str, nn.Module]:
     """Prefix -> each Hugging Face base model inside `module` (a module with a config and model_type)."""
-    found = {}
+    found: dict[str, nn.Module] = {}
     for prefix, sub in module.named_modules():
         config = getattr(sub, "config", None)
-        if getattr(config, "model_type", None) and getattr(sub, "base_model", None) is sub:
+        if getattr(config, "model_type", None) and id(getattr(sub, "base_model", None)) == id(sub):
             found[prefix] = sub
     return found
 

@@ -25,8 +25,8 @@ from gpufn.parallel._plans import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor.parallel import ParallelStyle
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["STRATEGIES", "Strategy", "tensor_parallel"]
 
@@ -190,10 +190,13 @@ def _fused_rows(
         entry = sharding.family(name)
         layout: FusedLayout | None = entry[0].fused.get(name.rpartition(".")[2]) if entry else None
         if layout is not None:
-            fused[name] = layout(parent, target, world)
+            try:
+                fused[name] = layout(parent, target, world)
+            except InvalidSpec as exc:  # name the layer
+                raise InvalidSpec(f"tensor_parallel: {name!r}: {str(exc).removeprefix('tensor_parallel: ')}") from None
             continue
         if _is_attention(parent):
-            head_dim = getattr(parent, "head_dim")
+            head_dim: int = getattr(parent, "head_dim")  # noqa: B009 (an int: _is_attention)
             counts = {v for a in _HEAD_COUNT_ATTRS if isinstance(v := getattr(parent, a, None), int)}
             if counts and _features(target)[1] not in {c * head_dim for c in counts}:
                 model_type = getattr(entry[1], "model_type", None) if entry else None

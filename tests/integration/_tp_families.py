@@ -70,7 +70,7 @@ FAMILIES: dict[str, Fam] = {
     "mpt": Fam("mpt", refused="ALiBi", default=False),
     "stablelm": Fam("stablelm", shards=_ATTN + _MLP),
     "stablelm_qk_norm": Fam("stablelm", {"qk_layernorm": True}, refused="qk_layernorm", default=False),
-    "starcoder2": Fam("starcoder2", shards=_ATTN + (("layers.0.mlp.c_proj.weight", 1),)),
+    "starcoder2": Fam("starcoder2", shards=(*_ATTN, ("layers.0.mlp.c_proj.weight", 1))),
     "olmo": Fam("olmo", shards=_ATTN + _MLP),
     "olmo2": Fam("olmo2", shards=_ATTN + _MLP, default=False),
     "cohere": Fam("cohere", shards=_ATTN + _MLP),

@@ -70,14 +70,16 @@ def _assert_family(name: str, world: int, values: list[Any]) -> None:
             SHARES[(name, world)] = f"refused: {message[:90]}"
             continue
         assert not fam.refused, f"{name} must be refused ({fam.refused}) but ran"
+        where = f"{name} rank {rank} world {world}"
         torch.testing.assert_close(value["logits"], value["ref_logits"], atol=2e-5, rtol=1e-4,
-                                   msg=lambda m: f"{name} rank {rank} world {world}: {m}")
+                                   msg=lambda m, where=where: f"{where}: {m}")
         assert torch.equal(value["tokens"], value["ref_tokens"]), f"{name} rank {rank}: greedy tokens differ"
         for suffix, dim in fam.shards:
             hits = [n for n in value["full_shapes"] if n.endswith(suffix)]
             assert hits, f"{name}: no parameter ends with {suffix!r}"
             full, local = value["full_shapes"][hits[0]], value["local_shapes"][hits[0]]
-            assert local[dim] * world == full[dim], f"{name} rank {rank}: {hits[0]} local {local} full {full}"
+            if len(full) == 2 and local[1 - dim] != full[1 - dim]:
+                full = full[::-1]  # a transformers Conv1D (in, out), sharded as the equivalent Linear            assert local[dim] * world == full[dim], f"{name} rank {rank}: {hits[0]} local {local} full {full}"
         assert value["share"] >= fam.min_share, f"{name}: only {value['share']:.0%} of parameters are sharded"
         SHARES[(name, world)] = f"match, {value['share']:.0%} sharded"
 

@@ -3,17 +3,26 @@
 
 from __future__ import annotations
 
-import fnmatch
-import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 
 from gpufn.exceptions import InvalidSpec
+from gpufn.parallel._experts import check_experts, shard_experts
+from gpufn.parallel._families import FusedLayout
 from gpufn.parallel._mesh import resolve_mesh
+from gpufn.parallel._plans import (
+    STRATEGIES,
+    Rule,
+    Sharding,
+    auto_plan,
+    is_conv1d,
+    is_linear_like,
+    parent_name,
+    user_plan,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -21,10 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STRATEGIES", "Strategy", "tensor_parallel"]
 
-log = logging.getLogger(__name__)
-
 Strategy = Literal["colwise", "rowwise", "replicate"]
-STRATEGIES: tuple[str, ...] = ("colwise", "rowwise", "replicate")
 
 # Attention-module attributes that count heads or head-sized features; transformers' attention
 # code reads some of them (GPT-2's `split_size`, BART's `embed_dim`...) to reshape, so each rank
@@ -32,40 +38,6 @@ STRATEGIES: tuple[str, ...] = ("colwise", "rowwise", "replicate")
 _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "n_heads")
 _HEAD_WIDTH_ATTRS = ("embed_dim", "split_size", "all_head_size", "hidden_size")
 _KV_NAMES = ("k_proj", "v_proj", "key", "value")
-
-_ELEMENTWISE = (
-    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU,
-    nn.CELU, nn.Mish, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Dropout, nn.Identity,
-)
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """How one module is sharded."""
-
-    strategy: str  # one of STRATEGIES
-    gather_output: bool = False  # colwise: all-gather the output back to full width
-    split_input: bool = False  # rowwise: the input arrives replicated and is split here
-    source: str = ""  # the plan entry that produced the rule, for error messages
-
-    @property
-    def local_output(self) -> bool:
-        """The module's output stays sharded on the feature dim (its consumer sees local heads)."""
-        return self.strategy == "colwise" and not self.gather_output
-
-
-# transformers' plan vocabulary (transformers/distributed/tensor_parallel.py) in torch's styles.
-_HF_STYLES: dict[str, _Rule] = {
-    "colwise": _Rule("colwise"),
-    "colwise_rep": _Rule("colwise", gather_output=True),
-    "colwise_gather_output": _Rule("colwise", gather_output=True),
-    "rowwise": _Rule("rowwise"),
-    "rowwise_rep": _Rule("rowwise", split_input=True),
-    "rowwise_split_input": _Rule("rowwise", split_input=True),
-    "embedding_rowwise": _Rule("rowwise", split_input=True),
-    "embedding_colwise": _Rule("colwise", gather_output=True),
-    "replicate": _Rule("replicate"),
-}
 
 
 def tensor_parallel(
@@ -83,24 +55,25 @@ def tensor_parallel(
     `mesh`: a 1-D `DeviceMesh`; by default the mesh of the running gpufn call
     (`gpufn.context().mesh`), else one over torch.distributed's default group.
 
-    `plan="auto"` picks, in order:
-      - a Hugging Face model's own plan (`config.base_model_tp_plan` of each base model inside
-        `module`, e.g. Llama, Mistral, Qwen): "colwise", "rowwise", "colwise_rep" /
-        "colwise_gather_output", "rowwise_rep" / "rowwise_split_input", "embedding_rowwise",
-        "embedding_colwise" and "replicate" map onto torch's `ColwiseParallel` /
-        `RowwiseParallel`. Entries torch's two styles cannot express ("packed_colwise",
-        "packed_rowwise", "sequence_parallel", "moe_tp_experts", "moe_identity_expert",
-        "mla_kv_a_proj", "local_params", "all_reduce", "replicated_with_grad_allreduce", and any
-        entry naming a parameter rather than a module) are skipped, and so is every other entry of
-        the same block (the attention or MLP module holding it), which then stays replicated;
-      - Llama-style blocks: `q_proj/k_proj/v_proj` colwise + `o_proj` rowwise,
-        `gate_proj/up_proj` colwise + `down_proj` rowwise;
-      - GPT-2 blocks (transformers `Conv1D`, converted to `nn.Linear`): `c_attn` (fused q,k,v,
-        re-laid out so each rank holds its own heads' q, k and v) colwise + `c_proj` rowwise,
-        `c_fc` colwise + `c_proj` rowwise;
-      - `nn.Sequential` MLPs: each Linear paired with the next one (with only activations or
-        dropout between them) as colwise + rowwise; an unpaired Linear stays replicated.
-    Embeddings and the LM head stay replicated.
+    `plan="auto"`:
+      - for a Hugging Face model, only model types whose layouts were checked against one process
+        (`gpufn.parallel._families.FAMILIES`: Llama, Mistral, Qwen2/3, Qwen2-MoE, Mixtral, Phi,
+        Phi-3, Gemma 1-3, GPT-2, GPTBigCode, CodeGen, GPT-J, GPT-NeoX, Falcon, OPT, StableLM,
+        Starcoder2, OLMo, Cohere, Granite, ...). It follows the model's own `base_model_tp_plan`
+        ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+        "embedding_rowwise", ... onto torch's `ColwiseParallel` / `RowwiseParallel`; experts
+        under "moe_tp_experts" are split per expert along their intermediate size), or gpufn's
+        own plan for the types without one. Fused projections are split by their model's layout:
+        GPT-2's [q|k|v], per-head [q k v] (GPT-NeoX, Falcon, GPTBigCode), multi-query
+        [q|k|v] with one shared k/v head (GPTBigCode, Falcon: k/v replicated), CodeGen's four
+        model-parallel shards. An unknown model type, or a configuration it cannot split
+        correctly (ALiBi in Bloom/MPT, per-head q/k norms in StableLM...), is an `InvalidSpec`;
+        plan entries torch's styles cannot express keep their whole block replicated;
+      - for other modules: Llama-style blocks (`q_proj/k_proj/v_proj` colwise + `o_proj` rowwise,
+        `gate_proj/up_proj` colwise + `down_proj` rowwise) and `nn.Sequential` MLPs (each Linear
+        paired with the next one, with only activations or dropout between them, as colwise +
+        rowwise; an unpaired Linear stays replicated).
+    Embeddings and the LM head stay replicated unless the model's plan says otherwise.
 
     A dict plan maps module-name patterns to "colwise", "rowwise" or "replicate". A pattern is
     fnmatch-style and matches a qualified module name or any dotted suffix of it: `"*.q_proj"`,
@@ -108,15 +81,17 @@ def tensor_parallel(
     Linear's output features (its output stays sharded: feed it to a "rowwise" layer);
     "rowwise" shards its input features and all-reduces the output; "replicate" leaves the module
     whole on every rank. On an `nn.Embedding`, "rowwise" shards the vocabulary and "colwise" the
-    embedding dim, both returning full embeddings.
+    embedding dim, both returning full embeddings. Fused projections of recognised model types are
+    split by their layout as above; a colwise layer inside attention whose width is not a whole
+    number of heads (an unrecognised fused layout) is refused.
 
     In both cases attention modules whose q/k/v are sharded get their head counts and head-sized
     widths (`num_heads`, `num_key_value_heads`, `split_size`, `embed_dim`, ...) divided by the
     world size, so their attention code works on local heads.
 
     Raises `InvalidSpec` for an unknown strategy, a pattern that matches nothing, a module that is
-    not a Linear/Embedding, or heads or feature dims that do not divide by the world size;
-    `GpufnError` outside a process group.
+    not a Linear/Embedding, heads or feature dims that do not divide by the world size, or a model
+    whose layout is not recognised; `GpufnError` outside a process group.
     """
     if isinstance(plan, str):
         if plan != "auto":
@@ -124,27 +99,35 @@ def tensor_parallel(
                 f"tensor_parallel(plan={plan!r}): plan is 'auto' or a dict of module-name "
                 "patterns to 'colwise' | 'rowwise' | 'replicate', e.g. {'*.q_proj': 'colwise'}"
             )
-        rules = _auto_rules(module)
+        sharding = auto_plan(module)
     elif isinstance(plan, Mapping):
-        rules = _user_rules(module, plan)
+        sharding = user_plan(module, plan)
     else:
         raise InvalidSpec(
             f"tensor_parallel(plan=...) got a {type(plan).__name__}: pass 'auto' or a dict of "
             "module-name patterns to 'colwise' | 'rowwise' | 'replicate'"
         )
+    rules = sharding.rules
     modules = dict(module.named_modules())
     _check_types(modules, rules)
 
     mesh = resolve_mesh(module, mesh, what="tensor_parallel")
     world = mesh.size()
-    fused = _fused_parts(modules, rules)
-    _check_divisible(modules, rules, fused, world)
+    for name in sharding.experts:
+        check_experts(name, modules[name], world)
+    fused = _fused_rows(modules, sharding, world)
+    keep = _kept_attrs(sharding)
+    _check_divisible(modules, rules, fused, keep, world)
 
     _convert_conv1d(module, modules, rules)
     modules = dict(module.named_modules())
-    for name, parts in fused.items():
-        _relayout_fused(modules[name], parts, world)
-    _shrink_attention(modules, rules, world)
+    for name, rows in fused.items():
+        if rows is not None:
+            _relayout(module, name, rows)
+    modules = dict(module.named_modules())
+    _shrink_attention(modules, sharding, keep, world)
+    for name in sharding.experts:
+        shard_experts(modules[name], mesh)
 
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -157,145 +140,7 @@ def tensor_parallel(
 
 
 # ---------------------------------------------------------------------------------------------
-# plans -> rules
-
-
-def _matches(pattern: str, name: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
-
-
-def _parent_name(name: str) -> str:
-    return name.rpartition(".")[0]
-
-
-def _user_rules(module: nn.Module, plan: Mapping[str, str]) -> dict[str, _Rule]:
-    names = [name for name, _ in module.named_modules() if name]
-    rules: dict[str, _Rule] = {}
-    for pattern, strategy in plan.items():
-        if not isinstance(pattern, str) or not pattern:
-            raise InvalidSpec(f"tensor_parallel plan: key {pattern!r} is not a module-name pattern")
-        if strategy not in STRATEGIES:
-            raise InvalidSpec(
-                f"tensor_parallel plan: {pattern!r}: {strategy!r} is not a sharding strategy; "
-                f"use one of {', '.join(repr(s) for s in STRATEGIES)}"
-            )
-        matched = [name for name in names if _matches(pattern, name)]
-        if not matched:
-            examples = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)][:3] or names[:3]
-            raise InvalidSpec(
-                f"tensor_parallel plan: pattern {pattern!r} matches no module of "
-                f"{type(module).__name__}; patterns are fnmatch-style over qualified module names "
-                f"(or their dotted suffixes) such as {', '.join(map(repr, examples))}, e.g. '*.q_proj'"
-            )
-        for name in matched:
-            previous = rules.get(name)
-            if previous is not None and previous.strategy != strategy:
-                raise InvalidSpec(
-                    f"tensor_parallel plan: {name!r} is matched by {previous.source!r} "
-                    f"({previous.strategy}) and {pattern!r} ({strategy}); make the patterns disjoint"
-                )
-            rules[name] = _Rule(strategy, source=pattern)
-    return rules
-
-
-def _auto_rules(module: nn.Module) -> dict[str, _Rule]:
-    rules = _hf_rules(module)
-    if not rules or all(rule.strategy == "replicate" for rule in rules.values()):
-        rules = _layout_rules(module)  # no Hugging Face plan, or one that names none of its modules
-    if not any(rule.strategy != "replicate" for rule in rules.values()):
-        raise InvalidSpec(
-            f"tensor_parallel(plan='auto') found nothing it knows how to shard in "
-            f"{type(module).__name__} (it knows Hugging Face plans, Llama-style q/k/v/o and "
-            "gate/up/down projections, GPT-2 blocks and nn.Sequential MLPs): pass a dict plan, "
-            "e.g. {'*.fc1': 'colwise', '*.fc2': 'rowwise'}"
-        )
-    return rules
-
-
-def _hf_rules(module: nn.Module) -> dict[str, _Rule] | None:
-    """Rules from the `base_model_tp_plan` of every Hugging Face base model in `module`, or None."""
-    modules = dict(module.named_modules())
-    params = {name for name, _ in module.named_parameters()}
-    found = False
-    rules: dict[str, _Rule] = {}
-    blocked: set[str] = set()  # blocks (parent modules) holding an entry we cannot express
-    for prefix, sub in modules.items():
-        config = getattr(sub, "config", None)
-        plan = getattr(config, "base_model_tp_plan", None)
-        if not plan or getattr(sub, "base_model", None) is not sub:
-            continue
-        found = True
-        for key, style in plan.items():
-            pattern = f"{prefix}.{key}" if prefix else key
-            rule = _HF_STYLES.get(style) if isinstance(style, str) else None
-            hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
-            param_hits = [n for n in params if fnmatch.fnmatchcase(n, pattern)]
-            if rule is None or param_hits:
-                log.info("tensor_parallel: skipping %s: %r (not expressible with torch's styles)", pattern, style)
-                blocked.update(_parent_name(n) for n in hits + param_hits)
-                continue
-            for name in hits:
-                target = modules[name]
-                if style.startswith("embedding_") != isinstance(target, nn.Embedding):
-                    blocked.add(_parent_name(name))
-                    continue
-                rules[name] = _Rule(rule.strategy, rule.gather_output, rule.split_input, source=f"{pattern}: {style}")
-    if not found:
-        return None
-    if blocked:
-        log.info("tensor_parallel: keeping replicated the blocks %s", sorted(blocked))
-    return {name: rule for name, rule in rules.items() if _parent_name(name) not in blocked}
-
-
-def _layout_rules(module: nn.Module) -> dict[str, _Rule]:
-    """Rules from recognised module layouts (Llama-style, GPT-2, nn.Sequential MLPs)."""
-    rules: dict[str, _Rule] = {}
-
-    def add(prefix: str, names: Iterable[str], strategy: str, source: str) -> None:
-        for child in names:
-            rules[f"{prefix}.{child}" if prefix else child] = _Rule(strategy, source=source)
-
-    for prefix, sub in module.named_modules():
-        children = {name: child for name, child in sub.named_children()}
-        linear = {name for name, child in children.items() if _is_linear_like(child)}
-        if {"q_proj", "k_proj", "v_proj", "o_proj"} <= linear:
-            add(prefix, ("q_proj", "k_proj", "v_proj"), "colwise", "llama attention")
-            add(prefix, ("o_proj",), "rowwise", "llama attention")
-        if {"up_proj", "down_proj"} <= linear:
-            add(prefix, sorted({"gate_proj", "up_proj"} & linear), "colwise", "llama mlp")
-            add(prefix, ("down_proj",), "rowwise", "llama mlp")
-        if {"c_attn", "c_proj"} <= linear and isinstance(getattr(sub, "split_size", None), int):
-            add(prefix, sorted({"c_attn", "q_attn"} & linear), "colwise", "gpt2 attention")
-            add(prefix, ("c_proj",), "rowwise", "gpt2 attention")
-        if {"c_fc", "c_proj"} <= linear:
-            add(prefix, ("c_fc",), "colwise", "gpt2 mlp")
-            add(prefix, ("c_proj",), "rowwise", "gpt2 mlp")
-        if isinstance(sub, nn.Sequential):
-            pending: str | None = None
-            for name, child in children.items():
-                if isinstance(child, nn.Linear):
-                    if pending is None:
-                        pending = name
-                    else:
-                        add(prefix, (pending,), "colwise", "sequential mlp")
-                        add(prefix, (name,), "rowwise", "sequential mlp")
-                        pending = None
-                elif not isinstance(child, _ELEMENTWISE):
-                    pending = None
-    return rules
-
-
-# ---------------------------------------------------------------------------------------------
 # checks
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    """transformers' `Conv1D` (a Linear with its weight stored transposed), without importing it."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
-
-
-def _is_linear_like(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or _is_conv1d(module)
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
@@ -307,14 +152,14 @@ def _features(module: nn.Module) -> tuple[int, int]:
     return int(weight.shape[0]), int(weight.shape[1])
 
 
-def _check_types(modules: dict[str, nn.Module], rules: dict[str, _Rule]) -> None:
+def _check_types(modules: dict[str, nn.Module], rules: dict[str, Rule]) -> None:
     from torch.distributed.tensor import DTensor
 
     for name, rule in rules.items():
         target = modules[name]
         if rule.strategy == "replicate":
             continue
-        if not (_is_linear_like(target) or isinstance(target, nn.Embedding)):
+        if not (is_linear_like(target) or isinstance(target, nn.Embedding)):
             raise InvalidSpec(
                 f"tensor_parallel: {name!r} ({type(target).__name__}, from {rule.source!r}) cannot "
                 f"be sharded {rule.strategy}: only nn.Linear, nn.Embedding and transformers Conv1D "
@@ -324,42 +169,81 @@ def _check_types(modules: dict[str, nn.Module], rules: dict[str, _Rule]) -> None
             raise InvalidSpec(f"tensor_parallel: {name!r} is already sharded; call tensor_parallel() once per model")
 
 
-def _fused_parts(modules: dict[str, nn.Module], rules: dict[str, _Rule]) -> dict[str, int]:
-    """Colwise layers that pack several projections (GPT-2's q,k,v): name -> number of parts.
+def _is_attention(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "head_dim", None), int)
 
-    Recognised by the owning attention module's `split_size` (the width of one projection).
+
+def _fused_rows(
+    modules: dict[str, nn.Module], sharding: Sharding, world: int
+) -> dict[str, list[torch.Tensor] | None]:
+    """Colwise layers packing several projections -> the rows each rank takes (None: contiguous).
+
+    The layout is the model family's (by model type and config); a colwise layer in an attention
+    module whose width is not a whole number of its heads is an unrecognised fused layout: refused.
     """
-    fused: dict[str, int] = {}
-    for name, rule in rules.items():
+    fused: dict[str, list[torch.Tensor] | None] = {}
+    for name, rule in sharding.rules.items():
         target = modules[name]
-        if not rule.local_output or not _is_linear_like(target):
+        if not rule.local_output or not is_linear_like(target):
             continue
-        split = getattr(modules[_parent_name(name)], "split_size", None)
-        out = _features(target)[1]
-        if isinstance(split, int) and split > 0 and out % split == 0 and out // split > 1:
-            fused[name] = out // split
+        parent = modules[parent_name(name)]
+        entry = sharding.family(name)
+        layout: FusedLayout | None = entry[0].fused.get(name.rpartition(".")[2]) if entry else None
+        if layout is not None:
+            try:
+                fused[name] = layout(parent, target, world)
+            except InvalidSpec as exc:  # name the layer
+                raise InvalidSpec(f"tensor_parallel: {name!r}: {str(exc).removeprefix('tensor_parallel: ')}") from None
+            continue
+        if _is_attention(parent):
+            head_dim: int = getattr(parent, "head_dim")  # noqa: B009 (an int: _is_attention)
+            counts = {v for a in _HEAD_COUNT_ATTRS if isinstance(v := getattr(parent, a, None), int)}
+            if counts and _features(target)[1] not in {c * head_dim for c in counts}:
+                model_type = getattr(entry[1], "model_type", None) if entry else None
+                raise InvalidSpec(
+                    f"tensor_parallel: {name!r} ({type(parent).__name__}"
+                    f"{f', model type {model_type!r}' if model_type else ''}) has {_features(target)[1]} "
+                    f"outputs, not a whole number of its {sorted(counts)} heads of {head_dim}: a fused "
+                    "projection whose layout is not recognised; mark it 'replicate' (or its whole "
+                    "attention block) in a dict plan, or run the model on one device (count=1)"
+                )
     return fused
 
 
-def _attention_heads(parent: nn.Module, name: str, target: nn.Module, parts: int | None) -> int | None:
-    """How many heads the colwise layer `name` produces, if its parent looks like attention."""
+def _kept_attrs(sharding: Sharding) -> dict[str, tuple[str, ...]]:
+    """Base model prefix -> attention attributes that keep their global value (e.g. MQA's one k/v head)."""
+    return {prefix: family.keep(config) for prefix, (family, config) in sharding.families.items()}
+
+
+def _keep_for(name: str, sharding: Sharding) -> tuple[str, ...]:
+    entry = sharding.family(name)
+    return entry[0].keep(entry[1]) if entry else ()
+
+
+def _attention_heads(parent: nn.Module, target: nn.Module) -> int | None:
+    """How many heads the colwise layer produces, if its parent looks like attention."""
     head_dim = getattr(parent, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim <= 0:
         return None
-    width = _features(target)[1] // (parts or 1)
+    width = _features(target)[1]
     return width // head_dim if width % head_dim == 0 else None
 
 
 def _check_divisible(
-    modules: dict[str, nn.Module], rules: dict[str, _Rule], fused: dict[str, int], world: int
+    modules: dict[str, nn.Module],
+    rules: dict[str, Rule],
+    fused: dict[str, list[torch.Tensor] | None],
+    keep: dict[str, tuple[str, ...]],
+    world: int,
 ) -> None:
+    kept = {attr for attrs in keep.values() for attr in attrs}
     for name, rule in rules.items():
         target = modules[name]
-        if rule.strategy == "replicate":
-            continue
-        parent = modules[_parent_name(name)]
-        if rule.local_output and _is_linear_like(target):
-            heads = _attention_heads(parent, name, target, fused.get(name))
+        if rule.strategy == "replicate" or name in fused:
+            continue  # a fused layout checks its own heads
+        parent = modules[parent_name(name)]
+        if rule.local_output and is_linear_like(target):
+            heads = _attention_heads(parent, target)
             if heads is not None and heads % world:
                 kind = "key/value heads" if name.rpartition(".")[2] in _KV_NAMES else "attention heads"
                 raise InvalidSpec(
@@ -369,9 +253,9 @@ def _check_divisible(
                 )
             for attr in _HEAD_COUNT_ATTRS:
                 value = getattr(parent, attr, None)
-                if isinstance(value, int) and not isinstance(value, bool) and value % world:
+                if attr not in kept and isinstance(value, int) and not isinstance(value, bool) and value % world:
                     raise InvalidSpec(
-                        f"tensor_parallel: {_parent_name(name)!r} has {attr}={value}, which does not "
+                        f"tensor_parallel: {parent_name(name)!r} has {attr}={value}, which does not "
                         f"divide by the world size {world}: use a device count that divides {value}"
                     )
         if isinstance(target, nn.Embedding):
@@ -382,8 +266,6 @@ def _check_divisible(
         else:
             in_f, out_f = _features(target)
             dim, label = (out_f, "out_features") if rule.strategy == "colwise" else (in_f, "in_features")
-            if name in fused:
-                dim, label = dim // fused[name], "width of each fused projection"
         if dim % world:
             raise InvalidSpec(
                 f"tensor_parallel: {name!r} ({rule.strategy}) has {label} {dim}, which does not "
@@ -396,12 +278,12 @@ def _check_divisible(
 # rewrites
 
 
-def _convert_conv1d(root: nn.Module, modules: dict[str, nn.Module], rules: dict[str, _Rule]) -> None:
+def _convert_conv1d(root: nn.Module, modules: dict[str, nn.Module], rules: dict[str, Rule]) -> None:
     """Replace each sharded transformers `Conv1D` by the equivalent `nn.Linear` (torch's styles
     shard only Linear/Embedding; Conv1D computes x @ W + b with W stored (in, out))."""
     for name, rule in rules.items():
         conv = modules[name]
-        if rule.strategy == "replicate" or not _is_conv1d(conv):
+        if rule.strategy == "replicate" or not is_conv1d(conv):
             continue
         weight = conv.weight
         bias = getattr(conv, "bias", None)
@@ -415,46 +297,60 @@ def _convert_conv1d(root: nn.Module, modules: dict[str, nn.Module], rules: dict[
                 linear.bias.copy_(bias)
         linear.train(conv.training)
         linear.requires_grad_(weight.requires_grad)
-        parent_name, _, child = name.rpartition(".")
-        setattr(root.get_submodule(parent_name) if parent_name else root, child, linear)
+        _replace(root, name, linear)
 
 
-def _relayout_fused(linear: nn.Module, parts: int, world: int) -> None:
-    """Reorder a fused [q | k | v] Linear's output rows to [q0 k0 v0 | q1 k1 v1 | ...] so that
-    torch's contiguous Shard(0) gives rank r its own heads of every part, in the order the
-    attention code splits them."""
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def _relayout(root: nn.Module, name: str, rows: list[torch.Tensor]) -> None:
+    """Rebuild a fused Linear so that torch's contiguous Shard(0) gives rank r exactly `rows[r]`,
+    in order (its heads of every part; rows shared by all ranks, like a multi-query k/v head, repeat)."""
+    linear = root.get_submodule(name)
     assert isinstance(linear, nn.Linear)
-    width = linear.out_features // parts
-    chunk = width // world
-    order = torch.cat([
-        torch.arange(p * width + r * chunk, p * width + (r + 1) * chunk)
-        for r in range(world) for p in range(parts)
-    ]).to(linear.weight.device)
+    order = torch.cat(rows).to(linear.weight.device)
+    new = nn.Linear(linear.in_features, len(order), bias=linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
     with torch.no_grad():
-        linear.weight.copy_(linear.weight[order])
+        new.weight.copy_(linear.weight[order])
         if linear.bias is not None:
-            linear.bias.copy_(linear.bias[order])
+            assert new.bias is not None
+            new.bias.copy_(linear.bias[order])
+    new.train(linear.training)
+    new.requires_grad_(linear.weight.requires_grad)
+    if type(linear) is not nn.Linear:
+        new.__class__ = type(linear)  # keep a subclass's forward (FalconLinear), same parameters
+    _replace(root, name, new)
 
 
-def _shrink_attention(modules: dict[str, nn.Module], rules: dict[str, _Rule], world: int) -> None:
+def _shrink_attention(
+    modules: dict[str, nn.Module], sharding: Sharding, keep: dict[str, tuple[str, ...]], world: int
+) -> None:
     """Divide head counts and head-sized widths of modules whose q/k/v outputs become local."""
     parents = {
-        _parent_name(name) for name, rule in rules.items()
-        if rule.local_output and _is_linear_like(modules[name])
+        parent_name(name) for name, rule in sharding.rules.items()
+        if rule.local_output and is_linear_like(modules[name])
     }
-    for parent_name in sorted(parents):
-        parent = modules[parent_name]
+    for name in sorted(parents):
+        parent = modules[name]
         if not any(isinstance(getattr(parent, a, None), int) for a in ("head_dim", *_HEAD_COUNT_ATTRS)):
             continue  # an MLP: nothing reads head counts
+        kept = _keep_for(name, sharding)
         for attr in (*_HEAD_COUNT_ATTRS, *_HEAD_WIDTH_ATTRS):
             value = getattr(parent, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                if value % world:
-                    raise InvalidSpec(
-                        f"tensor_parallel: {parent_name!r} has {attr}={value}, which does not "
-                        f"divide by the world size {world}: use a device count that divides {value}"
-                    )
-                setattr(parent, attr, value // world)
+            if attr in kept or not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if value % world:
+                raise InvalidSpec(
+                    f"tensor_parallel: {name!r} has {attr}={value}, which does not "
+                    f"divide by the world size {world}: use a device count that divides {value}"
+                )
+            setattr(parent, attr, value // world)
+        entry = sharding.family(name)
+        if entry is not None and entry[0].localise is not None:
+            entry[0].localise(parent, entry[1], world)
 
 
 def _wait_output(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor | None:
@@ -468,7 +364,7 @@ def _wait_output(module: nn.Module, args: object, output: torch.Tensor) -> torch
     return None
 
 
-def _style(rule: _Rule, target: nn.Module) -> ParallelStyle | None:
+def _style(rule: Rule, target: nn.Module) -> ParallelStyle | None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

@@ -124,6 +124,13 @@ def home() -> Path:
     return Path(d) if d else Path.home() / ".gpufn"
 
 
+def state_dir() -> Path:
+    """GPUFN_STATE_DIR: where the scheduler keeps what must survive a restart (deployments)
+    (default GPUFN_HOME)."""
+    d = env_str("GPUFN_STATE_DIR")
+    return Path(d) if d else home()
+
+
 def embedded_transport() -> str:
     """GPUFN_EMBEDDED_TRANSPORT: how this process reaches its embedded cluster, "ipc"
     (a Unix socket, the default) or "tcp" (loopback)."""

@@ -27,6 +27,7 @@ from gpufn.exceptions import (
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.scheduler import batches, handshake, status
+from gpufn.scheduler.app_book import AppBook
 from gpufn.scheduler.events import (
     Event,
     Received,
@@ -72,6 +73,7 @@ _ROLES_ALLOWED: dict[type, frozenset[str]] = {
     p.Heartbeat: frozenset({p.Role.WORKER}),
     p.ModelEvent: frozenset({p.Role.WORKER}),
     p.WorkerExited: frozenset({p.Role.SUPERVISOR}),
+    **dict.fromkeys(AppBook.MESSAGES, frozenset({p.Role.CLIENT})),
 }
 
 
@@ -98,11 +100,12 @@ class SchedulerCore:
         self.tx = Transitions(self.config, self.devices, self.queue, self.invocations, self.peers,
                               self.counters, self.gangs, self.models, self._out)
         self._seq = 0
+        self.apps = AppBook(self, self.config.state_dir)
         self._handlers: dict[type, Any] = {
             p.Hello: self._on_hello, p.Ping: self._on_ping, p.Goodbye: self._on_goodbye,
             p.Register: self._on_register, p.Submit: self._on_submit, p.Cancel: self._on_cancel,
             p.StatusRequest: self._on_status, p.Result: self._on_worker_result,
-            p.Output: self._on_output, p.Heartbeat: self._on_heartbeat,
+            p.Output: self._on_output, p.Heartbeat: self._on_heartbeat, **self.apps.handlers(),
             p.WorkerExited: self._on_worker_exited, p.ModelEvent: self._on_model_event,
         }
 
@@ -359,11 +362,9 @@ class SchedulerCore:
     def _on_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
         if msg.invocation_id in self.invocations:
             return  # a duplicate submit is ignored, never run twice
-        fn = self.functions.get(msg.function_id)
-        if fn is None:
-            self._send(peer, p.Result(msg.invocation_id, False, kind_of(GpufnError), (
-                "the scheduler does not know this function (it may have restarted); "
-                "reconnect with gpufn.connect() and call again")))
+        fn = self.functions.get(msg.function_id) or self.apps.resolve(msg.function_id, now)
+        if isinstance(fn, GpufnError):  # unknown (a restart?), or a deployed app that is not
+            self._send(peer, p.Result(msg.invocation_id, False, kind_of(fn), str(fn)))
             return
         self.counters.submitted += 1
         try:
@@ -535,6 +536,7 @@ class SchedulerCore:
         self.tx.settle(inv, now)
 
     def _on_tick(self, now: float) -> None:
+        self.apps.tick(now)
         if self._wakeup_at is not None and now >= self._wakeup_at:
             self._wakeup_at = None
             self.tx.dirty = True

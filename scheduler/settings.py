@@ -33,6 +33,8 @@ class SchedulerConfig:
     eviction_policy: str = "cost"
     eviction_options: dict[str, Any] | None = None
     host_offload_bytes: int = 0
+    # Where deployments are kept ("" keeps them in memory: unit tests).
+    state_dir: str = ""
 
     def policy(self) -> EvictionPolicy:
         return policy_by_name(self.eviction_policy, **(self.eviction_options or {}))
@@ -65,6 +67,7 @@ class SchedulerConfig:
             eviction_policy=policy,
             eviction_options=options,
             host_offload_bytes=parse_memory(host, "GPUFN_HOST_OFFLOAD_MEMORY") if host else 0,
+            state_dir=str(c.state_dir()),
         )
 
 

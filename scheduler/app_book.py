@@ -208,7 +208,7 @@ class AppBook:
         a = self.store.app(app)
         if a is None:
             raise NotFound(f"no app {app!r} is deployed; {self._deployed_list()}")
-        if a.state != "active" and not version:
+        if a.state != "active":
             raise AppStopped(f"app {app!r} was stopped (`gpufn app stop`); deploy it again "
                              f"or `gpufn app rollback {app}` to start it")
         v = version or a.current

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from gpufn import config
-from gpufn.cli import render
+from gpufn.cli import apps, render
 from gpufn.cli.state import load_cluster_file, saved_token, write_cluster_file
 from gpufn.exceptions import GpufnError
 
@@ -133,6 +133,9 @@ def status(
         console.print_json(json.dumps(st))
     else:
         console.print(render.status_view(st))
+
+
+apps.register(app)  # gpufn deploy, gpufn app ...
 
 
 def main() -> None:

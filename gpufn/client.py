@@ -25,7 +25,8 @@ import zmq
 from gpufn import config
 from gpufn import protocol as p
 from gpufn.connection import Connection, ConnectionConfig, WakePipe
-from gpufn.exceptions import ConnectionLost, GpufnError, from_wire
+from gpufn.exceptions import ConnectionLost, GpufnError, ProtocolMismatch, from_wire
+from gpufn.runtime import runtime_info, skew
 
 log = logging.getLogger("gpufn.client")
 
@@ -241,6 +242,11 @@ class Client:
             return None
         welcome = conn.welcome
         assert welcome is not None
+        skewed = skew(runtime_info(), welcome.info.get("runtimes", []))
+        if skewed is not None:  # now, not as an unpickling error in the middle of a call
+            conn.close()
+            self._welcome.set_exception(ProtocolMismatch(skewed))
+            return None
         # Ping well within the time after which the scheduler forgets a silent client.
         client_timeout = float(welcome.info.get("client_timeout", 120))
         self.ping_seconds = min(PING_SECONDS, client_timeout / 4)

@@ -534,25 +534,19 @@ class _MapRun:
         if not self.progress:
             yield from self._ordered(self._steps())
             return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from gpufn.progress import make_bar
 
-        with Progress(TextColumn(f"[bold]{self.fn.name}.map"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), TimeRemainingColumn(), transient=False) as bar:
-            task = bar.add_task("map", total=self.total)
+        bar = make_bar(f"{self.fn.name}.map", self.total)
 
-            def counted() -> Iterator[tuple[int, bool, Any]]:
-                for step in self._steps():
-                    bar.advance(task)
-                    yield step
+        def counted() -> Iterator[tuple[int, bool, Any]]:
+            for step in self._steps():
+                bar.advance()
+                yield step
 
+        try:
             yield from self._ordered(counted())
+        finally:
+            bar.close()
 
     async def run_aio(self) -> AsyncIterator[Any]:
         """The same, without blocking the event loop: completions are awaited."""

@@ -232,7 +232,8 @@ class SchedulerCore:
 
     def _cluster_info(self) -> dict[str, Any]:
         return {"protocol": p.PROTOCOL_VERSION, "devices": len(self.devices),
-                "client_timeout": self.config.client_timeout}
+                "client_timeout": self.config.client_timeout,
+                "runtimes": handshake.runtimes(self.peers.values())}
 
     def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
         infos = [DeviceInfo.from_wire(d) for d in msg.info.get("devices", [])]

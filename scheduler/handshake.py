@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
+from typing import Any
 
 from gpufn import protocol as p
 from gpufn.exceptions import AuthenticationError, GpufnError, ProtocolMismatch, kind_of
+from gpufn.scheduler.records import Peer
+
+
+def runtimes(peers: Iterable[Peer]) -> list[dict[str, Any]]:
+    """The distinct (Python, cloudpickle) versions of the workers and supervisors, with
+    their nodes: a client compares them with its own when it connects."""
+    seen: dict[tuple[str, str], set[str]] = {}
+    for peer in peers:
+        if peer.role in (p.Role.WORKER, p.Role.SUPERVISOR) and "python" in peer.info:
+            key = (str(peer.info.get("python")), str(peer.info.get("cloudpickle", "")))
+            seen.setdefault(key, set()).add(str(peer.info.get("node") or peer.info.get("device", "?")))
+    return [{"python": py, "cloudpickle": cp, "nodes": sorted(nodes)}
+            for (py, cp), nodes in seen.items()]
 
 
 def refusal(msg: p.Hello, token: str | None) -> p.Welcome | None:

@@ -20,8 +20,7 @@ from typing import Any
 
 import cloudpickle
 
-from gpufn import config
-from gpufn.exceptions import PayloadTooLarge, RemoteError, RemoteTraceback, SerializationError
+from gpufn.exceptions import RemoteError, RemoteTraceback, SerializationError
 
 # Buffers below this size stay inside the pickle stream (a frame costs more than a copy).
 OOB_THRESHOLD = 64 * 1024
@@ -157,6 +156,10 @@ def dump_code(fn: Any, name: str) -> tuple[str, list[Any]]:
     lines travel along so remote tracebacks show the user's file, line and source
     (notebook cells included: their lines come from this process's linecache).
     """
+    if getattr(fn, "__module__", None) == "__main__":
+        from gpufn.byvalue import register_main_locals
+
+        register_main_locals()  # a script's or notebook's helper modules go along by value
     code = getattr(fn, "__code__", None)
     filename = code.co_filename if code is not None else ""
     lines: list[str] = []
@@ -194,27 +197,10 @@ def load_code(frames: Sequence[Any]) -> Any:
     return fn
 
 
-def payload_bytes(frames: Sequence[Any]) -> int:
-    """The size of a payload's frames (bytes, memoryviews or zmq Frames), without copying."""
-    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
-
-
-def check_payload(frames: Sequence[Any], what: str) -> None:
-    """Refuse a payload over GPUFN_MAX_PAYLOAD before it is sent anywhere."""
-    limit = config.max_payload()
-    size = payload_bytes(frames)
-    if size > limit:
-        raise PayloadTooLarge(
-            f"{what} is {size} bytes, over the limit of {limit} bytes (GPUFN_MAX_PAYLOAD); "
-            "nothing was sent. Pass a path or a model handle instead of the data, split the "
-            "work, or raise GPUFN_MAX_PAYLOAD on the scheduler, workers and clients alike.")
-
-
 def dump_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """Frames for a call's arguments; on failure name the argument that cannot be pickled.
-    Arguments over GPUFN_MAX_PAYLOAD raise PayloadTooLarge here, at the call site."""
+    """Frames for a call's arguments; on failure name the argument that cannot be pickled."""
     try:
-        frames = dumps((args, kwargs))
+        return dumps((args, kwargs))
     except Exception as e:
         culprit = "the arguments"
         for i, a in enumerate(args):
@@ -234,8 +220,6 @@ def dump_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[
             f"cannot send {culprit} of {name}(): {e}. Nothing was sent. Pass data that can be "
             "pickled (tensors, arrays, plain Python values), or build the object inside the function."
         ) from None
-    check_payload(frames, f"the arguments of {name}()")
-    return frames
 
 
 def dump_exception(exc: BaseException) -> tuple[list[Any], str]:

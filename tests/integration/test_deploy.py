@@ -309,3 +309,31 @@ def test_deployments_survive_a_restart(server: Served, tmp_path: Path) -> None:
     assert fn.remote() == "v2"  # no deploy since the restart
     assert gpufn.lookup("durable", "which", version=1).remote() == "v1"
     assert gpufn.lookup("durable", "helped").remote(5) == 10
+
+
+def test_version_skew_is_reported_at_connect(server: Served) -> None:
+    """A worker host on another Python or cloudpickle: connecting says so, with both
+    versions, instead of an unpickling error in the middle of a call."""
+    import platform
+
+    import zmq
+
+    from gpufn import protocol as p
+    from gpufn.connection import Connection, ConnectionConfig
+
+    ctx = zmq.Context()
+    old = Connection(ctx, ConnectionConfig(server.address, server.token), "s/old-host",
+                     p.Role.SUPERVISOR, {"node": "oldbox", "devices": [], "python": "3.8.10",
+                                         "cloudpickle": "2.0.0"})
+    try:
+        old.handshake(30)
+        with pytest.raises(gpufn.ProtocolMismatch) as e:
+            gpufn.Client(server.address, server.token, connect_timeout=30)
+        msg = str(e.value)
+        assert f"Python {platform.python_version()}" in msg and "Python 3.8.10" in msg
+        assert "cloudpickle 2.0.0" in msg and "oldbox" in msg
+    finally:
+        old.sock.send_multipart(p.encode(p.Goodbye("done")))
+        old.close(1000)
+        ctx.term()
+    gpufn.Client(server.address, server.token, connect_timeout=30).close()  # gone: fine again

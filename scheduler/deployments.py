@@ -104,6 +104,10 @@ class DeploymentStore:
     def close(self) -> None:
         self._db.close()
 
+    def db_mode(self) -> str:
+        """The journal mode ("wal" on a file)."""
+        return str(self._db.execute("PRAGMA journal_mode").fetchone()[0])
+
     # ------------------------------------------------------------------ reads
 
     def apps(self) -> list[App]:

@@ -35,7 +35,6 @@ log = logging.getLogger("gpufn.scheduler")
 
 ALIAS = p.APP_ALIAS
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
-_HOUR = 3600.0
 
 
 def _parse_alias(fid: str) -> tuple[str, str, int]:
@@ -56,7 +55,10 @@ class AppBook:
         self.state_dir = state_dir
         self._store: DeploymentStore | None = None
         self._records: dict[str, FunctionRecord] = {}  # deployed function id -> record
-        self._calls: dict[tuple[str, str], deque[float]] = {}  # admitted calls, last hour
+        # admitted calls per (app, function): [minute, count] for the last hour
+        self._calls: dict[tuple[str, str], deque[list[int]]] = {}
+        # (app, function, version) -> record: a submit by name costs no database read
+        self._resolved: dict[tuple[str, str, int], FunctionRecord] = {}
         self._release: set[str] = set()  # model keys of stopped apps, evicted once idle
         self._evicting: set[tuple[str, str]] = set()  # (device, key) told to evict
 
@@ -108,6 +110,7 @@ class AppBook:
                 restarted = current.state != "active"
                 if restarted:
                     self.store.set_state(msg.app, "active")
+                    self._resolved.clear()
                 return self._deployed(msg.app, current.current, unchanged=True,
                                       notes=["unchanged code: the version stays"]
                                       + (["the stopped app was started again"] if restarted else []))
@@ -135,6 +138,7 @@ class AppBook:
         if old is not None:
             notes += self._fit_note(v.app, old, functions)
         self.store.add_version(v, functions)
+        self._resolved.clear()
         for sf in functions:
             self._release -= set(self._record(sf).model_keys)
         if old is not None and v.strategy == "recreate":
@@ -237,14 +241,13 @@ class AppBook:
         function's id; else the error the call fails with."""
         if function_id.startswith(ALIAS):
             app, fn, version = _parse_alias(function_id)
-            try:
-                rec = self._find(app, fn, version)
-            except GpufnError as e:
-                return e
-            calls = self._calls.setdefault((app, fn), deque())
-            calls.append(now)
-            while calls and calls[0] < now - _HOUR:
-                calls.popleft()
+            rec = self._resolved.get((app, fn, version))
+            if rec is None:
+                try:
+                    rec = self._resolved[(app, fn, version)] = self._find(app, fn, version)
+                except GpufnError as e:
+                    return e
+            self._count(app, fn, now)
             return rec
         unknown = GpufnError("the scheduler does not know this function (it may have restarted); "
                              "reconnect with gpufn.connect() and call again")
@@ -254,6 +257,20 @@ class AppBook:
             return self._record_by_id(function_id)
         except NotFound:
             return unknown
+
+    def _count(self, app: str, fn: str, now: float) -> None:
+        minute = int(now // 60)
+        calls = self._calls.setdefault((app, fn), deque())
+        if calls and calls[-1][0] == minute:
+            calls[-1][1] += 1
+        else:
+            calls.append([minute, 1])
+        while calls and calls[0][0] <= minute - 60:
+            calls.popleft()
+
+    def _calls_1h(self, app: str, fn: str, now: float) -> int:
+        first = int(now // 60) - 59
+        return sum(n for m, n in self._calls.get((app, fn), ()) if m >= first)
 
     def on_lookup(self, peer: bytes, msg: p.Lookup, now: float) -> None:
         try:
@@ -285,21 +302,25 @@ class AppBook:
 
     def _list(self, args: dict[str, Any], now: float) -> dict[str, Any]:
         out = []
+        queued: dict[tuple[str, str], int] = {}
+        running: dict[tuple[str, str], int] = {}
+        for i in self.core.invocations.values():
+            if i.function.app:
+                into = queued if i.state is InvState.QUEUED else running
+                key = (i.function.app, i.function.name)
+                into[key] = into.get(key, 0) + 1
         for a in self.store.apps():
             v = self.store.version(a.name, a.current)
             fns = []
             for sf in self.store.functions(a.name, a.current):
                 rec = self._record(sf)
-                calls = self._calls.get((a.name, sf.name), deque())
-                mine = [i for i in self.core.invocations.values() if i.function.app == a.name
-                        and i.function.name == sf.name]
+                key = (a.name, sf.name)
                 fns.append({
                     "name": sf.name, "spec": sf.spec,
                     "describe": GpuSpec.from_wire(sf.spec).describe(),
                     "models": [m["name"] for m in sf.models],
-                    "calls_1h": sum(1 for t in calls if t >= now - _HOUR),
-                    "queued": sum(1 for i in mine if i.state is InvState.QUEUED),
-                    "running": sum(1 for i in mine if i.state is InvState.RUNNING),
+                    "calls_1h": self._calls_1h(a.name, sf.name, now),
+                    "queued": queued.get(key, 0), "running": running.get(key, 0),
                     "errors": self._model_errors(rec),
                 })
             out.append({"name": a.name, "version": a.current, "state": a.state,
@@ -354,6 +375,7 @@ class AppBook:
     def _stop(self, args: dict[str, Any], now: float) -> dict[str, Any]:
         app = self._app(args)
         self.store.set_state(app, "stopped")
+        self._resolved.clear()
         n = self._stop_calls(app, now, f"app {app} was stopped", keep=None, cancel_running=False)
         keys = {k for r in self.core.functions.values() if r.app == app for k in r.model_keys}
         used_elsewhere = {k for r in self.core.functions.values() if r.app != app

@@ -115,3 +115,18 @@ def test_notebook(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     print(f"remote calls cancelled {cancel_s[0]:.2f}s after the interrupt")
     assert cancel_s and cancel_s[0] <= 2.0, cancel_s
     assert "after 25 True" in text["after"], text["after"]
+
+
+def test_example_notebook_runs(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/deploy/notebook.ipynb, top to bottom, against the example app."""
+    monkeypatch.setenv("GPUFN_ADDRESS", served.address)
+    monkeypatch.setenv("GPUFN_TOKEN", served.token)
+    client = gpufn.connect(served.address, token=served.token)
+    gpufn.deploy(ROOT / "examples" / "deploy" / "app.py", name="demo", client=client)
+    folder = ROOT / "examples" / "deploy"
+    nb = nbformat.read(folder / "notebook.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
+                            resources={"metadata": {"path": str(folder)}}).execute()
+    outputs = "".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    assert "similarity('self-hosted GPUs', 'a self-hosted GPU box') =" in outputs
+    assert "(4, 16)" in outputs and "[0, 1, 4, 9, 16, 25, 36, 49]" in outputs

@@ -33,6 +33,13 @@ SAMPLES: list[p.Message] = [
     p.HelperRun("i1", "square", "c1", 1, 0, (b"args",)),
     p.HelperResult("i1", True, frames=(b"value",)),
     p.HelperResult("i1", False, "ValueError", "bad", "Traceback ...", (b"exc",)),
+    p.Deploy(3, "app", {"code_hash": "h", "tag": "t"},
+             [{"name": "f", "code_id": "c1", "spec": {"count": 1}, "models": [], "ncode": 1}],
+             (b"code",)),
+    p.Lookup(4, "app", "f", 2),
+    p.AppCommand(5, "rollback", {"app": "app", "version": 1}),
+    p.AppReply(5, False, "NotFound", "no app", {}),
+    p.AppReply(6, True, data={"app": "app", "version": 2}),
 ]
 
 

@@ -269,6 +269,14 @@ def which():
     assert any(n.startswith("drain first") for n in d.notes), d.notes
     assert gpufn.lookup("drain", "which").remote() == "v2"
 
+    def resident() -> list[str]:
+        st = client_mod.get_client().status()
+        return [m["name"] for dev in st["devices"] for m in dev["models"]]
+
+    assert "big" in resident()
+    gpufn.deployment.stop("drain")  # a stopped app's models leave the devices
+    wait_for(lambda: "big" not in resident(), 30)
+
 
 def test_cli(server: Served, tmp_path: Path) -> None:
     runner = CliRunner()

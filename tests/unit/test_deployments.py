@@ -121,3 +121,20 @@ def test_version_skew(theirs: dict[str, str], ok: bool) -> None:
     if out is not None:
         assert "3.11.7" in out and "gpu1" in out
     assert set(runtime_info()) == {"python", "cloudpickle"}
+
+
+def test_lookup_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At import time there may be no scheduler: nothing is contacted until a call."""
+    import gpufn
+    from gpufn import client as client_mod
+
+    monkeypatch.setenv("GPUFN_ADDRESS", "tcp://127.0.0.1:1")
+    before = client_mod._default
+    f = gpufn.lookup("app", "fn", version=2)
+    g = f.with_options(priority=3)
+    assert client_mod._default is before
+    assert (g.app, g.function, g.version) == ("app", "fn", 2)
+    with pytest.raises(gpufn.InvalidSpec):
+        f.with_options(models=[])
+    with pytest.raises(gpufn.InvalidSpec):
+        gpufn.lookup("app", "fn", version=0)

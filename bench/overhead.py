@@ -3,6 +3,8 @@
 Prints, for this machine, side by side:
   * p50/p99 round trip of a no-op `.remote()` on a warm worker vs a raw pyzmq
     DEALER -> ROUTER forwarder -> echo worker round trip (the transport's floor);
+  * of that round trip: the cost of pickling the function's code again for each call
+    (calls see globals as they are when made; unchanged code is not resent);
   * `.map()` throughput over 10,000 no-op inputs;
   * 1,000 inputs of a 4 MiB tensor each (MB/s) vs raw zmq moving the same bytes;
   * the same no-op round trip and 10k-task throughput with Ray when `ray` is importable;
@@ -142,6 +144,13 @@ def main() -> None:
             for _ in range(200):
                 noop.remote()
             list(noop1.map(range(4 * a.devices)))
+            # Each call pickles the function again (it must see its globals as they are
+            # now); unchanged code keeps its id and is not sent again. What that costs:
+            n = 2000
+            t0 = time.perf_counter()
+            for _ in range(n):
+                noop.register_message()
+            add("gpufn code pickle us", (time.perf_counter() - t0) / n * 1e6)
             p50, p99 = roundtrips(noop.remote, a.n_latency)
             add(f"{prefix} p50 us", p50 * 1e6)
             add(f"{prefix} p99 us", p99 * 1e6)
@@ -248,6 +257,8 @@ def main() -> None:
     t.add_row("no-op .remote() p99 (us)", summarize(rows["gpufn p99 us"]),
               f"raw {tr} {summarize(rows[f'raw {tr} p99 us'])}",
               f"{med['gpufn p99 us'] / med[f'raw {tr} p99 us']:.2f}x raw")
+    t.add_row("  (of which: pickling the function's code per call, us)",
+              summarize(rows["gpufn code pickle us"]), "", "")
     other = "tcp" if tr == "ipc" else "ipc"
     t.add_row("  (raw round trip over the other transport)", "",
               f"raw {other} {summarize(rows[f'raw {other} p50 us'])}", "")

@@ -12,13 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 from gpufn.call_context import CallContext, context, current_device
 from gpufn.client import Client, connect
+from gpufn.deployment import DeployError, Deployment, deploy
 from gpufn.exceptions import (
+    AppStopped,
     AuthenticationError,
     Cancelled,
     ConnectionLost,
     GpufnError,
     InvalidSpec,
     ModelLoadError,
+    NotFound,
     OutOfMemory,
     PayloadTooLarge,
     ProtocolMismatch,
@@ -30,6 +33,7 @@ from gpufn.exceptions import (
     WorkerLost,
 )
 from gpufn.function import Function, FunctionCall, gpu
+from gpufn.lookup import DeployedFunction, lookup
 from gpufn.model import Model, model
 from gpufn.spec import GpuSpec
 
@@ -39,11 +43,12 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuthenticationError", "CallContext", "Cancelled", "Client", "ConnectionLost", "Function",
-    "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
-    "OutOfMemory", "PayloadTooLarge", "ProtocolMismatch", "QueueFull", "RemoteError",
-    "SerializationError", "Timeout", "Unschedulable", "WorkerLost", "connect", "context",
-    "current_device", "gpu", "model",
+    "AppStopped", "AuthenticationError", "CallContext", "Cancelled", "Client", "ConnectionLost",
+    "DeployError", "DeployedFunction", "Deployment", "Function", "FunctionCall", "GpuSpec",
+    "GpufnError", "InvalidSpec", "Model", "ModelLoadError", "NotFound", "OutOfMemory",
+    "PayloadTooLarge", "ProtocolMismatch", "QueueFull", "RemoteError", "SerializationError",
+    "Timeout", "Unschedulable", "WorkerLost", "connect", "context", "current_device", "deploy",
+    "gpu", "lookup", "model",
 ]
 
 if not TYPE_CHECKING:  # hidden from type checkers, which would type every unknown name as Any

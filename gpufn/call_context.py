@@ -21,6 +21,8 @@ class CallContext:
     devices: list[Any] = field(default_factory=list)  # all devices this process sees (spmd=False)
     group: Any = None  # torch.distributed ProcessGroup for gangs
     attempt: int = 1
+    app: str = ""  # a deployed function's app and version ("", 0 otherwise): calls it
+    version: int = 0  # makes to functions of the same app stay on this version
     _mesh: Any = None
 
     @property
@@ -64,6 +66,11 @@ def current_device() -> Any:
     import torch
 
     return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def current() -> CallContext | None:
+    """The running call's context in this thread, or None outside a call."""
+    return getattr(_local, "ctx", None)
 
 
 def _set(ctx: CallContext | None) -> None:

@@ -26,7 +26,8 @@ import zmq
 from gpufn import config
 from gpufn import protocol as p
 from gpufn.connection import Connection, ConnectionConfig, WakePipe
-from gpufn.exceptions import ConnectionLost, GpufnError
+from gpufn.exceptions import ConnectionLost, GpufnError, ProtocolMismatch, from_wire
+from gpufn.runtime import runtime_info, skew
 
 log = logging.getLogger("gpufn.client")
 
@@ -56,7 +57,7 @@ class Client:
         self._prefix = os.urandom(4).hex()
         self._counter = itertools.count(1)
         self._calls: dict[str, _Pending] = {}
-        self._status: dict[int, Future[dict[str, Any]]] = {}
+        self._status: dict[int, Future[Any]] = {}  # status and app requests, by id
         self._status_frames: dict[int, list[Any]] = {}
         self.ping_seconds = PING_SECONDS
         self._registered: set[str] = set()
@@ -131,7 +132,7 @@ class Client:
         self._wake()
         return futs
 
-    def call(self, register: p.Register, submit: p.Submit, name: str) -> p.Result:
+    def call(self, register: p.Register | None, submit: p.Submit, name: str) -> p.Result:
         """Submit and wait in the calling thread (the blocking `.remote()` path)."""
         if self._closed.is_set():
             raise ConnectionLost("this gpufn client is closed; call gpufn.connect() again")
@@ -187,6 +188,26 @@ class Client:
             self._status.pop(rid, None)
             self._status_frames.pop(rid, None)
 
+    def ask(self, make: Any, timeout: float = 60.0) -> dict[str, Any]:
+        """Send a Deploy/Lookup/AppCommand built by `make(request_id)`; the reply's data,
+        or its gpufn error (NotFound, AppStopped, ...) raised here."""
+        rid = next(self._counter)
+        fut: Future[p.AppReply] = Future()
+        self._status[rid] = fut
+        frames = self._status_frames[rid] = p.encode(make(rid))
+        self._enqueue(frames)
+        try:
+            reply = fut.result(timeout)
+        except TimeoutError:
+            raise ConnectionLost(f"the scheduler at {self.address} did not answer within "
+                                 f"{timeout:.0f}s") from None
+        finally:
+            self._status.pop(rid, None)
+            self._status_frames.pop(rid, None)
+        if not reply.ok:
+            raise from_wire(reply.error_kind, reply.message)
+        return reply.data
+
     def close(self) -> None:
         if self._closed.is_set():
             return
@@ -241,6 +262,11 @@ class Client:
             return None
         welcome = conn.welcome
         assert welcome is not None
+        skewed = skew(runtime_info(), welcome.info.get("runtimes", []))
+        if skewed is not None:  # now, not as an unpickling error in the middle of a call
+            conn.close()
+            self._welcome.set_exception(ProtocolMismatch(skewed))
+            return None
         # Ping well within the time after which the scheduler forgets a silent client.
         client_timeout = float(welcome.info.get("client_timeout", 120))
         self.ping_seconds = min(PING_SECONDS, client_timeout / 4)
@@ -340,10 +366,10 @@ class Client:
         elif isinstance(msg, p.Welcome):
             if self._resubmit and msg.ok:
                 self._send_again()
-        elif isinstance(msg, p.StatusReply):
+        elif isinstance(msg, (p.StatusReply, p.AppReply)):
             fut = self._status.get(msg.request_id)
             if fut is not None and not fut.done():
-                fut.set_result(msg.status)
+                fut.set_result(msg.status if isinstance(msg, p.StatusReply) else msg)
         elif isinstance(msg, p.QueryReply):
             fut = self._status.get(msg.request_id)
             if fut is not None and not fut.done():
@@ -427,10 +453,10 @@ class _SyncChannel:
         self.conn.handshake(HANDSHAKE_SECONDS)  # nothing else is addressed to us yet
         self.last_heard = time.monotonic()
 
-    def call(self, register: p.Register, submit: p.Submit, name: str) -> p.Result:
+    def call(self, register: p.Register | None, submit: p.Submit, name: str) -> p.Result:
         if time.monotonic() - self.last_heard > self.client.idle_rehello:
             self._hello()  # the scheduler forgets silent clients; announce ourselves again
-        if register.function_id not in self.registered:
+        if register is not None and register.function_id not in self.registered:
             self._send(register)
             self.registered.add(register.function_id)
         self._send(submit)
@@ -459,15 +485,17 @@ class _SyncChannel:
             self._send(p.Cancel(inv, "interrupted by the caller"))
             raise
 
-    def _other(self, msg: p.Message, register: p.Register, submit: p.Submit, name: str) -> None:
+    def _other(self, msg: p.Message, register: p.Register | None, submit: p.Submit,
+               name: str) -> None:
         if isinstance(msg, p.Output):
             self.client._print_output(msg, name)
         elif isinstance(msg, p.Shutdown):
             raise ConnectionLost(f"the scheduler stopped ({msg.reason})")
         elif self.conn.needs_rehello(msg):
             self._hello()  # forgotten meanwhile: the submit was refused, send again
-            self._send(register)
-            self.registered.add(register.function_id)
+            if register is not None:
+                self._send(register)
+                self.registered.add(register.function_id)
             self._send(submit)
 
     def close(self) -> None:

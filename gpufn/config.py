@@ -134,8 +134,9 @@ def home() -> Path:
 
 
 def state_dir() -> Path:
-    """GPUFN_STATE_DIR: where the scheduler keeps its state (deployments, CURVE keys in
-    `keys/`) and `gpufn serve --detach` its pid and log files (default: GPUFN_HOME)."""
+    """GPUFN_STATE_DIR: where the scheduler keeps what must survive a restart (deployments,
+    CURVE keys in `keys/`) and `gpufn serve --detach` its pid and log files (default:
+    GPUFN_HOME)."""
     d = env_str("GPUFN_STATE_DIR")
     return Path(d) if d else home()
 

@@ -14,6 +14,7 @@ import zmq
 from gpufn import _sockets, config, security
 from gpufn import protocol as p
 from gpufn.exceptions import AuthenticationError, ConnectionLost, GpufnError, from_wire, kind_of
+from gpufn.runtime import runtime_info
 
 log = logging.getLogger("gpufn.connection")
 
@@ -175,7 +176,8 @@ class Connection:
     # ------------------------------------------------------------------ handshake
 
     def hello_message(self) -> p.Hello:
-        return p.Hello(self.role, p.PROTOCOL_VERSION, self.config.token, os.getpid(), self.info)
+        info = {**runtime_info(), **self.info}  # versions: the client checks the workers'
+        return p.Hello(self.role, p.PROTOCOL_VERSION, self.config.token, os.getpid(), info)
 
     def hello_frames(self) -> list[Any]:
         """An encoded Hello, for owners that send through a queue of their own."""

@@ -63,6 +63,14 @@ class ModelLoadError(GpufnError):
     """A `@gpufn.model` loader raised; its traceback is attached."""
 
 
+class NotFound(GpufnError, LookupError):
+    """No deployed app, function or version by that name; the message lists what is deployed."""
+
+
+class AppStopped(GpufnError):
+    """The app was stopped (or replaced with `--strategy recreate`) before the call ran."""
+
+
 class RemoteError(GpufnError):
     """A remote exception whose type cannot be rebuilt in this process."""
 
@@ -92,7 +100,7 @@ _BY_NAME: dict[str, type[GpufnError]] = {
     for cls in (
         GpufnError, InvalidSpec, Unschedulable, SerializationError, Timeout, WorkerLost,
         QueueFull, PayloadTooLarge, OutOfMemory, Cancelled, AuthenticationError, ProtocolMismatch,
-        ConnectionLost, ModelLoadError,
+        ConnectionLost, ModelLoadError, NotFound, AppStopped,
     )
 }
 

@@ -17,6 +17,7 @@ from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 from gpufn import config
 from gpufn import protocol as p
 from gpufn import serialization as ser
+from gpufn.call_context import current as current_context
 from gpufn.client import Client, get_client
 from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
 from gpufn.spec import OPTION_NAMES, GpuSpec, make_spec
@@ -277,30 +278,42 @@ class Function(Generic[P, R]):
     # ------------------------------------------------------------------ wire
 
     def _code_frames(self) -> tuple[str, list[Any]]:
+        """The function's code pickled now, so a call sees its globals as they are when it
+        is made (like `.local()`); unchanged code keeps its id and is not sent again."""
+        code_id, frames = ser.dump_code(self._fn, self.name)
         c = self._code
         with c.lock:
-            if c.code_id is None:
-                c.code_id, c.frames = ser.dump_code(self._fn, self.name)
+            if c.code_id != code_id:
+                c.code_id, c.frames = code_id, frames
             return c.code_id, c.frames
 
     def register_message(self) -> p.Register:
-        if self._register is None:
-            code_id, frames = self._code_frames()
-            spec = self.spec.to_wire()
-            models = [m.wire_description() for m in self._models]
-            fid = ser.content_hash(code_id.encode(), json.dumps(spec, sort_keys=True).encode(),
-                                   json.dumps([m["name"] for m in models]).encode())
-            all_frames = list(frames)
-            for m in self._models:  # loader code travels after the function's own frames
-                all_frames += m.loader_frames()
-            self._register = p.Register(fid, code_id, self.name, spec, models, tuple(all_frames))
-        return self._register
+        code_id, frames = self._code_frames()
+        reg = self._register
+        if reg is None or reg.code_id != code_id:
+            reg = self._register = build_register(code_id, frames, self.name, self.spec,
+                                                  self._models)
+        return reg
 
-    def _submit_message(self, client: Client, args: tuple[Any, ...], kwargs: dict[str, Any]) -> p.Submit:
-        frames = ser.dump_args(self.name, args, kwargs)
+    def _prepare(self, client: Client) -> tuple[p.Register | None, str, dict[str, Any]]:
+        """What calls are sent as: (the Register to send first, or None; the function id
+        to submit; per-call options). Once per `.remote`/`.spawn`/`.map`."""
+        dep = self.__dict__.get("_deployment")
+        if dep is not None:  # a deployed app's function, called from that app's code on a worker
+            ctx = current_context()
+            if ctx is not None and ctx.app == dep[0]:
+                return None, p.app_alias(dep[0], dep[1], ctx.version), {}
         reg = self.register_message()
-        client.ensure_registered(reg)
-        return p.Submit(client.new_id(), reg.function_id, {}, tuple(frames))
+        return reg, reg.function_id, {}
+
+    def _submit_message(self, client: Client, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        target: tuple[p.Register | None, str, dict[str, Any]] | None = None,
+                        ) -> p.Submit:
+        frames = ser.dump_args(self.name, args, kwargs)
+        reg, fid, options = target or self._prepare(client)
+        if reg is not None:
+            client.ensure_registered(reg)
+        return p.Submit(client.new_id(), fid, options, tuple(frames))
 
     # ------------------------------------------------------------------ calls
 
@@ -313,8 +326,8 @@ class Function(Generic[P, R]):
     def _remote(self, *args: Any, **kwargs: Any) -> R:
         client = get_client()
         frames = ser.dump_args(self.name, args, kwargs)
-        reg = self.register_message()
-        sub = p.Submit(client.new_id(), reg.function_id, {}, tuple(frames))
+        reg, fid, options = self._prepare(client)
+        sub = p.Submit(client.new_id(), fid, options, tuple(frames))
         return decode_result(client.call(reg, sub, self.name), self.name)
 
     async def _remote_aio(self, *args: Any, **kwargs: Any) -> R:
@@ -364,6 +377,20 @@ class Function(Generic[P, R]):
     starmap = _StarmapAttr()
 
 
+def build_register(code_id: str, frames: list[Any], name: str, spec: GpuSpec,
+                   models: tuple[Any, ...]) -> p.Register:
+    """A function's Register: its id hashes code, spec and model names; the models'
+    loader code travels after the function's own frames."""
+    wire = spec.to_wire()
+    descs = [m.wire_description() for m in models]
+    fid = ser.content_hash(code_id.encode(), json.dumps(wire, sort_keys=True).encode(),
+                           json.dumps([m["name"] for m in descs]).encode())
+    all_frames = list(frames)
+    for m in models:
+        all_frames += m.loader_frames()
+    return p.Register(fid, code_id, name, wire, descs, tuple(all_frames))
+
+
 def _total(iterables: tuple[Iterable[Any], ...]) -> int | None:
     try:
         return min(len(it) for it in iterables)  # type: ignore[arg-type]
@@ -411,6 +438,7 @@ class _MapRun:
         else:
             self.items = ((i, a, k) for i, (a, k) in enumerate(items))
         self.window = config.map_window()
+        self.target: tuple[p.Register | None, str, dict[str, Any]] | None = None
         self.calls: dict[int, FunctionCall[Any]] = {}
         self.sizes: dict[int, int] = {}
         self.inflight_bytes = 0
@@ -431,7 +459,9 @@ class _MapRun:
             except StopIteration:
                 self.exhausted = True
                 break
-            sub = self.fn._submit_message(client, args, kwargs)
+            if self.target is None:  # once per map: the code as it is when the map starts
+                self.target = self.fn._prepare(client)
+            sub = self.fn._submit_message(client, args, kwargs, self.target)
             size = sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
                        for f in sub.frames)
             self.sizes[idx] = size
@@ -504,25 +534,19 @@ class _MapRun:
         if not self.progress:
             yield from self._ordered(self._steps())
             return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from gpufn.progress import make_bar
 
-        with Progress(TextColumn(f"[bold]{self.fn.name}.map"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), TimeRemainingColumn(), transient=False) as bar:
-            task = bar.add_task("map", total=self.total)
+        bar = make_bar(f"{self.fn.name}.map", self.total)
 
-            def counted() -> Iterator[tuple[int, bool, Any]]:
-                for step in self._steps():
-                    bar.advance(task)
-                    yield step
+        def counted() -> Iterator[tuple[int, bool, Any]]:
+            for step in self._steps():
+                bar.advance()
+                yield step
 
+        try:
             yield from self._ordered(counted())
+        finally:
+            bar.close()
 
     async def run_aio(self) -> AsyncIterator[Any]:
         """The same, without blocking the event loop: completions are awaited."""

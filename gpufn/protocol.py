@@ -425,6 +425,8 @@ class RunMeta:
     multi: list[dict[str, Any]] | None = None  # spmd=False: every device (key, uuid, kind)
     batch: list[int] | None = None  # a batch: payload frames per member
     members: list[str] | None = None  # a batch: the members' invocation ids
+    app: str = ""  # a deployed function's app and version: nested calls keep the version
+    version: int = 0
 
 
 @message(21, structs={"meta": RunMeta})
@@ -541,6 +543,70 @@ class GroupOp(Message):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op", GroupOpKind(self.op))
+
+
+# --------------------------------------------------------------------------- deployments
+# A client deploys an app (its functions' code and specs, pickled by value) and looks
+# functions up by name; the scheduler keeps them in its state directory. Every request
+# carries a client-chosen `request_id`, echoed by the `AppReply`.
+
+
+APP_ALIAS = "app:"
+
+
+def app_alias(app: str, function: str, version: int | None = None) -> str:
+    """The function id a client submits to call a deployed function by name: the
+    scheduler binds the call to the app's current version (or `version`) on admission."""
+    return f"{APP_ALIAS}{app}/{function}" + (f"@{version}" if version else "")
+
+
+@message(70)
+@dataclass(frozen=True, slots=True)
+class Deploy(Message):
+    """Client -> scheduler: a new version of an app. `functions` describe each function
+    (name, code_id, spec, models, ncode); frames hold each function's code frames
+    (`ncode` of them) then its models' loader frames, function after function. `meta`:
+    code_hash, tag, who, git_commit, git_dirty, strategy, source."""
+
+    request_id: int
+    app: str
+    meta: dict[str, Any]
+    functions: list[dict[str, Any]]
+    frames: tuple[Frame, ...] = ()
+
+
+@message(71)
+@dataclass(frozen=True, slots=True)
+class Lookup(Message):
+    """Client -> scheduler: resolve app/function (version 0: the current one)."""
+
+    request_id: int
+    app: str
+    function: str
+    version: int = 0
+
+
+@message(72)
+@dataclass(frozen=True, slots=True)
+class AppCommand(Message):
+    """Client -> scheduler: list, history, rollback or stop (args by command)."""
+
+    request_id: int
+    command: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@message(73)
+@dataclass(frozen=True, slots=True)
+class AppReply(Message):
+    """Scheduler -> client: the answer to Deploy, Lookup or AppCommand; on failure
+    `error_kind` names a gpufn error (NotFound, AppStopped, ...)."""
+
+    request_id: int
+    ok: bool
+    error_kind: str = ""
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- spmd=False helper

@@ -157,6 +157,10 @@ def dump_code(fn: Any, name: str) -> tuple[str, list[Any]]:
     lines travel along so remote tracebacks show the user's file, line and source
     (notebook cells included: their lines come from this process's linecache).
     """
+    if getattr(fn, "__module__", None) == "__main__":
+        from gpufn.byvalue import register_main_locals
+
+        register_main_locals()  # a script's or notebook's helper modules go along by value
     code = getattr(fn, "__code__", None)
     filename = code.co_filename if code is not None else ""
     lines: list[str] = []

@@ -27,6 +27,7 @@ from gpufn.exceptions import (
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.scheduler import batches, handshake, status, wire_checks
+from gpufn.scheduler.app_book import AppBook
 from gpufn.scheduler.events import (
     Event,
     Received,
@@ -63,18 +64,6 @@ __all__ = [
     "SchedulerCore", "Send", "Tick", "Unreachable",
 ]
 
-_ROLES_ALLOWED: dict[type, frozenset[str]] = {
-    p.Register: frozenset({p.Role.CLIENT}),
-    p.Submit: frozenset({p.Role.CLIENT}),
-    p.Cancel: frozenset({p.Role.CLIENT}),
-    p.Result: frozenset({p.Role.WORKER}),
-    p.Output: frozenset({p.Role.WORKER}),
-    p.Heartbeat: frozenset({p.Role.WORKER}),
-    p.ModelEvent: frozenset({p.Role.WORKER}),
-    p.WorkerExited: frozenset({p.Role.SUPERVISOR}),
-}
-
-
 class SchedulerCore:
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
@@ -98,11 +87,12 @@ class SchedulerCore:
         self.tx = Transitions(self.config, self.devices, self.queue, self.invocations, self.peers,
                               self.counters, self.gangs, self.models, self._out)
         self._seq = 0
+        self.apps = AppBook(self, self.config.state_dir)
         self._handlers: dict[type, Any] = {
             p.Hello: self._on_hello, p.Ping: self._on_ping, p.Goodbye: self._on_goodbye,
             p.Register: self._on_register, p.Submit: self._on_submit, p.Cancel: self._on_cancel,
             p.StatusRequest: self._on_status, p.Result: self._on_worker_result,
-            p.Output: self._on_output, p.Heartbeat: self._on_heartbeat,
+            p.Output: self._on_output, p.Heartbeat: self._on_heartbeat, **self.apps.handlers(),
             p.WorkerExited: self._on_worker_exited, p.ModelEvent: self._on_model_event,
         }
         self.ops = OpsDesk(self)  # logs, usage and drain (wraps the Output/Submit handlers)
@@ -209,7 +199,7 @@ class SchedulerCore:
                     "this connection has not said Hello (or the scheduler restarted); reconnect",
                 ))
                 return
-            allowed = _ROLES_ALLOWED.get(type(msg))
+            allowed = handshake.ROLES_ALLOWED.get(type(msg))
             if allowed is not None and known.role not in allowed:
                 self._send(peer, p.Error(kind_of(GpufnError),
                                          f"a {known.role} may not send {type(msg).__name__}"))
@@ -231,7 +221,8 @@ class SchedulerCore:
 
     def _cluster_info(self) -> dict[str, Any]:
         return {"protocol": p.PROTOCOL_VERSION, "devices": len(self.devices),
-                "client_timeout": self.config.client_timeout}
+                "client_timeout": self.config.client_timeout,
+                "runtimes": handshake.runtimes(self.peers.values())}
 
     def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
         infos = [DeviceInfo.from_wire(d) for d in msg.info.get("devices", [])]
@@ -361,11 +352,9 @@ class SchedulerCore:
     def _on_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
         if msg.invocation_id in self.invocations:
             return  # a duplicate submit is ignored, never run twice
-        fn = self.functions.get(msg.function_id)
-        if fn is None:
-            self._send(peer, p.Result(msg.invocation_id, False, kind_of(GpufnError), (
-                "the scheduler does not know this function (it may have restarted); "
-                "reconnect with gpufn.connect() and call again")))
+        fn = self.functions.get(msg.function_id) or self.apps.resolve(msg.function_id, now)
+        if isinstance(fn, GpufnError):  # unknown (a restart?), or a deployed app that is not
+            self._send(peer, p.Result(msg.invocation_id, False, kind_of(fn), str(fn)))
             return
         self.counters.submitted += 1
         try:
@@ -540,6 +529,7 @@ class SchedulerCore:
         self.tx.settle(inv, now)
 
     def _on_tick(self, now: float) -> None:
+        self.apps.tick(now)
         if self._wakeup_at is not None and now >= self._wakeup_at:
             self._wakeup_at = None
             self.tx.dirty = True

@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
+from typing import Any
 
 from gpufn import protocol as p
 from gpufn.exceptions import AuthenticationError, GpufnError, ProtocolMismatch, kind_of
+from gpufn.scheduler.app_book import AppBook
+from gpufn.scheduler.records import Peer
+
+
+def runtimes(peers: Iterable[Peer]) -> list[dict[str, Any]]:
+    """The distinct (Python, cloudpickle) versions of the workers and supervisors, with
+    their nodes: a client compares them with its own when it connects."""
+    seen: dict[tuple[str, str], set[str]] = {}
+    for peer in peers:
+        if peer.role in (p.Role.WORKER, p.Role.SUPERVISOR) and "python" in peer.info:
+            key = (str(peer.info.get("python")), str(peer.info.get("cloudpickle", "")))
+            seen.setdefault(key, set()).add(str(peer.info.get("node") or peer.info.get("device", "?")))
+    return [{"python": py, "cloudpickle": cp, "nodes": sorted(nodes)}
+            for (py, cp), nodes in seen.items()]
 
 
 def refusal(msg: p.Hello, token: str | None) -> p.Welcome | None:
@@ -25,3 +41,17 @@ def refusal(msg: p.Hello, token: str | None) -> p.Welcome | None:
     if msg.role not in (p.Role.CLIENT, p.Role.SUPERVISOR, p.Role.WORKER):
         return p.Welcome(False, kind_of(GpufnError), f"unknown role {msg.role!r}")
     return None
+
+
+# Who may send what once welcomed (messages not listed: anyone).
+ROLES_ALLOWED: dict[type, frozenset[str]] = {
+    p.Register: frozenset({p.Role.CLIENT}),
+    p.Submit: frozenset({p.Role.CLIENT}),
+    p.Cancel: frozenset({p.Role.CLIENT}),
+    p.Result: frozenset({p.Role.WORKER}),
+    p.Output: frozenset({p.Role.WORKER}),
+    p.Heartbeat: frozenset({p.Role.WORKER}),
+    p.ModelEvent: frozenset({p.Role.WORKER}),
+    p.WorkerExited: frozenset({p.Role.SUPERVISOR}),
+    **dict.fromkeys(AppBook.MESSAGES, frozenset({p.Role.CLIENT})),
+}

@@ -45,6 +45,7 @@ class ModelRecord:
     offloads: int = 0
     evictions: int = 0
     failures: int = 0
+    last_error: str = ""  # the last load failure's message (shown by `gpufn app list`)
 
     @property
     def size(self) -> int:
@@ -238,6 +239,7 @@ class ModelBook:
                     resized = True
                 elif rec is not None:
                     rec.failures += 1
+                    rec.last_error = msg.message
                 log.warning("model %s on %s: %s", msg.model, d.key, msg.message.splitlines()[0])
             elif msg.state is p.ModelState.OFFLOADED and entry is not None:
                 led.offload_done(msg.model, now)

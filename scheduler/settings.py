@@ -36,6 +36,8 @@ class SchedulerConfig:
     # The largest frame a peer may send (GPUFN_MAX_PAYLOAD); ZeroMQ drops a peer that
     # declares a larger one before buffering it.
     max_payload: int = 2 * 2**30
+    # Where deployments are kept ("" keeps them in memory: unit tests).
+    state_dir: str = ""
 
     def policy(self) -> EvictionPolicy:
         return policy_by_name(self.eviction_policy, **(self.eviction_options or {}))
@@ -70,6 +72,7 @@ class SchedulerConfig:
             eviction_options=options,
             host_offload_bytes=parse_memory(host, "GPUFN_HOST_OFFLOAD_MEMORY") if host else 0,
             max_payload=c.max_payload(),
+            state_dir=str(c.state_dir()),
         )
 
 

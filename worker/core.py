@@ -180,7 +180,7 @@ class WorkerCore:
         self.running.add(msg.invocation_id)
         context = ctxmod.CallContext(
             invocation_id=msg.invocation_id, function=msg.name, device=self.device,
-            devices=[self.device], attempt=meta.attempt_number,
+            devices=[self.device], attempt=meta.attempt_number, app=meta.app, version=meta.version,
         )
         call = Call(msg.invocation_id, msg.name, fn, msg.frames, context,
                     dispatch_token=msg.dispatch_token, batch=meta.batch, models=meta.models)

@@ -18,6 +18,7 @@ from gpufn import protocol as p
 from gpufn.cli.state import saved_token, write_cluster_file
 from gpufn.client import Client
 from gpufn.connection import Backoff, Connection, ConnectionConfig, WakePipe
+from gpufn.runtime import runtime_info
 
 _names = itertools.count()
 
@@ -99,7 +100,7 @@ def test_handshake_sends_hello_and_returns_on_welcome(conn: Connection, sched: F
     assert isinstance(hello, p.Hello)
     assert (hello.role, hello.version, hello.token, hello.pid) == (
         p.Role.WORKER, p.PROTOCOL_VERSION, "tok", os.getpid())
-    assert hello.info == {"device": "n:0", "channel": "work"}
+    assert hello.info == {"device": "n:0", "channel": "work", **runtime_info()}
     sched.send(peer, _welcome(client_timeout=7))
     assert join() == []
     assert conn.welcome is not None and conn.welcome.info == {"client_timeout": 7}
@@ -182,7 +183,7 @@ def test_forgotten_peer_says_hello_again(conn: Connection, sched: FakeScheduler)
     assert conn.on_error(forgot) is True
     _, [hello] = sched.recv()
     assert isinstance(hello, p.Hello) and hello.token == "tok"
-    assert hello.info == {"device": "n:0", "channel": "work"}
+    assert hello.info == {"device": "n:0", "channel": "work", **runtime_info()}
 
 
 def test_wake_pipe_coalesces_and_wakes_after_a_drain() -> None:

@@ -36,6 +36,13 @@ SAMPLES: list[p.Message] = [
     p.Query(3, p.QueryKind.LOGS, {"target": "app.fn", "since": 600.0}),
     p.QueryReply(3, True, {"lines": []}), p.QueryReply(3, False, error="unknown query"),
     p.Drain(4, 30.0, "maintenance"),
+    p.Deploy(3, "app", {"code_hash": "h", "tag": "t"},
+             [{"name": "f", "code_id": "c1", "spec": {"count": 1}, "models": [], "ncode": 1}],
+             (b"code",)),
+    p.Lookup(4, "app", "f", 2),
+    p.AppCommand(5, "rollback", {"app": "app", "version": 1}),
+    p.AppReply(5, False, "NotFound", "no app", {}),
+    p.AppReply(6, True, data={"app": "app", "version": 2}),
 ]
 
 

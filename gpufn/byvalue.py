@@ -1,0 +1,105 @@
+"""Which modules travel by value inside pickled code: a program's own local modules.
+
+Workers need not have the source of an app or a notebook's helper modules: modules
+whose files sit under the program's folder (and are not installed packages) are
+registered with `cloudpickle.register_pickle_by_value`, so their code goes along.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import site
+import sys
+import sysconfig
+import threading
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+
+import cloudpickle
+
+_lock = threading.Lock()
+_main_seen: tuple[int, str] = (-1, "")
+
+
+@functools.lru_cache(maxsize=1)
+def _installed() -> tuple[tuple[str, ...], frozenset[str]]:
+    """Folders of the interpreter and its packages, and installed top-level names
+    (an editable install of a package under the program's folder is still installed)."""
+    from importlib.metadata import packages_distributions
+
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(),
+            site.getusersitepackages(), *sysconfig.get_paths().values()}
+    roots = tuple(sorted({os.path.realpath(d) for d in dirs if d}))
+    try:
+        names = frozenset(packages_distributions())
+    except Exception:
+        names = frozenset()
+    return roots, names | {"gpufn"}
+
+
+def local_modules(root: str) -> list[ModuleType]:
+    """Imported modules whose files lie under `root`, other than installed packages."""
+    root = os.path.realpath(root)
+    roots, installed = _installed()
+    out = []
+    for name, mod in list(sys.modules.items()):
+        path = getattr(mod, "__file__", None)
+        if not path or name == "__main__" or name.split(".")[0] in installed:
+            continue
+        path = os.path.realpath(path)
+        if not path.startswith(root + os.sep):
+            continue
+        if any(path.startswith(r + os.sep) for r in roots if not root.startswith(r + os.sep)):
+            continue
+        out.append(mod)
+    return out
+
+
+def _register(modules: Iterable[ModuleType]) -> list[ModuleType]:
+    added = []
+    for mod in modules:
+        if mod.__name__ not in cloudpickle.list_registry_pickle_by_value():
+            try:
+                cloudpickle.register_pickle_by_value(mod)
+            except ValueError:  # not in sys.modules under its name
+                continue
+            added.append(mod)
+    return added
+
+
+@contextlib.contextmanager
+def by_value(modules: Iterable[ModuleType]) -> Iterator[None]:
+    """Pickle these modules' functions and classes by value within the block."""
+    with _lock:
+        added = _register(modules)
+    try:
+        yield
+    finally:
+        with _lock:
+            for mod in added:
+                cloudpickle.unregister_pickle_by_value(mod)
+
+
+def main_folder() -> str:
+    """The folder of `__main__`: the script's, or the working directory of a notebook
+    or an interactive session."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path and "ipykernel" not in sys.modules:
+        return os.path.dirname(os.path.abspath(path))
+    return os.getcwd()
+
+
+def register_main_locals() -> None:
+    """Code defined in `__main__` (a script or notebook cell) takes the local modules it
+    may use along by value; checked again only when new modules were imported."""
+    global _main_seen
+    folder = main_folder()
+    key = (len(sys.modules), folder)
+    if key == _main_seen:
+        return
+    with _lock:
+        _register(local_modules(folder))
+        _main_seen = key

@@ -20,6 +20,11 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
+    log_file = config.scheduler_log()
+    if log_file is not None:  # e.g. for tests that check the log for errors
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.getLogger().handlers[0].formatter)
+        logging.getLogger().addHandler(handler)
     cfg = SchedulerConfig.from_env(config.token())
     run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc)
 

@@ -241,6 +241,7 @@ class SchedulerCore:
                     log.warning("device %s re-announced by a new supervisor; replacing", info.key)
                 self._lose_worker(d, now, "its supervisor re-registered", restart=False)
                 d.info, d.supervisor = info, peer
+                d.incarnation = d.fenced = 0  # generations are counted per supervisor
                 d.ledger = self._ledger(info, msg.info)
                 if d.state is not DeviceState.STARTING:
                     d.to(DeviceState.STARTING, now)
@@ -268,6 +269,15 @@ class SchedulerCore:
                 f"device {key!r} was not announced by a supervisor; start workers with "
                 "`gpufn serve` or `gpufn worker`, not by hand")))
             return
+        incarnation = int(msg.info.get("incarnation", 0))
+        if incarnation and incarnation <= d.fenced:  # a worker that was replaced (e.g. frozen)
+            log.info("ignoring hello of %s worker generation %d (fenced at %d)", key,
+                     incarnation, d.fenced)
+            self._send(peer, p.Welcome(False, kind_of(GpufnError), (
+                f"worker generation {incarnation} of {key} was replaced; it must exit")))
+            if d.supervisor in self.peers:
+                self._send(d.supervisor, p.KillWorker(key, msg.pid, "a fenced worker came back"))
+            return
         if msg.info.get("channel") == "control":
             if d.control is not None and d.control != peer:
                 self.peers.pop(d.control, None)
@@ -283,7 +293,7 @@ class SchedulerCore:
         self.worker_device[peer] = key
         d.last_seen = now
         d.worker, d.worker_pid = peer, msg.pid
-        d.incarnation = int(msg.info.get("incarnation", d.incarnation + 1))
+        d.incarnation = incarnation or d.incarnation + 1
         d.code.clear()
         d.ledger.reset()
         if d.state is not DeviceState.READY:
@@ -291,6 +301,8 @@ class SchedulerCore:
         d.last_error = ""
         self._invalidate_feasibility()
         self._send(peer, p.Welcome(True, info=self._cluster_info()))
+        if d.supervisor in self.peers:  # it started fine: not part of a crash loop
+            self._send(d.supervisor, p.WorkerServing(key, msg.pid, d.incarnation))
         log.info("worker for %s ready (pid %d)", key, msg.pid)
 
     def _on_ping(self, peer: bytes, msg: p.Ping, now: float) -> None:
@@ -484,15 +496,18 @@ class SchedulerCore:
         d = self.devices.get(msg.device)
         if d is None or d.supervisor != peer:
             return
+        stale = (msg.incarnation < d.incarnation if msg.incarnation
+                 else d.worker is not None and msg.pid != d.worker_pid)
+        if stale:  # an older generation than the current worker: never applied to it
+            log.info("ignoring exit notice of %s generation %d pid %d (current: %d pid %d)",
+                     d.key, msg.incarnation, msg.pid, d.incarnation, d.worker_pid)
+            return
         d.last_error = msg.reason
-        if msg.returncode == p.GAVE_UP:  # the supervisor gave up restarting it
-            self._lose_worker(d, now, f"worker cannot start: {msg.reason}", restart=False)
+        self._lose_worker(d, now, f"worker process exited ({msg.reason})")
+        if msg.returncode == p.GAVE_UP:  # the supervisor retries it after a longer wait
             if d.state is not DeviceState.FAILED:
                 d.to(DeviceState.FAILED, now)
             self._invalidate_feasibility()
-            return
-        if d.worker_pid in (0, msg.pid) or d.state is not DeviceState.READY:
-            self._lose_worker(d, now, f"worker process exited ({msg.reason})")
 
     # ------------------------------------------------------------------ failures
 
@@ -509,15 +524,19 @@ class SchedulerCore:
             if peer is not None:
                 self.worker_device.pop(peer, None)
                 self.peers.pop(peer, None)
+        if d.worker is not None:
+            d.fenced = max(d.fenced, d.incarnation)  # its late messages are ignored
         d.worker, d.control, d.worker_pid = None, None, 0
         d.running.clear()
         d.running_by_fn.clear()
         d.code.clear()
         d.ledger.reset(now)
-        if restart and d.state in (DeviceState.READY, DeviceState.STARTING):
+        # Never READY without a worker: placement would choose it.
+        if d.state in (DeviceState.READY, DeviceState.STARTING):
             d.to(DeviceState.RESTARTING, now)
-            d.restarts += 1
-            self.counters.restarts += 1
+            if restart:
+                d.restarts += 1
+                self.counters.restarts += 1
         self.tx.dirty = True
 
     def _lost_invocation(self, inv: Invocation, now: float, d: Device, why: str) -> None:

@@ -41,6 +41,7 @@ class ReadyQueue:
         self.aging_seconds = aging_seconds
         self._by_fn: dict[str, _FunctionQueue] = {}
         self._len = 0
+        self._later: list[tuple[float, int, Invocation]] = []  # (not_before, seq, call)
 
     def __len__(self) -> int:
         return self._len
@@ -52,13 +53,29 @@ class ReadyQueue:
     def key(self, inv: Invocation) -> float:
         return queue_key(inv.spec.priority, inv.submitted, self.aging_seconds)
 
-    def push(self, inv: Invocation) -> None:
+    def push(self, inv: Invocation, now: float | None = None) -> None:
+        """Queue a call; with `now` given and `inv.not_before` later, it waits until then."""
         q = self._by_fn.get(inv.function.function_id)
         if q is None:
             q = self._by_fn[inv.function.function_id] = _FunctionQueue()
-        heapq.heappush(q.heap, (self.key(inv), inv.seq, inv))
+        if now is not None and inv.not_before > now:
+            heapq.heappush(self._later, (inv.not_before, inv.seq, inv))
+        else:
+            heapq.heappush(q.heap, (self.key(inv), inv.seq, inv))
         q.live += 1
         self._len += 1
+
+    def release(self, now: float) -> float | None:
+        """Make the calls whose backoff ended eligible; return when the next one ends."""
+        later = self._later
+        while later and later[0][0] <= now:
+            _, _, inv = heapq.heappop(later)
+            q = self._by_fn.get(inv.function.function_id)
+            if inv.state is InvState.QUEUED and q is not None:  # else: cancelled meanwhile
+                heapq.heappush(q.heap, (self.key(inv), inv.seq, inv))
+        while later and later[0][2].state is not InvState.QUEUED:
+            heapq.heappop(later)
+        return later[0][0] if later else None
 
     def discard(self, inv: Invocation) -> None:
         """Account for an invocation that left QUEUED without being popped (cancel, expiry)."""
@@ -101,3 +118,6 @@ class ReadyQueue:
             for _, _, inv in q.heap:
                 if inv.state is InvState.QUEUED:
                     yield inv
+        for _, _, inv in self._later:
+            if inv.state is InvState.QUEUED:
+                yield inv

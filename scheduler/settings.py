@@ -33,6 +33,14 @@ class SchedulerConfig:
     eviction_policy: str = "cost"
     eviction_options: dict[str, Any] | None = None
     host_offload_bytes: int = 0
+    # A retried call waits retry_backoff_seconds * 2**(n-1) before its n-th retry, at
+    # most retry_backoff_max, so it does not land on the next worker to die at once.
+    retry_backoff_seconds: float = 0.2
+    retry_backoff_max: float = 5.0
+
+    def retry_delay(self, retry: int) -> float:
+        """The wait before retry number `retry` (1-based)."""
+        return min(self.retry_backoff_max, self.retry_backoff_seconds * 2 ** max(0, min(retry - 1, 32)))
 
     def policy(self) -> EvictionPolicy:
         return policy_by_name(self.eviction_policy, **(self.eviction_options or {}))
@@ -42,7 +50,8 @@ class SchedulerConfig:
         """Defaults overridden by GPUFN_SLOTS, GPUFN_AGING_SECONDS, GPUFN_HEARTBEAT_TIMEOUT,
         GPUFN_CLIENT_TIMEOUT, GPUFN_MAX_QUEUE, GPUFN_MAX_QUEUE_PER_FUNCTION,
         GPUFN_STOP_GRACE_SECONDS, GPUFN_GANG_SETTLE_SECONDS, GPUFN_PIPELINE_DEPTH,
-        GPUFN_EVICTION_POLICY (+ GPUFN_LRU_MAX_MODELS), GPUFN_HOST_OFFLOAD_MEMORY."""
+        GPUFN_EVICTION_POLICY (+ GPUFN_LRU_MAX_MODELS), GPUFN_HOST_OFFLOAD_MEMORY,
+        GPUFN_RETRY_BACKOFF, GPUFN_RETRY_BACKOFF_MAX."""
         from gpufn import config as c
 
         per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
@@ -65,6 +74,8 @@ class SchedulerConfig:
             eviction_policy=policy,
             eviction_options=options,
             host_offload_bytes=parse_memory(host, "GPUFN_HOST_OFFLOAD_MEMORY") if host else 0,
+            retry_backoff_seconds=c.env_float("GPUFN_RETRY_BACKOFF", cls.retry_backoff_seconds),
+            retry_backoff_max=c.env_float("GPUFN_RETRY_BACKOFF_MAX", cls.retry_backoff_max),
         )
 
 

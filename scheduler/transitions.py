@@ -126,13 +126,21 @@ class Transitions:
         return [base]
 
     def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False) -> None:
-        """RUNNING -> QUEUED: the run ended without a result; the call waits again."""
+        """RUNNING -> QUEUED: the run ended without a result; the call waits again. A
+        retry backs off first and then prefers devices other than the ones it was lost on."""
+        lost_on = inv.devices
         inv.requeue(now)
-        self.queue.push(inv)
+        if retry:
+            inv.lost_on = lost_on
+            inv.not_before = now + self.config.retry_delay(max(1, inv.counted_attempts))
+        else:
+            inv.not_before = 0.0
+        self.queue.push(inv, now)
         self.dirty = True
         if retry:
             self.counters.retried += 1
-            log.warning("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
+            log.warning("[%s] %s: %s; queued again in %.2fs", inv.id, inv.function.name, why,
+                        inv.not_before - now)
         else:
             log.info("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
 

@@ -26,7 +26,7 @@ from gpufn.exceptions import (
 )
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
-from gpufn.scheduler import batches, handshake, status
+from gpufn.scheduler import batches, fencing, handshake, status
 from gpufn.scheduler.events import (
     Event,
     Received,
@@ -50,6 +50,7 @@ from gpufn.scheduler.placement_pass import (
 )
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation, Peer
+from gpufn.scheduler.recovery import Recovery
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import DeviceState, InvState
@@ -91,6 +92,7 @@ class SchedulerCore:
         self.policy = self.config.policy()
         self.intake = Intake(self.config, self.devices, self.queue, self.models)
         self.placement = PlacementPass(self.config, self.devices, self.queue, self.models)
+        self.recovery = Recovery(self.config.restart_grace_seconds)
         self.needs_rendezvous = False
         self._wakeup_at: float | None = None
         self._deadlines: list[tuple[float, int, Invocation]] = []
@@ -221,6 +223,7 @@ class SchedulerCore:
             self._send(peer, refused)
         elif msg.role == p.Role.CLIENT:
             self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
+            self.recovery.client_hello(peer, msg.info, now)
             self._send(peer, p.Welcome(True, info=self._cluster_info()))
         elif msg.role == p.Role.SUPERVISOR:
             self._hello_supervisor(peer, msg, now)
@@ -270,11 +273,8 @@ class SchedulerCore:
                 "`gpufn serve` or `gpufn worker`, not by hand")))
             return
         incarnation = int(msg.info.get("incarnation", 0))
-        if incarnation and incarnation <= d.fenced:  # a worker that was replaced (e.g. frozen)
-            log.info("ignoring hello of %s worker generation %d (fenced at %d)", key,
-                     incarnation, d.fenced)
-            self._send(peer, p.Welcome(False, kind_of(GpufnError), (
-                f"worker generation {incarnation} of {key} was replaced; it must exit")))
+        if fencing.fenced(d, incarnation):  # a worker that was replaced (e.g. frozen)
+            self._send(peer, fencing.refusal(d, incarnation))
             if d.supervisor in self.peers:
                 self._send(d.supervisor, p.KillWorker(key, msg.pid, "a fenced worker came back"))
             return
@@ -291,6 +291,9 @@ class SchedulerCore:
             self._lose_worker(d, now, "a new worker process registered for the device")
         self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
         self.worker_device[peer] = key
+        for inv_id in self.recovery.worker_ran(msg.info.get("ran", ()), now):
+            if inv_id in self.invocations:  # its client resubmitted it already
+                self.tx.lost_before_restart(self.invocations[inv_id], now)
         d.last_seen = now
         d.worker, d.worker_pid = peer, msg.pid
         d.incarnation = incarnation or d.incarnation + 1
@@ -398,7 +401,10 @@ class SchedulerCore:
             inv.deadline = now + spec.deadline
             heapq.heappush(self._deadlines, (inv.deadline, inv.seq, inv))
         self.invocations[inv.id] = inv
-        self.queue.push(inv)
+        inv.not_before = self.recovery.not_before(peer, now)
+        self.queue.push(inv, now)
+        if self.recovery.ran_before(inv.id):
+            self.tx.lost_before_restart(inv, now)
         self.tx.dirty = True
 
     def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:
@@ -494,14 +500,8 @@ class SchedulerCore:
 
     def _on_worker_exited(self, peer: bytes, msg: p.WorkerExited, now: float) -> None:
         d = self.devices.get(msg.device)
-        if d is None or d.supervisor != peer:
-            return
-        stale = (msg.incarnation < d.incarnation if msg.incarnation
-                 else d.worker is not None and msg.pid != d.worker_pid)
-        if stale:  # an older generation than the current worker: never applied to it
-            log.info("ignoring exit notice of %s generation %d pid %d (current: %d pid %d)",
-                     d.key, msg.incarnation, msg.pid, d.incarnation, d.worker_pid)
-            return
+        if d is None or d.supervisor != peer or fencing.stale_exit(d, msg):
+            return  # not its device, or about an older generation: never applied to it
         d.last_error = msg.reason
         self._lose_worker(d, now, f"worker process exited ({msg.reason})")
         if msg.returncode == p.GAVE_UP:  # the supervisor retries it after a longer wait
@@ -515,8 +515,8 @@ class SchedulerCore:
         """The device's worker is gone: retry or fail what ran there, reset the device."""
         for inv in list(d.running.values()):
             if inv.state is InvState.RUNNING and d.key in inv.devices:
-                self._lost_invocation(inv, now, d,
-                                      f"the worker for device {d.key} was lost ({reason})")
+                self.tx.lost_with_worker(inv, d, now,
+                                         f"the worker for device {d.key} was lost ({reason})")
             else:
                 self.tx.release_device(inv, d)
         self.gangs.forget_device(d.key)
@@ -538,20 +538,6 @@ class SchedulerCore:
                 d.restarts += 1
                 self.counters.restarts += 1
         self.tx.dirty = True
-
-    def _lost_invocation(self, inv: Invocation, now: float, d: Device, why: str) -> None:
-        self.counters.lost += 1
-        never_started = inv.run_started is None and not inv.members
-        self.tx.release_reporter(inv, d)
-        if not inv.shape.multi_device:
-            if never_started:
-                inv.unstarted_losses += 1  # it never ran: queue it again, no retry used
-            self.tx.retry_or_fail_lost(inv, now, why)
-            return
-        # Other ranks stop and keep their devices until they report; then it settles.
-        inv.lost_ranks[inv.devices.index(d.key)] = why
-        self.tx.gang_failing(inv, now, why)
-        self.tx.settle(inv, now)
 
     def _on_tick(self, now: float) -> None:
         if self._wakeup_at is not None and now >= self._wakeup_at:

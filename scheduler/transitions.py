@@ -298,6 +298,38 @@ class Transitions:
                 inv.id, False, msg.error_kind, msg.message,
                 self.meta(inv, now, replace(msg.meta, rank=v.rank)), msg.frames), release=False)
 
+    def lost_with_worker(self, inv: Invocation, d: Device, now: float, why: str) -> None:
+        """The worker of `d` died while `inv` ran there: retry or fail a single-device
+        call; a gang's other ranks stop and keep their devices until they report."""
+        self.counters.lost += 1
+        never_started = inv.run_started is None and not inv.members
+        self.release_reporter(inv, d)
+        if not inv.shape.multi_device:
+            if never_started:
+                inv.unstarted_losses += 1  # it never ran: queue it again, no retry used
+            self.retry_or_fail_lost(inv, now, why)
+            return
+        inv.lost_ranks[inv.devices.index(d.key)] = why
+        self.gang_failing(inv, now, why)
+        self.settle(inv, now)
+
+    def lost_before_restart(self, inv: Invocation, now: float) -> None:
+        """A resubmitted call that a worker ran under the previous scheduler (see
+        `recovery.py`): that run counts as an attempt lost with its worker."""
+        if inv.state is not InvState.QUEUED or inv.attempts:
+            return  # dispatched by this scheduler already: that loss was counted then
+        inv.attempts += 1
+        self.counters.lost += 1
+        why = "its worker was running it when the scheduler restarted"
+        if inv.counted_attempts <= inv.spec.retries:
+            self.counters.retried += 1
+            log.warning("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
+            return
+        self.queue.discard(inv)
+        self.finish(inv, now, InvState.FAILED, WorkerLost(
+            f"{inv.function.name} call {inv.id}: {why}, so whether it completed is unknown."
+            " Set retries=N in @gpu to run it again in such a case."))
+
     def retry_or_fail_lost(self, inv: Invocation, now: float, why: str) -> None:
         if inv.members:  # a lost batch: each of its calls is retried or fails on its own
             for m in inv.members:

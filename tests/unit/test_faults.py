@@ -158,3 +158,41 @@ def test_ready_queue_holds_a_backing_off_call_until_it_is_due() -> None:
     q.discard(cancelled)
     cancelled.state = InvState.CANCELLED
     assert q.release(30.0) is None and len(q) == 2
+
+
+def _restarted(**cfg: object) -> tuple[Harness, bytes]:
+    """A new scheduler (fresh core) that a forgotten client says Hello to again."""
+    h = Harness(devices=2, restart_grace_seconds=3.0, **cfg)
+    h.hello(b"back", p.Role.CLIENT, info={"resubmit": 3})
+    return h, b"back"
+
+
+def test_a_resubmitted_call_a_worker_ran_fails_with_worker_lost_without_retries() -> None:
+    h, cli = _restarted()
+    once, twice = h.register("once"), h.register("twice", retries=1)  # functions are global
+    lost, retried, queued = h.submit(once, cli), h.submit(twice, cli), h.submit(once, cli)
+    # The workers register again (within the grace) and say what they ran.
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 4, "ran": [lost]})
+    h.hello(b"w1", p.Role.WORKER, info={"device": "n:1", "incarnation": 2, "ran": [retried]})
+    res = h.results(cli)
+    assert res[lost].error_kind == "WorkerLost" and "retries=N" in res[lost].message
+    assert retried not in res and queued not in res
+    assert not h.runs()  # held for the grace, so that every worker can report first
+    h.tick(3.1)
+    runs = {r.invocation_id: r.meta.attempt_number for r in h.runs()}
+    assert runs == {retried: 2, queued: 1}
+
+
+def test_a_worker_that_reports_before_the_resubmit_is_remembered() -> None:
+    h, cli = _restarted()
+    once = h.register("once")
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1, "ran": ["early"]})
+    h.feed(cli, p.Submit("early", once, {}, (b"args",)))
+    assert h.results(cli)["early"].error_kind == "WorkerLost"
+
+
+def test_calls_of_a_client_that_was_not_forgotten_start_at_once() -> None:
+    h = Harness(devices=1, restart_grace_seconds=3.0)
+    w = h.start_worker(0)
+    inv = h.submit(h.register("f"))
+    assert [r.invocation_id for r in h.runs(w)] == [inv]

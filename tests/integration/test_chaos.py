@@ -66,8 +66,9 @@ class Killer(threading.Thread):
 def run_chaos(n: int, log: Path) -> dict[str, object]:
     gangs = max(2, n // 50)
     seed = int(os.environ.get("GPUFN_CHAOS_SEED", str(random.randrange(1 << 30))))
+    # Its own log dir: worker logs are per node and device, shared by clusters on a host.
     with cluster_with(GPUFN_CPU_DEVICES=2, GPUFN_SCHEDULER_LOG=log, GPUFN_LOG_LEVEL="INFO",
-                      GPUFN_HEARTBEAT_TIMEOUT=10) as c:
+                      GPUFN_HEARTBEAT_TIMEOUT=10, GPUFN_LOG_DIR=log.parent) as c:
         assert chaos_square.remote(3) == 9  # registered and warm before the chaos starts
         t0 = time.monotonic()
         killer = Killer(c, seed)

@@ -388,7 +388,11 @@ class Client:
                     # Through the outbox, behind what is queued: those are refused too and
                     # sent again after the Welcome, so none reaches the scheduler twice.
                     if self._conn is not None:
+                        # The scheduler holds our calls briefly so that workers can say
+                        # which of them they ran (see scheduler/recovery.py).
+                        self._conn.info["resubmit"] = len(self._calls)
                         self._enqueue(self._conn.hello_frames())
+                        del self._conn.info["resubmit"]
             else:
                 log.warning("scheduler: %s", msg.message)
 
@@ -492,7 +496,9 @@ class _SyncChannel:
         elif isinstance(msg, p.Shutdown):
             raise ConnectionLost(f"the scheduler stopped ({msg.reason})")
         elif self.conn.needs_rehello(msg):
+            self.conn.info["resubmit"] = 1  # it may have run (scheduler/recovery.py)
             self._hello()  # forgotten meanwhile: the submit was refused, send again
+            del self.conn.info["resubmit"]
             if register is not None:
                 self._send(register)
                 self.registered.add(register.function_id)

@@ -127,6 +127,19 @@ def log_dir() -> Path:
     return Path(d) if d else Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
 
 
+def give_up_retry_seconds() -> float:
+    """GPUFN_GIVE_UP_RETRY: seconds a supervisor waits before trying a device again after
+    its worker failed to start several times in a row (default 60)."""
+    return env_float("GPUFN_GIVE_UP_RETRY", 60.0)
+
+
+def scheduler_log() -> Path | None:
+    """GPUFN_SCHEDULER_LOG: a file the scheduler also writes its log to (default: none,
+    stderr only)."""
+    v = env_str("GPUFN_SCHEDULER_LOG")
+    return Path(v) if v else None
+
+
 def home() -> Path:
     """GPUFN_HOME: where `gpufn serve` leaves its address and token (default ~/.gpufn)."""
     d = env_str("GPUFN_HOME")

@@ -460,12 +460,15 @@ GAVE_UP = -999  # WorkerExited.returncode: the supervisor gave up restarting the
 @message(23)
 @dataclass(frozen=True, slots=True)
 class WorkerExited(Message):
-    """Supervisor -> scheduler: a worker process ended (and will be restarted)."""
+    """Supervisor -> scheduler: a worker process ended (and will be restarted).
+    `incarnation` is the generation of the process that ended (0: unknown): the scheduler
+    ignores a notice about an older generation than the device's current worker."""
 
     device: str
     pid: int
     returncode: int
     reason: str
+    incarnation: int = 0
 
 
 @message(24)
@@ -641,6 +644,18 @@ class HelperResult(Message):
     message: str = ""
     traceback: str = ""
     frames: tuple[Frame, ...] = ()
+
+
+@message(55)
+@dataclass(frozen=True, slots=True)
+class WorkerServing(Message):
+    """Scheduler -> supervisor: this worker connected and takes work, so it started
+    fine; its later death is not a failure to start (the crash-loop count is reset)."""
+
+    device: str
+    pid: int
+    incarnation: int
+
 
 
 # --------------------------------------------------------------------------- operations

@@ -27,6 +27,11 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
+    log_file = config.scheduler_log()
+    if log_file is not None:  # e.g. for tests that check the log for errors
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.getLogger().handlers[0].formatter)
+        logging.getLogger().addHandler(handler)
     try:
         security = ServerSecurity.for_bind(a.host, a.ipc is not None, a.keys, a.allow_keys)
     except SecurityError as e:

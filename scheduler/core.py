@@ -26,7 +26,7 @@ from gpufn.exceptions import (
 )
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
-from gpufn.scheduler import batches, handshake, status, wire_checks
+from gpufn.scheduler import batches, fencing, handshake, status, wire_checks
 from gpufn.scheduler.app_book import AppBook
 from gpufn.scheduler.events import (
     Event,
@@ -52,6 +52,7 @@ from gpufn.scheduler.placement_pass import (
 )
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation, Peer
+from gpufn.scheduler.recovery import Recovery
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import DeviceState, InvState
@@ -80,6 +81,7 @@ class SchedulerCore:
         self.policy = self.config.policy()
         self.intake = Intake(self.config, self.devices, self.queue, self.models)
         self.placement = PlacementPass(self.config, self.devices, self.queue, self.models)
+        self.recovery = Recovery(self.config.restart_grace_seconds)
         self.needs_rendezvous = False
         self._wakeup_at: float | None = None
         self._deadlines: list[tuple[float, int, Invocation]] = []
@@ -213,6 +215,7 @@ class SchedulerCore:
             self._send(peer, refused)
         elif msg.role == p.Role.CLIENT:
             self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
+            self.recovery.client_hello(peer, msg.info, now)
             self._send(peer, p.Welcome(True, info=self._cluster_info()))
         elif msg.role == p.Role.SUPERVISOR:
             self._hello_supervisor(peer, msg, now)
@@ -234,6 +237,7 @@ class SchedulerCore:
                     log.warning("device %s re-announced by a new supervisor; replacing", info.key)
                 self._lose_worker(d, now, "its supervisor re-registered", restart=False)
                 d.info, d.supervisor = info, peer
+                d.incarnation = d.fenced = 0  # generations are counted per supervisor
                 d.ledger = self._ledger(info, msg.info)
                 if d.state is not DeviceState.STARTING:
                     d.to(DeviceState.STARTING, now)
@@ -261,6 +265,12 @@ class SchedulerCore:
                 f"device {key!r} was not announced by a supervisor; start workers with "
                 "`gpufn serve` or `gpufn worker`, not by hand")))
             return
+        incarnation = int(msg.info.get("incarnation", 0))
+        if fencing.fenced(d, incarnation):  # a worker that was replaced (e.g. frozen)
+            self._send(peer, fencing.refusal(d, incarnation))
+            if d.supervisor in self.peers:
+                self._send(d.supervisor, p.KillWorker(key, msg.pid, "a fenced worker came back"))
+            return
         if msg.info.get("channel") == "control":
             if d.control is not None and d.control != peer:
                 self.peers.pop(d.control, None)
@@ -274,9 +284,12 @@ class SchedulerCore:
             self._lose_worker(d, now, "a new worker process registered for the device")
         self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
         self.worker_device[peer] = key
+        for inv_id in self.recovery.worker_ran(msg.info.get("ran", ()), now):
+            if inv_id in self.invocations:  # its client resubmitted it already
+                self.tx.lost_before_restart(self.invocations[inv_id], now)
         d.last_seen = now
         d.worker, d.worker_pid = peer, msg.pid
-        d.incarnation = int(msg.info.get("incarnation", d.incarnation + 1))
+        d.incarnation = incarnation or d.incarnation + 1
         d.code.clear()
         d.ledger.reset()
         if d.state is not DeviceState.READY:
@@ -284,6 +297,8 @@ class SchedulerCore:
         d.last_error = ""
         self._invalidate_feasibility()
         self._send(peer, p.Welcome(True, info=self._cluster_info()))
+        if d.supervisor in self.peers:  # it started fine: not part of a crash loop
+            self._send(d.supervisor, p.WorkerServing(key, msg.pid, d.incarnation))
         log.info("worker for %s ready (pid %d)", key, msg.pid)
 
     def _on_ping(self, peer: bytes, msg: p.Ping, now: float) -> None:
@@ -377,7 +392,10 @@ class SchedulerCore:
             inv.deadline = now + spec.deadline
             heapq.heappush(self._deadlines, (inv.deadline, inv.seq, inv))
         self.invocations[inv.id] = inv
-        self.queue.push(inv)
+        inv.not_before = self.recovery.not_before(peer, now)
+        self.queue.push(inv, now)
+        if self.recovery.ran_before(inv.id):
+            self.tx.lost_before_restart(inv, now)
         self.tx.dirty = True
 
     def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:
@@ -476,17 +494,14 @@ class SchedulerCore:
 
     def _on_worker_exited(self, peer: bytes, msg: p.WorkerExited, now: float) -> None:
         d = self.devices.get(msg.device)
-        if d is None or d.supervisor != peer:
-            return
+        if d is None or d.supervisor != peer or fencing.stale_exit(d, msg):
+            return  # not its device, or about an older generation: never applied to it
         d.last_error = msg.reason
-        if msg.returncode == p.GAVE_UP:  # the supervisor gave up restarting it
-            self._lose_worker(d, now, f"worker cannot start: {msg.reason}", restart=False)
+        self._lose_worker(d, now, f"worker process exited ({msg.reason})")
+        if msg.returncode == p.GAVE_UP:  # the supervisor retries it after a longer wait
             if d.state is not DeviceState.FAILED:
                 d.to(DeviceState.FAILED, now)
             self._invalidate_feasibility()
-            return
-        if d.worker_pid in (0, msg.pid) or d.state is not DeviceState.READY:
-            self._lose_worker(d, now, f"worker process exited ({msg.reason})")
 
     # ------------------------------------------------------------------ failures
 
@@ -494,8 +509,8 @@ class SchedulerCore:
         """The device's worker is gone: retry or fail what ran there, reset the device."""
         for inv in list(d.running.values()):
             if inv.state is InvState.RUNNING and d.key in inv.devices:
-                self._lost_invocation(inv, now, d,
-                                      f"the worker for device {d.key} was lost ({reason})")
+                self.tx.lost_with_worker(inv, d, now,
+                                         f"the worker for device {d.key} was lost ({reason})")
             else:
                 self.tx.release_device(inv, d)
         self.gangs.forget_device(d.key)
@@ -503,30 +518,20 @@ class SchedulerCore:
             if peer is not None:
                 self.worker_device.pop(peer, None)
                 self.peers.pop(peer, None)
+        if d.worker is not None:
+            d.fenced = max(d.fenced, d.incarnation)  # its late messages are ignored
         d.worker, d.control, d.worker_pid = None, None, 0
         d.running.clear()
         d.running_by_fn.clear()
         d.code.clear()
         d.ledger.reset(now)
-        if restart and d.state in (DeviceState.READY, DeviceState.STARTING):
+        # Never READY without a worker: placement would choose it.
+        if d.state in (DeviceState.READY, DeviceState.STARTING):
             d.to(DeviceState.RESTARTING, now)
-            d.restarts += 1
-            self.counters.restarts += 1
+            if restart:
+                d.restarts += 1
+                self.counters.restarts += 1
         self.tx.dirty = True
-
-    def _lost_invocation(self, inv: Invocation, now: float, d: Device, why: str) -> None:
-        self.counters.lost += 1
-        never_started = inv.run_started is None and not inv.members
-        self.tx.release_reporter(inv, d)
-        if not inv.shape.multi_device:
-            if never_started:
-                inv.unstarted_losses += 1  # it never ran: queue it again, no retry used
-            self.tx.retry_or_fail_lost(inv, now, why)
-            return
-        # Other ranks stop and keep their devices until they report; then it settles.
-        inv.lost_ranks[inv.devices.index(d.key)] = why
-        self.tx.gang_failing(inv, now, why)
-        self.tx.settle(inv, now)
 
     def _on_tick(self, now: float) -> None:
         self.apps.tick(now)

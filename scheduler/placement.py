@@ -6,7 +6,6 @@ import re
 from collections.abc import Iterable
 
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation
-from gpufn.scheduler.states import DeviceState
 from gpufn.spec import GpuSpec, format_bytes
 
 _TOKEN = re.compile(r"[a-z0-9]+")
@@ -109,7 +108,7 @@ def rank_devices(
     """
     scored = []
     for d in devices:
-        if d.state is not DeviceState.READY or len(d.running) >= slots:
+        if not d.takes_work or len(d.running) >= slots:
             continue
         if d.running_by_fn[fn.code_id] >= spec.concurrency + pipeline_depth:
             continue

@@ -26,7 +26,7 @@ from gpufn.scheduler.placement import could_ever_run, is_short, rank_devices, ty
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, Invocation
 from gpufn.scheduler.settings import SchedulerConfig
-from gpufn.scheduler.states import DeviceState, InvState
+from gpufn.scheduler.states import InvState
 
 # --------------------------------------------------------------------------- decisions
 
@@ -88,6 +88,9 @@ class PlacementPass:
     def run(self, now: float, rendezvous_port: int | None) -> Iterator[Decision]:
         if not len(self.queue):
             return
+        backoff_ends = self.queue.release(now)  # retries whose backoff ended become eligible
+        if backoff_ends is not None:
+            yield WakeAt(backoff_ends)
         if self._full():
             return
         reservation: Reservation | None = None
@@ -113,7 +116,7 @@ class PlacementPass:
     def _full(self) -> bool:
         """Every device is full and nothing could be preempted: no call can start."""
         slots = self.config.slots_per_device
-        return not any(d.state is DeviceState.READY and len(d.running) < slots
+        return not any(d.takes_work and len(d.running) < slots
                        for d in self.devices.values()) and not any(
                            i.spec.preemptible for d in self.devices.values() for i in d.running.values())
 
@@ -151,6 +154,8 @@ class PlacementPass:
             usable, plans = [best[0]], {best[0].key: best[1]}
         if not usable:
             return False
+        if inv.lost_on:  # a retry: another device than the one it was lost on, if one is free
+            usable.sort(key=lambda d: d.key in inv.lost_on)
         yield Dispatch(inv, (usable[0],), plans, batch=spec.batch_size is not None)
         return True
 
@@ -167,7 +172,7 @@ class PlacementPass:
             return None
         best: tuple[tuple[Any, ...], Device, Invocation] | None = None
         for d in self.devices.values():
-            if d.state is not DeviceState.READY or type_rank(spec.type, d.info.name) is None:
+            if not d.takes_work or type_rank(spec.type, d.info.name) is None:
                 continue
             for victim in d.running.values():
                 vs = victim.spec
@@ -194,7 +199,7 @@ class PlacementPass:
 
     def _gang_capable(self, inv: Invocation) -> list[Device]:
         return [d for d in self.devices.values()
-                if d.state is DeviceState.READY and could_ever_run(inv.spec, d)]
+                if d.takes_work and could_ever_run(inv.spec, d)]
 
     def _gang(self, inv: Invocation, reserved: tuple[str, ...],
               rendezvous_port: int | None) -> Generator[Decision, None, bool]:
@@ -204,6 +209,9 @@ class PlacementPass:
             return False
         idle = [d for d in self._gang_capable(inv) if not d.running and d.key not in reserved
                 and (fn.model_keys or d.ledger.free >= spec.memory)]  # models: planned below
+        fresh = [d for d in idle if d.key not in inv.lost_on]
+        if inv.lost_on and len(fresh) >= spec.count:  # a retry: away from where it was lost
+            idle = fresh
         chosen = choose_gang([d.info for d in idle], spec.count, prefer=fn.warm_gang)
         if chosen is None or (not spec.spmd and len({c.node for c in chosen}) > 1):
             return False

@@ -51,6 +51,7 @@ class ReadyQueue:
         # Queued calls per (function id, priority): `gpufn status` and the metrics read it.
         self._by_priority: Counter[tuple[str, int]] = Counter()
         self._heads: list[tuple[float, int, str]] = []  # function heads, best first (lazy)
+        self._later: list[tuple[float, int, Invocation]] = []  # (not_before, seq, call)
 
     def __len__(self) -> int:
         return self._len
@@ -73,17 +74,37 @@ class ReadyQueue:
     def key(self, inv: Invocation) -> float:
         return queue_key(inv.spec.priority, inv.submitted, self.aging_seconds)
 
-    def push(self, inv: Invocation) -> None:
+    def push(self, inv: Invocation, now: float | None = None) -> None:
+        """Queue a call; with `now` given and `inv.not_before` later, it waits until then."""
         q = self._by_fn.get(inv.function.function_id)
         if q is None:
             q = self._by_fn[inv.function.function_id] = _FunctionQueue()
-        entry = (self.key(inv), inv.seq, inv)
-        heapq.heappush(q.heap, entry)
+        entry: tuple[float, int, Invocation] | None = None
+        if now is not None and inv.not_before > now:
+            heapq.heappush(self._later, (inv.not_before, inv.seq, inv))
+        else:
+            entry = (self.key(inv), inv.seq, inv)
+            heapq.heappush(q.heap, entry)
         q.live += 1
         self._len += 1
         self._count(inv, 1)
-        if q.heap[0] is entry:  # a new head for its function
+        if entry is not None and q.heap[0] is entry:  # a new head for its function
             self._note(entry[0], inv.seq, inv.function.function_id)
+
+    def release(self, now: float) -> float | None:
+        """Make the calls whose backoff ended eligible; return when the next one ends."""
+        later = self._later
+        while later and later[0][0] <= now:
+            _, _, inv = heapq.heappop(later)
+            q = self._by_fn.get(inv.function.function_id)
+            if inv.state is InvState.QUEUED and q is not None:  # else: cancelled meanwhile
+                entry = (self.key(inv), inv.seq, inv)
+                heapq.heappush(q.heap, entry)
+                if q.heap[0] is entry:  # a new head for its function
+                    self._note(entry[0], inv.seq, inv.function.function_id)
+        while later and later[0][2].state is not InvState.QUEUED:
+            heapq.heappop(later)
+        return later[0][0] if later else None
 
     def discard(self, inv: Invocation) -> None:
         """Account for an invocation that left QUEUED without being popped (cancel, expiry)."""
@@ -169,3 +190,6 @@ class ReadyQueue:
             for _, _, inv in q.heap:
                 if inv.state is InvState.QUEUED:
                     yield inv
+        for _, _, inv in self._later:
+            if inv.state is InvState.QUEUED:
+                yield inv

@@ -92,6 +92,10 @@ class Invocation:
     run_started: float | None = None
     unstarted_losses: int = 0  # lost with its worker before it ever started (no retry used)
     user: str = ""  # the caller's OS user (from its Hello), for usage by user
+    # A retried call waits until `not_before` (backoff) and prefers devices other than
+    # the ones its last attempt was lost on.
+    not_before: float = 0.0
+    lost_on: tuple[str, ...] = ()
 
     @property
     def reporters(self) -> int:
@@ -148,7 +152,8 @@ class Device:
     worker: bytes | None = None
     control: bytes | None = None  # the worker's control socket (heartbeats, cancels)
     worker_pid: int = 0
-    incarnation: int = 0
+    incarnation: int = 0  # generation of the current (or last) worker process
+    fenced: int = 0  # highest generation that was lost: its messages are ignored
     last_seen: float = 0.0
     running: dict[str, Invocation] = field(default_factory=dict)
     running_by_fn: Counter[str] = field(default_factory=Counter)  # by code id
@@ -162,6 +167,11 @@ class Device:
     @property
     def key(self) -> str:
         return self.info.key
+
+    @property
+    def takes_work(self) -> bool:
+        """READY with a connected worker: the only devices placement may choose."""
+        return self.state is DeviceState.READY and self.worker is not None
 
     def to(self, new: DeviceState, now: float) -> None:
         check(f"device {self.key}", DEVICE_TRANSITIONS, self.state, new, self.history)

@@ -38,6 +38,17 @@ class SchedulerConfig:
     max_payload: int = 2 * 2**30
     # Where deployments are kept ("" keeps them in memory: unit tests).
     state_dir: str = ""
+    # A retried call waits retry_backoff_seconds * 2**(n-1) before its n-th retry, at
+    # most retry_backoff_max, so it does not land on the next worker to die at once.
+    retry_backoff_seconds: float = 0.2
+    retry_backoff_max: float = 5.0
+    # After a restart, calls that forgotten clients resubmit wait this long, so workers
+    # register first and say which of them they ran (see recovery.py).
+    restart_grace_seconds: float = 5.0
+
+    def retry_delay(self, retry: int) -> float:
+        """The wait before retry number `retry` (1-based)."""
+        return min(self.retry_backoff_max, self.retry_backoff_seconds * 2 ** max(0, min(retry - 1, 32)))
 
     def policy(self) -> EvictionPolicy:
         return policy_by_name(self.eviction_policy, **(self.eviction_options or {}))
@@ -48,7 +59,7 @@ class SchedulerConfig:
         GPUFN_CLIENT_TIMEOUT, GPUFN_MAX_QUEUE, GPUFN_MAX_QUEUE_PER_FUNCTION,
         GPUFN_STOP_GRACE_SECONDS, GPUFN_GANG_SETTLE_SECONDS, GPUFN_PIPELINE_DEPTH,
         GPUFN_EVICTION_POLICY (+ GPUFN_LRU_MAX_MODELS), GPUFN_HOST_OFFLOAD_MEMORY,
-        GPUFN_MAX_PAYLOAD."""
+        GPUFN_MAX_PAYLOAD, GPUFN_RETRY_BACKOFF, GPUFN_RETRY_BACKOFF_MAX, GPUFN_RESTART_GRACE."""
         from gpufn import config as c
 
         per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
@@ -73,6 +84,9 @@ class SchedulerConfig:
             host_offload_bytes=parse_memory(host, "GPUFN_HOST_OFFLOAD_MEMORY") if host else 0,
             max_payload=c.max_payload(),
             state_dir=str(c.state_dir()),
+            retry_backoff_seconds=c.env_float("GPUFN_RETRY_BACKOFF", cls.retry_backoff_seconds),
+            retry_backoff_max=c.env_float("GPUFN_RETRY_BACKOFF_MAX", cls.retry_backoff_max),
+            restart_grace_seconds=c.env_float("GPUFN_RESTART_GRACE", cls.restart_grace_seconds),
         )
 
 

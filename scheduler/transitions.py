@@ -130,15 +130,23 @@ class Transitions:
         return [base]
 
     def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False) -> None:
-        """RUNNING -> QUEUED: the run ended without a result; the call waits again."""
+        """RUNNING -> QUEUED: the run ended without a result; the call waits again. A
+        retry backs off first and then prefers devices other than the ones it was lost on."""
         if self.on_run_end is not None:
             self.on_run_end(inv, InvState.QUEUED, now)
+        lost_on = inv.devices
         inv.requeue(now)
-        self.queue.push(inv)
+        if retry:
+            inv.lost_on = lost_on
+            inv.not_before = now + self.config.retry_delay(max(1, inv.counted_attempts))
+        else:
+            inv.not_before = 0.0
+        self.queue.push(inv, now)
         self.dirty = True
         if retry:
             self.counters.retried += 1
-            log.warning("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
+            log.warning("[%s] %s: %s; queued again in %.2fs", inv.id, inv.function.name, why,
+                        inv.not_before - now)
         else:
             log.info("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
 
@@ -297,6 +305,38 @@ class Transitions:
             self.finish(inv, now, InvState.FAILED, result=p.Result(
                 inv.id, False, msg.error_kind, msg.message,
                 self.meta(inv, now, replace(msg.meta, rank=v.rank)), msg.frames), release=False)
+
+    def lost_with_worker(self, inv: Invocation, d: Device, now: float, why: str) -> None:
+        """The worker of `d` died while `inv` ran there: retry or fail a single-device
+        call; a gang's other ranks stop and keep their devices until they report."""
+        self.counters.lost += 1
+        never_started = inv.run_started is None and not inv.members
+        self.release_reporter(inv, d)
+        if not inv.shape.multi_device:
+            if never_started:
+                inv.unstarted_losses += 1  # it never ran: queue it again, no retry used
+            self.retry_or_fail_lost(inv, now, why)
+            return
+        inv.lost_ranks[inv.devices.index(d.key)] = why
+        self.gang_failing(inv, now, why)
+        self.settle(inv, now)
+
+    def lost_before_restart(self, inv: Invocation, now: float) -> None:
+        """A resubmitted call that a worker ran under the previous scheduler (see
+        `recovery.py`): that run counts as an attempt lost with its worker."""
+        if inv.state is not InvState.QUEUED or inv.attempts:
+            return  # dispatched by this scheduler already: that loss was counted then
+        inv.attempts += 1
+        self.counters.lost += 1
+        why = "its worker was running it when the scheduler restarted"
+        if inv.counted_attempts <= inv.spec.retries:
+            self.counters.retried += 1
+            log.warning("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
+            return
+        self.queue.discard(inv)
+        self.finish(inv, now, InvState.FAILED, WorkerLost(
+            f"{inv.function.name} call {inv.id}: {why}, so whether it completed is unknown."
+            " Set retries=N in @gpu to run it again in such a case."))
 
     def retry_or_fail_lost(self, inv: Invocation, now: float, why: str) -> None:
         if inv.members:  # a lost batch: each of its calls is retried or fails on its own

@@ -47,6 +47,8 @@ from gpufn.worker.output import OutputRouter
 log = logging.getLogger("gpufn.worker")
 
 HEARTBEAT_SECONDS = 1.0
+RECENT_RESULTS = 10_000  # results remembered for a scheduler restart...
+RECENT_RESULT_SECONDS = 60.0  # ...sent at most this long ago
 OUTPUT_FLUSH_SECONDS = 0.05
 HANDSHAKE_SECONDS = 60.0
 CANCEL_MEMORY_SECONDS = 300.0
@@ -101,6 +103,9 @@ class WorkerProcess:
         # call that had just ended must not drop the rest of a batch).
         self._inbox: deque[p.Message] = deque()
         self._rehello = threading.Event()  # the control channel learned we were forgotten
+        # Results sent lately: after a scheduler restart they may never have arrived, so
+        # the new scheduler is told (with what runs) which calls ran here (see recovery.py).
+        self._sent: deque[tuple[float, str]] = deque(maxlen=RECENT_RESULTS)
 
     # ------------------------------------------------------------------ main thread
 
@@ -135,6 +140,7 @@ class WorkerProcess:
             elif isinstance(a, Send):
                 if isinstance(a.msg, p.Result):  # its output first, then the result
                     self._outgoing.extend(self.router.drain(a.msg.invocation_id))
+                    self._sent.append((time.monotonic(), a.msg.invocation_id))
                 self._queue(a.msg)
             elif isinstance(a, JoinGroup):
                 self._join_group(a)
@@ -215,6 +221,12 @@ class WorkerProcess:
 
         call.fn = run_there
 
+    def _note_ran(self) -> None:
+        """Put the calls that run here or ended lately into the next Hello."""
+        since = time.monotonic() - RECENT_RESULT_SECONDS
+        recent = {inv for t, inv in self._sent if t >= since}
+        self.conn.info["ran"] = sorted(recent | self.core.running)
+
     def _drain_done(self) -> None:
         while self._done:
             msg = self._done.popleft()
@@ -233,6 +245,7 @@ class WorkerProcess:
                 if self._rehello.is_set():  # scheduler restarted: announce the work socket too
                     self._rehello.clear()
                     self.models.forget_all()  # its new ledger starts empty
+                    self._note_ran()
                     self.conn.hello()
                 if self._inbox:
                     self._receive()
@@ -264,6 +277,7 @@ class WorkerProcess:
                 msg = self._inbox.popleft()
                 if isinstance(msg, p.Error):
                     log.warning("scheduler: %s", msg.message)
+                    self._note_ran()
                     self.conn.on_error(msg)
                     continue
                 try:

@@ -28,10 +28,9 @@ from gpufn.worker.joining import JoinLog, refusal_reason
 log = logging.getLogger("gpufn.supervisor")
 
 PING_SECONDS = 2.0
-FAST_FAILURE_SECONDS = 10.0
-GIVE_UP_AFTER = 5
+GIVE_UP_AFTER = 5  # failures to start in a row; then wait `config.give_up_retry_seconds()`
 GAVE_UP = p.GAVE_UP
-RESTART_BACKOFF = Backoff(initial=0.1, maximum=10.0)  # after a worker that died young
+RESTART_BACKOFF = Backoff(initial=0.1, maximum=10.0)  # after a worker that failed to start
 
 
 def _host_memory() -> int:
@@ -54,10 +53,13 @@ class _Slot:
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     incarnation: int = 0
+    # Failures to start in a row: deaths before the scheduler said the worker serves.
+    # A worker that served and was then killed (from outside, or by the scheduler) is
+    # restarted at once and resets the count.
     fast_failures: int = 0
+    served: bool = False
     restart_at: float = 0.0
     kill_reason: str = ""
-    gave_up: bool = False
     log_path: Path = field(default_factory=Path)
     log_offset: int = 0  # where this incarnation's output starts in the log
 
@@ -165,34 +167,43 @@ class Supervisor:
         for key, slot in self.slots.items():
             proc = slot.proc
             if proc is None:
-                if not slot.gave_up and now >= slot.restart_at:
+                if now >= slot.restart_at:
                     self._spawn(slot)
                 continue
             rc = proc.poll()
             if rc is None:
                 continue
             slot.proc = None
-            lived = now - slot.started
             if slot.kill_reason:
                 reason = f"killed by the scheduler: {slot.kill_reason}"
-                slot.kill_reason = ""
-                slot.fast_failures = 0
-                slot.restart_at = now
             else:
                 reason = f"exit code {rc}" if rc >= 0 else f"killed by signal {-rc}"
                 tail = self._tail(slot)
                 if tail:
                     reason += f"; last output: {tail[-600:]}"
-                slot.fast_failures = slot.fast_failures + 1 if lived < FAST_FAILURE_SECONDS else 1
+            if slot.kill_reason or slot.served:  # it started fine: not a crash loop
+                slot.fast_failures = 0
+                slot.restart_at = now
+            else:
+                slot.fast_failures += 1
                 slot.restart_at = now + RESTART_BACKOFF.delay(slot.fast_failures - 1)
+            slot.kill_reason, slot.served = "", False
             log.warning("worker for %s (pid %d) ended: %s", key, proc.pid, reason)
             if slot.fast_failures >= GIVE_UP_AFTER:
-                slot.gave_up = True
+                wait = config.give_up_retry_seconds()
+                slot.restart_at = now + wait
+                slot.fast_failures = GIVE_UP_AFTER - 1  # one more failure gives up again
                 self._send(p.WorkerExited(key, proc.pid, GAVE_UP, (
-                    f"the worker failed {slot.fast_failures} times in a row; giving up. "
-                    f"Log: {slot.log_path}. {reason}")))
+                    f"the worker failed to start {GIVE_UP_AFTER} times in a row; trying again "
+                    f"in {wait:g}s. Log: {slot.log_path}. {reason}"), slot.incarnation))
             else:
-                self._send(p.WorkerExited(key, proc.pid, rc, reason))
+                self._send(p.WorkerExited(key, proc.pid, rc, reason, slot.incarnation))
+
+    def _serving(self, msg: p.WorkerServing) -> None:
+        slot = self.slots.get(msg.device)
+        if slot is not None and slot.proc is not None and slot.proc.pid == msg.pid:
+            slot.served = True
+            slot.fast_failures = 0
 
     def _kill(self, msg: p.KillWorker) -> None:
         slot = self.slots.get(msg.device)
@@ -261,6 +272,8 @@ class Supervisor:
                         for msg in msgs:
                             if isinstance(msg, p.KillWorker):
                                 self._kill(msg)
+                            elif isinstance(msg, p.WorkerServing):
+                                self._serving(msg)
                             elif isinstance(msg, p.Shutdown):
                                 log.info("the scheduler asked this host to stop: %s", msg.reason)
                                 self._running = False

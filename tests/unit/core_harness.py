@@ -18,6 +18,7 @@ class Harness:
         self.now = 1000.0
         self.sent: list[Send] = []
         self.n = 0
+        self.generations: dict[int, int] = {}
         self.infos = simulated_devices("n", devices, memory, islands=islands)
         self.hello(b"sup", p.Role.SUPERVISOR, info={"node": "n", "devices": [d.to_wire() for d in self.infos]})
         self.hello(b"cli", p.Role.CLIENT)
@@ -46,9 +47,14 @@ class Harness:
         out = self.feed(peer, p.Hello(role, version, token, pid, info or {}))
         return next(s.msg for s in out if s.peer == peer and isinstance(s.msg, p.Welcome))
 
-    def start_worker(self, index: int, peer: bytes | None = None, pid: int = 100) -> bytes:
+    def start_worker(self, index: int, peer: bytes | None = None, pid: int = 100,
+                     incarnation: int | None = None) -> bytes:
+        """A worker says hello; each start of a device is a new generation unless given."""
         peer = peer or f"w{index}".encode()
-        msg = self.hello(peer, p.Role.WORKER, info={"device": f"n:{index}", "incarnation": 1}, pid=pid)
+        if incarnation is None:
+            incarnation = self.generations[index] = self.generations.get(index, 0) + 1
+        msg = self.hello(peer, p.Role.WORKER, info={"device": f"n:{index}",
+                                                    "incarnation": incarnation}, pid=pid)
         assert isinstance(msg, p.Welcome) and msg.ok, msg
         return peer
 

@@ -129,6 +129,8 @@ def test_worker_loss_fails_with_worker_lost_or_retries() -> None:
     assert i2 not in h.results()  # retried, not failed
     w0b = h.start_worker(0, peer=b"w0b", pid=200)
     assert h.core.devices["n:0"].state is DeviceState.READY
+    assert not [r for r in h.runs(w0b) if r.invocation_id == i2]  # backing off
+    h.tick(0.25)
     retry = [r for r in h.runs(w0b) if r.invocation_id == i2]
     assert retry and retry[0].meta.attempt_number == 2
     h.finish(w0b, i2)

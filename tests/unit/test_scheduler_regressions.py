@@ -98,6 +98,7 @@ def test_losing_a_held_device_stops_the_one_process_before_anything_reruns() -> 
     assert inv in h.core.devices["n:0"].running  # still running there: not rerun yet
     assert [s.peer for s in h.of_type(p.Cancel)] == [w0]
     h.feed(w0, p.Result(inv, False, "Cancelled", "stopped", p.ResultMeta(dispatch_token=h.token(inv))))
+    h.tick(0.25)  # the retry's backoff
     assert h.core.invocations[inv].state is InvState.RUNNING  # the retry, elsewhere or here
     assert h.core.invocations[inv].attempts == 2
 

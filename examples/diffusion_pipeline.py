@@ -23,7 +23,7 @@ from torch import nn
 
 os.environ.setdefault("GPUFN_CPU_DEVICES", "3")  # simulated devices only; GPUs are counted
 
-import gpufn  # noqa: E402
+import gpufn
 
 VOCAB, TOKENS, WIDTH, LATENT, SIZE = 512, 16, 64, 4, 16
 TOLERANCE = 0.05  # max |difference| of pixels in [-1, 1], bf16 vs float32

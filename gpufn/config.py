@@ -146,6 +146,13 @@ def home() -> Path:
     return Path(d) if d else Path.home() / ".gpufn"
 
 
+def cache_dir() -> Path:
+    """GPUFN_CACHE_DIR: where `@gpu(cache=True)` keeps results (default GPUFN_HOME/cache);
+    put it on a shared filesystem to share results between hosts."""
+    d = env_str("GPUFN_CACHE_DIR")
+    return Path(d) if d else home() / "cache"
+
+
 def state_dir() -> Path:
     """GPUFN_STATE_DIR: where the scheduler keeps what must survive a restart (deployments,
     CURVE keys in `keys/`) and `gpufn serve --detach` its pid and log files (default:

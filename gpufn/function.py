@@ -12,7 +12,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from gpufn import config
 from gpufn import protocol as p
@@ -21,6 +21,9 @@ from gpufn.call_context import current as current_context
 from gpufn.client import Client, get_client
 from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
 from gpufn.spec import OPTION_NAMES, GpuSpec, make_spec
+
+if TYPE_CHECKING:
+    from gpufn.cache import ResultCache
 
 P = ParamSpec("P")  # the user function's parameters
 R = TypeVar("R")    # and its return type
@@ -238,12 +241,14 @@ class Function(Generic[P, R]):
         self.name: str = str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "function"))
         self._code = _CodeCache()
         self._register: p.Register | None = None
+        self._cache: ResultCache | None = None
         functools.update_wrapper(self, fn)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_code"] = None
         state["_register"] = None
+        state["_cache"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -271,7 +276,10 @@ class Function(Generic[P, R]):
             raise InvalidSpec(f"unknown option(s) {sorted(unknown)} in with_options(); "
                               f"known options: {', '.join(OPTION_NAMES)}")
         new = Function(self._fn, make_spec(self.spec, **options), models)
-        new._code = self._code
+        if (new.spec.autocast, new.spec.device_args) == (self.spec.autocast, self.spec.device_args):
+            new._code = self._code  # else the pickled code differs: it carries the options
+            if new.spec.cache == self.spec.cache:
+                new._cache = self._cache
         new.name = self.name
         return new
 
@@ -280,7 +288,10 @@ class Function(Generic[P, R]):
     def _code_frames(self) -> tuple[str, list[Any]]:
         """The function's code pickled now, so a call sees its globals as they are when it
         is made (like `.local()`); unchanged code keeps its id and is not sent again."""
-        code_id, frames = ser.dump_code(self._fn, self.name)
+        from gpufn.call_options import wrap
+
+        target = wrap(self._fn, self.spec.autocast, self.spec.device_args)
+        code_id, frames = ser.dump_code(target, self.name)
         c = self._code
         with c.lock:
             if c.code_id != code_id:
@@ -306,6 +317,35 @@ class Function(Generic[P, R]):
         reg = self.register_message()
         return reg, reg.function_id, {}
 
+    def _result_cache(self) -> ResultCache | None:
+        """This function's result cache (`@gpu(cache=...)`), or None."""
+        if not self.spec.cache:
+            return None
+        if self._cache is None:
+            from gpufn.cache import ResultCache, code_digest
+
+            extra = [f"autocast={self.spec.autocast}", f"device_args={self.spec.device_args}"]
+            extra += [f"model {m.name} {code_digest(m.loader)}" for m in self._models]
+            self._cache = ResultCache(self.spec.cache, code_digest(self._fn, extra))
+        return self._cache
+
+    def cache_info(self) -> dict[str, Any]:
+        """What the result cache did in this process: hits (read from the store), computed
+        (submitted here), waited (computed by an identical call elsewhere), and its directory."""
+        cache = self._result_cache()
+        if cache is None:
+            return {"enabled": False}
+        return {"enabled": True, "dir": str(cache.store.root), **cache.stats.as_dict()}
+
+    def _start(self, client: Client, sub: p.Submit) -> FunctionCall[R]:
+        """Submit a call, through the result cache when the function has one: a stored
+        result or an identical call in flight anywhere answers it without a device."""
+        cache = self._result_cache()
+        if cache is None:
+            return FunctionCall(sub.invocation_id, client.submit(sub, self.name), self.name, client)
+        inv, fut = cache.call(sub.frames, lambda: (sub.invocation_id, client.submit(sub, self.name)))
+        return FunctionCall(inv, fut, self.name, client)
+
     def _submit_message(self, client: Client, args: tuple[Any, ...], kwargs: dict[str, Any],
                         target: tuple[p.Register | None, str, dict[str, Any]] | None = None,
                         ) -> p.Submit:
@@ -321,9 +361,11 @@ class Function(Generic[P, R]):
         """Start a call and return at once with a handle (.get(), .cancel(), .done(), .id)."""
         client = get_client()
         sub = self._submit_message(client, args, kwargs)
-        return FunctionCall(sub.invocation_id, client.submit(sub, self.name), self.name, client)
+        return self._start(client, sub)
 
     def _remote(self, *args: Any, **kwargs: Any) -> R:
+        if self.spec.cache:
+            return self.spawn(*args, **kwargs).get()
         client = get_client()
         frames = ser.dump_args(self.name, args, kwargs)
         reg, fid, options = self._prepare(client)
@@ -474,6 +516,12 @@ class _MapRun:
             self._send(client, batch)
 
     def _send(self, client: Client, batch: list[tuple[int, p.Submit]]) -> None:
+        if self.fn.spec.cache:  # one by one through the cache
+            for idx, sub in batch:
+                call = self.calls[idx] = self.fn._start(client, sub)
+                call._future.add_done_callback(functools.partial(self._completed, idx))
+            self.submitted += len(batch)
+            return
         futs = client.submit_many([(sub, self.fn.name) for _, sub in batch])
         for (idx, sub), fut in zip(batch, futs, strict=True):
             self.calls[idx] = FunctionCall(sub.invocation_id, fut, self.fn.name, client)
@@ -604,7 +652,8 @@ def gpu(
     memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
-    batch_wait_ms: float | None = None,
+    batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
+    device_args: bool = False,
 ) -> Function[P, R]: ...
 
 
@@ -614,7 +663,8 @@ def gpu(
     memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
-    batch_wait_ms: float | None = None,
+    batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
+    device_args: bool = False,
 ) -> _GpuDecorator: ...
 
 
@@ -623,7 +673,8 @@ def gpu(
     memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
-    batch_wait_ms: float | None = None,
+    batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
+    device_args: bool = False,
 ) -> Any:
     """Declare a function's GPU needs; it then runs remotely with .remote()/.map()/.spawn().
 
@@ -635,7 +686,7 @@ def gpu(
         count=count, type=type, memory=memory, timeout=timeout, retries=retries,
         priority=priority, concurrency=concurrency, models=tuple(m.name for m in model_objs),
         gather=gather, spmd=spmd, preemptible=preemptible, batch_size=batch_size,
-        batch_wait_ms=batch_wait_ms,
+        batch_wait_ms=batch_wait_ms, cache=cache, autocast=autocast, device_args=device_args,
     )
 
     def wrap(fn: Callable[..., Any]) -> Function[Any, Any]:

@@ -157,15 +157,16 @@ def dump_code(fn: Any, name: str) -> tuple[str, list[Any]]:
     lines travel along so remote tracebacks show the user's file, line and source
     (notebook cells included: their lines come from this process's linecache).
     """
-    if getattr(fn, "__module__", None) == "__main__":
+    target = getattr(fn, "__gpufn_target__", fn)  # a function wrapped with its call options
+    if getattr(target, "__module__", None) == "__main__":
         from gpufn.byvalue import register_main_locals
 
         register_main_locals()  # a script's or notebook's helper modules go along by value
-    code = getattr(fn, "__code__", None)
+    code = getattr(target, "__code__", None)
     filename = code.co_filename if code is not None else ""
     lines: list[str] = []
     if filename:
-        lines = linecache.getlines(filename, getattr(fn, "__globals__", None))
+        lines = linecache.getlines(filename, getattr(target, "__globals__", None))
         if sum(map(len, lines)) > 2_000_000:
             lines = []
     try:
@@ -187,10 +188,11 @@ def _renamed(code: types.CodeType, filename: str) -> types.CodeType:
 def load_code(frames: Sequence[Any]) -> Any:
     """The callable from dump_code frames, with its source file name and lines restored."""
     fn, filename, lines = loads(frames)
-    code = getattr(fn, "__code__", None)
+    target = getattr(fn, "__gpufn_target__", fn)
+    code = getattr(target, "__code__", None)
     if filename and code is not None and code.co_filename != filename:
         try:
-            fn.__code__ = _renamed(code, filename)
+            target.__code__ = _renamed(code, filename)
         except (AttributeError, TypeError, ValueError):
             pass
     if filename and lines and not os.path.exists(filename):

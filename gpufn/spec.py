@@ -72,6 +72,9 @@ class GpuSpec:
     batch_size: int | None = None
     batch_wait_ms: float = 0.0
     deadline: float | None = None
+    cache: str = ""  # result cache directory ("" = off); see gpufn/cache.py
+    autocast: str = ""  # run under torch.autocast with this dtype: "bf16", "fp16" ("" = off)
+    device_args: bool = False  # move tensor arguments to the call's device
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,6 +148,25 @@ def _types(value: object) -> tuple[str, ...]:
     return names
 
 
+AUTOCAST_DTYPES = ("bf16", "fp16")
+
+
+def _cache_dir(value: object) -> str:
+    """cache=True: the default directory (GPUFN_CACHE_DIR); a path: that directory."""
+    if value is None or value is False or value == "":
+        return ""
+    if value is True:
+        from gpufn import config
+
+        return str(config.cache_dir())
+    if isinstance(value, str):
+        return value
+    if hasattr(value, "__fspath__"):
+        return str(value.__fspath__())
+    raise InvalidSpec(f"cache={value!r} must be True, False or a directory path, e.g. "
+                      "@gpu(cache=True) or @gpu(cache='/shared/gpufn-cache').")
+
+
 def normalize_option(name: str, value: object) -> object:
     """Validate one option and return its canonical value; raise InvalidSpec otherwise."""
     if name == "count":
@@ -161,7 +183,16 @@ def normalize_option(name: str, value: object) -> object:
         return _int(name, value)
     if name == "concurrency":
         return _int(name, value, minimum=1)
-    if name in ("gather", "spmd", "preemptible"):
+    if name == "cache":
+        return _cache_dir(value)
+    if name == "autocast":
+        if value in (None, False, ""):
+            return ""
+        if value not in AUTOCAST_DTYPES:
+            raise InvalidSpec(f"autocast={value!r} must be one of {', '.join(map(repr, AUTOCAST_DTYPES))} "
+                              "(or None for full precision), e.g. @gpu(autocast='bf16').")
+        return value
+    if name in ("gather", "spmd", "preemptible", "device_args"):
         return _bool(name, value)
     if name == "batch_size":
         return None if value is None else _int(name, value, minimum=1)

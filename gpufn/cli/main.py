@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from gpufn import config
 from gpufn.cli import address_file as addrfile
-from gpufn.cli import apps, common, ops
+from gpufn.cli import apps, common, ops, plan
 from gpufn.cli.common import fail
 from gpufn.cli.state import load_cluster_file, write_cluster_file
 from gpufn.exceptions import GpufnError
@@ -225,6 +225,7 @@ def worker(
 
 
 ops.register(app)
+plan.register(app)
 
 
 apps.register(app)  # gpufn deploy, gpufn app ...

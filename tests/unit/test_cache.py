@@ -1,0 +1,124 @@
+"""The result cache's store, keys and single flight, without a cluster (fake submits)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from gpufn import cache as cachemod
+from gpufn import protocol as p
+from gpufn import serialization as ser
+from gpufn.cache import ResultCache, Store, code_digest
+
+
+def _result(value: object) -> p.Result:
+    return p.Result("inv", True, "", "", p.ResultMeta(), tuple(ser.dumps(value)))
+
+
+def test_code_digest_follows_the_code_not_its_position() -> None:
+    src = "def f(x):\n    return x + {c}\n"
+    a, b, c = {}, {}, {}
+    exec(compile(src.format(c=1), "one.py", "exec"), a)
+    exec(compile("\n\n\n" + src.format(c=1), "two.py", "exec"), b)
+    exec(compile(src.format(c=2), "one.py", "exec"), c)
+    assert code_digest(a["f"]) == code_digest(b["f"])
+    assert code_digest(a["f"]) != code_digest(c["f"])
+    assert code_digest(a["f"], ["autocast=bf16"]) != code_digest(a["f"])
+
+
+def test_store_round_trip_and_claims(tmp_path: Path) -> None:
+    s = Store(tmp_path)
+    assert s.read("ab" * 16) is None
+    assert s.claim("ab" * 16)
+    assert not Store(tmp_path).claim("ab" * 16)  # held by a live owner (this process)
+    s.write("ab" * 16, [b"head", memoryview(b"x" * 100_000)])
+    assert s.read("ab" * 16) == [b"head", b"x" * 100_000]
+    s.release("ab" * 16)
+    assert not (tmp_path / "ab" / ("ab" * 16 + ".claim")).exists()
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_dead_owners_claim_is_broken(tmp_path: Path) -> None:
+    key = "cd" * 16
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    (tmp_path / "cd").mkdir()
+    claim = tmp_path / "cd" / f"{key}.claim"
+    claim.write_text(json.dumps({"host": cachemod._HOST, "pid": int(dead.stdout), "token": "t"}))
+    assert Store(tmp_path).claim(key)  # the owner's pid is gone: taken over at once
+
+
+def test_another_hosts_claim_is_broken_after_its_lease(tmp_path: Path) -> None:
+    key = "ef" * 16
+    (tmp_path / "ef").mkdir()
+    claim = tmp_path / "ef" / f"{key}.claim"
+    claim.write_text(json.dumps({"host": "elsewhere", "pid": 1, "token": "t"}))
+    assert not Store(tmp_path).claim(key)  # touched just now: alive
+    old = time.time() - cachemod.LEASE_S - 1
+    os.utime(claim, (old, old))
+    assert Store(tmp_path).claim(key)
+
+
+def test_identical_calls_compute_once(tmp_path: Path) -> None:
+    """Two caches on one directory (as two processes would be): the second waits for the
+    first's result instead of submitting; a third caller later reads it from the store."""
+    submits: list[Future[p.Result]] = []
+
+    def submit() -> tuple[str, Future[p.Result]]:
+        fut: Future[p.Result] = Future()
+        submits.append(fut)
+        return "inv-1", fut
+
+    a, b = ResultCache(tmp_path, "code"), ResultCache(tmp_path, "code")
+    b.store = Store(tmp_path)  # its own claim book, like another process
+    frames = ser.dumps(((3,), {}))
+    _, fa = a.call(frames, submit)
+    _, fb = b.call(frames, submit)
+    _, fa2 = a.call(frames, submit)  # in-process duplicate: follows the first
+    assert len(submits) == 1 and not fb.done()
+    submits[0].set_result(_result(9))
+    for f in (fa, fb, fa2):
+        assert ser.loads(f.result(timeout=10).frames) == 9
+    assert (a.stats.computed, b.stats.computed, b.stats.waited) == (1, 0, 1)
+    c = ResultCache(tmp_path, "code")
+    _, fc = c.call(frames, submit)
+    assert fc.done() and c.stats.hits == 1 and len(submits) == 1
+
+
+def test_a_failed_call_is_not_cached_and_a_waiter_computes(tmp_path: Path) -> None:
+    submits: list[Future[p.Result]] = []
+
+    def submit() -> tuple[str, Future[p.Result]]:
+        fut: Future[p.Result] = Future()
+        submits.append(fut)
+        return f"inv-{len(submits)}", fut
+
+    a, b = ResultCache(tmp_path, "code"), ResultCache(tmp_path, "code")
+    b.store = Store(tmp_path)
+    frames = ser.dumps(((4,), {}))
+    _, fa = a.call(frames, submit)
+    _, fb = b.call(frames, submit)
+    submits[0].set_result(p.Result("inv-1", False, "WorkerLost", "lost"))
+    assert not fa.result(timeout=10).ok
+    deadline = time.monotonic() + 10
+    while len(submits) < 2 and time.monotonic() < deadline:
+        threading.Event().wait(0.01)  # b's watcher claims the released key and submits
+    assert len(submits) == 2
+    submits[1].set_result(_result(16))
+    assert ser.loads(fb.result(timeout=10).frames) == 16
+
+
+@pytest.mark.parametrize("value", [True, "/tmp/x", False])
+def test_spec_cache_option(value: object) -> None:
+    from gpufn.spec import make_spec
+
+    spec = make_spec(cache=value)
+    assert bool(spec.cache) == bool(value)

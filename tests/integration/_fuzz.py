@@ -28,8 +28,12 @@ from gpufn import protocol as p
 from gpufn.memory_pool.probe import simulated_devices
 
 # Messages the scheduler accepts from some role (the rest are "unexpected" from anyone).
+# What the scheduler handles from some peer; every other type is "unexpected". Operator
+# commands (Drain stops the cluster, Deploy/AppCommand change apps) are valid from a client
+# holding the token, so they are never sent as if they were garbage.
 INBOUND = (p.Hello, p.Ping, p.Goodbye, p.Register, p.Submit, p.Cancel, p.StatusRequest,
-           p.Result, p.Output, p.Heartbeat, p.WorkerExited, p.ModelEvent)
+           p.Result, p.Output, p.Heartbeat, p.WorkerExited, p.ModelEvent, p.Query, p.Drain,
+           p.Deploy, p.Lookup, p.AppCommand)
 CLIENT_FORBIDDEN = (p.Result, p.Output, p.Heartbeat, p.ModelEvent, p.WorkerExited)
 
 

@@ -93,7 +93,7 @@ def serve(
     address = _public_address(address, host)
     token_file = write_cluster_file(address, tok)
     if address_file is not None:
-        addrfile.write(address_file, address)
+        addrfile.write(address_file, address, public_key=config.split_address(address)[1])
     encrypted = config.split_address(address)[1] is not None
     if as_json:
         typer.echo(json.dumps({"address": address, "token_file": str(token_file),

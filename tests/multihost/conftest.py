@@ -98,7 +98,12 @@ class Mesh:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.head.address}:{PORT}"
+        """What the head wrote: off loopback it is CURVE-encrypted, so the address carries
+        the server's public key (`?key=`)."""
+        from gpufn.cli import address_file
+
+        data = address_file.read(self.address_file)
+        return data["address"] if data is not None else f"tcp://{self.head.address}:{PORT}"
 
     def env(self, host: Host, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()

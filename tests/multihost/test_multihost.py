@@ -113,13 +113,21 @@ def test_host_loss_fails_a_cross_host_gang(mesh: Mesh, tmp_path: Path) -> None:
 
 def test_host_loss_reruns_single_calls_and_fences_late_results(mesh: Mesh, tmp_path: Path) -> None:
     client = mesh.clients[0]
+    # Start from idle devices (an earlier test's stopped ranks may still hold some), so
+    # the four calls run at once, two on each host.
+    deadline = time.monotonic() + 60
+    while any(d["running"] for d in mesh.status()["devices"]):
+        assert time.monotonic() < deadline, "devices never became idle"
+        time.sleep(0.1)
     stale0 = mesh.status()["counters"]["stale_results"]
     rid = client.submit("slow", n=4, seconds=6.0, marks=str(tmp_path))
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("start-*"))) < 4:
         assert time.monotonic() < deadline, "the calls never started"
         time.sleep(0.05)
-    on_host1 = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("start-*-host1-1"))
+    # The calls host1 is running when it is cut off (not any it already finished).
+    on_host1 = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("start-*-host1-1")
+                      if not (tmp_path / p.name.replace("start-", "done-")).exists())
     assert on_host1, "no call ran on host1"
     mesh.net.link("host1", up=False)
     t_down = time.monotonic()

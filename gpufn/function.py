@@ -19,6 +19,7 @@ from gpufn import protocol as p
 from gpufn import serialization as ser
 from gpufn.client import Client, get_client
 from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
+from gpufn.model import check_gang
 from gpufn.spec import OPTION_NAMES, GpuSpec, make_spec
 
 P = ParamSpec("P")  # the user function's parameters
@@ -269,7 +270,9 @@ class Function(Generic[P, R]):
         if unknown:
             raise InvalidSpec(f"unknown option(s) {sorted(unknown)} in with_options(); "
                               f"known options: {', '.join(OPTION_NAMES)}")
-        new = Function(self._fn, make_spec(self.spec, **options), models)
+        spec = make_spec(self.spec, **options)
+        check_gang(models, spec.count, spec.spmd, self.name)
+        new = Function(self._fn, spec, models)
         new._code = self._code
         new.name = self.name
         return new
@@ -619,6 +622,7 @@ def gpu(
             fn = fn._fn
         if not callable(fn):
             raise InvalidSpec(f"@gpu decorates a function, not {fn!r}")
+        check_gang(model_objs, spec.count, spec.spmd, getattr(fn, "__qualname__", ""))
         return Function(fn, spec, model_objs)
 
     if _fn is not None:

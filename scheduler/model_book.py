@@ -455,11 +455,24 @@ class ModelBook:
             rec = self.models.get(e.name)
             out.append({"name": rec.name if rec else e.name, "key": e.name, "state": e.state.value,
                         "nbytes": e.nbytes, "measured": e.measured, "users": sorted(e.users),
-                        "in_use": e.in_use, "uses": e.uses, "pinned": e.pinned})
+                        "in_use": e.in_use, "uses": e.uses, "pinned": e.pinned,
+                        "load_s": e.load_seconds, "reload_s": e.reload_seconds,
+                        **({"shards": list(e.shards)} if e.shards else {})})
         return out
 
-    def counters(self) -> list[dict[str, Any]]:
-        return [{"name": r.name, "key": r.key, "bytes": r.size, "loads": r.loads, "count": r.count,
+    def counters(self, devices: Mapping[str, Device] | None = None) -> list[dict[str, Any]]:
+        """Each model once; a sharded model with its gang and each device's shard bytes."""
+        def shard_bytes(r: ModelRecord) -> dict[str, int] | None:
+            if r.holder is None or devices is None:
+                return None
+            out = {}
+            for k in r.holder.devices:
+                e = devices[k].ledger.models.get(r.key) if k in devices else None
+                if e is not None and e.state is not Residency.ABSENT:
+                    out[k] = e.nbytes
+            return out
+
+        return [{"name": r.name, "shard_bytes": shard_bytes(r), "key": r.key, "bytes": r.size, "loads": r.loads, "count": r.count,
                  "gang": list(r.holder.devices) if r.holder is not None else None,
                  "mean_load_s": r.load_seconds / r.loads if r.loads else None,
                  "restores": r.restores,

@@ -144,9 +144,20 @@ class ModelBook:
         frees up sooner than another could load them (no second copy for a short wait)."""
         req = self.request(inv)
         mine = set(inv.function.model_keys)
+        every = list(every)
+        devmap = {x.key: x for x in every}
+        shards = self._any_shards(devmap)
+        joints: dict[str, GroupPlan] = {}
         best: tuple[tuple[Any, ...], Device, Plan, float] | None = None
         for d in candidates:
-            plan = d.ledger.plan(req)
+            if shards:  # a victim shard here takes its siblings on other devices along
+                joint = plan_group({k: x.ledger for k, x in devmap.items()}, (d.key,), req)
+                if not isinstance(joint, GroupPlan):
+                    continue
+                joints[d.key] = joint
+                plan = joint.plans[d.key]
+            else:
+                plan = d.ledger.plan(req)
             if not isinstance(plan, Plan):
                 continue
             swapping = any(e.state in _MOVING and e.name not in mine for e in d.ledger.models.values())
@@ -166,6 +177,8 @@ class ModelBook:
                 if all(other.ledger.state(k) is Residency.RESIDENT for k in mine) and \
                         drain_seconds(other, now) < cold:
                     return None  # it will be free there sooner than a copy could load here
+        if d.key in joints:
+            self._joint[inv.id] = joints[d.key]  # admitted with its sibling shards
         return d, plan
 
     def gang_plans(self, inv: Invocation, devices: list[Device],
@@ -326,12 +339,13 @@ class ModelBook:
               devices: dict[str, Device]) -> Admission:
         """Commit the plan in the device's ledger; the orders that make it true."""
         orders: list[tuple[Device, p.Message]] = []
-        joint = self._joint.get(inv.id)
-        if joint is not None:  # a gang with sharded models: planned and admitted as one
+        planned = next((i for i in (inv.id, *(m.id for m in inv.members)) if i in self._joint), None)
+        if planned is not None:  # planned with sharded models in mind: admitted as one
+            if planned != inv.id:  # a batch carrier admits what its head was planned with
+                self._joint[inv.id] = self._joint.pop(planned)
             if inv.devices and d.key == inv.devices[0]:
-                orders += self._admit_joint(inv, joint, now, devices)
-                joint = self._joint[inv.id]
-            plan = joint.plans[d.key]
+                orders += self._admit_joint(inv, self._joint[inv.id], now, devices)
+            plan = self._joint[inv.id].plans[d.key]
             d.ledger.admit(inv.id, plan, now, check=False)
             if inv.devices and d.key == inv.devices[-1]:
                 del self._joint[inv.id]

@@ -224,3 +224,31 @@ def test_a_dead_rank_invalidates_the_shards_on_the_whole_gang() -> None:
     assert rec.holder is None
     assert h.core.invocations == {} or all(i.state is not InvState.RUNNING
                                            for i in h.core.invocations.values())
+
+
+def test_a_single_device_call_that_evicts_a_shard_takes_the_whole_model() -> None:
+    h, ws = _harness(devices=2)
+    _complete(h, ws, h.submit(_register(h, "gen", "llama")))
+    single = _register(h, "one", "whole", count=1)
+    inv = h.submit(single)
+    _settle_models(h, ws)
+    run = _runs(h, inv)[0]
+    assert run.meta.models  # it was placed, with room made on its device
+    # llama left both devices (to host), not only the device the call needed
+    assert _states(h, "llama") == {"n:0": "offloaded", "n:1": "offloaded"}
+    assert _states(h, "whole") == {h.core.invocations[inv].devices[0]: "resident"}
+
+
+def test_status_shows_a_sharded_model_once_with_its_gang_and_bytes() -> None:
+    from gpufn.cli.render import model_counters_table, models_table
+
+    h, ws = _harness(devices=2)
+    _complete(h, ws, h.submit(_register(h, "gen", "llama")))
+    st = h.core.status(h.now)
+    rec = next(m for m in st["models"] if m["name"] == "llama")
+    assert rec["count"] == 2 and rec["gang"] == ["n:0", "n:1"]
+    assert rec["shard_bytes"] == {"n:0": 6 * GiB, "n:1": 6 * GiB}
+    table = models_table(st)
+    assert table is not None and table.row_count == 1
+    counters = model_counters_table(st)
+    assert counters is not None and counters.row_count == 1

@@ -20,6 +20,7 @@ from gpufn import serialization as ser
 from gpufn.call_context import current as current_context
 from gpufn.client import Client, get_client
 from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
+from gpufn.model import check_gang
 from gpufn.spec import OPTION_NAMES, GpuSpec, make_spec
 
 if TYPE_CHECKING:
@@ -275,7 +276,9 @@ class Function(Generic[P, R]):
         if unknown:
             raise InvalidSpec(f"unknown option(s) {sorted(unknown)} in with_options(); "
                               f"known options: {', '.join(OPTION_NAMES)}")
-        new = Function(self._fn, make_spec(self.spec, **options), models)
+        spec = make_spec(self.spec, **options)
+        check_gang(models, spec.count, spec.spmd, self.name)
+        new = Function(self._fn, spec, models)
         if (new.spec.autocast, new.spec.device_args) == (self.spec.autocast, self.spec.device_args):
             new._code = self._code  # else the pickled code differs: it carries the options
             if new.spec.cache == self.spec.cache:
@@ -694,6 +697,7 @@ def gpu(
             fn = fn._fn
         if not callable(fn):
             raise InvalidSpec(f"@gpu decorates a function, not {fn!r}")
+        check_gang(model_objs, spec.count, spec.spmd, getattr(fn, "__qualname__", ""))
         return Function(fn, spec, model_objs)
 
     if _fn is not None:

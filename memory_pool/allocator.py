@@ -48,7 +48,10 @@ def find_tensors(obj: Any, *, max_depth: int = MAX_DEPTH,
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
-            found.append(o)
+            # A DTensor (a tensor-parallel shard) is moved and measured by its local
+            # tensor: this rank's bytes, not the global shape's.
+            local = getattr(o, "_local_tensor", None)
+            found.append(local if isinstance(local, torch.Tensor) else o)
         elif isinstance(o, nn.Module):
             for m in o.modules():  # submodules cost no depth: models nest deeply
                 seen.add(id(m))

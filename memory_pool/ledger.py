@@ -40,6 +40,9 @@ class ModelEntry:
     users: set[str] = field(default_factory=set)
     clock: float = 0.0  # the ledger's eviction clock when last used (GDSF "L")
     from_host: bool = False  # while LOADING: a restore from host, not the loader
+    # A sharded model's shard: every device of its gang in rank order (this one included).
+    # The shards are one unit: they leave together (see `plan_group`).
+    shards: tuple[str, ...] = ()
     history: list[tuple[Residency, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -449,11 +452,17 @@ class DeviceLedger:
 
     # ----------------------------------------------------------- planning
 
-    def plan(self, request: Request,
-             policy: EvictionPolicy | None = None) -> Plan | NeverFits | None:
+    def plan(self, request: Request, policy: EvictionPolicy | None = None, *,
+             forced: Mapping[str, bool] | None = None,
+             blocked: Iterable[str] = ()) -> Plan | NeverFits | None:
         """How `request` fits here: a Plan, None if it cannot fit now but could once
-        running calls finish or models settle, or NeverFits with the shortfall. Pure."""
+        running calls finish or models settle, or NeverFits with the shortfall. Pure.
+
+        `forced`: models that must leave whatever the room (name -> may go to host):
+        sibling shards of a victim chosen on another device of a gang, or stale shards.
+        `blocked`: models never chosen as victims here (a shard busy on another rank)."""
         policy = policy or self.policy
+        forced = forced or {}
         needs = request.needs()
         needed = {n.name for n in needs}
         resident: list[str] = []
@@ -486,15 +495,24 @@ class DeviceLedger:
             if short > 0:
                 return NeverFits(short, required, self.capacity, pinned_bytes)
 
-        candidates = policy.order(e for e in others if e.idle and not e.pinned)
-        victims: list[ModelEntry] = []
+        must: list[ModelEntry] = []
+        for name, _ in sorted(forced.items()):
+            e = self.models.get(name)
+            if e is None or name in needed or not e.state.on_device:
+                continue
+            if not e.idle or e.pinned:
+                return None  # it cannot leave now; plan again once it is idle
+            must.append(e)
+        stay = set(blocked) | set(forced)
+        candidates = policy.order(e for e in others if e.idle and not e.pinned and e.name not in stay)
+        victims: list[ModelEntry] = list(must)
         if limit is not None:
             occupying = sum(1 for e in self.models.values()
                             if e.state in (Residency.LOADING, Residency.RESIDENT))
             over = occupying + len(load) + len(restore) - limit
             if over > len(candidates):
                 return None
-            victims = candidates[:max(over, 0)]
+            victims += candidates[:max(over - len(must), 0)]
         if policy.bytes_aware:
             deficit = request.workspace + load_bytes + restore_bytes - self.free
             deficit -= sum(v.nbytes for v in victims)
@@ -504,7 +522,7 @@ class DeviceLedger:
                     return None
                 victims += extra
 
-        offload, evict, drops = self._route_victims(victims, policy, needed)
+        offload, evict, drops = self._route_victims(victims, policy, needed, forced)
         clock = self.clock
         for v in victims:
             clock = policy.inflate(clock, v)
@@ -519,10 +537,11 @@ class DeviceLedger:
             free_after=self.free + freed - add, clock=clock, version=self._version(),
         )
 
-    def _route_victims(self, victims: list[ModelEntry], policy: EvictionPolicy,
-                       needed: set[str]) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    def _route_victims(self, victims: list[ModelEntry], policy: EvictionPolicy, needed: set[str],
+                       forced: Mapping[str, bool]) -> tuple[list[str], list[str], list[tuple[str, str]]]:
         """Offload each victim that may go to host memory (dropping the cheapest host
-        copies when the budget is full), evict the rest."""
+        copies when the budget is full), evict the rest. A shard's host copy is never
+        dropped alone (its siblings would be left half a model): only with the group."""
         offload: list[str] = []
         evict: list[str] = []
         drops: list[tuple[str, str]] = []
@@ -531,10 +550,10 @@ class DeviceLedger:
         if self.host is not None:
             droppable = sorted(
                 ((dev, e) for dev, e in self.host.offloaded()
-                 if not (dev == self.key and e.name in needed)),
+                 if not (dev == self.key and e.name in needed) and not e.shards),
                 key=lambda p: (policy.value(p[1]), p[1].last_used, p[1].name, p[0]))
         for v in victims:
-            if not (policy.offload and v.offload_allowed):
+            if not (policy.offload and v.offload_allowed and forced.get(v.name, True)):
                 evict.append(v.name)
                 continue
             if v.nbytes > host_free:
@@ -553,10 +572,11 @@ class DeviceLedger:
     def _version(self) -> tuple[int, int]:
         return (self.version, 0 if self.host is None else self.host.version)
 
-    def admit(self, owner: str, plan: Plan, now: float) -> None:
+    def admit(self, owner: str, plan: Plan, now: float, *, check: bool = True) -> None:
         """Commit a plan from `plan()` for invocation `owner`: host copies dropped, victims
-        offloading/evicting, loads and restores started, workspace reserved, models held."""
-        if plan.version != self._version():
+        offloading/evicting, loads and restores started, workspace reserved, models held.
+        `check=False`: the caller checked the versions itself (a gang's joint plan)."""
+        if check and plan.version != self._version():
             raise StalePlan(f"plan for {owner} was made before the ledger changed; plan again")
         for dev, name in plan.drop_host:
             assert self.host is not None  # a plan only drops host copies when there is one
@@ -629,3 +649,101 @@ def choose_device(ledgers: Mapping[str, DeviceLedger], request: Request,
     if never and len(never) == len(ledgers):
         return min(never, key=lambda n: n.shortfall)
     return None
+
+
+# ---------------------------------------------------------------------------- gangs
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """A request planned on every device of a gang at once, sharded models as units.
+
+    `plans`: device key -> Plan (gang devices, rank order). `outside`: what must happen to
+    sibling shards on devices outside the gang, as (device key, model, action) with action
+    "offload", "evict" or "drop" (a host copy). `versions`: every ledger's version planned
+    against (admit all or replan)."""
+
+    plans: dict[str, Plan]
+    outside: tuple[tuple[str, str, str], ...]
+    versions: tuple[tuple[str, tuple[int, int]], ...]
+
+
+def _group_blocked(ledgers: Mapping[str, DeviceLedger]) -> set[str]:
+    """Shards that must stay everywhere: busy (in use, moving, pinned) on any rank."""
+    blocked: set[str] = set()
+    for led in ledgers.values():
+        for e in led.models.values():
+            if e.shards and e.state.on_device and (not e.idle or e.pinned):
+                blocked.add(e.name)
+    return blocked
+
+
+def plan_group(ledgers: Mapping[str, DeviceLedger], gang: Sequence[str], request: Request,
+               policy: EvictionPolicy | None = None,
+               doomed: Mapping[str, bool] | None = None) -> GroupPlan | NeverFits | None:
+    """Plan `request` on every device of `gang` at once (all fit, or None: wait).
+
+    Eviction is all-or-nothing: a shard chosen as a victim on one device takes its
+    sibling shards along, on the gang's devices (planned again with them forced out, until
+    nothing changes) and outside it; a shard busy on any rank blocks all of them; a group
+    goes to host memory only if every shard does. `doomed` (name -> may offload) must leave
+    whatever the room (stale shards, or a sharded model moving to another gang)."""
+    forced: dict[str, bool] = dict(doomed or {})
+    blocked = _group_blocked(ledgers) - set(forced)
+    needed = {n.name for n in request.models}
+    plans: dict[str, Plan] = {}
+    for _ in range(len(gang) + 2):
+        plans = {}
+        for key in gang:
+            plan = ledgers[key].plan(request, policy, forced=forced, blocked=blocked)
+            if not isinstance(plan, Plan):
+                return plan
+            plans[key] = plan
+        grown = dict(forced)
+        for key, plan in plans.items():
+            led = ledgers[key]
+            for name in plan.victims:
+                if led.models[name].shards:
+                    grown[name] = grown.get(name, True) and name in plan.offload
+        if grown == forced:
+            break
+        forced = grown
+    else:
+        return None
+    if any(forced.values()) and not _host_fits(ledgers, gang, plans, forced):
+        return plan_group(ledgers, gang, request, policy, dict.fromkeys(forced, False))
+    outside: list[tuple[str, str, str]] = []
+    for name, may_offload in sorted(forced.items()):
+        if name in needed:
+            continue
+        for key, led in ledgers.items():
+            if key in gang:
+                continue
+            e = led.models.get(name)
+            if e is None or not e.shards:
+                continue
+            if e.state is Residency.OFFLOADED:
+                outside.append((key, name, "drop"))
+            elif e.state.on_device:
+                if not e.idle or e.pinned:
+                    return None
+                outside.append((key, name, "offload" if may_offload and e.offload_allowed
+                                and (led.policy.offload if policy is None else policy.offload)
+                                else "evict"))
+    versions = tuple((k, led._version()) for k, led in sorted(ledgers.items()))
+    return GroupPlan(plans, tuple(outside), versions)
+
+
+def _host_fits(ledgers: Mapping[str, DeviceLedger], gang: Sequence[str], plans: Mapping[str, Plan],
+               forced: Mapping[str, bool]) -> bool:
+    """Whether every host ledger can take the offloads the plans (and forced shards
+    outside the gang) send to it together (each plan checked only its own)."""
+    need: dict[int, tuple[HostLedger, int]] = {}
+    for key, led in ledgers.items():
+        if led.host is None:
+            continue
+        names = set(plans[key].offload) if key in plans else {
+            n for n, off in forced.items() if off and n in led.models and led.models[n].idle}
+        nbytes = sum(led.models[n].nbytes for n in names)
+        host, used = need.get(id(led.host), (led.host, 0))
+        need[id(led.host)] = (host, used + nbytes)
+    return all(used <= host.free for host, used in need.values())

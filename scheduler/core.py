@@ -76,7 +76,7 @@ class SchedulerCore:
         self.queue = ReadyQueue(self.config.aging_seconds)
         self.counters = Counters()
         self.gangs = GangBook()
-        self.models = ModelBook()
+        self.models = ModelBook(self.gangs)
         self.hosts: dict[str, HostLedger] = {}
         self.policy = self.config.policy()
         self.intake = Intake(self.config, self.devices, self.queue, self.models)
@@ -155,6 +155,7 @@ class SchedulerCore:
     # ------------------------------------------------------------------ scheduling
 
     def _schedule(self, now: float) -> None:
+        self.tx.sweep_shards(now)  # stale shards of sharded models leave first
         for decision in self.placement.run(now, self.tx.rendezvous_port):
             self._apply(decision, now)
 

@@ -49,6 +49,16 @@ class GangBook:
         f.uses += 1
         return f, warm
 
+    def is_warm(self, devices: tuple[str, ...]) -> bool:
+        """Whether forming these devices now would reuse their group (no new generation)."""
+        f = self.formations.get(devices)
+        return f is not None and f.generation > 0 and all(
+            self.held.get(k) == (f.gang_id, f.generation) for k in devices)
+
+    def holds(self, devices: tuple[str, ...], gang: tuple[str, int]) -> bool:
+        """Whether every device's worker still holds the group of `gang` (gang_id, generation)."""
+        return all(self.held.get(k) == gang for k in devices)
+
     def broken(self, devices: tuple[str, ...]) -> None:
         """A rank failed or was lost: no member may reuse this generation."""
         f = self.formations.get(devices)

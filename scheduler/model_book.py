@@ -4,19 +4,34 @@ where a call's models are cheapest to have, and the worker orders that admit a p
 It answers questions and returns plans and orders; it never sends a message itself.
 A model's key is its name plus its loader's content hash, so redefining a loader makes
 a new model; the old one stops being used and leaves the pool by policy.
+
+A sharded model (`count=N`) is one unit spread over a gang: one ledger entry per device
+(that rank's bytes), planned on all N devices at once (`plan_group`), leaving all
+together, and tied to the gang formation it was loaded in (`Holder`): once any of its
+devices leaves that group (a failure, a lost worker, another gang) its shards are stale
+and `sweep` removes them; a new formation loads it again.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpufn import protocol as p
 from gpufn.exceptions import OutOfMemory, kind_of
-from gpufn.memory_pool.ledger import ModelNeed, NeverFits, Plan, Request, StalePlan
+from gpufn.memory_pool.ledger import (
+    GroupPlan,
+    ModelNeed,
+    NeverFits,
+    Plan,
+    Request,
+    StalePlan,
+    plan_group,
+)
 from gpufn.memory_pool.residency import Residency
+from gpufn.scheduler.formations import GangBook
 from gpufn.scheduler.placement import drain_seconds
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation
 from gpufn.scheduler.states import DeviceState
@@ -27,6 +42,16 @@ _MOVING = (Residency.LOADING, Residency.OFFLOADING, Residency.EVICTING)
 # Until a model's reloads are measured: host->device copy and loader speed guesses.
 HOST_BANDWIDTH = 8.0 * 2**30
 LOAD_BANDWIDTH = 1.0 * 2**30
+
+
+@dataclass
+class Holder:
+    """Where a sharded model's shards live: the gang's devices in rank order and the
+    formation (gang_id, generation) they were loaded in."""
+
+    devices: tuple[str, ...]
+    gang: tuple[str, int] | None
+    failed: bool = False  # a rank's loader failed: the other shards are partial
 
 
 @dataclass
@@ -46,6 +71,8 @@ class ModelRecord:
     evictions: int = 0
     failures: int = 0
     last_error: str = ""  # the last load failure's message (shown by `gpufn app list`)
+    count: int = 1  # devices a sharded model spans (1: a whole model per device)
+    holder: Holder | None = None
 
     @property
     def size(self) -> int:
@@ -63,9 +90,11 @@ class Admission:
 
 
 class ModelBook:
-    def __init__(self) -> None:
+    def __init__(self, gangs: GangBook | None = None) -> None:
         self.models: dict[str, ModelRecord] = {}
         self._replan: set[str] = set()  # calls whose model turned out larger than declared
+        self.gangs = gangs if gangs is not None else GangBook()
+        self._joint: dict[str, GroupPlan] = {}  # a gang call's joint plan, until admitted
 
     # ------------------------------------------------------------------ registry
 
@@ -79,7 +108,7 @@ class ModelBook:
             if key not in self.models:
                 self.models[key] = ModelRecord(
                     key, str(d["name"]), int(d.get("memory") or 0), bool(d.get("pin")),
-                    bool(d.get("offload", True)), tuple(frames[i:i + n]))
+                    bool(d.get("offload", True)), tuple(frames[i:i + n]), count=int(d.get("count", 1)))
             keys.append(key)
             i += n
         return tuple(keys)
@@ -116,9 +145,20 @@ class ModelBook:
         frees up sooner than another could load them (no second copy for a short wait)."""
         req = self.request(inv)
         mine = set(inv.function.model_keys)
+        every = list(every)
+        devmap = {x.key: x for x in every}
+        shards = self._any_shards(devmap)
+        joints: dict[str, GroupPlan] = {}
         best: tuple[tuple[Any, ...], Device, Plan, float] | None = None
         for d in candidates:
-            plan = d.ledger.plan(req)
+            if shards:  # a victim shard here takes its siblings on other devices along
+                joint = plan_group({k: x.ledger for k, x in devmap.items()}, (d.key,), req)
+                if not isinstance(joint, GroupPlan):
+                    continue
+                joints[d.key] = joint
+                plan = joint.plans[d.key]
+            else:
+                plan = d.ledger.plan(req)
             if not isinstance(plan, Plan):
                 continue
             swapping = any(e.state in _MOVING and e.name not in mine for e in d.ledger.models.values())
@@ -138,11 +178,22 @@ class ModelBook:
                 if all(other.ledger.state(k) is Residency.RESIDENT for k in mine) and \
                         drain_seconds(other, now) < cold:
                     return None  # it will be free there sooner than a copy could load here
+        if d.key in joints:
+            self._joint[inv.id] = joints[d.key]  # admitted with its sibling shards
         return d, plan
 
-    def gang_plans(self, inv: Invocation, devices: list[Device]) -> dict[str, Plan] | None:
-        """A plan on every device of a gang, or None if one of them cannot admit now."""
+    def gang_plans(self, inv: Invocation, devices: list[Device],
+                   every: Mapping[str, Device] | None = None) -> dict[str, Plan] | None:
+        """A plan on every device of a gang, or None if one of them cannot admit now.
+        With sharded models anywhere in `every`, the gang is planned as one (see
+        `plan_group`) and the joint plan is kept for `admit`."""
         req = self.request(inv)
+        if every is not None and self._any_shards(every):
+            joint = self._plan_joint(inv, tuple(d.key for d in devices), req, every)
+            if joint is None:
+                return None
+            self._joint[inv.id] = joint
+            return dict(joint.plans)
         plans: dict[str, Plan] = {}
         for d in devices:
             plan = d.ledger.plan(req)
@@ -150,6 +201,121 @@ class ModelBook:
                 return None
             plans[d.key] = plan
         return plans
+
+    # ------------------------------------------------------------------ sharded models
+
+    def _sharded(self, keys: Iterable[str]) -> list[ModelRecord]:
+        return [r for k in keys if (r := self.models[k]).count > 1]
+
+    def _any_shards(self, every: Mapping[str, Device]) -> bool:
+        return any(r.count > 1 and r.holder is not None for r in self.models.values()) or any(
+            e.shards for d in every.values() for e in d.ledger.models.values())
+
+    def valid(self, rec: ModelRecord) -> bool:
+        """Whether a sharded model's shards may serve: not partial, and every device of
+        its gang still holds the group they were loaded in."""
+        h = rec.holder
+        return h is not None and not h.failed and h.gang is not None and self.gangs.holds(h.devices, h.gang)
+
+    def gang_choice(self, inv: Invocation, idle: set[str], every: Mapping[str, Device],
+                    now: float) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """Where a gang call goes given its sharded models: (preferred devices in rank
+        order, devices to avoid), or None to wait. The gang holding the shards, same
+        devices and rank order, whenever it can start; if it is busy, wait while it
+        frees sooner than the model would load elsewhere (or while the model is in use),
+        else move the model (its old shards leave)."""
+        prefer: tuple[str, ...] = tuple(inv.function.warm_gang)
+        for rec in self._sharded(inv.function.model_keys):
+            h = rec.holder
+            if h is None:
+                continue
+            if not self.valid(rec):
+                return None  # stale shards are still leaving (`sweep`); then it reloads
+            if all(k in idle for k in h.devices):
+                return h.devices, ()
+            entries = [every[k].ledger.models.get(rec.key) for k in h.devices if k in every]
+            if any(e is not None and (e.in_use or e.pinned or e.state in _MOVING) for e in entries):
+                return None
+            drain = max((drain_seconds(every[k], now) for k in h.devices if k in every), default=0.0)
+            if drain <= self._load_seconds(rec):
+                return None
+            return (), h.devices
+        return prefer, ()
+
+    def _load_seconds(self, r: ModelRecord) -> float:
+        return r.load_seconds / r.loads if r.loads else 1.0 + r.size / LOAD_BANDWIDTH
+
+    def _plan_joint(self, inv: Invocation, gang: tuple[str, ...], req: Request,
+                    every: Mapping[str, Device]) -> GroupPlan | None:
+        doomed: dict[str, bool] = {}
+        warm = self.gangs.is_warm(gang)
+        for rec in self.models.values():
+            h = rec.holder
+            if rec.count <= 1 or h is None:
+                continue
+            moving = rec.key in inv.function.model_keys and h.devices != gang
+            if moving or (not warm and set(h.devices) & set(gang)):
+                doomed[rec.key] = False  # its group is left: the shards are useless
+        ledgers = {k: d.ledger for k, d in every.items()}
+        found = plan_group(ledgers, gang, req, doomed=doomed)
+        return found if isinstance(found, GroupPlan) else None
+
+    def sweep(self, every: Mapping[str, Device], now: float) -> list[tuple[Device, p.Message]]:
+        """Orders that remove stale shards (their gang's group is gone, or a rank's
+        loader failed) on every device holding them, host copies included. Shards still
+        in use or moving are taken on a later sweep."""
+        orders: list[tuple[Device, p.Message]] = []
+        for rec in self.models.values():
+            h = rec.holder
+            if rec.count <= 1 or h is None or self.valid(rec):
+                continue
+            pending = swept = False
+            for k in h.devices:
+                d = every.get(k)
+                e = d.ledger.models.get(rec.key) if d is not None else None
+                if d is None or e is None or e.state in (Residency.ABSENT, Residency.EVICTING):
+                    continue
+                held = any(rec.key in names for names in d.ledger.holds.values())
+                if e.state is Residency.RESIDENT and e.idle and d.worker is not None:
+                    d.ledger.evict_started(rec.key, now)
+                elif e.state is Residency.OFFLOADED and d.worker is not None:
+                    d.ledger.drop_host_copy(rec.key, now)
+                elif e.state is Residency.LOADING and not held and not e.from_host:
+                    d.ledger.load_failed(rec.key, now)  # a load no call will run now
+                else:
+                    pending = True
+                    continue
+                swept = True
+                if d.worker is not None:
+                    orders.append((d, p.EvictModel(rec.key, False)))
+            rec.evictions += swept
+            if not pending:
+                rec.holder = None
+        return orders
+
+    def _admit_joint(self, inv: Invocation, joint: GroupPlan, now: float,
+                     devices: dict[str, Device]) -> list[tuple[Device, p.Message]]:
+        """Before the gang's first device admits: check nothing changed since the joint
+        plan, then move the sibling shards outside the gang."""
+        if joint.versions != tuple((k, d.ledger._version()) for k, d in sorted(devices.items())):
+            fresh = self._plan_joint(inv, inv.devices, self.request(inv), devices)
+            if fresh is None:
+                raise StalePlan(f"the gang plan for {inv.id} no longer fits")
+            joint = self._joint[inv.id] = fresh
+        orders: list[tuple[Device, p.Message]] = []
+        for key, name, action in joint.outside:
+            d = devices[key]
+            if action == "drop":
+                d.ledger.drop_host_copy(name, now)
+            elif action == "offload":
+                d.ledger.offload_started(name, now)
+                self.models[name].offloads += 1
+            else:
+                d.ledger.evict_started(name, now)
+                self.models[name].evictions += 1
+            if d.worker is not None:
+                orders.append((d, p.EvictModel(name, action == "offload")))
+        return orders
 
     def never_fits(self, fn: FunctionRecord, spec_memory: int, devices: Iterable[Device]) -> str | None:
         """Why the function's models plus workspace fit on no registered device, or None."""
@@ -173,15 +339,34 @@ class ModelBook:
     def admit(self, inv: Invocation, d: Device, plan: Plan, now: float,
               devices: dict[str, Device]) -> Admission:
         """Commit the plan in the device's ledger; the orders that make it true."""
+        orders: list[tuple[Device, p.Message]] = []
+        planned = next((i for i in (inv.id, *(m.id for m in inv.members)) if i in self._joint), None)
+        if planned is not None:  # planned with sharded models in mind: admitted as one
+            if planned != inv.id:  # a batch carrier admits what its head was planned with
+                self._joint[inv.id] = self._joint.pop(planned)
+            if inv.devices and d.key == inv.devices[0]:
+                orders += self._admit_joint(inv, self._joint[inv.id], now, devices)
+            plan = self._joint[inv.id].plans[d.key]
+            d.ledger.admit(inv.id, plan, now, check=False)
+            if inv.devices and d.key == inv.devices[-1]:
+                del self._joint[inv.id]
+        else:
+            plan = self._admit_one(inv, d, plan, now)
+        return self._orders(inv, d, plan, devices, orders)
+
+    def _admit_one(self, inv: Invocation, d: Device, plan: Plan, now: float) -> Plan:
         try:
             d.ledger.admit(inv.id, plan, now)
         except StalePlan:  # a gang's earlier device changed the shared host ledger: plan again
             fresh = d.ledger.plan(self.request(inv))
             if not isinstance(fresh, Plan):
                 raise
-            plan = fresh
-            d.ledger.admit(inv.id, plan, now)
-        orders: list[tuple[Device, p.Message]] = []
+            d.ledger.admit(inv.id, fresh, now)
+            return fresh
+        return plan
+
+    def _orders(self, inv: Invocation, d: Device, plan: Plan, devices: dict[str, Device],
+                orders: list[tuple[Device, p.Message]]) -> Admission:
         for dev_key, key in plan.drop_host:
             other = devices.get(dev_key)
             if other is not None and other.worker is not None:
@@ -196,7 +381,12 @@ class ModelBook:
             orders.append((d, p.LoadModel(key, {"restore": True, "name": self.models[key].name})))
         for key in plan.load:
             rec = self.models[key]
-            orders.append((d, p.LoadModel(key, {"name": rec.name, "memory": rec.memory}, rec.frames)))
+            spec: dict[str, Any] = {"name": rec.name, "memory": rec.memory}
+            if rec.count > 1:  # loaded inside the gang's group, after the call joins it
+                spec["sharded"] = True
+                d.ledger.models[key].shards = inv.devices
+                rec.holder = Holder(inv.devices, inv.gang)
+            orders.append((d, p.LoadModel(key, spec, rec.frames)))
         cold = ("loaded" if plan.load else "restored" if plan.restore
                 else "waited" if plan.waiting else "")
         names = {self.models[k].name: k for k in inv.function.model_keys}
@@ -213,9 +403,10 @@ class ModelBook:
         resized = False
         try:
             if msg.state is p.ModelState.RESIDENT and entry is not None:
+                lead = rec is None or rec.holder is None or rec.holder.devices[0] == d.key
                 if entry.from_host:
                     led.restore_done(msg.model, now, msg.seconds)
-                    if rec is not None:
+                    if rec is not None and lead:  # a sharded model counts once (rank 0)
                         rec.restores += 1
                         rec.restore_seconds += msg.seconds
                 else:
@@ -223,12 +414,18 @@ class ModelBook:
                     if fix is not None:
                         log.warning("%s", fix)
                     if rec is not None:
-                        resized = rec.measured != msg.nbytes
-                        rec.measured = msg.nbytes
-                        rec.loads += 1
-                        rec.load_seconds += msg.seconds
+                        nbytes = msg.nbytes
+                        if rec.count > 1 and rec.holder is not None and rec.holder.devices[0] != d.key:
+                            nbytes = max(nbytes, rec.measured)  # the largest shard plans the gang
+                        resized = rec.measured != nbytes
+                        rec.measured = nbytes
+                        if lead:
+                            rec.loads += 1
+                            rec.load_seconds += msg.seconds
             elif msg.state is p.ModelState.LOAD_FAILED and entry is not None:
                 holders = led.load_failed(msg.model, now)
+                if rec is not None and rec.holder is not None and d.key in rec.holder.devices:
+                    rec.holder.failed = True  # the other ranks' shards are partial: swept
                 if rec is not None and msg.error_kind == kind_of(OutOfMemory) and msg.nbytes > rec.size:
                     # Declared too small: learn the real size; the calls that waited for
                     # this load (and only they) are planned again with it.
@@ -274,11 +471,25 @@ class ModelBook:
             rec = self.models.get(e.name)
             out.append({"name": rec.name if rec else e.name, "key": e.name, "state": e.state.value,
                         "nbytes": e.nbytes, "measured": e.measured, "users": sorted(e.users),
-                        "in_use": e.in_use, "uses": e.uses, "pinned": e.pinned})
+                        "in_use": e.in_use, "uses": e.uses, "pinned": e.pinned,
+                        "load_s": e.load_seconds, "reload_s": e.reload_seconds,
+                        **({"shards": list(e.shards)} if e.shards else {})})
         return out
 
-    def counters(self) -> list[dict[str, Any]]:
-        return [{"name": r.name, "key": r.key, "bytes": r.size, "loads": r.loads,
+    def counters(self, devices: Mapping[str, Device] | None = None) -> list[dict[str, Any]]:
+        """Each model once; a sharded model with its gang and each device's shard bytes."""
+        def shard_bytes(r: ModelRecord) -> dict[str, int] | None:
+            if r.holder is None or devices is None:
+                return None
+            out = {}
+            for k in r.holder.devices:
+                e = devices[k].ledger.models.get(r.key) if k in devices else None
+                if e is not None and e.state is not Residency.ABSENT:
+                    out[k] = e.nbytes
+            return out
+
+        return [{"name": r.name, "shard_bytes": shard_bytes(r), "key": r.key, "bytes": r.size, "loads": r.loads, "count": r.count,
+                 "gang": list(r.holder.devices) if r.holder is not None else None,
                  "mean_load_s": r.load_seconds / r.loads if r.loads else None,
                  "restores": r.restores,
                  "mean_restore_s": r.restore_seconds / r.restores if r.restores else None,

@@ -102,7 +102,7 @@ class PlacementPass:
                 continue
             if inv.spec.count > 1:
                 reserved = reservation.devices if reservation and owner is not inv else ()
-                placed = yield from self._gang(inv, reserved, rendezvous_port)
+                placed = yield from self._gang(inv, reserved, rendezvous_port, now)
                 if not placed and reservation is None:
                     reservation, owner = self._reserve(inv, now), inv
             else:
@@ -201,8 +201,8 @@ class PlacementPass:
         return [d for d in self.devices.values()
                 if d.takes_work and could_ever_run(inv.spec, d)]
 
-    def _gang(self, inv: Invocation, reserved: tuple[str, ...],
-              rendezvous_port: int | None) -> Generator[Decision, None, bool]:
+    def _gang(self, inv: Invocation, reserved: tuple[str, ...], rendezvous_port: int | None,
+              now: float) -> Generator[Decision, None, bool]:
         spec, fn = inv.spec, inv.function
         if spec.spmd and rendezvous_port is None:
             yield NeedRendezvous()  # the shell starts the store, then schedules again
@@ -212,13 +212,20 @@ class PlacementPass:
         fresh = [d for d in idle if d.key not in inv.lost_on]
         if inv.lost_on and len(fresh) >= spec.count:  # a retry: away from where it was lost
             idle = fresh
-        chosen = choose_gang([d.info for d in idle], spec.count, prefer=fn.warm_gang)
+        prefer: tuple[str, ...] = tuple(fn.warm_gang)
+        if fn.model_keys:  # sharded models: their holding gang first, or wait for it
+            choice = self.models.gang_choice(inv, {d.key for d in idle}, self.devices, now)
+            if choice is None:
+                return False
+            prefer, avoid = choice
+            idle = [d for d in idle if d.key not in avoid]
+        chosen = choose_gang([d.info for d in idle], spec.count, prefer=prefer)
         if chosen is None or (not spec.spmd and len({c.node for c in chosen}) > 1):
             return False
         devices = tuple(self.devices[c.key] for c in chosen)
         plans: dict[str, Plan] = {}
         if fn.model_keys:
-            found = self.models.gang_plans(inv, list(devices))
+            found = self.models.gang_plans(inv, list(devices), self.devices)
             if found is None:
                 return False
             plans = found

@@ -35,7 +35,7 @@ def report(core: SchedulerCore, now: float) -> dict[str, Any]:
         "running": sum(1 for i in core.invocations.values() if i.state is InvState.RUNNING),
         "clients": sum(1 for v in core.peers.values() if v.role == p.Role.CLIENT),
         "counters": core.counters.as_dict(),
-        "models": core.models.counters(),
+        "models": core.models.counters(core.devices),
         "gangs": {"cold": core.gangs.cold_formations, "warm": core.gangs.warm_formations},
         "policy": core.policy.name,
         "queue_by_priority": queue_by_priority(core),

@@ -102,6 +102,12 @@ class Transitions:
                                        inv.dispatch_token, meta, inv.frames))
         self.advance_starts(devices[0], now)
 
+    def sweep_shards(self, now: float) -> None:
+        """Send the orders that remove stale shards (see `ModelBook.sweep`)."""
+        for d, order in self.models.sweep(self.devices, now):
+            if d.worker is not None:
+                self.send(d.worker, order)
+
     def _run_metas(self, inv: Invocation, devices: tuple[Device, ...]) -> list[p.RunMeta | None]:
         """What each device's worker is told with the run (None: it runs nothing)."""
         spec = inv.spec

@@ -3,7 +3,8 @@
 #   scripts/gpu_check.sh            # from the repo root, with gpufn installed (CUDA torch)
 # Prints what the device is, then runs the @pytest.mark.gpu tests verbosely with their
 # printed measurements (NCCL init time, MemPool bytes vs allocator deltas, host reload
-# bandwidth vs a plain pinned copy, cold/warm call times on the GPU).
+# bandwidth vs a plain pinned copy, cold/warm call times on the GPU, a sharded model's
+# MemPool bytes and offload/restore bandwidth per rank, NCCL on the resident gang).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -3,6 +3,10 @@ model thread, inside the device's memory pool (`ModelArena`), reported to the sc
 
 Calls that need a model wait until it is resident (or fail with the loader's error);
 `Model.get()` inside a call returns the instance resident on this device.
+
+A sharded model's loader needs the gang's process group: its load order is kept until
+the call that needs it has joined the group, then runs on the model thread with that
+call's `gpufn.context()` (rank, world size, device, group, mesh).
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gpufn import call_context as ctxmod
 from gpufn import protocol as p
 from gpufn import serialization as ser
 from gpufn.exceptions import GpufnError, ModelLoadError, OutOfMemory, kind_of
 from gpufn.protocol import ModelState
+from gpufn.worker.executor import _is_comm_error
 
 log = logging.getLogger("gpufn.worker")
 
@@ -34,6 +40,9 @@ class ModelManager:
         self._lock = threading.Lock()
         self._ready: dict[str, threading.Event] = {}
         self._errors: dict[str, GpufnError] = {}
+        self._comm: set[str] = set()  # keys whose loader failed because a peer rank went away
+        # sharded loads waiting for their call to join the gang: key -> (spec, frames)
+        self._pending: dict[str, tuple[dict[str, Any], tuple[Any, ...]]] = {}
 
     # ------------------------------------------------------------------ orders
 
@@ -42,6 +51,11 @@ class ModelManager:
         with self._lock:
             self._ready[key] = threading.Event()
             self._errors.pop(key, None)
+            self._comm.discard(key)
+            fresh = key not in self.arena.resident() and key not in self.arena.offloaded()
+            if spec.get("sharded") and not spec.get("restore") and fresh:
+                self._pending[key] = (spec, frames)  # run by `prepare`, inside the group
+                return
         self.ops.submit(self._load, key, spec, frames)
 
     def evict(self, key: str, offload: bool) -> None:
@@ -51,9 +65,11 @@ class ModelManager:
         with self._lock:
             return self._ready.setdefault(key, threading.Event())
 
-    def _load(self, key: str, spec: dict[str, Any], frames: tuple[Any, ...]) -> None:
+    def _load(self, key: str, spec: dict[str, Any], frames: tuple[Any, ...],
+              context: ctxmod.CallContext | None = None) -> None:
         restore = bool(spec.get("restore"))
         name = spec.get("name", key)
+        ctxmod._set(context)  # a shard's loader asks gpufn.context() for its rank and group
         try:
             if key in self.arena.resident():  # already here (the ledger was reset): adopt it
                 nbytes, seconds = self.arena.resident()[key], 0.0
@@ -66,9 +82,13 @@ class ModelManager:
                 rep = self.arena.load(key, loader)
                 nbytes, seconds = rep.nbytes, rep.seconds
         except BaseException as e:
+            ctxmod._set(None)
             if isinstance(e, OutOfMemory):
                 err: GpufnError = e
             else:
+                if context is not None and _is_comm_error(e):
+                    with self._lock:
+                        self._comm.add(key)
                 tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
                 what = "bringing model {!r} back from host memory" if restore else "the loader of model {!r}"
                 err = ModelLoadError(f"{what.format(name)} raised {type(e).__name__}: {e}\n{tb}")
@@ -83,12 +103,14 @@ class ModelManager:
             self.emit(p.ModelEvent(key, ModelState.LOAD_FAILED, needed, 0.0, kind_of(err), str(err)))
             self._event(key).set()
             return
+        ctxmod._set(None)
         self.emit(p.ModelEvent(key, ModelState.RESIDENT, nbytes, seconds, "", "restored" if restore else ""))
         self._event(key).set()
 
     def _evict(self, key: str, offload: bool) -> None:
         with self._lock:
             self._ready.pop(key, None)
+            self._pending.pop(key, None)
         try:
             if offload:
                 report = self.arena.offload(key)
@@ -109,25 +131,47 @@ class ModelManager:
 
     # ------------------------------------------------------------------ calls
 
-    def prepare(self, models: dict[str, str]) -> None:
+    def prepare(self, models: dict[str, str], join: Callable[[], None] | None = None,
+                context: ctxmod.CallContext | None = None) -> None:
         """In the call's thread: wait until its models are resident; map names for get().
 
+        `join` (a gang rank joining its group) runs once the whole models are in and
+        before any sharded load this call starts (that loader needs the group).
         The wait is in short slices so a cancel (an async exception) lands at once, and
         it is not bounded by the call's timeout: the scheduler starts that clock only
         once the models are resident."""
+        with self._lock:
+            shards = {k: self._pending.pop(k) for k in models.values() if k in self._pending}
         for key in models.values():
-            ev = self._event(key)
-            while not ev.wait(0.05):
-                pass
-            with self._lock:
-                err = self._errors.get(key)
-            if err is not None:
-                raise type(err)(str(err))
+            if key not in shards:
+                self._wait(key)
+        if join is not None:
+            join()
+        for key, (spec, frames) in shards.items():
+            self.ops.submit(self._load, key, spec, frames, context)
+        for key in shards:
+            self._wait(key)
         _call_models.mapping = dict(models)
+
+    def _wait(self, key: str) -> None:
+        ev = self._event(key)
+        while not ev.wait(0.05):
+            pass
+        with self._lock:
+            err = self._errors.get(key)
+            comm = key in self._comm
+        if err is not None:
+            if comm:  # a consequence of a peer failing: the peer's error is the call's
+                from gpufn.worker.groups import GangAborted
+
+                raise GangAborted(str(err))
+            raise type(err)(str(err))
 
     def forget_all(self) -> None:
         """The scheduler lost track of this worker (it restarted): drop every model, so
         the ledger it starts afresh is true."""
+        with self._lock:
+            self._pending.clear()
         for key in [*self.arena.resident(), *self.arena.offloaded()]:
             self.ops.submit(self._evict, key, False)
 

@@ -174,10 +174,8 @@ class WorkerProcess:
             return
         manager, needed, then = self.models, call.models, call.prepare
 
-        def prepare() -> None:  # in the call's thread: its models first, then the group
-            manager.prepare(needed)
-            if then is not None:
-                then()
+        def prepare() -> None:  # in the call's thread: models, the group, then shards
+            manager.prepare(needed, then, call.context)
 
         call.prepare = prepare
         if a.inline:

@@ -45,8 +45,18 @@ def models_table(status: dict[str, Any]) -> Table | None:
     t = Table(title="models", title_justify="left")
     for col in ("device", "model", "state", "bytes", "users", "in use", "uses"):
         t.add_column(col)
+    shown: set[str] = set()
     for key, m in rows:
-        t.add_row(key, m["name"], m["state"], format_bytes(m["nbytes"]), ", ".join(m.get("users", [])),
+        if m.get("shards"):  # a sharded model: one row, its gang and each rank's bytes
+            if m["key"] in shown:
+                continue
+            shown.add(m["key"])
+            parts = [(k, s) for k, s in rows if s["key"] == m["key"]]
+            key = " + ".join(k for k, _ in parts)
+            size = " + ".join(format_bytes(s["nbytes"]) for _, s in parts)
+        else:
+            size = format_bytes(m["nbytes"])
+        t.add_row(key, m["name"], m["state"], size, ", ".join(m.get("users", [])),
                   str(m.get("in_use", 0)), str(m.get("uses", 0)))
     return t
 
@@ -64,7 +74,10 @@ def model_counters_table(status: dict[str, Any]) -> Table | None:
         return f"{v * 1000:.0f} ms" if isinstance(v, (int, float)) else "-"
 
     for r in recs:
-        t.add_row(r["name"], format_bytes(r["bytes"]), str(r["loads"]), secs(r["mean_load_s"]),
+        name = r["name"]
+        if r.get("count", 1) > 1:
+            name += f" (TP={r['count']}" + (f" on {', '.join(r['gang'])})" if r.get("gang") else ")")
+        t.add_row(name, format_bytes(r["bytes"]) + (" per device" if r.get("count", 1) > 1 else ""), str(r["loads"]), secs(r["mean_load_s"]),
                   str(r["restores"]), secs(r["mean_restore_s"]), str(r["offloads"]),
                   str(r["evictions"]), str(r["failures"]))
     return t

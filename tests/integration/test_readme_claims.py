@@ -66,8 +66,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
         lines.append(line)
         if m := re.search(r"listening on (tcp://\S+)", line):
             address = m.group(1)
-        if m := re.search(r"GPUFN_TOKEN=(\w+)", line):
-            token = m.group(1)
+        if m := re.search(r"the token is in (\S+)", line):  # never printed itself
+            token = json.loads(Path(m.group(1)).read_text())["token"]
     try:
         assert address and token, "".join(lines)
         yield address, token

@@ -391,6 +391,7 @@ class Client:
                         # The scheduler holds our calls briefly so that workers can say
                         # which of them they ran (see scheduler/recovery.py).
                         self._conn.info["resubmit"] = len(self._calls)
+                        self._conn.info["instance"] = getattr(self, "info", {}).get("instance", "")
                         self._enqueue(self._conn.hello_frames())
                         del self._conn.info["resubmit"]
             else:
@@ -497,6 +498,7 @@ class _SyncChannel:
             raise ConnectionLost(f"the scheduler stopped ({msg.reason})")
         elif self.conn.needs_rehello(msg):
             self.conn.info["resubmit"] = 1  # it may have run (scheduler/recovery.py)
+            self.conn.info["instance"] = getattr(self.client, "info", {}).get("instance", "")
             self._hello()  # forgotten meanwhile: the submit was refused, send again
             del self.conn.info["resubmit"]
             if register is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
@@ -81,7 +82,8 @@ class SchedulerCore:
         self.policy = self.config.policy()
         self.intake = Intake(self.config, self.devices, self.queue, self.models)
         self.placement = PlacementPass(self.config, self.devices, self.queue, self.models)
-        self.recovery = Recovery(self.config.restart_grace_seconds)
+        self.instance = secrets.token_hex(8)  # tells a client whether it was forgotten or we restarted
+        self.recovery = Recovery(self.config.restart_grace_seconds, self.instance)
         self.needs_rendezvous = False
         self._wakeup_at: float | None = None
         self._deadlines: list[tuple[float, int, Invocation]] = []
@@ -107,6 +109,8 @@ class SchedulerCore:
     def handle_many(self, events: Iterable[Event], now: float) -> list[Send]:
         """Apply events in order, then run one scheduling pass; return the sends."""
         self.tx.now = now
+        if self.recovery.began is None:
+            self.recovery.began = now
         for ev in events:
             try:
                 self._on_event(ev, now)
@@ -225,7 +229,7 @@ class SchedulerCore:
 
     def _cluster_info(self) -> dict[str, Any]:
         return {"protocol": p.PROTOCOL_VERSION, "devices": len(self.devices),
-                "client_timeout": self.config.client_timeout,
+                "client_timeout": self.config.client_timeout, "instance": self.instance,
                 "runtimes": handshake.runtimes(self.peers.values())}
 
     def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:

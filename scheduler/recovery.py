@@ -6,8 +6,9 @@ queued from one that was running. Workers that register again list the calls the
 lately (still running, or finished with a result that may have died with the old
 scheduler). A resubmitted call that a worker ran cannot be known to have completed, so
 it counts as an attempt lost with its worker: retried when `retries` allows, else it
-fails with `WorkerLost`. Resubmitted calls wait `restart_grace_seconds` before they are
-eligible, so that the workers can register (and say what they ran) first.
+fails with `WorkerLost`. Calls resubmitted in the first `restart_grace_seconds` after the
+scheduler started wait until then, so that the workers can register (and say what they
+ran) first; a client forgotten later (it fell silent) resubmits with no wait.
 """
 
 from __future__ import annotations
@@ -19,14 +20,19 @@ RAN_MEMORY_SECONDS = 300.0  # how long a worker's report waits for its call's re
 
 
 class Recovery:
-    def __init__(self, grace: float) -> None:
+    def __init__(self, grace: float, instance: str = "") -> None:
         self.grace = grace
+        self.instance = instance  # this scheduler's id: a client that knew it was not restarted
         self.ran: dict[str, float] = {}  # invocation id -> when a worker said it ran
         self._resubmit_until: dict[bytes, float] = {}  # client -> end of its grace
+        self.began: float | None = None  # when this scheduler handled its first event
 
     def client_hello(self, peer: bytes, info: dict[str, Any], now: float) -> None:
-        if info.get("resubmit"):
-            self._resubmit_until[peer] = now + self.grace
+        if self.began is None:
+            self.began = now
+        same = bool(self.instance) and info.get("instance") == self.instance  # only forgotten
+        if info.get("resubmit") and not same and now < self.began + self.grace:  # restarted
+            self._resubmit_until[peer] = self.began + self.grace
 
     def not_before(self, peer: bytes, now: float) -> float:
         """When a call this client submits may start (0: at once)."""

@@ -196,3 +196,23 @@ def test_calls_of_a_client_that_was_not_forgotten_start_at_once() -> None:
     w = h.start_worker(0)
     inv = h.submit(h.register("f"))
     assert [r.invocation_id for r in h.runs(w)] == [inv]
+
+
+def test_a_client_forgotten_long_after_the_start_resubmits_without_waiting() -> None:
+    """It fell silent and was forgotten; the scheduler did not restart: nothing to wait for."""
+    h = Harness(devices=1, restart_grace_seconds=3.0)
+    w = h.start_worker(0)
+    f = h.register("f")
+    h.tick(10.0)
+    h.hello(b"back", p.Role.CLIENT, info={"resubmit": 1})
+    inv = h.submit(f, b"back")
+    assert [r.invocation_id for r in h.runs(w)] == [inv]
+
+
+def test_a_client_forgotten_by_the_same_scheduler_resubmits_without_waiting() -> None:
+    h = Harness(devices=1, restart_grace_seconds=3.0)
+    w = h.start_worker(0)
+    f = h.register("f")
+    h.hello(b"back", p.Role.CLIENT, info={"resubmit": 1, "instance": h.core.instance})
+    inv = h.submit(f, b"back")
+    assert [r.invocation_id for r in h.runs(w)] == [inv]

@@ -29,9 +29,10 @@ from gpufn.exceptions import (
     Unschedulable,
     WorkerLost,
 )
-from gpufn.function import Function, FunctionCall, gpu
+from gpufn.function import Function, FunctionCall, gather, gpu
 from gpufn.model import Model, model
-from gpufn.spec import GpuSpec
+from gpufn.spec import GpuSpec, Retries
+from gpufn.streams import CallStream
 
 if TYPE_CHECKING:
     from gpufn import parallel as parallel
@@ -39,11 +40,11 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuthenticationError", "CallContext", "Cancelled", "Client", "ConnectionLost", "Function",
-    "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
-    "OutOfMemory", "PayloadTooLarge", "ProtocolMismatch", "QueueFull", "RemoteError",
+    "AuthenticationError", "CallContext", "CallStream", "Cancelled", "Client", "ConnectionLost",
+    "Function", "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
+    "OutOfMemory", "PayloadTooLarge", "ProtocolMismatch", "QueueFull", "RemoteError", "Retries",
     "SerializationError", "Timeout", "Unschedulable", "WorkerLost", "connect", "context",
-    "current_device", "gpu", "model",
+    "current_device", "gather", "gpu", "model",
 ]
 
 if not TYPE_CHECKING:  # hidden from type checkers, which would type every unknown name as Any

@@ -54,6 +54,7 @@ from gpufn.scheduler.records import Device, FunctionRecord, Invocation, Peer
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import DeviceState, InvState
+from gpufn.scheduler.streams import StreamDesk
 from gpufn.scheduler.transitions import Transitions
 
 log = logging.getLogger("gpufn.scheduler")
@@ -67,10 +68,8 @@ _ROLES_ALLOWED: dict[type, frozenset[str]] = {
     p.Register: frozenset({p.Role.CLIENT}),
     p.Submit: frozenset({p.Role.CLIENT}),
     p.Cancel: frozenset({p.Role.CLIENT}),
-    p.Result: frozenset({p.Role.WORKER}),
-    p.Output: frozenset({p.Role.WORKER}),
-    p.Heartbeat: frozenset({p.Role.WORKER}),
-    p.ModelEvent: frozenset({p.Role.WORKER}),
+    p.Result: frozenset({p.Role.WORKER}), p.Output: frozenset({p.Role.WORKER}),
+    p.Heartbeat: frozenset({p.Role.WORKER}), p.ModelEvent: frozenset({p.Role.WORKER}),
     p.WorkerExited: frozenset({p.Role.SUPERVISOR}),
 }
 
@@ -106,6 +105,7 @@ class SchedulerCore:
             p.WorkerExited: self._on_worker_exited, p.ModelEvent: self._on_model_event,
         }
         self.ops = OpsDesk(self)  # logs, usage and drain (wraps the Output/Submit handlers)
+        self.streams = StreamDesk(self)  # streamed values, from_id callers (wraps Submit)
 
     # ------------------------------------------------------------------ entry points
 
@@ -445,7 +445,7 @@ class SchedulerCore:
             return
         result = p.Result(inv.id, msg.ok, msg.error_kind, msg.message,
                           self.tx.meta(inv, now, msg.meta), msg.frames)
-        self.tx.finish(inv, now, InvState.SUCCEEDED if msg.ok else InvState.FAILED, result=result)
+        self.tx.retry_or_fail(inv, now, result)  # a Retries(on=...) match queues it again
 
     def _on_rank_result(self, inv: Invocation, d: Device, msg: p.Result, now: float) -> None:
         """One process of a multi-device call reported. A failure stops the others; the

@@ -97,6 +97,9 @@ class PlacementPass:
             inv = self.queue.head(fid)
             if inv is None:
                 continue
+            if inv.not_before > now:  # a retry in its backoff (its function waits behind it)
+                yield WakeAt(inv.not_before)
+                continue
             if inv.spec.count > 1:
                 reserved = reservation.devices if reservation and owner is not inv else ()
                 placed = yield from self._gang(inv, reserved, rendezvous_port)

@@ -92,6 +92,8 @@ class Invocation:
     run_started: float | None = None
     unstarted_losses: int = 0  # lost with its worker before it ever started (no retry used)
     user: str = ""  # the caller's OS user (from its Hello), for usage by user
+    items: int = 0  # values a generator call has streamed to its caller (no retry after one)
+    not_before: float = 0.0  # a retry waits for its backoff: placement skips it until then
 
     @property
     def reporters(self) -> int:

@@ -133,6 +133,9 @@ class Client:
         fut: Future[p.Result] = Future()
         frames = p.encode(p.Attach(invocation_id))
         with self._lock:
+            mine = self._calls.get(invocation_id)
+            if mine is not None:  # made (or attached to) by this client: the same result
+                return mine.future
             self._calls[invocation_id] = _Pending(fut, name, "", frames)
         self._enqueue(frames)
         return fut

@@ -110,7 +110,8 @@ class Transitions:
         spec = inv.spec
         base = p.RunMeta(attempt_number=inv.attempts, timeout=spec.timeout,
                          concurrency=spec.concurrency,
-                         inline=is_short(inv, self.config.short_call_seconds))
+                         inline=is_short(inv, self.config.short_call_seconds),
+                         retry_on=list(spec.retry_on) or None)
         if inv.shape is Shape.BATCH:
             base.batch = [len(m.frames) for m in inv.members]
             base.members = [m.id for m in inv.members]

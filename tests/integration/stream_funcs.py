@@ -55,10 +55,11 @@ async def async_double(x: int, delay: float = 0.0) -> dict[str, object]:
 
 
 @gpufn.gpu(concurrency=4)
-async def async_nap(seconds: float) -> float:
+async def async_nap(seconds: float) -> tuple[float, int, int]:
+    """How long it slept, and the worker process and event loop it ran on."""
     t0 = time.monotonic()
     await asyncio.sleep(seconds)
-    return time.monotonic() - t0
+    return time.monotonic() - t0, os.getpid(), id(asyncio.get_running_loop())
 
 
 @gpufn.gpu

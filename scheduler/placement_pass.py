@@ -176,7 +176,8 @@ class PlacementPass:
                 vs = victim.spec
                 if (victim.state is not InvState.RUNNING or not vs.preemptible
                         or vs.priority >= spec.priority or victim.shape.multi_device
-                        or victim.id in d.stopping or victim.members):
+                        or victim.id in d.stopping or victim.members
+                        or victim.items):  # a stream that delivered values cannot restart
                     continue
                 if d.ledger.free + vs.memory < spec.memory:
                     continue

@@ -77,7 +77,7 @@ def test_a_slow_consumer_blocks_the_producer(cluster: gpufn.Client, tmp_path: Pa
 
 def test_break_and_garbage_collection_cancel_the_generator(cluster: gpufn.Client,
                                                            tmp_path: Path) -> None:
-    for i, v in enumerate(produce.remote_gen(str(tmp_path / "p1"), str(tmp_path / "m1"))):
+    for i, _v in enumerate(produce.remote_gen(str(tmp_path / "p1"), str(tmp_path / "m1"))):
         if i == 3:
             break
     gc.collect()

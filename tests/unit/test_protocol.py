@@ -36,6 +36,10 @@ SAMPLES: list[p.Message] = [
     p.Query(3, p.QueryKind.LOGS, {"target": "app.fn", "since": 600.0}),
     p.QueryReply(3, True, {"lines": []}), p.QueryReply(3, False, error="unknown query"),
     p.Drain(4, 30.0, "maintenance"),
+    p.Item("i1", 3, 0, (b"value",)), p.Credit("i1", 0, 32), p.Attach("i1"),
+    p.Result("i3", False, "", "raised", p.ResultMeta(items=3, first_item_s=0.1, items_per_s=30.0,
+                                                     retryable=True), (b"exc",)),
+    p.Run("i1", "f1", "c1", "f", 2, p.RunMeta(retry_on=["builtins.ConnectionError"]), (b"args",)),
 ]
 
 

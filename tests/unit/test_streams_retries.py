@@ -3,10 +3,14 @@ the worker's retryable judgement; the Retries spec."""
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import pytest
 
 from gpufn import protocol as p
-from gpufn.exceptions import InvalidSpec
+from gpufn.exceptions import Cancelled, InvalidSpec
 from gpufn.scheduler.states import InvState
 from gpufn.spec import GpuSpec, Retries, make_spec, retry_delay
 from gpufn.worker.executor import retryable
@@ -87,7 +91,7 @@ def test_items_pass_through_in_order_and_credits_reach_the_worker() -> None:
 
 
 def test_clients_may_not_send_items_and_strangers_may_not_credit() -> None:
-    h, w, fid = _one_device()
+    h, _w, fid = _one_device()
     inv = h.submit(fid)
     h.feed(b"cli", p.Item(inv, h.token(inv), 0, (b"forged",)))
     assert not [s for s in h.of_type(p.Item) if s.peer == b"cli"]
@@ -135,11 +139,106 @@ class _Mine(ConnectionResetError):
 
 
 def test_retryable_matches_along_the_mro_and_never_gpufn_errors() -> None:
-    from gpufn.exceptions import Cancelled
-
     on = ["builtins.ConnectionError"]
     assert retryable(_Mine("x"), on)
     assert not retryable(ValueError("x"), on)
     assert retryable(ValueError("x"), ["builtins.Exception"])
     assert not retryable(Cancelled("x"), ["builtins.Exception"])
     assert not retryable(ConnectionError("x"), None)
+
+
+# --------------------------------------------------------------------------- the worker's driver
+
+
+def _call(rank: int = 0) -> Any:
+    from gpufn.call_context import CallContext
+    from gpufn.worker.executor import Call
+
+    return Call("inv1", "gen", lambda: None, (), CallContext("inv1", "gen", rank=rank),
+                dispatch_token=7)
+
+
+def _drive_in_thread(driver: Any, call: Any, value: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(driver.drive(call, value))
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_driver_sends_a_window_then_waits_for_credit_and_stops_on_cancel() -> None:
+    from gpufn.worker.streaming import Driver
+
+    sent: list[p.Message] = []
+    produced: list[int] = []
+    closed = threading.Event()
+
+    def gen() -> Any:
+        try:
+            for i in range(1000):
+                produced.append(i)
+                yield i
+        finally:
+            closed.set()
+
+    driver = Driver(sent.append)
+    call = _call()
+    t, out = _drive_in_thread(driver, call, gen())
+    deadline = time.monotonic() + 10
+    while len(sent) < p.STREAM_WINDOW and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(sent) == len(produced) == p.STREAM_WINDOW  # blocked before producing more
+    assert [m.seq for m in sent] == list(range(p.STREAM_WINDOW))  # type: ignore[attr-defined]
+    driver.grant("inv1", 7, p.STREAM_WINDOW + 4)
+    while len(sent) < p.STREAM_WINDOW + 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(sent) == p.STREAM_WINDOW + 4
+    driver.grant("inv1", 99, 500)  # another dispatch's credit: ignored
+    time.sleep(0.2)
+    assert len(sent) == p.STREAM_WINDOW + 4
+    assert driver.interrupt("inv1", 7)
+    t.join(10)
+    assert closed.is_set() and isinstance(out[0], Cancelled)
+    assert call.meta["items"] == p.STREAM_WINDOW + 4
+
+
+def test_driver_other_ranks_send_nothing_and_coroutines_run_on_one_loop() -> None:
+    import asyncio
+
+    from gpufn.worker.streaming import Driver
+
+    sent: list[p.Message] = []
+    driver = Driver(sent.append)
+    t, out = _drive_in_thread(driver, _call(rank=1), iter_gen(100))
+    t.join(10)
+    assert out == [None] and not sent  # rank 1 ran in lockstep without sending
+
+    async def loop_id() -> int:
+        await asyncio.sleep(0)
+        return id(asyncio.get_running_loop())
+
+    assert driver.drive(_call(), loop_id()) == driver.drive(_call(), loop_id())
+
+
+def iter_gen(n: int) -> Any:
+    yield from range(n)
+
+
+def test_worker_core_turns_credits_into_grants_and_never_inlines_generators() -> None:
+    from gpufn import serialization as ser
+    from gpufn.worker.core import Execute, Grant, WorkerCore
+
+    core = WorkerCore("n:0")
+    assert core.handle(p.Credit("i", 3, 40)) == [Grant("i", 3, 40)]
+    code_id, frames = ser.dump_code(iter_gen, "iter_gen")
+    core.handle(p.LoadCode(code_id, "iter_gen", tuple(frames)))
+    actions = core.handle(p.Run("i", "f", code_id, "iter_gen", 1, p.RunMeta(inline=True), ()))
+    assert isinstance(actions[-1], Execute) and actions[-1].inline is False

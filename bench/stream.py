@@ -51,7 +51,7 @@ def main() -> None:
     for _ in range(a.repeats):
         t0 = time.perf_counter()
         first = None
-        for v in tokens.remote_gen(a.items, a.step):
+        for _v in tokens.remote_gen(a.items, a.step):
             if first is None:
                 first = time.perf_counter() - t0
         lasts.append(time.perf_counter() - t0)

@@ -194,9 +194,15 @@ class Driver:
             raise Cancelled("cancelled")
         ctx, inv = call.context, call.invocation_id
 
+        models = call.models
+
         async def in_context() -> Any:
             ctxmod._set_async(ctx)  # this task's copy of the context only
             set_current_async(inv)
+            if models:  # Model.get() inside the coroutine
+                from gpufn.worker.model_cache import set_async_models
+
+                set_async_models(models)
             return await coro
 
         fut = asyncio.run_coroutine_threadsafe(in_context(), self.events.loop())

@@ -115,3 +115,21 @@ def wrong_error(counter: str) -> None:
     n = int(path.read_text()) if path.exists() else 0
     path.write_text(str(n + 1))
     raise ValueError("not retried")
+
+
+@gpufn.model(memory="1MiB")
+def tiny_table() -> dict[str, int]:
+    return {"answer": 42}
+
+
+@gpufn.gpu(models=[tiny_table])
+async def async_uses_model(key: str) -> int:
+    await asyncio.sleep(0)
+    return tiny_table.get()[key]
+
+
+@gpufn.gpu(models=[tiny_table])
+async def async_gen_uses_model(key: str, n: int) -> AsyncIterator[int]:
+    for i in range(n):
+        await asyncio.sleep(0)
+        yield tiny_table.get()[key] + i

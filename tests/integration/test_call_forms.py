@@ -134,3 +134,10 @@ def test_retries_on_a_raised_exception_with_backoff(cluster: gpufn.Client, tmp_p
     with pytest.raises(ValueError, match="not retried"):
         wrong_error.remote(str(tmp_path / "c3"))  # not in on=(ConnectionError,)
     assert (tmp_path / "c3").read_text() == "1"
+
+
+def test_async_functions_reach_their_models(cluster: gpufn.Client) -> None:
+    from .stream_funcs import async_gen_uses_model, async_uses_model
+
+    assert async_uses_model.remote("answer") == 42
+    assert list(async_gen_uses_model.remote_gen("answer", 3)) == [42, 43, 44]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpufn.call_context import CallContext, context, current_device
+from gpufn.call_forms import gather
 from gpufn.client import Client, connect
 from gpufn.exceptions import (
     AuthenticationError,
@@ -29,7 +30,7 @@ from gpufn.exceptions import (
     Unschedulable,
     WorkerLost,
 )
-from gpufn.function import Function, FunctionCall, gather, gpu
+from gpufn.function import Function, FunctionCall, gpu
 from gpufn.model import Model, model
 from gpufn.spec import GpuSpec, Retries
 from gpufn.streams import CallStream

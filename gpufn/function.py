@@ -18,6 +18,7 @@ from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 from gpufn import config
 from gpufn import protocol as p
 from gpufn import serialization as ser
+from gpufn.call_forms import RemoteGenAttr, check_kind
 from gpufn.client import Client, get_client
 from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
 from gpufn.spec import OPTION_NAMES, GpuSpec, Retries, make_spec
@@ -82,31 +83,6 @@ class _RemoteAttr:
     def __get__(self, obj: Function[P2, R2], cls: Any = None) -> _Remote[P2, R2]: ...
     def __get__(self, obj: Function[Any, Any] | None, cls: Any = None) -> Any:
         return self if obj is None else _Remote(obj)
-
-
-class _RemoteGen:
-    """`for v in f.remote_gen(*args, **kwargs)`: run a generator function on a worker and
-    iterate its values as they are produced; `async for v in f.remote_gen.aio(...)`."""
-
-    __slots__ = ("_fn",)
-
-    def __init__(self, fn: Function[Any, Any]) -> None:
-        self._fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> CallStream[Any]:
-        return self._fn._remote_gen(*args, **kwargs)
-
-    def aio(self, *args: Any, **kwargs: Any) -> CallStream[Any]:
-        return self._fn._remote_gen(*args, **kwargs)  # a CallStream is async-iterable too
-
-
-class _RemoteGenAttr:
-    @overload
-    def __get__(self, obj: None, cls: Any = None) -> _RemoteGenAttr: ...
-    @overload
-    def __get__(self, obj: Function[Any, Any], cls: Any = None) -> _RemoteGen: ...
-    def __get__(self, obj: Function[Any, Any] | None, cls: Any = None) -> Any:
-        return self if obj is None else _RemoteGen(obj)
 
 
 class _Map(Generic[R]):
@@ -328,6 +304,7 @@ class Function(Generic[P, R]):
             raise InvalidSpec(f"unknown option(s) {sorted(unknown)} in with_options(); "
                               f"known options: {', '.join(OPTION_NAMES)}")
         new = Function(self._fn, make_spec(self.spec, **options), models)
+        check_kind(self._fn, new.spec)
         new._code = self._code
         new.name = self.name
         return new
@@ -384,7 +361,7 @@ class Function(Generic[P, R]):
         fut, items = client.submit_stream(sub, self.name)
         return FunctionCall(sub.invocation_id, fut, self.name, client, items).stream()
 
-    remote_gen = _RemoteGenAttr()
+    remote_gen = RemoteGenAttr()
 
     def _not_for_generators(self, form: str) -> None:
         if self._yields:
@@ -479,20 +456,6 @@ def _inputs(iterables: tuple[Iterable[Any], ...], kwargs: dict[str, Any] | None,
         raise TypeError(f"kwargs= must be a dict of keyword arguments, got {type(kwargs).__name__}")
     kw = kwargs or {}
     return ((a, kw) for a in zip(*iterables, strict=False))
-
-
-def gather(*calls: FunctionCall[Any]) -> list[Any]:
-    """The results of several spawned calls, in order. If one fails, the calls not done
-    yet are cancelled and its error is raised."""
-    out = []
-    try:
-        for call in calls:
-            out.append(call.get())
-    except BaseException:
-        for call in calls:
-            call.cancel()  # a finished call ignores it
-        raise
-    return out
 
 
 def _total(iterables: tuple[Iterable[Any], ...]) -> int | None:
@@ -699,20 +662,6 @@ def _check_models(models: Any) -> tuple[Any, ...]:
     return out
 
 
-def _check_kind(fn: Callable[..., Any], spec: GpuSpec) -> None:
-    """Refuse the combinations a generator or async function cannot run in."""
-    gen = inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
-    name = getattr(fn, "__qualname__", "function")
-    if not spec.spmd and (gen or inspect.iscoroutinefunction(fn)):
-        raise InvalidSpec(f"{name}: generator and async functions need spmd=True "
-                          "(with spmd=False the call runs in a helper process that cannot stream)")
-    if gen and spec.batch_size is not None:
-        raise InvalidSpec(f"{name}: a generator function cannot be batched (batch_size=)")
-    if gen and spec.gather:
-        raise InvalidSpec(f"{name}: a generator function streams rank 0's values; gather=True "
-                          "is for functions that return")
-
-
 class _GpuDecorator(Protocol):
     """What `gpu(...)` with options returns: a decorator that keeps the signature."""
 
@@ -764,7 +713,7 @@ def gpu(
             fn = fn._fn
         if not callable(fn):
             raise InvalidSpec(f"@gpu decorates a function, not {fn!r}")
-        _check_kind(fn, spec)
+        check_kind(fn, spec)
         return Function(fn, spec, model_objs)
 
     if _fn is not None:

@@ -136,3 +136,5 @@ def test_generator_options_refused_at_decoration() -> None:
         gpufn.gpu(batch_size=4)(gen)
     with pytest.raises(gpufn.InvalidSpec, match="spmd"):
         gpufn.gpu(count=2, spmd=False)(gen)
+    with pytest.raises(gpufn.InvalidSpec, match="batched"):
+        count.with_options(batch_size=2)

@@ -44,15 +44,20 @@ class StreamDesk:
         })
         core.tx.on_result = self.on_result
 
-    def _role(self, peer: bytes) -> str:
+    def _allowed(self, peer: bytes, msg: p.Message, role: str) -> bool:
+        """Only `role` may send `msg` (the core has checked that the peer said Hello)."""
         known = self.core.peers.get(peer)
-        return known.role if known is not None else ""
+        if known is not None and known.role == role:
+            return True
+        self.core._send(peer, p.Error(kind_of(GpufnError), (
+            f"a {known.role if known else 'stranger'} may not send {type(msg).__name__}")))
+        return False
 
     # ------------------------------------------------------------------ streams
 
     def _on_item(self, peer: bytes, msg: p.Item, now: float) -> None:
         core = self.core
-        if self._role(peer) != p.Role.WORKER:
+        if not self._allowed(peer, msg, p.Role.WORKER):
             return
         inv = core.invocations.get(msg.invocation_id)
         d = core._device_of(peer)
@@ -65,6 +70,8 @@ class StreamDesk:
 
     def _on_credit(self, peer: bytes, msg: p.Credit, now: float) -> None:
         core = self.core
+        if not self._allowed(peer, msg, p.Role.CLIENT):
+            return
         inv = core.invocations.get(msg.invocation_id)
         if inv is None or inv.client != peer or inv.state is not InvState.RUNNING or not inv.devices:
             return
@@ -85,7 +92,7 @@ class StreamDesk:
             self.keep.add(msg.invocation_id)
 
     def _on_attach(self, peer: bytes, msg: p.Attach, now: float) -> None:
-        if self._role(peer) != p.Role.CLIENT:
+        if not self._allowed(peer, msg, p.Role.CLIENT):
             return
         core = self.core
         if msg.invocation_id in core.invocations:

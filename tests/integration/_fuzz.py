@@ -29,8 +29,9 @@ from gpufn.memory_pool.probe import simulated_devices
 
 # Messages the scheduler accepts from some role (the rest are "unexpected" from anyone).
 INBOUND = (p.Hello, p.Ping, p.Goodbye, p.Register, p.Submit, p.Cancel, p.StatusRequest,
-           p.Result, p.Output, p.Heartbeat, p.WorkerExited, p.ModelEvent)
-CLIENT_FORBIDDEN = (p.Result, p.Output, p.Heartbeat, p.ModelEvent, p.WorkerExited)
+           p.Result, p.Output, p.Heartbeat, p.WorkerExited, p.ModelEvent, p.Item, p.Credit,
+           p.Attach, p.Query, p.Drain)  # Query, Drain: a client may send them (Drain stops it)
+CLIENT_FORBIDDEN = (p.Result, p.Output, p.Heartbeat, p.ModelEvent, p.WorkerExited, p.Item)
 
 
 def _rand_str(rng: random.Random, n: int = 12) -> str:

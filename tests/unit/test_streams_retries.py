@@ -93,8 +93,9 @@ def test_items_pass_through_in_order_and_credits_reach_the_worker() -> None:
 def test_clients_may_not_send_items_and_strangers_may_not_credit() -> None:
     h, _w, fid = _one_device()
     inv = h.submit(fid)
-    h.feed(b"cli", p.Item(inv, h.token(inv), 0, (b"forged",)))
+    out = h.feed(b"cli", p.Item(inv, h.token(inv), 0, (b"forged",)))
     assert not [s for s in h.of_type(p.Item) if s.peer == b"cli"]
+    assert [s.msg for s in out if isinstance(s.msg, p.Error)]
     h.hello(b"other", p.Role.CLIENT)
     h.feed(b"other", p.Credit(inv, 0, 99))
     assert not h.of_type(p.Credit)

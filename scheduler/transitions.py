@@ -132,11 +132,15 @@ class Transitions:
             return [replace(base, multi=multi)] + [None] * (len(devices) - 1)
         return [base]
 
-    def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False) -> None:
-        """RUNNING -> QUEUED: the run ended without a result; the call waits again."""
+    def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False,
+                not_before: float | None = None) -> None:
+        """RUNNING -> QUEUED: the run ended without a result; the call waits again (with
+        `not_before`: placement leaves it queued until then, a retry's backoff)."""
         if self.on_run_end is not None:
             self.on_run_end(inv, InvState.QUEUED, now)
         inv.requeue(now)
+        if not_before is not None:
+            inv.not_before = not_before
         self.queue.push(inv)
         self.dirty = True
         if retry:
@@ -316,9 +320,9 @@ class Transitions:
             if release:
                 for key in inv.devices:
                     self.release_device(inv, self.devices.get(key))
-            inv.not_before = now + delay
             self.requeue(inv, now, f"raised {result.meta.error_type or 'an exception'}; retry "
-                                   f"{n} of {inv.spec.retries} in {delay:g}s", retry=True)
+                                   f"{n} of {inv.spec.retries} in {delay:g}s", retry=True,
+                         not_before=now + delay)
             return
         self.finish(inv, now, InvState.SUCCEEDED if result.ok else InvState.FAILED,
                     result=result, release=release)

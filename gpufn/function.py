@@ -19,6 +19,7 @@ from gpufn import config
 from gpufn import protocol as p
 from gpufn import serialization as ser
 from gpufn.call_forms import RemoteGenAttr, check_kind
+from gpufn.call_forms import gather as _gather
 from gpufn.client import Client, get_client
 from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
 from gpufn.spec import OPTION_NAMES, GpuSpec, Retries, make_spec
@@ -186,6 +187,8 @@ class FunctionCall(Generic[R]):
         Not for a generator's values, which only its spawner streams."""
         client = get_client()
         return cls(invocation_id, client.attach(invocation_id), "call", client)
+
+    gather = staticmethod(_gather)  # FunctionCall.gather(*calls), as in Modal: gpufn.gather
 
     def stream(self) -> CallStream[Any]:
         """The values of a spawned generator call, as they are produced (iterate once)."""

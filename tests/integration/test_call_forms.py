@@ -82,6 +82,7 @@ def test_map_kwargs_for_each_spawn_map_gather(cluster: gpufn.Client, tmp_path: P
     calls = add.spawn_map(range(5), kwargs={"y": 1})
     assert len(calls) == 5 and all(isinstance(c, gpufn.FunctionCall) for c in calls)
     assert gpufn.gather(*calls) == [1, 2, 3, 4, 5]
+    assert gpufn.FunctionCall.gather(*calls[:2]) == [1, 2]
     with pytest.raises(ValueError, match="bad input 3"):
         gpufn.gather(*fail.spawn_map(range(5)))
 

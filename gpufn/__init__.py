@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpufn.call_context import CallContext, context, current_device
+from gpufn.call_forms import gather
 from gpufn.client import Client, connect
 from gpufn.deployment import DeployError, Deployment, deploy
 from gpufn.exceptions import (
@@ -35,7 +36,8 @@ from gpufn.exceptions import (
 from gpufn.function import Function, FunctionCall, gpu
 from gpufn.lookup import DeployedFunction, lookup
 from gpufn.model import Model, model
-from gpufn.spec import GpuSpec
+from gpufn.spec import GpuSpec, Retries
+from gpufn.streams import CallStream
 
 if TYPE_CHECKING:
     from gpufn import parallel as parallel
@@ -43,12 +45,12 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "AppStopped", "AuthenticationError", "CallContext", "Cancelled", "Client", "ConnectionLost",
-    "DeployError", "DeployedFunction", "Deployment", "Function", "FunctionCall", "GpuSpec",
-    "GpufnError", "InvalidSpec", "Model", "ModelLoadError", "NotFound", "OutOfMemory",
-    "PayloadTooLarge", "ProtocolMismatch", "QueueFull", "RemoteError", "SerializationError",
-    "Timeout", "Unschedulable", "WorkerLost", "connect", "context", "current_device", "deploy",
-    "gpu", "lookup", "model",
+    "AppStopped", "AuthenticationError", "CallContext", "CallStream", "Cancelled", "Client",
+    "ConnectionLost", "DeployError", "DeployedFunction", "Deployment", "Function", "FunctionCall",
+    "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError", "NotFound", "OutOfMemory",
+    "PayloadTooLarge", "ProtocolMismatch", "QueueFull", "RemoteError", "Retries",
+    "SerializationError", "Timeout", "Unschedulable", "WorkerLost", "connect", "context",
+    "current_device", "deploy", "gather", "gpu", "lookup", "model",
 ]
 
 if not TYPE_CHECKING:  # hidden from type checkers, which would type every unknown name as Any

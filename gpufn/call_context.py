@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ class CallContext:
 
 
 _local = threading.local()
+# Set inside an async call's task on the worker's event loop (a thread shared by calls).
+_async_ctx: ContextVar[CallContext | None] = ContextVar("gpufn_call_context", default=None)
 
 
 def context() -> CallContext:
@@ -48,7 +51,7 @@ def context() -> CallContext:
     Raises outside a call (e.g. when the function runs with `.local()`, where there is no
     device assignment); use `gpufn.current_device()` for code that runs both ways.
     """
-    ctx = getattr(_local, "ctx", None)
+    ctx = _async_ctx.get() or getattr(_local, "ctx", None)
     if ctx is None:
         raise GpufnError(
             "gpufn.context() is only available inside a function running on a gpufn worker "
@@ -60,7 +63,7 @@ def context() -> CallContext:
 
 def current_device() -> Any:
     """The torch device of the current call, or the best local device outside a call."""
-    ctx = getattr(_local, "ctx", None)
+    ctx = _async_ctx.get() or getattr(_local, "ctx", None)
     if ctx is not None:
         return ctx.device
     import torch
@@ -75,6 +78,11 @@ def current() -> CallContext | None:
 
 def _set(ctx: CallContext | None) -> None:
     _local.ctx = ctx
+
+
+def _set_async(ctx: CallContext) -> None:
+    """The context of the async call whose task runs this (call inside that task)."""
+    _async_ctx.set(ctx)
 
 
 def mesh_for(ctx: Any) -> Any:

@@ -28,6 +28,7 @@ from gpufn import protocol as p
 from gpufn.connection import Connection, ConnectionConfig, WakePipe
 from gpufn.exceptions import ConnectionLost, GpufnError, ProtocolMismatch, from_wire
 from gpufn.runtime import runtime_info, skew
+from gpufn.streams import ItemQueue
 
 log = logging.getLogger("gpufn.client")
 
@@ -57,6 +58,7 @@ class Client:
         self._prefix = os.urandom(4).hex()
         self._counter = itertools.count(1)
         self._calls: dict[str, _Pending] = {}
+        self._streams: dict[str, ItemQueue] = {}  # generator calls' values, by call id
         self._status: dict[int, Future[Any]] = {}  # status and app requests, by id
         self._status_frames: dict[int, list[Any]] = {}
         self.ping_seconds = PING_SECONDS
@@ -111,6 +113,31 @@ class Client:
         frames = p.encode(submit)
         with self._lock:
             self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, frames)
+        self._enqueue(frames)
+        return fut
+
+    def submit_stream(self, submit: p.Submit, name: str) -> tuple[Future[p.Result], ItemQueue]:
+        """Submit a generator call: its values go to the queue, which ends with the call."""
+        items = ItemQueue()
+        with self._lock:
+            self._streams[submit.invocation_id] = items
+        fut = self.submit(submit, name)
+        fut.add_done_callback(items.end)
+        return fut, items
+
+    def credit(self, invocation_id: str, allowed: int) -> None:
+        """A stream's consumer read more: its producer may send `allowed` values in all."""
+        self._enqueue(p.encode(p.Credit(invocation_id, 0, allowed)))
+
+    def attach(self, invocation_id: str, name: str = "call") -> Future[p.Result]:
+        """The Result of a call made by another client (`FunctionCall.from_id`)."""
+        fut: Future[p.Result] = Future()
+        frames = p.encode(p.Attach(invocation_id))
+        with self._lock:
+            mine = self._calls.get(invocation_id)
+            if mine is not None:  # made (or attached to) by this client: the same result
+                return mine.future
+            self._calls[invocation_id] = _Pending(fut, name, "", frames)
         self._enqueue(frames)
         return fut
 
@@ -233,6 +260,7 @@ class Client:
     def _fail_all(self, exc: GpufnError) -> None:
         with self._lock:
             calls, self._calls = self._calls, {}
+            self._streams.clear()  # their queues end with their calls' futures
         for pend in calls.values():
             if not pend.future.done():
                 pend.future.set_exception(exc)
@@ -356,9 +384,14 @@ class Client:
                 self._dispatch(msg)
 
     def _dispatch(self, msg: p.Message) -> None:
-        if isinstance(msg, p.Result):
+        if isinstance(msg, p.Item):
+            items = self._streams.get(msg.invocation_id)
+            if items is not None:
+                items.put(msg)
+        elif isinstance(msg, p.Result):
             with self._lock:
                 pend = self._calls.pop(msg.invocation_id, None)
+                self._streams.pop(msg.invocation_id, None)
             if pend is not None and not pend.future.done():
                 pend.future.set_result(msg)
         elif isinstance(msg, p.Output):

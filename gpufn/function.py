@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import queue
 import sys
@@ -18,10 +19,13 @@ from gpufn import config
 from gpufn import protocol as p
 from gpufn import serialization as ser
 from gpufn.call_context import current as current_context
+from gpufn.call_forms import RemoteGenAttr, check_kind
+from gpufn.call_forms import gather as _gather
 from gpufn.client import Client, get_client
 from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
 from gpufn.model import check_gang
-from gpufn.spec import OPTION_NAMES, GpuSpec, make_spec
+from gpufn.spec import OPTION_NAMES, GpuSpec, Retries, make_spec
+from gpufn.streams import CallStream, ItemQueue
 
 if TYPE_CHECKING:
     from gpufn.cache import ResultCache
@@ -96,16 +100,18 @@ class _Map(Generic[R]):
     def __init__(self, fn: Function[Any, R]) -> None:
         self._fn = fn
 
-    def __call__(self, *iterables: Iterable[Any], order_outputs: bool = True,
-                 return_exceptions: bool = False, cost: Callable[[Any], float] | None = None,
+    def __call__(self, *iterables: Iterable[Any], kwargs: dict[str, Any] | None = None,
+                 order_outputs: bool = True, return_exceptions: bool = False,
+                 cost: Callable[[Any], float] | None = None,
                  progress: bool | None = None) -> Iterator[R]:
-        return self._fn._map(*iterables, order_outputs=order_outputs,
+        return self._fn._map(*iterables, kwargs=kwargs, order_outputs=order_outputs,
                              return_exceptions=return_exceptions, cost=cost, progress=progress)
 
-    def aio(self, *iterables: Iterable[Any], order_outputs: bool = True,
-            return_exceptions: bool = False, cost: Callable[[Any], float] | None = None,
+    def aio(self, *iterables: Iterable[Any], kwargs: dict[str, Any] | None = None,
+            order_outputs: bool = True, return_exceptions: bool = False,
+            cost: Callable[[Any], float] | None = None,
             progress: bool | None = False) -> AsyncIterator[R]:
-        return self._fn._map_aio(*iterables, order_outputs=order_outputs,
+        return self._fn._map_aio(*iterables, kwargs=kwargs, order_outputs=order_outputs,
                                  return_exceptions=return_exceptions, cost=cost, progress=progress)
 
 
@@ -169,11 +175,37 @@ class _GetAttr:
 class FunctionCall(Generic[R]):
     """A handle on one spawned call."""
 
-    def __init__(self, invocation_id: str, future: Future[p.Result], name: str, client: Client) -> None:
+    def __init__(self, invocation_id: str, future: Future[p.Result], name: str, client: Client,
+                 items: ItemQueue | None = None) -> None:
         self._id = invocation_id
         self._future = future
         self._name = name
         self._client = client
+        self._items = items  # a generator call's values, read through .stream()
+        self._stream: CallStream[Any] | None = None
+
+    @classmethod
+    def from_id(cls, invocation_id: str) -> FunctionCall[Any]:
+        """A handle on a call spawned elsewhere (another process, `call.id`): `.get()`
+        waits for its result. It works while the call is queued or running (and its
+        spawner stays connected), and for the last few thousand finished spawned calls.
+        Not for a generator's values, which only its spawner streams."""
+        client = get_client()
+        return cls(invocation_id, client.attach(invocation_id), "call", client)
+
+    gather = staticmethod(_gather)  # FunctionCall.gather(*calls), as in Modal: gpufn.gather
+
+    def stream(self) -> CallStream[Any]:
+        """The values of a spawned generator call, as they are produced (iterate once)."""
+        if self._items is None:
+            raise InvalidSpec(f"{self._name} is not a generator function: use .get()")
+        if self._stream is None:
+            self._stream = CallStream(self, self._items)
+        return self._stream
+
+    def _get_end(self) -> None:
+        """Wait for the end of a generator call; raise its error if it failed."""
+        decode_result(self._future.result(), self._name)
 
     @property
     def id(self) -> str:
@@ -184,6 +216,8 @@ class FunctionCall(Generic[R]):
         return f"<FunctionCall {self._name} {self._id} {state}>"
 
     def _get(self, timeout: float | None = None) -> R:
+        if self._items is not None:
+            raise InvalidSpec(f"{self._name} is a generator function: iterate call.stream()")
         try:
             res = self._future.result(timeout)
         except FutureTimeout:
@@ -194,6 +228,8 @@ class FunctionCall(Generic[R]):
         return decode_result(res, self._name)
 
     async def _get_aio(self, timeout: float | None = None) -> R:
+        if self._items is not None:
+            raise InvalidSpec(f"{self._name} is a generator function: iterate call.stream()")
         try:
             res = await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
         except asyncio.TimeoutError:
@@ -243,6 +279,7 @@ class Function(Generic[P, R]):
         self._code = _CodeCache()
         self._register: p.Register | None = None
         self._cache: ResultCache | None = None
+        self._yields = inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
         functools.update_wrapper(self, fn)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -283,6 +320,7 @@ class Function(Generic[P, R]):
             new._code = self._code  # else the pickled code differs: it carries the options
             if new.spec.cache == self.spec.cache:
                 new._cache = self._cache
+        check_kind(self._fn, new.spec)
         new.name = self.name
         return new
 
@@ -351,22 +389,46 @@ class Function(Generic[P, R]):
 
     def _submit_message(self, client: Client, args: tuple[Any, ...], kwargs: dict[str, Any],
                         target: tuple[p.Register | None, str, dict[str, Any]] | None = None,
-                        ) -> p.Submit:
+                        keep: bool = False) -> p.Submit:
         frames = ser.dump_args(self.name, args, kwargs)
         reg, fid, options = target or self._prepare(client)
         if reg is not None:
             client.ensure_registered(reg)
+        if keep:  # the scheduler keeps the Result a while, for FunctionCall.from_id
+            options = {**options, "keep": True}
         return p.Submit(client.new_id(), fid, options, tuple(frames))
 
     # ------------------------------------------------------------------ calls
 
     def spawn(self, *args: P.args, **kwargs: P.kwargs) -> FunctionCall[R]:
-        """Start a call and return at once with a handle (.get(), .cancel(), .done(), .id)."""
+        """Start a call and return at once with a handle (.get(), .cancel(), .done(), .id;
+        .stream() for a generator function). `FunctionCall.from_id(call.id)` in another
+        process gets its result too."""
         client = get_client()
-        sub = self._submit_message(client, args, kwargs)
+        sub = self._submit_message(client, args, kwargs, keep=True)
+        if self._yields:
+            fut, items = client.submit_stream(sub, self.name)
+            return FunctionCall(sub.invocation_id, fut, self.name, client, items)
         return self._start(client, sub)
 
+    def _remote_gen(self, *args: Any, **kwargs: Any) -> CallStream[Any]:
+        if not self._yields:
+            raise InvalidSpec(f"{self.name} is not a generator function: call it with .remote()")
+        client = get_client()
+        sub = self._submit_message(client, args, kwargs)
+        fut, items = client.submit_stream(sub, self.name)
+        return FunctionCall(sub.invocation_id, fut, self.name, client, items).stream()
+
+    remote_gen = RemoteGenAttr()
+
+    def _not_for_generators(self, form: str) -> None:
+        if self._yields:
+            raise InvalidSpec(f"{self.name} is a generator function: call it with "
+                              f".remote_gen(...) or .spawn(...).stream(), not .{form}()")
+
     def _remote(self, *args: Any, **kwargs: Any) -> R:
+        if self._yields:
+            self._not_for_generators("remote")
         if self.spec.cache:
             return self.spawn(*args, **kwargs).get()
         client = get_client()
@@ -385,27 +447,52 @@ class Function(Generic[P, R]):
 
     remote = _RemoteAttr()
 
-    def _map(self, *iterables: Iterable[Any], order_outputs: bool = True,
-             return_exceptions: bool = False, cost: Callable[[Any], float] | None = None,
+    def _map(self, *iterables: Iterable[Any], kwargs: dict[str, Any] | None = None,
+             order_outputs: bool = True, return_exceptions: bool = False,
+             cost: Callable[[Any], float] | None = None,
              progress: bool | None = None) -> Iterator[Any]:
+        self._not_for_generators("map")
         if not iterables:
             raise TypeError(f"{self.name}.map() needs at least one iterable of inputs")
         total = _total(iterables)
-        items: Iterable[tuple[tuple[Any, ...], dict[str, Any]]] = ((a, {}) for a in zip(*iterables, strict=False))
+        items = _inputs(iterables, kwargs)
         return _MapRun(self, items, total, order_outputs, return_exceptions, cost, progress).run()
 
-    async def _map_aio(self, *iterables: Iterable[Any], order_outputs: bool = True,
-                       return_exceptions: bool = False, cost: Callable[[Any], float] | None = None,
+    async def _map_aio(self, *iterables: Iterable[Any], kwargs: dict[str, Any] | None = None,
+                       order_outputs: bool = True, return_exceptions: bool = False,
+                       cost: Callable[[Any], float] | None = None,
                        progress: bool | None = False) -> AsyncIterator[Any]:
+        self._not_for_generators("map")
         if not iterables:
             raise TypeError(f"{self.name}.map.aio() needs at least one iterable of inputs")
-        items: Iterator[tuple[tuple[Any, ...], dict[str, Any]]] = (
-            (a, {}) for a in zip(*iterables, strict=False))
+        items = _inputs(iterables, kwargs)
         run = _MapRun(self, items, _total(iterables), order_outputs, return_exceptions, cost, progress)
         async for value in run.run_aio():
             yield value
 
     map = _MapAttr()
+
+    def for_each(self, *iterables: Iterable[Any], kwargs: dict[str, Any] | None = None,
+                 ignore_exceptions: bool = False) -> None:
+        """Run one call per input for its side effects and wait for all of them; returns
+        nothing. The first failure is raised (the calls not started yet are dropped),
+        unless ignore_exceptions=True."""
+        for _ in self._map(*iterables, kwargs=kwargs, order_outputs=False,
+                           return_exceptions=ignore_exceptions, progress=False):
+            pass
+
+    def spawn_map(self, *iterables: Iterable[Any],
+                  kwargs: dict[str, Any] | None = None) -> list[FunctionCall[R]]:
+        """Submit one call per input and return at once, without waiting for any: the
+        calls run on their own (use the handles, or `gpufn.gather(*calls)`, for results)."""
+        self._not_for_generators("spawn_map")
+        if not iterables:
+            raise TypeError(f"{self.name}.spawn_map() needs at least one iterable of inputs")
+        client = get_client()
+        subs = [self._submit_message(client, a, k, keep=True) for a, k in _inputs(iterables, kwargs)]
+        futs = client.submit_many([(sub, self.name) for sub in subs])
+        return [FunctionCall(sub.invocation_id, fut, self.name, client)
+                for sub, fut in zip(subs, futs, strict=True)]
 
     def _starmap(self, iterable: Iterable[Iterable[Any]], **kw: Any) -> Iterator[Any]:
         items: Iterator[tuple[tuple[Any, ...], dict[str, Any]]] = ((tuple(a), {}) for a in iterable)
@@ -434,6 +521,15 @@ def build_register(code_id: str, frames: list[Any], name: str, spec: GpuSpec,
     for m in models:
         all_frames += m.loader_frames()
     return p.Register(fid, code_id, name, wire, descs, tuple(all_frames))
+
+
+def _inputs(iterables: tuple[Iterable[Any], ...], kwargs: dict[str, Any] | None,
+            ) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """(args, kwargs) per call: one argument from each iterable, the same keywords for all."""
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs= must be a dict of keyword arguments, got {type(kwargs).__name__}")
+    kw = kwargs or {}
+    return ((a, kw) for a in zip(*iterables, strict=False))
 
 
 def _total(iterables: tuple[Iterable[Any], ...]) -> int | None:
@@ -652,7 +748,7 @@ class _GpuDecorator(Protocol):
 @overload
 def gpu(
     _fn: Callable[P, R], *, count: int = 1, type: str | list[str] | None = None,
-    memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
+    memory: int | str | None = None, timeout: float | None = None, retries: int | Retries = 0,
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
     batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
@@ -663,7 +759,7 @@ def gpu(
 @overload
 def gpu(
     _fn: None = None, *, count: int = 1, type: str | list[str] | None = None,
-    memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
+    memory: int | str | None = None, timeout: float | None = None, retries: int | Retries = 0,
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
     batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
@@ -673,7 +769,7 @@ def gpu(
 
 def gpu(
     _fn: Callable[..., Any] | None = None, *, count: int = 1, type: str | list[str] | None = None,
-    memory: int | str | None = None, timeout: float | None = None, retries: int = 0,
+    memory: int | str | None = None, timeout: float | None = None, retries: int | Retries = 0,
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
     batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
@@ -698,6 +794,7 @@ def gpu(
         if not callable(fn):
             raise InvalidSpec(f"@gpu decorates a function, not {fn!r}")
         check_gang(model_objs, spec.count, spec.spmd, getattr(fn, "__qualname__", ""))
+        check_kind(fn, spec)
         return Function(fn, spec, model_objs)
 
     if _fn is not None:

@@ -350,8 +350,12 @@ class ResultMeta:
     cold_start: str | bool = False  # "loaded" / "restored" / "waited", False if resident
     batch_size: int | None = None  # calls in the batch it ran in
     gather: list[int] | None = None  # payload frames per rank, with gather=True
+    items: int | None = None  # a generator: values it yielded (rank 0's, from a gang)
+    first_item_s: float | None = None  # a generator: seconds from its start to its first value
+    items_per_s: float | None = None  # a generator: values per second over its run
+    retryable: bool = False  # the raised exception matches the call's Retries(on=...)
 
-    _PRIVATE = ("dispatch_token", "batch_items")
+    _PRIVATE = ("dispatch_token", "batch_items", "retryable")
 
     def to_dict(self) -> dict[str, Any]:
         """What the caller sees: every field that is set, less the wire-only ones."""
@@ -427,6 +431,7 @@ class RunMeta:
     members: list[str] | None = None  # a batch: the members' invocation ids
     app: str = ""  # a deployed function's app and version: nested calls keep the version
     version: int = 0
+    retry_on: list[str] | None = None  # Retries(on=...): "module.qualname" of each class
 
 
 @message(21, structs={"meta": RunMeta})
@@ -610,6 +615,49 @@ class AppReply(Message):
     error_kind: str = ""
     message: str = ""
     data: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- streaming
+# A generator function's values travel as `Item`s, worker -> scheduler -> client, in
+# order, before the call's terminal `Result`; the scheduler never unpickles them. Flow
+# control is a credit window: the producer may have sent items 0 .. allowed-1, where
+# `allowed` starts at STREAM_WINDOW and each `Credit` (client -> scheduler -> worker)
+# raises it as the consumer reads.
+
+STREAM_WINDOW = 16  # items a producer may send before the consumer has read any
+
+
+@message(100)
+@dataclass(frozen=True, slots=True)
+class Item(Message):
+    """Worker -> scheduler -> client: value number `seq` (from 0) of a generator call;
+    frames hold it pickled."""
+
+    invocation_id: str
+    dispatch_token: int
+    seq: int
+    frames: tuple[Frame, ...] = ()
+
+
+@message(101)
+@dataclass(frozen=True, slots=True)
+class Credit(Message):
+    """Client -> scheduler -> worker: the producer may have sent `allowed` items in all
+    (monotonic: a smaller value than one already granted changes nothing)."""
+
+    invocation_id: str
+    dispatch_token: int  # scheduler -> worker: the dispatch meant (the client sends 0)
+    allowed: int
+
+
+@message(102)
+@dataclass(frozen=True, slots=True)
+class Attach(Message):
+    """Client -> scheduler: send me the Result of this call too (`FunctionCall.from_id`).
+    Answered with the Result when the call ends, at once if it ended and was kept, or
+    with a failed Result if the scheduler does not know the id."""
+
+    invocation_id: str
 
 
 # --------------------------------------------------------------------------- spmd=False helper

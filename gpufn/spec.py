@@ -55,6 +55,62 @@ def format_bytes(n: float) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Retries:
+    """Retry policy (`@gpu(retries=gpufn.Retries(...))`), after Modal's `modal.Retries`.
+
+    A call whose function raises an exception that is an instance of one of `on` (default:
+    any `Exception`) runs again, up to `max_retries` times, after a delay of
+    `initial_delay * backoff_coefficient ** n` seconds (n = 0 for the first retry), at most
+    `max_delay`; after the last retry the caller gets the last exception. A lost worker is
+    retried at once, as with `retries=N`. gpufn's own errors (Cancelled, Timeout, ...) and
+    a generator that has already delivered a value are never retried. `backoff=` is an
+    alias of `backoff_coefficient=`.
+    """
+
+    max_retries: int
+    backoff_coefficient: float = 2.0
+    initial_delay: float = 1.0
+    max_delay: float = 60.0
+    on: tuple[type[BaseException], ...] = (Exception,)
+
+    def __init__(self, max_retries: int, backoff_coefficient: float = 2.0,
+                 initial_delay: float = 1.0, max_delay: float = 60.0,
+                 on: type[BaseException] | Iterable[type[BaseException]] = (Exception,),
+                 *, backoff: float | None = None) -> None:
+        if backoff is not None:
+            backoff_coefficient = backoff
+        on = (on,) if isinstance(on, type) else tuple(on)
+        if not on or not all(isinstance(c, type) and issubclass(c, BaseException) for c in on):
+            raise InvalidSpec(f"Retries(on={on!r}) must be exception classes, "
+                              "e.g. on=(ConnectionError, TimeoutError)")
+        for name, value, low in (("backoff_coefficient", backoff_coefficient, 1.0),
+                                 ("initial_delay", initial_delay, 0.0), ("max_delay", max_delay, 0.0)):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < low):
+                raise InvalidSpec(f"Retries({name}={value!r}) must be a number of at least {low:g}.")
+        object.__setattr__(self, "max_retries", _int("max_retries", max_retries, minimum=0))
+        object.__setattr__(self, "backoff_coefficient", float(backoff_coefficient))
+        object.__setattr__(self, "initial_delay", float(initial_delay))
+        object.__setattr__(self, "max_delay", float(max_delay))
+        object.__setattr__(self, "on", on)
+
+    def options(self) -> dict[str, object]:
+        """The spec options it stands for (classes travel as "module.qualname")."""
+        return {"retries": self.max_retries, "retry_on": tuple(class_name(c) for c in self.on),
+                "retry_backoff": self.backoff_coefficient,
+                "retry_delay": self.initial_delay, "retry_max_delay": self.max_delay}
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def retry_delay(spec: GpuSpec, retry: int) -> float:
+    """Seconds before retry number `retry` (1 for the first) of a raised exception."""
+    return min(spec.retry_max_delay, spec.retry_delay * spec.retry_backoff ** max(0, retry - 1))
+
+
+@dataclass(frozen=True, slots=True)
 class GpuSpec:
     """A validated `@gpu(...)` declaration (plus per-call options)."""
 
@@ -75,11 +131,18 @@ class GpuSpec:
     cache: str = ""  # result cache directory ("" = off); see gpufn/cache.py
     autocast: str = ""  # run under torch.autocast with this dtype: "bf16", "fp16" ("" = off)
     device_args: bool = False  # move tensor arguments to the call's device
+    # Retries(...): raised exceptions of these classes ("module.qualname") are retried too,
+    # after retry_delay * retry_backoff ** n seconds (at most retry_max_delay).
+    retry_on: tuple[str, ...] = ()
+    retry_backoff: float = 2.0
+    retry_delay: float = 1.0
+    retry_max_delay: float = 60.0
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
         d["type"] = list(self.type)
         d["models"] = list(self.models)
+        d["retry_on"] = list(self.retry_on)
         return d
 
     @classmethod
@@ -89,8 +152,9 @@ class GpuSpec:
             raise InvalidSpec(f"a spec must be a mapping, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
-        if isinstance(kw.get("models"), list):
-            kw["models"] = tuple(kw["models"])
+        for name in ("models", "retry_on"):
+            if isinstance(kw.get(name), list):
+                kw[name] = tuple(kw[name])
         if kw.get("type") in ([], ()):
             kw["type"] = None
         return make_spec(**kw)
@@ -179,6 +243,16 @@ def normalize_option(name: str, value: object) -> object:
         return _seconds(name, value)
     if name == "retries":
         return _int(name, value, minimum=0)
+    if name == "retry_on":
+        if not isinstance(value, tuple) or not all(isinstance(c, str) and c for c in value):
+            raise InvalidSpec(f"retry_on={value!r} must be a tuple of class names; "
+                              "use retries=gpufn.Retries(on=...)")
+        return value
+    if name in ("retry_backoff", "retry_delay", "retry_max_delay"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < (1.0 if name == "retry_backoff" else 0.0):
+            raise InvalidSpec(f"{name}={value!r} is out of range; use retries=gpufn.Retries(...)")
+        return float(value)
     if name == "priority":
         return _int(name, value)
     if name == "concurrency":
@@ -213,6 +287,9 @@ def normalize_option(name: str, value: object) -> object:
 
 def make_spec(base: GpuSpec | None = None, **options: object) -> GpuSpec:
     """Build a spec from options (on top of `base`), validating each and their combination."""
+    retries = options.get("retries")
+    if isinstance(retries, Retries):
+        options = {**options, **retries.options()}
     clean = {k: normalize_option(k, v) for k, v in options.items()}
     spec = replace(base or GpuSpec(), **clean)  # type: ignore[arg-type]
     if spec.gather and spec.count == 1:

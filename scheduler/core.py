@@ -57,14 +57,13 @@ from gpufn.scheduler.recovery import Recovery
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import DeviceState, InvState
+from gpufn.scheduler.streams import StreamDesk
 from gpufn.scheduler.transitions import Transitions
 
 log = logging.getLogger("gpufn.scheduler")
 
-__all__ = [
-    "Event", "Received", "RendezvousFailed", "RendezvousReady", "SchedulerConfig",
-    "SchedulerCore", "Send", "Tick", "Unreachable",
-]
+__all__ = ["Event", "Received", "RendezvousFailed", "RendezvousReady", "SchedulerConfig",
+           "SchedulerCore", "Send", "Tick", "Unreachable"]
 
 class SchedulerCore:
     def __init__(self, config: SchedulerConfig | None = None) -> None:
@@ -100,6 +99,7 @@ class SchedulerCore:
             p.WorkerExited: self._on_worker_exited, p.ModelEvent: self._on_model_event,
         }
         self.ops = OpsDesk(self)  # logs, usage and drain (wraps the Output/Submit handlers)
+        self.streams = StreamDesk(self)  # streamed values, from_id callers (wraps Submit)
 
     # ------------------------------------------------------------------ entry points
 
@@ -457,7 +457,7 @@ class SchedulerCore:
             return
         result = p.Result(inv.id, msg.ok, msg.error_kind, msg.message,
                           self.tx.meta(inv, now, msg.meta), msg.frames)
-        self.tx.finish(inv, now, InvState.SUCCEEDED if msg.ok else InvState.FAILED, result=result)
+        self.tx.retry_or_fail(inv, now, result)  # a Retries(on=...) match queues it again
 
     def _on_rank_result(self, inv: Invocation, d: Device, msg: p.Result, now: float) -> None:
         """One process of a multi-device call reported. A failure stops the others; the

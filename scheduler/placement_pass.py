@@ -100,6 +100,9 @@ class PlacementPass:
             inv = self.queue.head(fid)
             if inv is None:
                 continue
+            if inv.not_before > now:  # a retry in its backoff (its function waits behind it)
+                yield WakeAt(inv.not_before)
+                continue
             if inv.spec.count > 1:
                 reserved = reservation.devices if reservation and owner is not inv else ()
                 placed = yield from self._gang(inv, reserved, rendezvous_port, now)
@@ -178,7 +181,8 @@ class PlacementPass:
                 vs = victim.spec
                 if (victim.state is not InvState.RUNNING or not vs.preemptible
                         or vs.priority >= spec.priority or victim.shape.multi_device
-                        or victim.id in d.stopping or victim.members):
+                        or victim.id in d.stopping or victim.members
+                        or victim.items):  # a stream that delivered values cannot restart
                     continue
                 if d.ledger.free + vs.memory < spec.memory:
                     continue

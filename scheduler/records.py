@@ -92,8 +92,9 @@ class Invocation:
     run_started: float | None = None
     unstarted_losses: int = 0  # lost with its worker before it ever started (no retry used)
     user: str = ""  # the caller's OS user (from its Hello), for usage by user
-    # A retried call waits until `not_before` (backoff) and prefers devices other than
-    # the ones its last attempt was lost on.
+    items: int = 0  # values a generator call has streamed to its caller (no retry after one)
+    # A retried call waits until `not_before` (backoff; placement skips it until then) and
+    # prefers devices other than the ones its last attempt was lost on.
     not_before: float = 0.0
     lost_on: tuple[str, ...] = ()
 

@@ -28,6 +28,7 @@ from gpufn.scheduler.records import Device, Invocation, Peer
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import InvState
+from gpufn.spec import retry_delay
 
 log = logging.getLogger("gpufn.scheduler")
 
@@ -63,6 +64,8 @@ class Transitions:
         self.failing: set[Invocation] = set()  # gangs waiting for their ranks to settle
         # Told when a run ends (finished, or QUEUED when requeued): the usage meter.
         self.on_run_end: Callable[[Invocation, InvState, float], None] | None = None
+        # Told each call's terminal Result: callers attached with FunctionCall.from_id.
+        self.on_result: Callable[[Invocation, p.Result], None] | None = None
 
     def send(self, peer: bytes, msg: p.Message) -> None:
         self.out.append(Send(peer, msg))
@@ -114,7 +117,8 @@ class Transitions:
         base = p.RunMeta(attempt_number=inv.attempts, timeout=spec.timeout,
                          concurrency=spec.concurrency,
                          inline=is_short(inv, self.config.short_call_seconds),
-                         app=inv.function.app, version=inv.function.version)
+                         app=inv.function.app, version=inv.function.version,
+                         retry_on=list(spec.retry_on) or None)
         if inv.shape is Shape.BATCH:
             base.batch = [len(m.frames) for m in inv.members]
             base.members = [m.id for m in inv.members]
@@ -135,16 +139,19 @@ class Transitions:
             return [replace(base, multi=multi)] + [None] * (len(devices) - 1)
         return [base]
 
-    def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False) -> None:
+    def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False,
+                not_before: float | None = None) -> None:
         """RUNNING -> QUEUED: the run ended without a result; the call waits again. A
-        retry backs off first and then prefers devices other than the ones it was lost on."""
+        retry backs off first (`not_before`, else the lost-worker backoff) and then prefers
+        devices other than the ones it was lost on."""
         if self.on_run_end is not None:
             self.on_run_end(inv, InvState.QUEUED, now)
         lost_on = inv.devices
         inv.requeue(now)
         if retry:
             inv.lost_on = lost_on
-            inv.not_before = now + self.config.retry_delay(max(1, inv.counted_attempts))
+            inv.not_before = (not_before if not_before is not None
+                              else now + self.config.retry_delay(max(1, inv.counted_attempts)))
         else:
             inv.not_before = 0.0
         self.queue.push(inv, now)
@@ -188,6 +195,8 @@ class Transitions:
             result = p.Result(inv.id, False, kind_of(error), str(error), self.meta(inv, now))
         if inv.client in self.peers:
             self.send(inv.client, result)
+        if self.on_result is not None:
+            self.on_result(inv, result)
 
     def meta(self, inv: Invocation, now: float, base: p.ResultMeta | None = None) -> p.ResultMeta:
         """The caller's result meta: what the worker reported plus where and when it ran."""
@@ -308,7 +317,7 @@ class Transitions:
             self.retry_or_fail_lost(inv, now, f"{v.why} (rank {v.rank})")
         elif isinstance(v, gang_results.Failed):
             msg = v.result
-            self.finish(inv, now, InvState.FAILED, result=p.Result(
+            self.retry_or_fail(inv, now, p.Result(
                 inv.id, False, msg.error_kind, msg.message,
                 self.meta(inv, now, replace(msg.meta, rank=v.rank)), msg.frames), release=False)
 
@@ -344,6 +353,26 @@ class Transitions:
             f"{inv.function.name} call {inv.id}: {why}, so whether it completed is unknown."
             " Set retries=N in @gpu to run it again in such a case."))
 
+    def retry_or_fail(self, inv: Invocation, now: float, result: p.Result,
+                      release: bool = True) -> None:
+        """A run ended with `result`: finish the call with it, unless it raised an exception
+        its `Retries(on=...)` matches (the worker judged: `meta.retryable`), retries are
+        left and it streamed nothing yet; then it is queued again, to start no earlier
+        than its backoff delay from now."""
+        if (not result.ok and result.meta.retryable and not inv.members and not inv.items
+                and inv.counted_attempts <= inv.spec.retries):
+            n = inv.counted_attempts
+            delay = retry_delay(inv.spec, n)
+            if release:
+                for key in inv.devices:
+                    self.release_device(inv, self.devices.get(key))
+            self.requeue(inv, now, f"raised {result.meta.error_type or 'an exception'}; retry "
+                                   f"{n} of {inv.spec.retries} in {delay:g}s", retry=True,
+                         not_before=now + delay)
+            return
+        self.finish(inv, now, InvState.SUCCEEDED if result.ok else InvState.FAILED,
+                    result=result, release=release)
+
     def retry_or_fail_lost(self, inv: Invocation, now: float, why: str) -> None:
         if inv.members:  # a lost batch: each of its calls is retried or fails on its own
             for m in inv.members:
@@ -353,10 +382,12 @@ class Transitions:
                     self.retry_or_fail_lost(m, now, why)
             self.finish(inv, now, InvState.FAILED, release=False)
             return
-        if inv.counted_attempts <= inv.spec.retries:
+        if inv.counted_attempts <= inv.spec.retries and not inv.items:
             self.requeue(inv, now, why, retry=True)
             return
         hint = "" if inv.spec.retries else " Set retries=N in @gpu to retry on another worker."
+        if inv.items:
+            hint = f" It had streamed {inv.items} value(s), so it was not retried."
         self.finish(inv, now, InvState.FAILED, WorkerLost(
             f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s).{hint}"),
             release=False)

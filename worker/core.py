@@ -20,6 +20,7 @@ from gpufn import serialization as ser
 from gpufn.exceptions import GpufnError, SerializationError, kind_of
 from gpufn.rendezvous import GangSpec
 from gpufn.worker.executor import Call
+from gpufn.worker.streaming import is_special
 
 log = logging.getLogger("gpufn.worker")
 
@@ -63,6 +64,15 @@ class Interrupt:
 
 
 @dataclass(frozen=True, slots=True)
+class Grant:
+    """A stream's consumer read more: its producer may send `allowed` items in all."""
+
+    invocation_id: str
+    dispatch_token: int
+    allowed: int
+
+
+@dataclass(frozen=True, slots=True)
 class AbortGroup:
     reason: str
     gang_id: str | None
@@ -94,14 +104,17 @@ class Exit:
     reason: str
 
 
-Action = JoinGroup | RunInHelper | Execute | Interrupt | AbortGroup | StartLoad | Evict | Send | Exit
+Action = (JoinGroup | RunInHelper | Execute | Interrupt | Grant | AbortGroup | StartLoad | Evict
+          | Send | Exit)
 
 
 def control_actions(msg: p.Message) -> list[Action]:
-    """Cancel and GroupOp: pure and stateless, so the control thread uses it too (it must
-    act while the main thread runs user code); the shell carries these out thread-safely."""
+    """Cancel, Credit and GroupOp: pure and stateless, so the control thread uses it too (it
+    must act while the main thread runs user code); the shell carries these out thread-safely."""
     if isinstance(msg, p.Cancel):
         return [Interrupt(msg.invocation_id, msg.dispatch_token)]
+    if isinstance(msg, p.Credit):
+        return [Grant(msg.invocation_id, msg.dispatch_token, msg.allowed)]
     if isinstance(msg, p.GroupOp) and msg.op is p.GroupOpKind.ABORT:
         gang = msg.gang
         return [AbortGroup(str(gang.get("reason", "aborted by the scheduler")),
@@ -183,14 +196,15 @@ class WorkerCore:
             devices=[self.device], attempt=meta.attempt_number, app=meta.app, version=meta.version,
         )
         call = Call(msg.invocation_id, msg.name, fn, msg.frames, context,
-                    dispatch_token=msg.dispatch_token, batch=meta.batch, models=meta.models)
+                    dispatch_token=msg.dispatch_token, batch=meta.batch, models=meta.models,
+                    retry_on=meta.retry_on)
         actions: list[Action] = []
         if meta.gang is not None:
             actions.append(self._as_gang_rank(call, GangSpec.from_wire(meta.gang), meta.gather))
         elif meta.multi is not None:
             call.context.devices = [self.device] * len(meta.multi)
             actions.append(RunInHelper(call, meta.multi, msg.code_id, self.code_frames[msg.code_id]))
-        actions.append(Execute(call, meta.inline))
+        actions.append(Execute(call, meta.inline and not is_special(fn)))
         return actions
 
     def _as_gang_rank(self, call: Call, gang: GangSpec, gather: bool) -> JoinGroup:

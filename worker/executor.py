@@ -28,6 +28,7 @@ from gpufn.exceptions import (
     kind_of,
 )
 from gpufn.worker.output import OutputRouter, set_current
+from gpufn.worker.streaming import Driver, needs_driving
 
 
 @dataclass
@@ -48,12 +49,14 @@ class Call:
     dispatch_token: int = 1  # Run.dispatch_token, echoed in the Result
     batch: list[int] | None = None  # frames per input when the call is a batch
     models: dict[str, str] = field(default_factory=dict)  # name -> key, resident before it runs
+    retry_on: list[str] | None = None  # Retries(on=...): an exception of these is retryable
 
 
 class Executor:
-    def __init__(self, router: OutputRouter, on_done: Callable[[p.Result], None]) -> None:
+    def __init__(self, router: OutputRouter, on_done: Callable[[p.Message], None]) -> None:
         self.router = router
         self.on_done = on_done
+        self.driver = Driver(on_done)  # generators, coroutines, async generators
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gpufn-call")
         self._threads: dict[str, tuple[int, int]] = {}  # invocation -> (thread, attempt)
         self._cancelled: dict[str, tuple[int, float]] = {}  # invocation -> (attempt, when)
@@ -79,10 +82,16 @@ class Executor:
             if entry is None or (attempt and entry[1] != attempt):
                 self._cancelled[invocation_id] = (attempt, time.monotonic())
                 return False
-            n = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(entry[0]), ctypes.py_object(Cancelled)
-            )
+            n = 1
+            if not self.driver.is_async(invocation_id):  # an async call's thread only waits
+                n = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(entry[0]), ctypes.py_object(Cancelled))
+        self.driver.interrupt(invocation_id, attempt)  # wakes a stream waiting for credit
         return n == 1
+
+    def grant(self, invocation_id: str, token: int, allowed: int) -> None:
+        """A stream's consumer read more: its producer may send up to `allowed` items."""
+        self.driver.grant(invocation_id, token, allowed)
 
     def take_cancelled(self, invocation_id: str, attempt: int) -> bool:
         """Whether a cancel arrived for this call (this attempt) before it started."""
@@ -140,7 +149,8 @@ class Executor:
         result.meta.dispatch_token = call.dispatch_token
         if call.context.world_size > 1:
             result.meta.rank = call.context.rank
-        for key in ("group_inits", "group_init_s", "comm_error"):  # set by the call's hooks
+        for key in ("group_inits", "group_init_s", "comm_error",  # set by the call's hooks
+                    "items", "first_item_s", "items_per_s"):
             if key in call.meta:
                 setattr(result.meta, key, call.meta[key])
         self.on_done(result)
@@ -177,6 +187,8 @@ class Executor:
             if call.prepare is not None:
                 call.prepare()
             value = call.fn(*args, **kwargs)
+            if needs_driving(value):  # a generator, a coroutine or an async generator
+                value = self.driver.drive(call, value)
             if call.finish is not None:
                 value = call.finish(value)
         except BaseException as e:
@@ -213,7 +225,9 @@ class Executor:
             return _gpufn_failure(inv, e, t0)
         if _oom(e):
             return self._out_of_memory(call, e, t0)
-        return _failure(inv, e, t0)
+        result = _failure(inv, e, t0)
+        result.meta.retryable = retryable(e, call.retry_on)
+        return result
 
 
 def _batched_arguments(call: Call) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -283,6 +297,16 @@ def _batch_result(call: Call, value: Any, t0: float) -> p.Result:
 
 _COMM_MARKERS = ("gloo", "NCCL", "nccl", "Connection closed by peer", "Connection reset by peer",
                  "ProcessGroup", "process group")
+
+
+def retryable(exc: BaseException, on: list[str] | None) -> bool:
+    """The exception is an instance of a class named in `on` ("module.qualname", matched
+    along its MRO, so subclasses and classes defined in __main__ match); gpufn's own
+    errors (a cancel, a timeout) never are."""
+    if not on or isinstance(exc, GpufnError):
+        return False
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
+    return not names.isdisjoint(on)
 
 
 def _is_comm_error(exc: BaseException) -> bool:

@@ -16,6 +16,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any
 
 from gpufn import call_context as ctxmod
@@ -28,6 +29,12 @@ from gpufn.worker.executor import _is_comm_error
 log = logging.getLogger("gpufn.worker")
 
 _call_models = threading.local()  # name -> model key, for the call running in this thread
+# The same for an async call, set inside its task on the worker's event loop.
+_async_models: ContextVar[dict[str, str] | None] = ContextVar("gpufn_call_models", default=None)
+
+
+def set_async_models(mapping: dict[str, str]) -> None:
+    _async_models.set(dict(mapping))
 
 
 class ModelManager:
@@ -177,7 +184,7 @@ class ModelManager:
 
     def resolve(self, name: str) -> Any:
         """`Model.get()` inside a call."""
-        mapping = getattr(_call_models, "mapping", None) or {}
+        mapping = _async_models.get() or getattr(_call_models, "mapping", None) or {}
         key = mapping.get(name)
         if key is None:
             raise GpufnError(

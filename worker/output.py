@@ -10,15 +10,22 @@ from __future__ import annotations
 import io
 import sys
 import threading
+from contextvars import ContextVar
 from typing import Any, TextIO
 
 from gpufn import protocol as p
 
 _current = threading.local()
+_current_async: ContextVar[str | None] = ContextVar("gpufn_invocation", default=None)
 
 
 def set_current(invocation_id: str | None) -> None:
     _current.inv = invocation_id
+
+
+def set_current_async(invocation_id: str) -> None:
+    """The invocation of the async call whose task runs this (on the worker's loop)."""
+    _current_async.set(invocation_id)
 
 
 class OutputRouter:
@@ -42,7 +49,7 @@ class OutputRouter:
             self._running.discard(inv)
 
     def write(self, stream: str, text: str, fallback: TextIO) -> None:
-        inv = getattr(_current, "inv", None)
+        inv = _current_async.get() or getattr(_current, "inv", None)
         with self._lock:
             if inv is None and len(self._running) == 1:
                 inv = next(iter(self._running))

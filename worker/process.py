@@ -33,6 +33,7 @@ from gpufn.worker.core import (
     Evict,
     Execute,
     Exit,
+    Grant,
     Interrupt,
     JoinGroup,
     RunInHelper,
@@ -150,18 +151,20 @@ class WorkerProcess:
                 self.models.load(a.model, a.spec, a.frames)
             elif isinstance(a, Evict):
                 self.models.evict(a.model, a.offload)
-            elif isinstance(a, (Interrupt, AbortGroup)):
+            elif isinstance(a, (Interrupt, Grant, AbortGroup)):
                 self._act_now(a)
             elif isinstance(a, Exit):
                 log.info("worker %s exiting: %s", self.device_key, a.reason)
                 self._running = False
 
-    def _act_now(self, a: Interrupt | AbortGroup) -> None:
+    def _act_now(self, a: Interrupt | Grant | AbortGroup) -> None:
         """From either thread: the executor and the group manager are thread-safe, and an
         interrupt or abort must land while the main thread runs user code, so the control
         thread carries these out itself instead of queueing them for the main thread."""
         if isinstance(a, Interrupt):
             self.executor.interrupt(a.invocation_id, a.dispatch_token)  # or refused when it starts
+        elif isinstance(a, Grant):
+            self.executor.grant(a.invocation_id, a.dispatch_token, a.allowed)
         elif self.groups is not None:  # blocked collectives end now
             self.groups.abort(a.reason, gang_id=a.gang_id, generation=a.generation)
 
@@ -325,9 +328,9 @@ class WorkerProcess:
                     self._control(conn, msg)
 
     def _control(self, conn: Connection, msg: p.Message) -> None:
-        if isinstance(msg, (p.Cancel, p.GroupOp)):
+        if isinstance(msg, (p.Cancel, p.Credit, p.GroupOp)):
             for a in control_actions(msg):
-                assert isinstance(a, (Interrupt, AbortGroup))
+                assert isinstance(a, (Interrupt, Grant, AbortGroup))
                 self._act_now(a)
         elif isinstance(msg, p.Shutdown):
             os._exit(0)

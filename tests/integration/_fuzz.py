@@ -32,9 +32,9 @@ from gpufn.memory_pool.probe import simulated_devices
 # commands (Drain stops the cluster, Deploy/AppCommand change apps) are valid from a client
 # holding the token, so they are never sent as if they were garbage.
 INBOUND = (p.Hello, p.Ping, p.Goodbye, p.Register, p.Submit, p.Cancel, p.StatusRequest,
-           p.Result, p.Output, p.Heartbeat, p.WorkerExited, p.ModelEvent, p.Query, p.Drain,
-           p.Deploy, p.Lookup, p.AppCommand)
-CLIENT_FORBIDDEN = (p.Result, p.Output, p.Heartbeat, p.ModelEvent, p.WorkerExited)
+           p.Result, p.Output, p.Heartbeat, p.WorkerExited, p.ModelEvent, p.Item, p.Credit,
+           p.Attach, p.Query, p.Drain, p.Deploy, p.Lookup, p.AppCommand)
+CLIENT_FORBIDDEN = (p.Result, p.Output, p.Heartbeat, p.ModelEvent, p.WorkerExited, p.Item)
 
 
 def _rand_str(rng: random.Random, n: int = 12) -> str:

@@ -45,6 +45,10 @@ SAMPLES: list[p.Message] = [
     p.AppCommand(5, "rollback", {"app": "app", "version": 1}),
     p.AppReply(5, False, "NotFound", "no app", {}),
     p.AppReply(6, True, data={"app": "app", "version": 2}),
+    p.Item("i1", 3, 0, (b"value",)), p.Credit("i1", 0, 32), p.Attach("i1"),
+    p.Result("i3", False, "", "raised", p.ResultMeta(items=3, first_item_s=0.1, items_per_s=30.0,
+                                                     retryable=True), (b"exc",)),
+    p.Run("i1", "f1", "c1", "f", 2, p.RunMeta(retry_on=["builtins.ConnectionError"]), (b"args",)),
 ]
 
 

@@ -1,0 +1,245 @@
+"""Scheduler pieces of streaming, from_id and Retries, driven through the core harness;
+the worker's retryable judgement; the Retries spec."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from gpufn import protocol as p
+from gpufn.exceptions import Cancelled, InvalidSpec
+from gpufn.scheduler.states import InvState
+from gpufn.spec import GpuSpec, Retries, make_spec, retry_delay
+from gpufn.worker.executor import retryable
+
+from .core_harness import Harness
+
+
+def _raised(h: Harness, worker: bytes, inv: str, retryable: bool = True,
+            error_type: str = "ConnectionError") -> None:
+    meta = p.ResultMeta(dispatch_token=h.token(inv), duration=0.1, error_type=error_type,
+                        retryable=retryable)
+    h.feed(worker, p.Result(inv, False, "", "boom", meta, (b"exc",)))
+
+
+def _one_device(**options: object) -> tuple[Harness, bytes, str]:
+    h = Harness(devices=1)
+    w = h.start_worker(0)
+    fid = h.register("f", **options)
+    return h, w, fid
+
+
+def test_retry_or_fail_requeues_with_backoff_until_retries_run_out() -> None:
+    h, w, fid = _one_device(retries=Retries(2, backoff=3.0, initial_delay=1.0, on=ConnectionError))
+    inv = h.submit(fid)
+    assert len(h.runs(w)) == 1
+    _raised(h, w, inv)
+    rec = h.core.invocations[inv]
+    assert rec.state is InvState.QUEUED and rec.not_before == pytest.approx(h.now + 1.0)
+    h.tick(0.5)
+    assert len(h.runs(w)) == 1, "ran again before its backoff"
+    h.tick(0.6)
+    assert len(h.runs(w)) == 2 and h.runs(w)[-1].meta.attempt_number == 2
+    _raised(h, w, inv)
+    assert rec.not_before == pytest.approx(h.now + 3.0)  # initial_delay * backoff ** 1
+    h.tick(3.1)
+    assert len(h.runs(w)) == 3
+    _raised(h, w, inv)  # the third failure: no retry left
+    res = h.results()[inv]
+    assert not res.ok and res.meta.attempts == 3 and res.meta.error_type == "ConnectionError"
+    assert h.core.counters.retried == 2
+
+
+def test_not_retryable_or_int_retries_fail_at_once() -> None:
+    h, w, fid = _one_device(retries=Retries(3, on=ConnectionError))
+    inv = h.submit(fid)
+    _raised(h, w, inv, retryable=False, error_type="ValueError")
+    assert not h.results()[inv].ok and len(h.runs(w)) == 1
+    h2, w2, fid2 = _one_device(retries=3)  # an int retries lost workers only
+    inv2 = h2.submit(fid2)
+    run = h2.runs(w2)[0]
+    assert run.meta.retry_on is None
+    _raised(h2, w2, inv2, retryable=False)
+    assert not h2.results()[inv2].ok
+
+
+def test_a_streaming_call_is_never_retried_after_an_item() -> None:
+    h, w, fid = _one_device(retries=Retries(3, initial_delay=0.0))
+    inv = h.submit(fid)
+    h.feed(w, p.Item(inv, h.token(inv), 0, (b"v0",)))
+    _raised(h, w, inv)
+    assert not h.results()[inv].ok and len(h.runs(w)) == 1
+
+
+def test_items_pass_through_in_order_and_credits_reach_the_worker() -> None:
+    h, w, fid = _one_device()
+    inv = h.submit(fid)
+    tok = h.token(inv)
+    for i in range(3):
+        h.feed(w, p.Item(inv, tok, i, (f"v{i}".encode(),)))
+    h.feed(w, p.Item(inv, tok + 99, 3, (b"stale",)))  # another dispatch's: dropped
+    got = [s.msg for s in h.of_type(p.Item) if s.peer == b"cli"]
+    assert [m.seq for m in got] == [0, 1, 2] and got[2].frames == (b"v2",)
+    h.feed(b"cli", p.Credit(inv, 0, 20))
+    credits = [s for s in h.of_type(p.Credit) if s.peer == w]
+    assert len(credits) == 1 and credits[0].msg.allowed == 20 and credits[0].msg.dispatch_token == tok
+    h.finish(w, inv)
+    assert h.core.invocations.get(inv) is None and h.results()[inv].ok
+
+
+def test_clients_may_not_send_items_and_strangers_may_not_credit() -> None:
+    h, _w, fid = _one_device()
+    inv = h.submit(fid)
+    out = h.feed(b"cli", p.Item(inv, h.token(inv), 0, (b"forged",)))
+    assert not [s for s in h.of_type(p.Item) if s.peer == b"cli"]
+    assert [s.msg for s in out if isinstance(s.msg, p.Error)]
+    h.hello(b"other", p.Role.CLIENT)
+    h.feed(b"other", p.Credit(inv, 0, 99))
+    assert not h.of_type(p.Credit)
+
+
+def test_attach_gets_a_live_call_result_and_a_kept_one() -> None:
+    h, w, fid = _one_device()
+    inv = h.submit(fid, keep=True)
+    assert h.core.invocations[inv].spec == h.core.functions[fid].spec  # keep is no spec option
+    h.hello(b"other", p.Role.CLIENT)
+    h.feed(b"other", p.Attach(inv))
+    h.finish(w, inv)
+    assert h.results(b"other")[inv].ok and h.results()[inv].ok
+    h.hello(b"late", p.Role.CLIENT)
+    h.feed(b"late", p.Attach(inv))  # finished: answered from the kept results
+    assert h.results(b"late")[inv].frames == (b"value",)
+    plain = h.submit(fid)  # not spawned: not kept
+    h.finish(w, plain)
+    h.feed(b"late", p.Attach(plain))
+    assert not h.results(b"late")[plain].ok
+    assert "knows no call" in h.results(b"late")[plain].message
+
+
+def test_retry_delay_and_retries_spec() -> None:
+    spec = make_spec(retries=Retries(5, backoff_coefficient=2.0, initial_delay=1.0, max_delay=5.0,
+                                     on=(ConnectionError, TimeoutError)))
+    assert spec.retries == 5
+    assert spec.retry_on == ("builtins.ConnectionError", "builtins.TimeoutError")
+    assert [retry_delay(spec, n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 5.0]
+    assert GpuSpec.from_wire(spec.to_wire()) == spec
+    assert Retries(1).on == (Exception,)
+    with pytest.raises(InvalidSpec):
+        Retries(1, on=("ConnectionError",))  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpec):
+        Retries(-1)
+    with pytest.raises(InvalidSpec):
+        Retries(1, backoff=0.5)
+
+
+class _Mine(ConnectionResetError):
+    pass
+
+
+def test_retryable_matches_along_the_mro_and_never_gpufn_errors() -> None:
+    on = ["builtins.ConnectionError"]
+    assert retryable(_Mine("x"), on)
+    assert not retryable(ValueError("x"), on)
+    assert retryable(ValueError("x"), ["builtins.Exception"])
+    assert not retryable(Cancelled("x"), ["builtins.Exception"])
+    assert not retryable(ConnectionError("x"), None)
+
+
+# --------------------------------------------------------------------------- the worker's driver
+
+
+def _call(rank: int = 0) -> Any:
+    from gpufn.call_context import CallContext
+    from gpufn.worker.executor import Call
+
+    return Call("inv1", "gen", lambda: None, (), CallContext("inv1", "gen", rank=rank),
+                dispatch_token=7)
+
+
+def _drive_in_thread(driver: Any, call: Any, value: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(driver.drive(call, value))
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_driver_sends_a_window_then_waits_for_credit_and_stops_on_cancel() -> None:
+    from gpufn.worker.streaming import Driver
+
+    sent: list[p.Message] = []
+    produced: list[int] = []
+    closed = threading.Event()
+
+    def gen() -> Any:
+        try:
+            for i in range(1000):
+                produced.append(i)
+                yield i
+        finally:
+            closed.set()
+
+    driver = Driver(sent.append)
+    call = _call()
+    t, out = _drive_in_thread(driver, call, gen())
+    deadline = time.monotonic() + 10
+    while len(sent) < p.STREAM_WINDOW and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(sent) == len(produced) == p.STREAM_WINDOW  # blocked before producing more
+    assert [m.seq for m in sent] == list(range(p.STREAM_WINDOW))  # type: ignore[attr-defined]
+    driver.grant("inv1", 7, p.STREAM_WINDOW + 4)
+    while len(sent) < p.STREAM_WINDOW + 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(sent) == p.STREAM_WINDOW + 4
+    driver.grant("inv1", 99, 500)  # another dispatch's credit: ignored
+    time.sleep(0.2)
+    assert len(sent) == p.STREAM_WINDOW + 4
+    assert driver.interrupt("inv1", 7)
+    t.join(10)
+    assert closed.is_set() and isinstance(out[0], Cancelled)
+    assert call.meta["items"] == p.STREAM_WINDOW + 4
+
+
+def test_driver_other_ranks_send_nothing_and_coroutines_run_on_one_loop() -> None:
+    import asyncio
+
+    from gpufn.worker.streaming import Driver
+
+    sent: list[p.Message] = []
+    driver = Driver(sent.append)
+    t, out = _drive_in_thread(driver, _call(rank=1), iter_gen(100))
+    t.join(10)
+    assert out == [None] and not sent  # rank 1 ran in lockstep without sending
+
+    async def loop_id() -> int:
+        await asyncio.sleep(0)
+        return id(asyncio.get_running_loop())
+
+    assert driver.drive(_call(), loop_id()) == driver.drive(_call(), loop_id())
+
+
+def iter_gen(n: int) -> Any:
+    yield from range(n)
+
+
+def test_worker_core_turns_credits_into_grants_and_never_inlines_generators() -> None:
+    from gpufn import serialization as ser
+    from gpufn.worker.core import Execute, Grant, WorkerCore
+
+    core = WorkerCore("n:0")
+    assert core.handle(p.Credit("i", 3, 40)) == [Grant("i", 3, 40)]
+    code_id, frames = ser.dump_code(iter_gen, "iter_gen")
+    core.handle(p.LoadCode(code_id, "iter_gen", tuple(frames)))
+    actions = core.handle(p.Run("i", "f", code_id, "iter_gen", 1, p.RunMeta(inline=True), ()))
+    assert isinstance(actions[-1], Execute) and actions[-1].inline is False

@@ -1,0 +1,222 @@
+"""Runs what a plain call cannot: generators (their values streamed as `Item`s under a
+credit window), coroutines and async generators (on the worker's one event loop).
+
+The executor thread of the call drives it: it steps a generator itself, and waits on
+the event loop for each step of a coroutine or async generator, so k calls with
+concurrency=k interleave on the one loop while each keeps its own executor thread.
+A cancel sets the call's flow cancelled: a step waiting for credit stops at once, and
+the loop's task is cancelled (the user's `finally` blocks run either way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from gpufn import call_context as ctxmod
+from gpufn import protocol as p
+from gpufn import serialization as ser
+from gpufn.exceptions import Cancelled
+from gpufn.worker.output import set_current_async
+
+
+def needs_driving(value: Any) -> bool:
+    """The function returned something to run or iterate, not a value."""
+    return inspect.isgenerator(value) or inspect.iscoroutine(value) or inspect.isasyncgen(value)
+
+
+def is_special(fn: Any) -> bool:
+    """Generator and async functions never run inline on the worker's main thread."""
+    f = getattr(fn, "__wrapped__", fn)
+    return (inspect.isgeneratorfunction(f) or inspect.iscoroutinefunction(f)
+            or inspect.isasyncgenfunction(f))
+
+
+class _Flow:
+    """One driven call: its credit window and how to stop it."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.allowed = p.STREAM_WINDOW
+        self.cancelled = False
+        self.step: concurrent.futures.Future[Any] | None = None  # the loop step it waits on
+        self.is_async = False
+        self.cond = threading.Condition()
+
+    def grant(self, allowed: int) -> None:
+        with self.cond:
+            if allowed > self.allowed:
+                self.allowed = allowed
+                self.cond.notify_all()
+
+    def cancel(self) -> None:
+        with self.cond:
+            self.cancelled = True
+            step = self.step
+            self.cond.notify_all()
+        if step is not None:
+            step.cancel()  # cancels the task on the loop (thread-safe)
+
+    def wait_credit(self, seq: int) -> None:
+        """Block until item `seq` may be sent (the consumer read enough), or cancelled."""
+        with self.cond:
+            while not self.cancelled and seq >= self.allowed:
+                self.cond.wait(0.5)
+            if self.cancelled:
+                raise Cancelled("the stream was closed by its consumer")
+
+
+class EventLoop:
+    """The worker's event loop, on its own thread, started on first use."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="gpufn-event-loop",
+                                 daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+
+class Driver:
+    """Drives generator and async calls for the executor; thread-safe."""
+
+    def __init__(self, send: Callable[[p.Message], None]) -> None:
+        self.send = send
+        self.events = EventLoop()
+        self._flows: dict[str, _Flow] = {}
+        self._lock = threading.Lock()
+
+    def grant(self, invocation_id: str, token: int, allowed: int) -> None:
+        with self._lock:
+            flow = self._flows.get(invocation_id)
+        if flow is not None and token in (0, flow.token):
+            flow.grant(allowed)
+
+    def is_async(self, invocation_id: str) -> bool:
+        with self._lock:
+            flow = self._flows.get(invocation_id)
+        return flow is not None and flow.is_async
+
+    def interrupt(self, invocation_id: str, token: int = 0) -> bool:
+        """Stop a driven call; True if it was one (then no async exception is needed)."""
+        with self._lock:
+            flow = self._flows.get(invocation_id)
+        if flow is None or (token and token != flow.token):
+            return False
+        flow.cancel()
+        return True
+
+    def drive(self, call: Any, value: Any) -> Any:
+        """Run `value` (what the call's function returned) to its end, in this thread."""
+        flow = _Flow(call.dispatch_token)
+        flow.is_async = not inspect.isgenerator(value)
+        with self._lock:
+            self._flows[call.invocation_id] = flow
+        try:
+            if inspect.iscoroutine(value):
+                return self._await(call, flow, value)
+            if inspect.isasyncgen(value):
+                agen = value
+
+                def step() -> tuple[bool, Any]:
+                    try:
+                        return True, self._await(call, flow, agen.__anext__())
+                    except StopAsyncIteration:
+                        return False, None
+
+                def close() -> None:
+                    self._await(call, None, agen.aclose())
+
+                self._stream(call, flow, step, close)
+                return None
+            gen = value
+
+            def sync_step() -> tuple[bool, Any]:
+                try:
+                    return True, next(gen)
+                except StopIteration:
+                    return False, None
+
+            self._stream(call, flow, sync_step, gen.close)
+            return None
+        finally:
+            with self._lock:
+                self._flows.pop(call.invocation_id, None)
+
+    def _stream(self, call: Any, flow: _Flow, step: Callable[[], tuple[bool, Any]],
+                close: Callable[[], None]) -> None:
+        """Step the generator, sending rank 0's values as Items under the credit window;
+        other ranks of a gang step in lockstep and send nothing."""
+        sends = call.context.rank == 0
+        t0 = time.perf_counter()
+        n, first = 0, None
+        try:
+            while True:
+                if sends:
+                    flow.wait_credit(n)
+                elif flow.cancelled:
+                    raise Cancelled("the stream was closed by its consumer")
+                more, value = step()
+                if not more:
+                    break
+                if first is None:
+                    first = time.perf_counter() - t0
+                if sends:
+                    frames = ser.dumps(value)
+                    ser.check_payload(frames, f"a value yielded by {call.name}")
+                    self.send(p.Item(call.invocation_id, call.dispatch_token, n, tuple(frames)))
+                n += 1
+        finally:
+            try:
+                close()  # runs the generator's finally blocks when it stopped early
+            except BaseException:
+                pass
+            took = time.perf_counter() - t0
+            call.meta["items"] = n
+            call.meta["first_item_s"] = first
+            call.meta["items_per_s"] = n / took if took > 0 and n else None
+
+    def _await(self, call: Any, flow: _Flow | None, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run a coroutine on the event loop and wait for it in this thread."""
+        if flow is not None and flow.cancelled:
+            coro.close()
+            raise Cancelled("cancelled")
+        ctx, inv = call.context, call.invocation_id
+
+        models = call.models
+
+        async def in_context() -> Any:
+            ctxmod._set_async(ctx)  # this task's copy of the context only
+            set_current_async(inv)
+            if models:  # Model.get() inside the coroutine
+                from gpufn.worker.model_cache import set_async_models
+
+                set_async_models(models)
+            return await coro
+
+        fut = asyncio.run_coroutine_threadsafe(in_context(), self.events.loop())
+        if flow is not None:
+            with flow.cond:
+                flow.step = fut
+                cancelled = flow.cancelled
+            if cancelled:
+                fut.cancel()
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            raise Cancelled(f"{call.name} call {inv} was cancelled") from None
+        finally:
+            if flow is not None:
+                with flow.cond:
+                    flow.step = None

@@ -348,7 +348,6 @@ def test_map_progress_bar_can_be_forced_on(tmp_path: Path) -> None:
     assert "double.map" not in default + r.stderr and "132" in default
 
 
-@pytest.mark.slow
 def test_tensor_parallel_generate_example(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "tensor_parallel_generate.py")],
                        env=_env(tmp_path, GPUFN_CPU_DEVICES="2"), capture_output=True, text=True,

@@ -12,7 +12,7 @@ download); on the embedded cluster without GPUs it runs on two simulated CPU dev
 gloo, on GPUs the same code runs over NCCL.
 
 `generate_stream` yields tokens as they are produced; it is used through
-`generate_stream.remote_gen(...)` where this build has streaming, else skipped.
+`generate_stream.remote_gen(...)`.
 """
 
 from __future__ import annotations
@@ -84,20 +84,17 @@ def main() -> None:
         print(f"call {i + 1}: {time.perf_counter() - t:6.2f}s  {cold:<20} {tokens}")
         assert tokens == greedy(single, prompt, 16), "differs from a single-process greedy run"
     print("tokens equal a single-process greedy run: True")
-    if hasattr(generate_stream, "remote_gen"):
-        for prompt in prompts:
-            t = time.perf_counter()
-            streamed = []
-            for tok in generate_stream.remote_gen(prompt, 16):
-                if not streamed:
-                    print(f"first token after {time.perf_counter() - t:.3f}s: ", end="", flush=True)
-                streamed.append(tok)
-                print(tok, end=" ", flush=True)
-            print(f"(all {len(streamed)} in {time.perf_counter() - t:.3f}s)")
-            assert streamed == list(stream_tokens(single, prompt, 16))
-        print("streamed tokens equal a single-process run: True")
-    else:
-        print("(streaming: generate_stream.remote_gen is not in this build; skipped)")
+    for prompt in prompts:
+        t = time.perf_counter()
+        streamed = []
+        for tok in generate_stream.remote_gen(prompt, 16):
+            if not streamed:
+                print(f"first token after {time.perf_counter() - t:.3f}s: ", end="", flush=True)
+            streamed.append(tok)
+            print(tok, end=" ", flush=True)
+        print(f"(all {len(streamed)} in {time.perf_counter() - t:.3f}s)")
+        assert streamed == list(stream_tokens(single, prompt, 16))
+    print("streamed tokens equal a single-process run: True")
     rec = next(m for m in gpufn.connect().status()["models"] if m["name"] == "llama")
     print(f"llama: loaded {rec['loads']} time(s), sharded over {rec['gang']}, "
           f"bytes per device {rec['shard_bytes']}")

@@ -266,6 +266,11 @@ class _CodeCache:
 class Function(Generic[P, R]):
     """A function that runs on gpufn workers; call it like the original to run locally."""
 
+    # Defaults for subclasses that do not run __init__ (a deployed function looked up by
+    # name): not a generator, no result cache.
+    _yields: bool = False
+    _cache: ResultCache | None = None
+
     def __init__(self, fn: Callable[P, R], spec: GpuSpec, models: tuple[Any, ...] = ()) -> None:
         self._fn = fn
         self.spec = spec

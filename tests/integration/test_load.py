@@ -112,10 +112,14 @@ def test_queue_limit_refuses_with_queue_full(fresh_cluster: Any, tmp_path: Path)
     while len(refused) < 800 - 501 and time.monotonic() < deadline:
         refused = [c for c in calls if c.done()]
         time.sleep(0.05)
+    time.sleep(0.5)  # a refusal still in flight (see below) has arrived
+    refused = [c for c in calls if c.done()]
     for c in refused:
         with pytest.raises(gpufn.QueueFull, match="GPUFN_MAX_QUEUE=500"):
             c.get(timeout=1)
-    assert len(refused) == 800 - 501  # 1 runs (blocked), 500 queue, the rest are refused
+    # 500 queue and the rest are refused; the first call runs (blocked), unless the
+    # scheduler saw the whole burst before its first pass, when it was queued too.
+    assert len(refused) in (800 - 501, 800 - 500)
     Path(gate).touch()
     accepted = [c for c in calls if c not in refused]
     assert sorted(c.get(timeout=120) for c in accepted) == sorted(

@@ -38,17 +38,16 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "executor-no-interrupt", "worker/executor.py",
-        "            n = ctypes.pythonapi.PyThreadState_SetAsyncExc(\n"
-        "                ctypes.c_ulong(entry[0]), ctypes.py_object(Cancelled)\n"
-        "            )\n",
-        "            n = 1\n",
+        "                n = ctypes.pythonapi.PyThreadState_SetAsyncExc(\n"
+        "                    ctypes.c_ulong(entry[0]), ctypes.py_object(Cancelled))\n",
+        "                n = 1\n",
         (f"{G}::test_a_cancelled_running_call_stops_executing",),
         "the worker never interrupts a running call",
     ),
     Mutation(
         "tensor-parallel-noop", "gpufn/parallel/tensor.py",
-        "    _check_divisible(modules, rules, fused, world)\n",
-        "    _check_divisible(modules, rules, fused, world)\n    return module\n",
+        "    _check_divisible(modules, rules, fused, keep, world)\n",
+        "    _check_divisible(modules, rules, fused, keep, world)\n    return module\n",
         ("tests/integration/test_parallel.py::test_tensor_parallel_shards_the_weights[llama-2]",),
         "tensor_parallel returns the module unchanged after its plan checks",
     ),
@@ -74,7 +73,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Ctrl-C during .remote() sends no Cancel",
     ),
     Mutation(
-        "ctrl-c-map-no-cancel", "gpufn/function.py",
+        "ctrl-c-map-no-cancel", "gpufn/map_run.py",
         "            if not self.failed:\n"
         "                self._cancel_rest(client, include_running=True)\n",
         "            pass\n",
@@ -82,7 +81,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Ctrl-C (or closing) a .map() leaves its calls running",
     ),
     Mutation(
-        "map-cost-no-sort", "gpufn/function.py",
+        "map-cost-no-sort", "gpufn/map_run.py",
         "            order = sorted(range(len(listed)), key=lambda i: -costs[i])\n",
         "            order = list(range(len(listed)))\n",
         (f"{G}::test_map_cost_starts_the_longest_inputs_first",),
@@ -91,15 +90,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- added: behaviour whose loss would be silent in production
     Mutation(
         "retries-one-too-few", "scheduler/transitions.py",
-        "        if inv.counted_attempts <= inv.spec.retries:\n",
-        "        if inv.counted_attempts < inv.spec.retries:\n",
+        "        if inv.counted_attempts <= inv.spec.retries and not inv.items:\n",
+        "        if inv.counted_attempts < inv.spec.retries and not inv.items:\n",
         ("tests/integration/test_call_path.py::test_retries_run_the_call_again_elsewhere",),
         "retries=N gives N-1 retries",
     ),
     Mutation(
         "retries-one-too-many", "scheduler/transitions.py",
-        "        if inv.counted_attempts <= inv.spec.retries:\n",
-        "        if inv.counted_attempts <= inv.spec.retries + 1:\n",
+        "        if inv.counted_attempts <= inv.spec.retries and not inv.items:\n",
+        "        if inv.counted_attempts <= inv.spec.retries + 1 and not inv.items:\n",
         (f"{G}::test_retries_stop_after_the_last_attempt",),
         "retries=N gives N+1 retries",
     ),

@@ -436,9 +436,11 @@ class Client:
         self._resubmit = False
         with self._lock:
             pending = [c for c in self._calls.values() if c.frames is not None]
-            self._registered = {c.function_id for c in pending if c.function_id}
-            registers = [self._register_frames[f] for f in self._registered
-                         if f in self._register_frames]
+            # Every function this client registered, not only those of pending calls: a
+            # call being submitted right now (its Register refused before the Welcome, its
+            # Submit not in `_calls` yet) needs its function known when the Submit arrives.
+            self._registered = set(self._register_frames)
+            registers = list(self._register_frames.values())
         self._outbox.extend(registers)
         self._outbox.extend(c.frames for c in pending)  # type: ignore[misc]
         self._outbox.extend(list(self._status_frames.values()))

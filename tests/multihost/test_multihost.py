@@ -140,9 +140,11 @@ def test_host_loss_reruns_single_calls_and_fences_late_results(mesh: Mesh, tmp_p
         while len(list(tmp_path.glob("done-*-host1-1"))) < len(on_host1):
             assert time.monotonic() < deadline + 60, "host1's calls never finished"
             time.sleep(0.1)
+        # Still cut off, so the reruns can only go to host2 (were host1 back, a rerun could
+        # rightly land on its restarted workers).
+        out = client.wait(rid, 120)
     finally:
         mesh.net.link("host1", up=True)
-    out = client.wait(rid, 120)
     assert out["ok"], out
     results = out["value"]
     assert [r["i"] for r in results] == [0, 1, 2, 3]  # each exactly once

@@ -153,7 +153,7 @@ def wait_ready(client: Any, n: int, timeout: float = 90.0) -> None:
 def run_policy(policy: str, fns: list[Any], specs: list[ModelSpec],
                trace: list[tuple[float, int]], a: argparse.Namespace, lru_max: int) -> RunResult:
     import gpufn
-    from gpufn import client as gclient
+    from gpufn.client import default as gclient
 
     os.environ.update(policy_env(policy, a, lru_max))
     res = RunResult(policy)
@@ -672,7 +672,7 @@ def report(by_policy: dict[str, list[RunResult]], specs: list[ModelSpec],
 # ---------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from gpufn.spec import parse_memory
+    from gpufn.wire.units import parse_memory
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -752,7 +752,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from gpufn.spec import parse_memory
+    from gpufn.wire.units import parse_memory
 
     a = parse_args(argv)
     os.environ["GPUFN_LOG_LEVEL"] = a.log_level

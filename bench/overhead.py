@@ -104,7 +104,7 @@ def main() -> None:
     import torch
 
     import gpufn
-    from gpufn import client as gclient
+    from gpufn.client import default as gclient
 
     @gpufn.gpu
     def noop() -> None:
@@ -189,8 +189,9 @@ def main() -> None:
         import tempfile
         from pathlib import Path
 
-        from gpufn import config, security
-        from gpufn.embedded import LocalCluster
+        from gpufn.client.embedded import LocalCluster
+        from gpufn.net import curve as security
+        from gpufn.wire import config
 
         keys = Path(tempfile.mkdtemp(prefix="gpufn-bench-")) / "keys"
         security.server_keys(keys, create=True)

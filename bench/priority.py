@@ -145,7 +145,7 @@ def start_cluster(devices: int, aging: float) -> Any:
 
 
 def stop_cluster(before: set[int]) -> list[int]:
-    from gpufn import client as gclient
+    from gpufn.client import default as gclient
 
     mine = descendants(os.getpid()) - before
     gclient._shutdown_default()

@@ -23,10 +23,10 @@ import time
 from collections import deque
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore
-from gpufn.spec import make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import make_spec
 
 DEVICES, SLOTS = 8, 8
 

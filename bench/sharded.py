@@ -230,7 +230,7 @@ def main() -> None:
     assert rec_a["loads"] == 1 and rec_b["loads"] == 1, (rec_a, rec_b)
     load_s = rec_b["mean_load_s"]  # b loads after the workers imported transformers (a did that)
     restore_s = rec_a["mean_restore_s"]
-    from gpufn import client as gclient
+    from gpufn.client import default as gclient
 
     gclient._shutdown_default()
     # 3. the 70/30 trace, pool vs reload on every switch (fresh clusters)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gpufn.exceptions import OutOfMemory
-from gpufn.spec import format_bytes
+from gpufn.wire.units import format_bytes
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from gpufn.memory_pool.eviction import CostAwarePolicy, EvictionPolicy
 from gpufn.memory_pool.residency import Residency, check_transition
-from gpufn.spec import format_bytes
+from gpufn.wire.units import format_bytes
 
 HISTORY_LIMIT = 64  # residency changes kept per model (for error messages)
 OVER_ESTIMATE = 1.25  # a measured size above estimate * this is worth a log line

@@ -7,10 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
-from gpufn import config
+from gpufn.net.curve import SecurityError, ServerSecurity
 from gpufn.scheduler.server import run
 from gpufn.scheduler.settings import SchedulerConfig
-from gpufn.security import SecurityError, ServerSecurity
+from gpufn.wire import config
 
 
 def main() -> None:

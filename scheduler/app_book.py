@@ -15,7 +15,6 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpufn import protocol as p
 from gpufn.exceptions import AppStopped, GpufnError, InvalidSpec, NotFound, kind_of
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.deployments import (
@@ -26,7 +25,8 @@ from gpufn.scheduler.deployments import (
 )
 from gpufn.scheduler.records import FunctionRecord, Invocation
 from gpufn.scheduler.states import DeviceState, InvState
-from gpufn.spec import GpuSpec, make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import GpuSpec, make_spec
 
 if TYPE_CHECKING:
     from gpufn.scheduler.core import SchedulerCore

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpufn import protocol as p
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Invocation
+from gpufn.wire import protocol as p
 
 
 def due(queue: ReadyQueue, head: Invocation) -> float | None:

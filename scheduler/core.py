@@ -16,7 +16,6 @@ import secrets
 from collections.abc import Iterable
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.exceptions import (
     AuthenticationError,
     Cancelled,
@@ -59,6 +58,7 @@ from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import DeviceState, InvState
 from gpufn.scheduler.streams import StreamDesk
 from gpufn.scheduler.transitions import Transitions
+from gpufn.wire import protocol as p
 
 log = logging.getLogger("gpufn.scheduler")
 

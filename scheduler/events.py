@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpufn import protocol as p
+from gpufn.wire import protocol as p
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from gpufn import protocol as p
 from gpufn.exceptions import GpufnError, kind_of
 from gpufn.scheduler.records import Device
+from gpufn.wire import protocol as p
 
 log = logging.getLogger("gpufn.scheduler")
 

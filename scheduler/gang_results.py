@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.scheduler.records import Invocation
+from gpufn.wire import protocol as p
 
 
 @dataclass(frozen=True, slots=True)

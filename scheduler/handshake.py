@@ -6,10 +6,10 @@ import hmac
 from collections.abc import Iterable
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.exceptions import AuthenticationError, GpufnError, ProtocolMismatch, kind_of
 from gpufn.scheduler.app_book import AppBook
 from gpufn.scheduler.records import Peer
+from gpufn.wire import protocol as p
 
 
 def runtimes(peers: Iterable[Peer]) -> list[dict[str, Any]]:

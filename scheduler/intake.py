@@ -11,7 +11,7 @@ from gpufn.scheduler.placement import feasibility_error
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, FunctionRecord
 from gpufn.scheduler.settings import SchedulerConfig
-from gpufn.spec import GpuSpec
+from gpufn.wire.spec import GpuSpec
 
 
 @dataclass

@@ -19,7 +19,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.exceptions import OutOfMemory, kind_of
 from gpufn.memory_pool.ledger import (
     GroupPlan,
@@ -35,6 +34,7 @@ from gpufn.scheduler.formations import GangBook
 from gpufn.scheduler.placement import drain_seconds
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation
 from gpufn.scheduler.states import DeviceState
+from gpufn.wire import protocol as p
 
 log = logging.getLogger("gpufn.scheduler")
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gpufn import protocol as p
 from gpufn.exceptions import Cancelled, ConnectionLost, kind_of
 from gpufn.scheduler.logs import LogStore
 from gpufn.scheduler.states import InvState
 from gpufn.scheduler.usage import Key as UsageKey
 from gpufn.scheduler.usage import UsageMeter
+from gpufn.wire import protocol as p
 
 if TYPE_CHECKING:
     from gpufn.scheduler.core import SchedulerCore

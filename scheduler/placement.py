@@ -6,7 +6,8 @@ import re
 from collections.abc import Iterable
 
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation
-from gpufn.spec import GpuSpec, format_bytes
+from gpufn.wire.spec import GpuSpec
+from gpufn.wire.units import format_bytes
 
 _TOKEN = re.compile(r"[a-z0-9]+")
 

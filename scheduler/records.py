@@ -16,7 +16,7 @@ from gpufn.scheduler.states import (
     InvState,
     check,
 )
-from gpufn.spec import GpuSpec
+from gpufn.wire.spec import GpuSpec
 
 
 @dataclass(slots=True, eq=False)

@@ -19,10 +19,9 @@ from typing import Any
 
 import zmq
 
-from gpufn import _sockets
-from gpufn import protocol as p
-from gpufn.config import join_address
 from gpufn.exceptions import ProtocolMismatch, kind_of
+from gpufn.net import processes, sockets
+from gpufn.net.curve import ServerSecurity
 from gpufn.scheduler.core import (
     Event,
     Received,
@@ -34,7 +33,8 @@ from gpufn.scheduler.core import (
     Tick,
     Unreachable,
 )
-from gpufn.security import ServerSecurity
+from gpufn.wire import protocol as p
+from gpufn.wire.config import join_address
 
 log = logging.getLogger("gpufn.scheduler")
 
@@ -54,7 +54,7 @@ class SchedulerServer:
         # The ZAP allow-list must run before the first peer's handshake.
         self._auth = security.start_auth(self.ctx) if security is not None else None
         self.sock = self.ctx.socket(zmq.ROUTER)
-        _sockets.configure(self.sock, router=True)
+        sockets.configure(self.sock, router=True)
         # A peer that sends a frame over the payload limit is disconnected by ZeroMQ as
         # soon as the frame's declared size arrives, before it is buffered.
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.core.config.max_payload + HEADER_SLACK)
@@ -159,7 +159,7 @@ class SchedulerServer:
         """Host the gang rendezvous TCPStore; importing torch takes a moment, so in a thread."""
 
         def run() -> None:
-            from gpufn.rendezvous import host_store
+            from gpufn.wire.rendezvous import host_store
 
             try:
                 self._store, self._store_port = host_store(self._store_host())
@@ -278,7 +278,7 @@ def run(
         server.start_metrics(metrics_port)
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
-    _sockets.watch_parent(parent_pid, server.stop)
+    processes.watch_parent(parent_pid, server.stop)
     log.info("scheduler listening on %s%s", server.address,
              " (CURVE)" if security is not None else "")
     try:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufn.memory_pool.eviction import EvictionPolicy, policy_by_name
-from gpufn.spec import parse_memory
+from gpufn.wire.units import parse_memory
 
 
 @dataclass
@@ -60,7 +60,7 @@ class SchedulerConfig:
         GPUFN_STOP_GRACE_SECONDS, GPUFN_GANG_SETTLE_SECONDS, GPUFN_PIPELINE_DEPTH,
         GPUFN_EVICTION_POLICY (+ GPUFN_LRU_MAX_MODELS), GPUFN_HOST_OFFLOAD_MEMORY,
         GPUFN_MAX_PAYLOAD, GPUFN_RETRY_BACKOFF, GPUFN_RETRY_BACKOFF_MAX, GPUFN_RESTART_GRACE."""
-        from gpufn import config as c
+        from gpufn.wire import config as c
 
         per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
         policy = c.env_str("GPUFN_EVICTION_POLICY", "cost") or "cost"

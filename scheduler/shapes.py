@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from gpufn.spec import GpuSpec
+from gpufn.wire.spec import GpuSpec
 
 
 class Shape(Enum):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpufn import protocol as p
 from gpufn.scheduler.states import InvState
+from gpufn.wire import protocol as p
 
 if TYPE_CHECKING:
     from gpufn.scheduler.core import SchedulerCore

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from gpufn import protocol as p
 from gpufn.exceptions import GpufnError, kind_of
 from gpufn.scheduler.states import InvState
+from gpufn.wire import protocol as p
 
 if TYPE_CHECKING:
     from gpufn.scheduler.core import SchedulerCore

@@ -13,11 +13,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from gpufn import protocol as p
 from gpufn.exceptions import Cancelled, GpufnError, WorkerLost, kind_of
 from gpufn.memory_pool.ledger import Plan
 from gpufn.memory_pool.residency import Residency
-from gpufn.rendezvous import DEFAULT_TIMEOUT_S, GangSpec, resolve_backend
 from gpufn.scheduler import batches, gang_results
 from gpufn.scheduler.events import Send
 from gpufn.scheduler.formations import GangBook
@@ -28,7 +26,9 @@ from gpufn.scheduler.records import Device, Invocation, Peer
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import InvState
-from gpufn.spec import retry_delay
+from gpufn.wire import protocol as p
+from gpufn.wire.rendezvous import DEFAULT_TIMEOUT_S, GangSpec, resolve_backend
+from gpufn.wire.spec import retry_delay
 
 log = logging.getLogger("gpufn.scheduler")
 

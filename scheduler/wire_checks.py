@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.exceptions import GpufnError, InvalidSpec
-from gpufn.spec import GpuSpec, make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import GpuSpec, make_spec
 
 _MODEL_FIELDS: dict[str, tuple[type, ...]] = {
     "name": (str,), "code_id": (str,), "nframes": (int,), "memory": (int, type(None)),

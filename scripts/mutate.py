@@ -66,14 +66,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the queue ignores aging",
     ),
     Mutation(
-        "ctrl-c-remote-no-cancel", "gpufn/client.py",
+        "ctrl-c-remote-no-cancel", "gpufn/client/client.py",
         '            self._send(p.Cancel(inv, "interrupted by the caller"))\n',
         "            pass\n",
         (f"{G}::test_ctrl_c_stops_the_remote_work[remote]",),
         "Ctrl-C during .remote() sends no Cancel",
     ),
     Mutation(
-        "ctrl-c-map-no-cancel", "gpufn/map_run.py",
+        "ctrl-c-map-no-cancel", "gpufn/api/map_run.py",
         "            if not self.failed:\n"
         "                self._cancel_rest(client, include_running=True)\n",
         "            pass\n",
@@ -81,7 +81,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Ctrl-C (or closing) a .map() leaves its calls running",
     ),
     Mutation(
-        "map-cost-no-sort", "gpufn/map_run.py",
+        "map-cost-no-sort", "gpufn/api/map_run.py",
         "            order = sorted(range(len(listed)), key=lambda i: -costs[i])\n",
         "            order = list(range(len(listed)))\n",
         (f"{G}::test_map_cost_starts_the_longest_inputs_first",),

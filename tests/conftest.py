@@ -15,7 +15,7 @@ os.environ.setdefault("GPUFN_DEVICE_MEMORY", "8GiB")
 os.environ.setdefault("GPUFN_PROGRESS", "0")
 
 import gpufn
-from gpufn import client as client_mod
+from gpufn.client import default as client_mod
 
 
 def cluster_pids(c: gpufn.Client) -> list[int]:

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufn import call_context as ctxmod
-from gpufn import protocol as p
-from gpufn import serialization as ser
 from gpufn.exceptions import GpufnError, SerializationError, kind_of
-from gpufn.rendezvous import GangSpec
+from gpufn.runtime import context as ctxmod
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
+from gpufn.wire.rendezvous import GangSpec
 from gpufn.worker.executor import Call
 from gpufn.worker.streaming import is_special
 

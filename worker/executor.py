@@ -15,9 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufn import call_context as ctxmod
-from gpufn import protocol as p
-from gpufn import serialization as ser
 from gpufn.exceptions import (
     Cancelled,
     GpufnError,
@@ -27,6 +24,9 @@ from gpufn.exceptions import (
     SerializationError,
     kind_of,
 )
+from gpufn.runtime import context as ctxmod
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
 from gpufn.worker.output import OutputRouter, set_current
 from gpufn.worker.streaming import Driver, needs_driving
 

@@ -37,9 +37,9 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from gpufn.call_context import mesh_for
 from gpufn.exceptions import GpufnError
-from gpufn.rendezvous import (
+from gpufn.runtime.context import mesh_for
+from gpufn.wire.rendezvous import (
     DEFAULT_TIMEOUT_S,
     ENV_BACKEND,
     GangSpec,

@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from gpufn import protocol as p
-from gpufn.connection import Backoff
 from gpufn.exceptions import (
     AuthenticationError,
     ConnectionLost,
@@ -15,6 +13,8 @@ from gpufn.exceptions import (
     ProtocolMismatch,
     from_wire,
 )
+from gpufn.net.connection import Backoff
+from gpufn.wire import protocol as p
 
 log = logging.getLogger("gpufn.supervisor")
 

@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
 
-from gpufn import call_context as ctxmod
-from gpufn import protocol as p
-from gpufn import serialization as ser
 from gpufn.exceptions import GpufnError, ModelLoadError, OutOfMemory, kind_of
-from gpufn.protocol import ModelState
+from gpufn.runtime import context as ctxmod
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
+from gpufn.wire.protocol import ModelState
 from gpufn.worker.executor import _is_comm_error
 
 log = logging.getLogger("gpufn.worker")

@@ -21,8 +21,8 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from gpufn import protocol as p
-from gpufn import serialization as ser
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
 
 POLL_SECONDS = 0.05
 
@@ -60,10 +60,10 @@ class _PipeStream:
 
 def _helper_main(conn: Connection, kind: str, count: int, parent: int, visible: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before torch starts CUDA
-    from gpufn import _sockets
-    from gpufn import call_context as ctxmod
+    from gpufn.net import processes
+    from gpufn.runtime import context as ctxmod
 
-    _sockets.watch_parent(parent, lambda: os._exit(0))
+    processes.watch_parent(parent, lambda: os._exit(0))
     import torch
 
     if kind == "cuda" and torch.cuda.is_available():

@@ -13,7 +13,7 @@ import threading
 from contextvars import ContextVar
 from typing import Any, TextIO
 
-from gpufn import protocol as p
+from gpufn.wire import protocol as p
 
 _current = threading.local()
 _current_async: ContextVar[str | None] = ContextVar("gpufn_invocation", default=None)

@@ -23,10 +23,11 @@ from typing import Any
 
 import zmq
 
-from gpufn import _sockets, config
-from gpufn import protocol as p
-from gpufn.connection import Connection, ConnectionConfig, WakePipe
 from gpufn.exceptions import Cancelled, kind_of
+from gpufn.net import processes
+from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
+from gpufn.wire import config
+from gpufn.wire import protocol as p
 from gpufn.worker.core import (
     AbortGroup,
     Action,
@@ -85,7 +86,7 @@ class WorkerProcess:
         self._done: deque[p.Message] = deque()
         self._wake = WakePipe()
         self.executor = Executor(self.router, self._on_done)
-        from gpufn.model import set_resolver
+        from gpufn.runtime.models import set_resolver
         from gpufn.worker.model_cache import ModelManager
 
         # Simulated devices enforce their configured size; real GPUs their real memory.
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     worker = WorkerProcess(a.address, token, a.device, a.incarnation, a.kind, a.memory)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     # Exit if our supervisor dies without taking us along (e.g. started by hand).
-    _sockets.watch_parent(os.getppid(), lambda: os._exit(0))
+    processes.watch_parent(os.getppid(), lambda: os._exit(0))
     worker.handshake()
     worker.start_control()
     try:

@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from gpufn import call_context as ctxmod
-from gpufn import protocol as p
-from gpufn import serialization as ser
 from gpufn.exceptions import Cancelled
+from gpufn.runtime import context as ctxmod
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
 from gpufn.worker.output import set_current_async
 
 

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import zmq
 
-from gpufn import _sockets, config, netif
-from gpufn import protocol as p
-from gpufn.connection import Backoff, Connection, ConnectionConfig
 from gpufn.exceptions import GpufnError
 from gpufn.memory_pool.probe import DeviceInfo
+from gpufn.net import interfaces as netif
+from gpufn.net import processes
+from gpufn.net.connection import Backoff, Connection, ConnectionConfig
+from gpufn.wire import config
+from gpufn.wire import protocol as p
 from gpufn.worker.joining import JoinLog, refusal_reason
 
 log = logging.getLogger("gpufn.supervisor")
@@ -149,7 +151,7 @@ class Supervisor:
             slot.log_offset = logf.tell()
             slot.proc = subprocess.Popen(
                 cmd, env=self._env(d), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                preexec_fn=_sockets.set_pdeathsig,
+                preexec_fn=processes.set_pdeathsig,
             )
         slot.started = time.monotonic()
         log.info("started worker for %s (pid %d)", d.key, slot.proc.pid)
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     from gpufn.memory_pool.probe import probe_devices
-    from gpufn.spec import parse_memory
+    from gpufn.wire.units import parse_memory
 
     ap = argparse.ArgumentParser(prog="python -m gpufn.worker.supervisor")
     ap.add_argument("--address", required=True)
@@ -325,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     sup = Supervisor(a.address, config.token() or "", devices, node, threads)
     signal.signal(signal.SIGTERM, sup.stop)
     signal.signal(signal.SIGINT, sup.stop)
-    _sockets.watch_parent(a.parent_pid, sup.stop)
+    processes.watch_parent(a.parent_pid, sup.stop)
     if a.parent_pid:  # started with a local scheduler: it must answer, or we fail
         sup.handshake()
     elif not sup.join():  # a host joining a cluster: wait for the head as long as it takes

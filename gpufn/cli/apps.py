@@ -1,5 +1,5 @@
 """`gpufn deploy` and `gpufn app list|history|rollback|stop`: thin commands over
-`gpufn.deployment`, rendered with rich (or `--json`), exiting non-zero with a one-line
+`gpufn.api.deployment`, rendered with rich (or `--json`), exiting non-zero with a one-line
 reason on an expected failure."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
 def _client(address: str | None, token: str | None) -> Iterator[Any]:
     """A client of a running scheduler (never the embedded one: a deployment must outlive
     this command); expected failures exit with one line."""
-    from gpufn.cli.state import load_cluster_file, saved_token
-    from gpufn.client import Client
+    from gpufn.client.client import Client
+    from gpufn.net.cluster_file import load_cluster_file, saved_token
 
     if not address:
         saved = load_cluster_file()
@@ -89,7 +89,7 @@ def deploy_command(
     as_json: bool = JSON,
 ) -> None:
     """Deploy every @gpu function and @gpufn.model in an app file under a name and version."""
-    from gpufn.deployment import DeployError, deploy
+    from gpufn.api.deployment import DeployError, deploy
 
     if strategy not in ("rolling", "recreate"):
         raise _fail(f"--strategy {strategy!r}: use rolling or recreate", 2)
@@ -119,7 +119,7 @@ def deploy_command(
 def list_command(address: str | None = ADDRESS, token: str | None = TOKEN,
                  as_json: bool = JSON) -> None:
     """Apps, their current version, functions, specs and calls in the last hour."""
-    from gpufn.deployment import list_apps
+    from gpufn.api.deployment import list_apps
 
     with _client(address, token) as client:
         apps = list_apps(client)
@@ -147,7 +147,7 @@ def history_command(app: str = typer.Argument(..., help="The app."),
                     address: str | None = ADDRESS, token: str | None = TOKEN,
                     as_json: bool = JSON) -> None:
     """An app's versions: when, who, tag, git commit, code hash, rollbacks."""
-    from gpufn.deployment import history
+    from gpufn.api.deployment import history
 
     with _client(address, token) as client:
         h = history(app, client)
@@ -183,7 +183,7 @@ def rollback_command(app: str = typer.Argument(..., help="The app."),
                      address: str | None = ADDRESS, token: str | None = TOKEN,
                      as_json: bool = JSON) -> None:
     """Create a new version with an older version's code."""
-    from gpufn.deployment import rollback
+    from gpufn.api.deployment import rollback
 
     n = _version(version)
     with _client(address, token) as client:
@@ -202,7 +202,7 @@ def stop_command(app: str = typer.Argument(..., help="The app."),
                  address: str | None = ADDRESS, token: str | None = TOKEN,
                  as_json: bool = JSON) -> None:
     """Stop an app: queued calls fail with AppStopped, running calls finish, models leave."""
-    from gpufn.deployment import stop
+    from gpufn.api.deployment import stop
 
     with _client(address, token) as client:
         out = stop(app, client)

@@ -4,14 +4,14 @@ JSON output, and the detached server's pid and log files."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
 
-from gpufn import config
+from gpufn.net.processes import alive
+from gpufn.wire import config
 
 ADDRESS_HELP = "Scheduler address, tcp://host:port [the last `gpufn serve` on this machine]."
 TOKEN_HELP = "The cluster's token [saved by `gpufn serve` on this machine]."
@@ -43,7 +43,7 @@ def parse_duration(text: str, what: str = "--since") -> float:
 def resolve(address: str | None, token: str | None) -> tuple[str, str | None]:
     """The scheduler to talk to: --address/GPUFN_ADDRESS, else the one `gpufn serve` on this
     machine left in GPUFN_HOME/cluster.json; its token likewise."""
-    from gpufn.cli.state import load_cluster_file, saved_token
+    from gpufn.net.cluster_file import load_cluster_file, saved_token
 
     if not address:
         saved = load_cluster_file()
@@ -60,7 +60,7 @@ def connect(address: str | None, token: str | None, timeout: float) -> Any:
     """A `Client` for the resolved scheduler, or a one-line exit saying why not."""
     import zmq
 
-    from gpufn.client import Client
+    from gpufn.client.client import Client
     from gpufn.exceptions import GpufnError
 
     addr, tok = resolve(address, token)
@@ -78,20 +78,6 @@ def pid_file() -> Path:
 
 def log_file() -> Path:
     return config.state_dir() / "serve.log"
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is not running
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def read_pid() -> int | None:

@@ -13,12 +13,12 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from gpufn import config
-from gpufn.cli import address_file as addrfile
 from gpufn.cli import apps, common, ops, plan
 from gpufn.cli.common import fail
-from gpufn.cli.state import load_cluster_file, write_cluster_file
 from gpufn.exceptions import GpufnError
+from gpufn.net import address_file as addrfile
+from gpufn.net.cluster_file import load_cluster_file, write_cluster_file
+from gpufn.wire import config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="gpufn: self-hosted serverless GPU functions.")
@@ -56,8 +56,8 @@ def serve(
     With --detach it runs in the background, with a pid file and a log file in the state dir."""
     import signal
 
-    from gpufn import security
-    from gpufn.embedded import LocalCluster
+    from gpufn.client.embedded import LocalCluster
+    from gpufn.net import curve as security
 
     if cpu_devices is not None and cpu_devices < 1:
         fail("--cpu-devices must be at least 1", 2)
@@ -162,7 +162,7 @@ def _detach(token: str, as_json: bool) -> None:
             fail(f"the detached server did not start: {tail[0] if tail else 'no output'} "
                  f"(log: {common.log_file()})")
         time.sleep(0.1)
-    from gpufn.cli.state import home
+    from gpufn.net.cluster_file import home
 
     info = {"address": saved["address"], "token_file": str(home() / "cluster.json"),
             "pid": proc.pid, "pid_file": str(common.pid_file()), "log_file": str(common.log_file())}

@@ -148,7 +148,7 @@ def shutdown(
     New calls are refused, queued ones dropped, running ones get --grace seconds to finish."""
     import signal
 
-    from gpufn.cli.state import load_cluster_file
+    from gpufn.net.cluster_file import load_cluster_file
 
     addr, tok = common.resolve(address, token)
     saved = load_cluster_file()
@@ -192,7 +192,7 @@ def _wait_gone(addr: str, tok: str | None, pid: int | None, limit: float) -> boo
                 return False
             time.sleep(0.1)
         return True
-    from gpufn.client import Client
+    from gpufn.client.client import Client
 
     while time.monotonic() < deadline:
         try:
@@ -260,7 +260,7 @@ def load_function(ref: str) -> Any:
              "for the traceback)")
     cloudpickle.register_pickle_by_value(module)  # worker hosts need not have the file
     fn = getattr(module, name, None)
-    from gpufn.function import Function
+    from gpufn.api.function import Function
 
     if not isinstance(fn, Function):
         found = sorted(k for k, v in vars(module).items() if isinstance(v, Function))
@@ -279,7 +279,7 @@ def run(
 ) -> None:
     """Call a function once, print its result, clean up (an ephemeral run)."""
     import gpufn
-    from gpufn import client as client_mod
+    from gpufn.client import default as client_mod
 
     pos, kw = parse_call_args(list(args or []))
     fn = load_function(ref)

@@ -11,10 +11,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from gpufn import planner
 from gpufn.cli.common import fail
 from gpufn.exceptions import InvalidSpec
-from gpufn.spec import parse_memory
+from gpufn.parallel import planner
+from gpufn.wire.units import parse_memory
 
 console = Console()
 

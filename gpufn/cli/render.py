@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from gpufn.spec import format_bytes
+from gpufn.wire.units import format_bytes
 
 _STATE_STYLE = {"ready": "green", "starting": "yellow", "restarting": "yellow", "failed": "red",
                 "gone": "dim"}

@@ -62,7 +62,7 @@ def resolve_mesh(module: nn.Module, mesh: DeviceMesh | None, *, what: str) -> De
 
 def _context_mesh() -> DeviceMesh | None:
     """The mesh of the gpufn call running in this thread, or None outside a call."""
-    from gpufn.call_context import context
+    from gpufn.runtime.context import context
 
     try:
         ctx = context()

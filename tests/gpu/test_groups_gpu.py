@@ -30,7 +30,7 @@ import json, os, threading, time
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
-from gpufn.call_context import CallContext
+from gpufn.runtime.context import CallContext
 from gpufn.worker.groups import GangSpec, GroupManager, host_store, mesh_for
 
 out = {}

@@ -34,8 +34,8 @@ SHARD_SCRIPT = r"""
 import gc, json, time
 import torch
 import torch.distributed as dist
-from gpufn import call_context as ctxmod
-from gpufn.call_context import CallContext
+from gpufn.runtime import context as ctxmod
+from gpufn.runtime.context import CallContext
 from gpufn.memory_pool.allocator import ModelArena, find_tensors, measure_nbytes
 from gpufn.parallel import tensor_parallel
 from gpufn.worker.groups import GangSpec, GroupManager, host_store

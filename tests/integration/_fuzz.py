@@ -24,8 +24,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from gpufn import protocol as p
 from gpufn.memory_pool.probe import simulated_devices
+from gpufn.wire import protocol as p
 
 # Messages the scheduler accepts from some role (the rest are "unexpected" from anyone).
 # What the scheduler handles from some peer; every other type is "unexpected". Operator

@@ -13,7 +13,7 @@ import zmq
 import zmq.utils.monitor
 
 import gpufn
-from gpufn import protocol as p
+from gpufn.wire import protocol as p
 
 MiB = 2**20
 

@@ -15,8 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 import gpufn
-from gpufn import client as client_mod
+import gpufn.api.deployment
 from gpufn.cli.main import app as cli
+from gpufn.client import default as client_mod
 
 from ..conftest import shutdown_default
 from .served import Served, gpufn_cmd
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 APP = '''
 import time
 import gpufn
+import gpufn.api.deployment
 import {helper}
 
 VERSION = "{version}"
@@ -178,7 +180,7 @@ def test_stop_fails_queued_lets_running_finish(server: Served, tmp_path: Path) -
     which = gpufn.lookup("stopme", "which")
     calls = [which.spawn(1.5) for _ in range(3)]
     wait_for(lambda: running("which") == 2)
-    out = gpufn.deployment.stop("stopme")
+    out = gpufn.api.deployment.stop("stopme")
     assert out["failed_queued"] == 1
     results = []
     for c in calls:
@@ -191,7 +193,7 @@ def test_stop_fails_queued_lets_running_finish(server: Served, tmp_path: Path) -
         which.remote()
     # a rollback (or a deploy) starts it again
     with pytest.raises(gpufn.NotFound, match="no version before"):
-        gpufn.deployment.rollback("stopme")
+        gpufn.api.deployment.rollback("stopme")
     gpufn.deploy(path)
     assert which.remote() == "v1"
 
@@ -201,10 +203,10 @@ def test_history_and_rollback(server: Served, tmp_path: Path) -> None:
     gpufn.deploy(path, tag="one")
     path.write_text(path.read_text().replace('VERSION = "v1"', 'VERSION = "v2"'))
     gpufn.deploy(path, tag="two")
-    rb = gpufn.deployment.rollback("hist")
+    rb = gpufn.api.deployment.rollback("hist")
     assert rb.version == 3
     assert gpufn.lookup("hist", "which").remote() == "v1"
-    h = gpufn.deployment.history("hist")
+    h = gpufn.api.deployment.history("hist")
     versions = h["versions"]
     assert [v["version"] for v in versions] == [1, 2, 3]
     assert [v["tag"] for v in versions] == ["one", "two", "one"]
@@ -214,6 +216,7 @@ def test_history_and_rollback(server: Served, tmp_path: Path) -> None:
 
 BROKEN_LOADER = '''
 import gpufn
+import gpufn.api.deployment
 
 @gpufn.model(memory="1GiB")
 def weights():
@@ -238,7 +241,7 @@ def test_broken_versions_are_reported(server: Served, tmp_path: Path) -> None:
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "failed its check" in out.stderr and "weights file is missing" in out.stderr
-    assert not any(a["name"] == "bad_loader" for a in gpufn.deployment.list_apps())
+    assert not any(a["name"] == "bad_loader" for a in gpufn.api.deployment.list_apps())
 
     gpufn.deploy(tmp_path / "bad_loader.py")  # without --check: it fails on first use
     with pytest.raises(gpufn.ModelLoadError):
@@ -251,6 +254,7 @@ def test_broken_versions_are_reported(server: Served, tmp_path: Path) -> None:
 def test_drain_first_when_models_do_not_fit(server: Served, tmp_path: Path) -> None:
     src = '''
 import gpufn
+import gpufn.api.deployment
 
 @gpufn.model(memory="5GiB")
 def big():
@@ -274,7 +278,7 @@ def which():
         return [m["name"] for dev in st["devices"] for m in dev["models"]]
 
     assert "big" in resident()
-    gpufn.deployment.stop("drain")  # a stopped app's models leave the devices
+    gpufn.api.deployment.stop("drain")  # a stopped app's models leave the devices
     wait_for(lambda: "big" not in resident(), 30)
 
 
@@ -326,8 +330,8 @@ def test_version_skew_is_reported_at_connect(server: Served) -> None:
 
     import zmq
 
-    from gpufn import protocol as p
-    from gpufn.connection import Connection, ConnectionConfig
+    from gpufn.net.connection import Connection, ConnectionConfig
+    from gpufn.wire import protocol as p
 
     ctx = zmq.Context()
     old = Connection(ctx, ConnectionConfig(server.address, server.token), "s/old-host",

@@ -39,7 +39,7 @@ def _worker_main(conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
-    from gpufn.call_context import CallContext
+    from gpufn.runtime.context import CallContext
     from gpufn.worker.groups import GroupManager, mesh_for
 
     mgr = GroupManager()

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import gpufn
-from gpufn import client as client_mod
+from gpufn.client import default as client_mod
 
 from ..conftest import shutdown_default
 from .served import Served

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gpufn
-from gpufn.embedded import LocalCluster
+from gpufn.client.embedded import LocalCluster
 
 from ..conftest import assert_all_gone, shutdown_default, wait_ready
 from ._waits import wait_for
@@ -90,7 +90,7 @@ def _devices(address: str, token: str) -> list[dict[str, object]]:
 _WHERE = """
 import json, os, time
 import gpufn
-from gpufn import client
+from gpufn.client import default as client
 
 @gpufn.gpu
 def where(seconds):
@@ -281,7 +281,7 @@ def test_lru_count_eviction_policy_from_the_environment(
 _EXITING = """
 import json, os, sys
 import gpufn
-from gpufn import client
+from gpufn.client import default as client
 
 @gpufn.gpu
 def pid():

@@ -15,9 +15,9 @@ import pytest
 import zmq
 
 import gpufn
-from gpufn import protocol as p
 from gpufn.scheduler.core import SchedulerConfig
 from gpufn.scheduler.server import SchedulerServer
+from gpufn.wire import protocol as p
 
 from ._waits import running_ids, wait_for, wait_idle
 from .funcs import sleepy, square

@@ -1,5 +1,5 @@
 """Security: CURVE off loopback, the token inside the encrypted channel, the ZAP
-allow-list, key file modes, and refusals (see gpufn/security.py).
+allow-list, key file modes, and refusals (see gpufn/net/curve.py).
 
 The attacks send Hello, Register and Submit at once, without waiting to be welcomed, and
 the function would write a sentinel file: each refused peer must leave it absent.
@@ -30,12 +30,13 @@ import zmq
 import zmq.auth
 
 import gpufn
-from gpufn import config, security
-from gpufn import protocol as p
-from gpufn import serialization as ser
-from gpufn.connection import Connection, ConnectionConfig
-from gpufn.embedded import LocalCluster
-from gpufn.function import decode_result
+from gpufn.api.calls import decode_result
+from gpufn.client.embedded import LocalCluster
+from gpufn.net import curve as security
+from gpufn.net.connection import Connection, ConnectionConfig
+from gpufn.wire import config
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
 
 from ..conftest import assert_all_gone
 

@@ -13,7 +13,7 @@ import torch
 
 import gpufn
 from gpufn.parallel import tensor_parallel
-from gpufn.spec import parse_memory
+from gpufn.wire.units import parse_memory
 
 from ..conftest import cluster_with
 from ._sharded_models import gpt2, greedy, llama

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import gpufn
-from gpufn import protocol as p
+from gpufn.wire import protocol as p
 
 from .stream_funcs import async_gen_fails, async_tokens, count, fails_after, gang_stream, produce
 

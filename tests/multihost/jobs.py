@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import gpufn
-from gpufn import config
+from gpufn.wire import config
 
 
 def _here() -> dict[str, Any]:

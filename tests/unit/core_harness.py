@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore, Send, Tick, Unreachable
-from gpufn.spec import GpuSpec, make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import GpuSpec, make_spec
 
 GiB = 2**30
 

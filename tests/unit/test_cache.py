@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from gpufn import cache as cachemod
-from gpufn import protocol as p
-from gpufn import serialization as ser
-from gpufn.cache import ResultCache, Store, code_digest
+from gpufn.api import cache as cachemod
+from gpufn.api.cache import ResultCache, Store, code_digest
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
 
 
 def _result(value: object) -> p.Result:
@@ -118,7 +118,7 @@ def test_a_failed_call_is_not_cached_and_a_waiter_computes(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("value", [True, "/tmp/x", False])
 def test_spec_cache_option(value: object) -> None:
-    from gpufn.spec import make_spec
+    from gpufn.wire.spec import make_spec
 
     spec = make_spec(cache=value)
     assert bool(spec.cache) == bool(value)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import gpufn
-from gpufn import call_context
-from gpufn import serialization as ser
-from gpufn.call_options import WithCallOptions, to_device, wrap
+from gpufn.runtime import context as call_context
+from gpufn.runtime.call_options import WithCallOptions, to_device, wrap
+from gpufn.wire import serialization as ser
 
 
 def test_options_are_validated() -> None:

@@ -115,13 +115,13 @@ def test_no_server_is_one_line_without_traceback(monkeypatch: pytest.MonkeyPatch
 
 
 def test_wrong_token_and_bad_address_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpufn.client
+    import gpufn.client.client
 
     class Refused:
         def __init__(self, *a: Any, **k: Any) -> None:
             raise AuthenticationError("wrong or missing token: set GPUFN_TOKEN")
 
-    monkeypatch.setattr(gpufn.client, "Client", Refused)
+    monkeypatch.setattr(gpufn.client.client, "Client", Refused)
     r = runner.invoke(app, ["status", "--address", "tcp://h:1", "--token", "x"])
     assert r.exit_code == 1 and r.output.count("\n") == 1 and "AuthenticationError" in r.output
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""Settings from the environment: one accessor each in gpufn.config, defaults, and bad values
+"""Settings from the environment: one accessor each in gpufn.wire.config, defaults, and bad values
 refused with InvalidSpec naming the variable."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from gpufn import config
 from gpufn.exceptions import InvalidSpec
+from gpufn.wire import config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ _READ = re.compile(r"""os\.(environ\.get\(|environ\[|getenv\()\s*["']GPUFN_""")
 
 
 def test_settings_are_read_only_through_config() -> None:
-    """Every read of a GPUFN_* variable goes through gpufn.config (writes for children are fine)."""
+    """Every read of a GPUFN_* variable goes through gpufn.wire.config (writes for children are fine)."""
     offenders = []
     for folder in ("gpufn", "scheduler", "memory_pool", "worker"):
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -72,4 +72,4 @@ def test_settings_are_read_only_through_config() -> None:
                 m = _READ.search(line)
                 if m and not re.search(r"""\[["']GPUFN_\w+["']\]\s*=[^=]""", line):
                     offenders.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
-    assert not offenders, "read these through a gpufn.config accessor:\n" + "\n".join(offenders)
+    assert not offenders, "read these through a gpufn.wire.config accessor:\n" + "\n".join(offenders)

@@ -14,11 +14,11 @@ import pytest
 import zmq
 
 import gpufn
-from gpufn import protocol as p
-from gpufn.cli.state import saved_token, write_cluster_file
-from gpufn.client import Client
-from gpufn.connection import Backoff, Connection, ConnectionConfig, WakePipe
-from gpufn.runtime import runtime_info
+from gpufn.client.client import Client
+from gpufn.net.cluster_file import saved_token, write_cluster_file
+from gpufn.net.connection import Backoff, Connection, ConnectionConfig, WakePipe
+from gpufn.wire import protocol as p
+from gpufn.wire.versions import runtime_info
 
 _names = itertools.count()
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gpufn import protocol as p
-from gpufn.runtime import runtime_info, skew
 from gpufn.scheduler.deployments import DeploymentStore, StoredFunction, Version
-from gpufn.spec import make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import make_spec
+from gpufn.wire.versions import runtime_info, skew
 
 from .core_harness import Harness
 
@@ -126,7 +126,7 @@ def test_version_skew(theirs: dict[str, str], ok: bool) -> None:
 def test_lookup_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
     """At import time there may be no scheduler: nothing is contacted until a call."""
     import gpufn
-    from gpufn import client as client_mod
+    from gpufn.client import default as client_mod
 
     monkeypatch.setenv("GPUFN_ADDRESS", "tcp://127.0.0.1:1")
     before = client_mod._default

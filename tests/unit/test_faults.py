@@ -7,12 +7,12 @@ import logging
 
 import pytest
 
-from gpufn import protocol as p
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import FunctionRecord, Invocation
 from gpufn.scheduler.settings import SchedulerConfig
 from gpufn.scheduler.states import DeviceState, InvState
-from gpufn.spec import make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import make_spec
 
 from .core_harness import Harness
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpufn import protocol as p
 from gpufn.scheduler.logs import LogStore, matches
 from gpufn.scheduler.usage import BOUNDS, BUCKET_S, Key, UsageMeter
+from gpufn.wire import protocol as p
 
 from .core_harness import Harness
 

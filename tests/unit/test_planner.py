@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gpufn import planner
 from gpufn.cli.main import app
+from gpufn.parallel import planner
 
 GiB = 2**30
 # The published config.json values (meta-llama/Meta-Llama-3-8B, -70B, Llama-3.1-405B).

@@ -5,7 +5,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from gpufn import protocol as p
+from gpufn.wire import protocol as p
 
 SAMPLES: list[p.Message] = [
     p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "tok", 42, {"argv": "x"}),

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 
-from gpufn import protocol as p
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import FunctionRecord, Invocation
 from gpufn.scheduler.states import InvState
-from gpufn.spec import make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import make_spec
 from tests.unit.core_harness import Harness
 
 

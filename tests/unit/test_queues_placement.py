@@ -8,7 +8,7 @@ from gpufn.scheduler.placement import type_rank
 from gpufn.scheduler.queues import ReadyQueue, queue_key
 from gpufn.scheduler.records import FunctionRecord, Invocation
 from gpufn.scheduler.states import InvState
-from gpufn.spec import make_spec
+from gpufn.wire.spec import make_spec
 
 
 def _inv(n: int, fn: FunctionRecord, priority: int, t: float) -> Invocation:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpufn import protocol as p
 from gpufn.scheduler.states import DeviceState, IllegalTransition, InvState
+from gpufn.wire import protocol as p
 
 from .core_harness import GiB, Harness
 

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from gpufn import protocol as p
 from gpufn.scheduler.core import RendezvousReady
 from gpufn.scheduler.states import InvState
+from gpufn.wire import protocol as p
 
 from .core_harness import Harness
 

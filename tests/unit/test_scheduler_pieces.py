@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger, Plan
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.memory_pool.residency import Residency
@@ -26,7 +25,8 @@ from gpufn.scheduler.settings import SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import INV_TRANSITIONS, DeviceState, InvState
 from gpufn.scheduler.transitions import TABLE, Transitions
-from gpufn.spec import make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import make_spec
 
 GiB = 2**30
 _seq = 0

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from gpufn import protocol as p
 from gpufn.scheduler.states import InvState
+from gpufn.wire import protocol as p
 
 from .core_harness import Harness
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.scheduler.states import InvState
-from gpufn.spec import make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import make_spec
 
 from .core_harness import GiB, Harness
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from gpufn import config, security
 from gpufn.exceptions import InvalidSpec
+from gpufn.net import curve as security
+from gpufn.wire import config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,9 +81,9 @@ def test_client_key_file_is_used_and_checked(tmp_path: Path,
 
 
 def test_the_scheduler_never_unpickles() -> None:
-    """No scheduler module imports pickle, cloudpickle or gpufn.serialization: user
+    """No scheduler module imports pickle, cloudpickle or gpufn.wire.serialization: user
     payloads pass through it as opaque frames."""
-    banned = {"pickle", "cloudpickle", "dill", "gpufn.serialization", "marshal"}
+    banned = {"pickle", "cloudpickle", "dill", "gpufn.wire.serialization", "marshal"}
     for path in sorted((ROOT / "scheduler").glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

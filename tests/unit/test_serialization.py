@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpufn import serialization as ser
 from gpufn.exceptions import RemoteError, RemoteTraceback, SerializationError
+from gpufn.wire import serialization as ser
 
 
 def test_large_buffers_travel_out_of_band() -> None:

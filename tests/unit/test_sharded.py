@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufn import protocol as p
 from gpufn.memory_pool.ledger import (
     DeviceLedger,
     GroupPlan,
@@ -17,6 +16,7 @@ from gpufn.memory_pool.ledger import (
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.core import RendezvousReady
 from gpufn.scheduler.states import InvState
+from gpufn.wire import protocol as p
 
 from .core_harness import Harness
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 import gpufn
-from gpufn.spec import GpuSpec, format_bytes, make_spec, parse_memory
+from gpufn.wire.spec import GpuSpec, make_spec
+from gpufn.wire.units import format_bytes, parse_memory
 
 
 @pytest.mark.parametrize(

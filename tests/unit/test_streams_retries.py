@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from gpufn import protocol as p
 from gpufn.exceptions import Cancelled, InvalidSpec
 from gpufn.scheduler.states import InvState
-from gpufn.spec import GpuSpec, Retries, make_spec, retry_delay
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import GpuSpec, Retries, make_spec, retry_delay
 from gpufn.worker.executor import retryable
 
 from .core_harness import Harness
@@ -152,7 +152,7 @@ def test_retryable_matches_along_the_mro_and_never_gpufn_errors() -> None:
 
 
 def _call(rank: int = 0) -> Any:
-    from gpufn.call_context import CallContext
+    from gpufn.runtime.context import CallContext
     from gpufn.worker.executor import Call
 
     return Call("inv1", "gen", lambda: None, (), CallContext("inv1", "gen", rank=rank),
@@ -234,7 +234,7 @@ def iter_gen(n: int) -> Any:
 
 
 def test_worker_core_turns_credits_into_grants_and_never_inlines_generators() -> None:
-    from gpufn import serialization as ser
+    from gpufn.wire import serialization as ser
     from gpufn.worker.core import Execute, Grant, WorkerCore
 
     core = WorkerCore("n:0")

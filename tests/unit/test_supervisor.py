@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from gpufn import protocol as p
 from gpufn.memory_pool.probe import simulated_devices
+from gpufn.wire import protocol as p
 from gpufn.worker.supervisor import GIVE_UP_AFTER, Supervisor
 
 

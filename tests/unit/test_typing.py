@@ -30,7 +30,7 @@ SNIPPET = textwrap.dedent('''
     ok_get: str = ok_call.get(timeout=5)
     ok_opts: gpufn.Function[[int], int] = square.with_options(priority=3)
     reveal_type(square.remote(1))  # R: int
-    reveal_type(greet.spawn("y"))  # R: gpufn.function.FunctionCall[str]
+    reveal_type(greet.spawn("y"))  # R: gpufn.api.calls.FunctionCall[str]
     reveal_type(greet.spawn("y").get())  # R: str
     reveal_type(square.map([1, 2]))  # R: typing.Iterator[int]
     reveal_type(square.starmap([(1,)]))  # R: typing.Iterator[int]

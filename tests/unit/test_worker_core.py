@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from gpufn import protocol as p
-from gpufn import serialization as ser
 from gpufn.exceptions import GpufnError, SerializationError, kind_of
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
 from gpufn.worker import core as wc
 from gpufn.worker import multidevice
 

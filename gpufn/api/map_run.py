@@ -11,13 +11,15 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterat
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from gpufn import config
-from gpufn import protocol as p
-from gpufn.client import Client, get_client
+from gpufn.client.client import Client
+from gpufn.client.default import get_client
 from gpufn.exceptions import GpufnError, InvalidSpec
+from gpufn.wire import config
+from gpufn.wire import protocol as p
 
 if TYPE_CHECKING:
-    from gpufn.function import Function, FunctionCall
+    from gpufn.api.calls import FunctionCall
+    from gpufn.api.function import Function
 
 MAP_WINDOW = 4096               # calls in flight per .map()
 MAP_REFILL = 128                # refill the window in batches of at least this many
@@ -113,7 +115,7 @@ class _MapRun:
                 call._future.add_done_callback(functools.partial(self._completed, idx))
             self.submitted += len(batch)
             return
-        from gpufn.function import FunctionCall
+        from gpufn.api.calls import FunctionCall
 
         futs = client.submit_many([(sub, self.fn.name) for _, sub in batch])
         for (idx, sub), fut in zip(batch, futs, strict=True):
@@ -175,7 +177,7 @@ class _MapRun:
         if not self.progress:
             yield from self._ordered(self._steps())
             return
-        from gpufn.progress import make_bar
+        from gpufn.api.progress import make_bar
 
         bar = make_bar(f"{self.fn.name}.map", self.total)
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gpufn import config
+from gpufn.wire import config
 
 
 def home() -> Path:

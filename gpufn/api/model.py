@@ -14,24 +14,15 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from gpufn import serialization as ser
 from gpufn.exceptions import InvalidSpec
-from gpufn.spec import parse_memory
+from gpufn.runtime import models
+from gpufn.wire import serialization as ser
+from gpufn.wire.units import parse_memory
 
 T = TypeVar("T")
 
 _local_cache: dict[str, Any] = {}
 _local_lock = threading.Lock()
-
-# Set by the worker process: name -> instance resolver for the current device.
-_resolver: Callable[[str], Any] | None = None
-
-
-def set_resolver(resolver: Callable[[str], Any] | None) -> None:
-    """The worker process installs how `Model.get()` finds the resident instance."""
-    global _resolver
-    _resolver = resolver
-
 
 class Model(Generic[T]):
     """A named model: its loader, memory estimate and eviction preferences."""
@@ -76,8 +67,9 @@ class Model(Generic[T]):
     def get(self) -> T:
         """The instance resident on this worker's device (loaded for this call if needed);
         for a sharded model, this rank's shard."""
-        if _resolver is not None:
-            return _resolver(self.name)
+        resolver = models.resolver()
+        if resolver is not None:
+            return resolver(self.name)
         with _local_lock:
             if self.name not in _local_cache:
                 _local_cache[self.name] = self.loader()

@@ -17,14 +17,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from gpufn import protocol as p
-from gpufn import serialization as ser
-from gpufn.byvalue import by_value, local_modules
-from gpufn.client import Client, get_client
+from gpufn.api.function import Function
+from gpufn.api.model import Model
+from gpufn.client.client import Client
+from gpufn.client.default import get_client
 from gpufn.exceptions import GpufnError, InvalidSpec
-from gpufn.function import Function
-from gpufn.model import Model
-from gpufn.spec import make_spec
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
+from gpufn.wire.byvalue import by_value, local_modules
+from gpufn.wire.spec import make_spec
 
 
 class DeployError(GpufnError):

@@ -20,8 +20,8 @@ from typing import Any
 
 import cloudpickle
 
-from gpufn import config
 from gpufn.exceptions import PayloadTooLarge, RemoteError, RemoteTraceback, SerializationError
+from gpufn.wire import config
 
 # Buffers below this size stay inside the pickle stream (a frame costs more than a copy).
 OOB_THRESHOLD = 64 * 1024
@@ -159,7 +159,7 @@ def dump_code(fn: Any, name: str) -> tuple[str, list[Any]]:
     """
     target = getattr(fn, "__gpufn_target__", fn)  # a function wrapped with its call options
     if getattr(target, "__module__", None) == "__main__":
-        from gpufn.byvalue import register_main_locals
+        from gpufn.wire.byvalue import register_main_locals
 
         register_main_locals()  # a script's or notebook's helper modules go along by value
     code = getattr(target, "__code__", None)

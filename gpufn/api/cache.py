@@ -14,7 +14,6 @@ so a re-run after a kill computes exactly the results that are missing.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -30,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufn import protocol as p
-from gpufn import serialization as ser
+from gpufn.net.processes import alive
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
 
 LEASE_S = 30.0  # a claim not touched for this long, by an owner on another host, is stale
 TOUCH_S = 5.0  # how often an owner touches its claims
@@ -205,7 +205,7 @@ class Store:
             return True
         owner = self._owner(path)
         if owner.get("host") == _HOST and isinstance(owner.get("pid"), int):
-            stale = not _pid_alive(owner["pid"])
+            stale = not alive(owner["pid"])
         else:  # another host (or a claim still being written): by its lease
             stale = age > LEASE_S if owner else age > LEASE_S / 3
         if not stale:
@@ -217,18 +217,6 @@ class Store:
             grave.unlink(missing_ok=True)
         except FileNotFoundError:
             pass
-        return True
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM
-    try:  # a zombie is dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
         return True
 
 

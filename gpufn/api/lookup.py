@@ -12,12 +12,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from gpufn import protocol as p
-from gpufn.call_context import current as current_context
-from gpufn.client import Client
+from gpufn.api.function import Function
+from gpufn.client.client import Client
 from gpufn.exceptions import GpufnError, InvalidSpec
-from gpufn.function import Function
-from gpufn.spec import OPTION_NAMES, GpuSpec, make_spec
+from gpufn.runtime.context import current as current_context
+from gpufn.wire import protocol as p
+from gpufn.wire.spec import OPTION_NAMES, GpuSpec, make_spec
 
 
 class DeployedFunction(Function[Any, Any]):
@@ -65,7 +65,7 @@ class DeployedFunction(Function[Any, Any]):
         """Ask the scheduler what this name means (once); NotFound if nothing does."""
         with self._lock:
             if self._resolved is None:
-                from gpufn.client import get_client
+                from gpufn.client.default import get_client
 
                 c = client or get_client()
                 version = self._pinned()

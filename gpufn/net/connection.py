@@ -11,12 +11,14 @@ from typing import Any
 
 import zmq
 
-from gpufn import _sockets, config, security
-from gpufn import protocol as p
 from gpufn.exceptions import AuthenticationError, ConnectionLost, GpufnError, from_wire, kind_of
-from gpufn.runtime import runtime_info
+from gpufn.net import curve as security
+from gpufn.net import sockets
+from gpufn.wire import config
+from gpufn.wire import protocol as p
+from gpufn.wire.versions import runtime_info
 
-log = logging.getLogger("gpufn.connection")
+log = logging.getLogger("gpufn.net.connection")
 
 _FORGOTTEN = kind_of(AuthenticationError)
 
@@ -46,7 +48,7 @@ class ConnectionConfig:
         `gpufn serve` on this machine left for this endpoint; None means plaintext."""
         endpoint, key = config.split_address(self.address)
         if key is None and endpoint.startswith("tcp://"):
-            from gpufn.cli.state import saved_server_key
+            from gpufn.net.cluster_file import saved_server_key
 
             key = saved_server_key(endpoint)
         return key
@@ -99,7 +101,7 @@ class Connection:
         self.welcome: p.Welcome | None = None
         self.backoff = Backoff()
         self.sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
-        _sockets.configure(self.sock)
+        sockets.configure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
         self.server_key = self._secure(self.sock)
         # Over TCP, watch the security handshake until the Welcome, so a refused key or a

@@ -7,12 +7,12 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, overload
 
+from gpufn.api.calls import CallStream
 from gpufn.exceptions import InvalidSpec
-from gpufn.spec import GpuSpec
-from gpufn.streams import CallStream
+from gpufn.wire.spec import GpuSpec
 
 if TYPE_CHECKING:
-    from gpufn.function import Function, FunctionCall
+    from gpufn.api.function import Function
 
 
 class RemoteGen:
@@ -38,20 +38,6 @@ class RemoteGenAttr:
     def __get__(self, obj: Function[Any, Any], cls: Any = None) -> RemoteGen: ...
     def __get__(self, obj: Function[Any, Any] | None, cls: Any = None) -> Any:
         return self if obj is None else RemoteGen(obj)
-
-
-def gather(*calls: FunctionCall[Any]) -> list[Any]:
-    """The results of several spawned calls, in order. If one fails, the calls not done
-    yet are cancelled and its error is raised."""
-    out = []
-    try:
-        for call in calls:
-            out.append(call.get())
-    except BaseException:
-        for call in calls:
-            call.cancel()  # a finished call ignores it
-        raise
-    return out
 
 
 def check_kind(fn: Callable[..., Any], spec: GpuSpec) -> None:

@@ -7,51 +7,12 @@ decorator runs; the scheduler later resolves a valid spec against real devices.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from gpufn.exceptions import InvalidSpec
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    # Docker-style single letters mean binary units.
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_memory(value: object, option: str = "memory") -> int:
-    """Bytes from an int or a string like "20GiB", "512MB", "1.5 GiB"."""
-    fix = f"Give {option}= as bytes (an int) or a string like '20GiB' or '512MB'."
-    if isinstance(value, bool) or value is None:
-        raise InvalidSpec(f"{option}={value!r} is not a size. {fix}")
-    if isinstance(value, int):
-        if value < 0:
-            raise InvalidSpec(f"{option}={value!r} is negative. {fix}")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value) or value < 0:
-            raise InvalidSpec(f"{option}={value!r} is not a valid size. {fix}")
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise InvalidSpec(f"{option}={value!r} cannot be parsed as a size. {fix}")
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise InvalidSpec(f"{option}={value!r} has type {type(value).__name__}, not a size. {fix}")
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: 1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+from gpufn.wire.units import format_bytes, parse_memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +89,7 @@ class GpuSpec:
     batch_size: int | None = None
     batch_wait_ms: float = 0.0
     deadline: float | None = None
-    cache: str = ""  # result cache directory ("" = off); see gpufn/cache.py
+    cache: str = ""  # result cache directory ("" = off); see gpufn/api/cache.py
     autocast: str = ""  # run under torch.autocast with this dtype: "bf16", "fp16" ("" = off)
     device_args: bool = False  # move tensor arguments to the call's device
     # Retries(...): raised exceptions of these classes ("module.qualname") are retried too,
@@ -220,7 +181,7 @@ def _cache_dir(value: object) -> str:
     if value is None or value is False or value == "":
         return ""
     if value is True:
-        from gpufn import config
+        from gpufn.wire import config
 
         return str(config.cache_dir())
     if isinstance(value, str):

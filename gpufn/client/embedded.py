@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufn import config
 from gpufn.exceptions import ConnectionLost
-from gpufn.security import LOCAL_KEY_NAME, ServerSecurity, ensure_keypair
+from gpufn.net.curve import LOCAL_KEY_NAME, ServerSecurity, ensure_keypair
+from gpufn.wire import config
 
 
 def _extra_pythonpath() -> list[str]:
@@ -61,7 +61,7 @@ class LocalCluster:
         self.supervisor: subprocess.Popen[bytes] | None = None
         self.address = ""
         self.token = token or secrets.token_hex(16)
-        self.keys, self.allow_keys = keys, allow_keys  # CURVE (see gpufn.security)
+        self.keys, self.allow_keys = keys, allow_keys  # CURVE (see gpufn.net.curve)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)

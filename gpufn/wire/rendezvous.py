@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpufn import config
+from gpufn.wire import config
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from gpufn.exceptions import InvalidSpec
-from gpufn.spec import parse_memory
+from gpufn.wire.units import parse_memory
 
 DEFAULT_PORT = 7555
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("gpufn.netif")
+log = logging.getLogger("gpufn.net.interfaces")
 
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _SIOCGIFADDR = 0x8915

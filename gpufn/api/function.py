@@ -9,51 +9,28 @@ import inspect
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
-from gpufn import protocol as p
-from gpufn import serialization as ser
-from gpufn.call_context import current as current_context
-from gpufn.call_forms import RemoteGenAttr, check_kind
-from gpufn.call_forms import gather as _gather
-from gpufn.client import Client, get_client
-from gpufn.exceptions import InvalidSpec, Timeout, from_wire
-from gpufn.map_run import _MapRun, _total
-from gpufn.model import check_gang
-from gpufn.spec import OPTION_NAMES, GpuSpec, Retries, make_spec
-from gpufn.streams import CallStream, ItemQueue
+from gpufn.api.call_forms import RemoteGenAttr, check_kind
+from gpufn.api.calls import CallStream, FunctionCall, decode_result
+from gpufn.api.map_run import _MapRun, _total
+from gpufn.api.model import check_gang
+from gpufn.client.client import Client
+from gpufn.client.default import get_client
+from gpufn.exceptions import InvalidSpec
+from gpufn.runtime.context import current as current_context
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
+from gpufn.wire.spec import OPTION_NAMES, GpuSpec, Retries, make_spec
 
 if TYPE_CHECKING:
-    from gpufn.cache import ResultCache
+    from gpufn.api.cache import ResultCache
 
 P = ParamSpec("P")  # the user function's parameters
 R = TypeVar("R")    # and its return type
 P2 = ParamSpec("P2")
 R2 = TypeVar("R2")
 
-
-
-# --------------------------------------------------------------------------- results
-
-
-def decode_result(res: p.Result, name: str) -> Any:
-    """The value of a finished call, or raise its error (user exceptions keep their type)."""
-    if res.ok:
-        counts = res.meta.gather
-        if counts is not None:  # every rank's value, in rank order
-            out, i = [], 0
-            for n in counts:
-                out.append(ser.loads(res.frames[i:i + n]))
-                i += n
-            return out
-        return ser.loads(res.frames)
-    if res.error_kind == "":
-        where = f"remote traceback of {name} call {res.invocation_id} on {','.join(res.meta.devices) or 'a worker'}:"
-        raise ser.load_exception(res.frames, res.meta.error_type or "Exception", res.message,
-                                 res.meta.traceback, where)
-    raise from_wire(res.error_kind, res.message)
 
 
 # Each method with an async twin (`f.remote(...)` / `await f.remote.aio(...)`) is a
@@ -143,112 +120,6 @@ class _StarmapAttr:
         return self if obj is None else _Starmap(obj)
 
 
-class _Get(Generic[R]):
-    """`call.get(timeout=None)`: wait for the result; `await call.get.aio()` awaits it."""
-
-    __slots__ = ("_call",)
-
-    def __init__(self, call: FunctionCall[R]) -> None:
-        self._call = call
-
-    def __call__(self, timeout: float | None = None) -> R:
-        return self._call._get(timeout)
-
-    def aio(self, timeout: float | None = None) -> Coroutine[Any, Any, R]:
-        return self._call._get_aio(timeout)
-
-
-class _GetAttr:
-    @overload
-    def __get__(self, obj: None, cls: Any = None) -> _GetAttr: ...
-    @overload
-    def __get__(self, obj: FunctionCall[R2], cls: Any = None) -> _Get[R2]: ...
-    def __get__(self, obj: FunctionCall[Any] | None, cls: Any = None) -> Any:
-        return self if obj is None else _Get(obj)
-
-
-class FunctionCall(Generic[R]):
-    """A handle on one spawned call."""
-
-    def __init__(self, invocation_id: str, future: Future[p.Result], name: str, client: Client,
-                 items: ItemQueue | None = None) -> None:
-        self._id = invocation_id
-        self._future = future
-        self._name = name
-        self._client = client
-        self._items = items  # a generator call's values, read through .stream()
-        self._stream: CallStream[Any] | None = None
-
-    @classmethod
-    def from_id(cls, invocation_id: str) -> FunctionCall[Any]:
-        """A handle on a call spawned elsewhere (another process, `call.id`): `.get()`
-        waits for its result. It works while the call is queued or running (and its
-        spawner stays connected), and for the last few thousand finished spawned calls.
-        Not for a generator's values, which only its spawner streams."""
-        client = get_client()
-        return cls(invocation_id, client.attach(invocation_id), "call", client)
-
-    gather = staticmethod(_gather)  # FunctionCall.gather(*calls), as in Modal: gpufn.gather
-
-    def stream(self) -> CallStream[Any]:
-        """The values of a spawned generator call, as they are produced (iterate once)."""
-        if self._items is None:
-            raise InvalidSpec(f"{self._name} is not a generator function: use .get()")
-        if self._stream is None:
-            self._stream = CallStream(self, self._items)
-        return self._stream
-
-    def _get_end(self) -> None:
-        """Wait for the end of a generator call; raise its error if it failed."""
-        decode_result(self._future.result(), self._name)
-
-    @property
-    def id(self) -> str:
-        return self._id
-
-    def __repr__(self) -> str:
-        state = "done" if self._future.done() else "pending"
-        return f"<FunctionCall {self._name} {self._id} {state}>"
-
-    def _get(self, timeout: float | None = None) -> R:
-        if self._items is not None:
-            raise InvalidSpec(f"{self._name} is a generator function: iterate call.stream()")
-        try:
-            res = self._future.result(timeout)
-        except FutureTimeout:
-            raise Timeout(
-                f"{self._name} call {self._id} has no result after {timeout}s; it is still "
-                "queued or running. Call .get() again to keep waiting, or .cancel() it."
-            ) from None
-        return decode_result(res, self._name)
-
-    async def _get_aio(self, timeout: float | None = None) -> R:
-        if self._items is not None:
-            raise InvalidSpec(f"{self._name} is a generator function: iterate call.stream()")
-        try:
-            res = await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
-        except asyncio.TimeoutError:
-            raise Timeout(f"{self._name} call {self._id} has no result after {timeout}s") from None
-        return decode_result(res, self._name)
-
-    get = _GetAttr()
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def cancel(self) -> bool:
-        """Cancel the call: removed at once if queued, stopped if running.
-        Returns False if it had already finished."""
-        if self._future.done():
-            return False
-        self._client.cancel(self._id, "cancelled by the caller")
-        return True
-
-    def result_meta(self) -> dict[str, Any]:
-        """Scheduler metadata of a finished call (devices, attempts, queued_s, duration, ...)."""
-        return self._future.result().meta.to_dict()
-
-
 # --------------------------------------------------------------------------- functions
 
 
@@ -329,7 +200,7 @@ class Function(Generic[P, R]):
     def _code_frames(self) -> tuple[str, list[Any]]:
         """The function's code pickled now, so a call sees its globals as they are when it
         is made (like `.local()`); unchanged code keeps its id and is not sent again."""
-        from gpufn.call_options import wrap
+        from gpufn.runtime.call_options import wrap
 
         target = wrap(self._fn, self.spec.autocast, self.spec.device_args)
         code_id, frames = ser.dump_code(target, self.name)
@@ -363,7 +234,7 @@ class Function(Generic[P, R]):
         if not self.spec.cache:
             return None
         if self._cache is None:
-            from gpufn.cache import ResultCache, code_digest
+            from gpufn.api.cache import ResultCache, code_digest
 
             extra = [f"autocast={self.spec.autocast}", f"device_args={self.spec.device_args}"]
             extra += [f"model {m.name} {code_digest(m.loader)}" for m in self._models]
@@ -533,7 +404,7 @@ def _inputs(iterables: tuple[Iterable[Any], ...], kwargs: dict[str, Any] | None,
 
 
 def _check_models(models: Any) -> tuple[Any, ...]:
-    from gpufn.model import Model
+    from gpufn.api.model import Model
 
     if isinstance(models, Model):
         models = (models,)

@@ -15,10 +15,10 @@ from typing import Any
 import zmq
 import zmq.auth
 
-from gpufn import config
 from gpufn.exceptions import GpufnError
+from gpufn.wire import config
 
-log = logging.getLogger("gpufn.security")
+log = logging.getLogger("gpufn.net.curve")
 
 SERVER_KEY_NAME = "server"
 LOCAL_KEY_NAME = "local"  # this host's own supervisor and workers, admitted with --allow-keys

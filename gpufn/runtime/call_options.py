@@ -37,7 +37,7 @@ class WithCallOptions:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch
 
-        from gpufn.call_context import current_device
+        from gpufn.runtime.context import current_device
 
         device = torch.device(current_device())
         if self.device_args:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from typing import Any
 
 import zmq
 
-from gpufn import config
+from gpufn.wire import config
 
 RECONNECT_MS = 100
 RECONNECT_MAX_MS = 2000
@@ -32,29 +29,3 @@ def configure(sock: zmq.Socket[Any], *, router: bool = False) -> None:
         # Reconnect to a scheduler that went away with bounded exponential backoff.
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
-
-
-def watch_parent(parent_pid: int, on_exit: Any) -> None:
-    """Call `on_exit` when the process that started us is gone (we were re-parented)."""
-    if parent_pid <= 0:
-        return
-
-    def loop() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                on_exit()
-                return
-            threading.Event().wait(0.5)
-
-    threading.Thread(target=loop, name="gpufn-parent-watch", daemon=True).start()
-
-
-def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
-    """Linux: deliver `sig` to this process when its parent thread exits (preexec_fn)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, sig)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass

@@ -9,12 +9,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from gpufn.exceptions import InvalidSpec
-
-if TYPE_CHECKING:
-    from gpufn.memory_pool.ledger import ModelEntry
+from gpufn.memory_pool.residency import ModelEntry
 
 GiB = 2**30
 

@@ -1,9 +1,13 @@
-"""Model residency on one device: the states a shared model passes through and the
-explicit table of legal transitions; an illegal move raises with the model's history."""
+"""Model residency on one device: the states a shared model passes through, the explicit
+table of legal transitions (an illegal move raises with the model's history), and
+`ModelEntry`, the record of one model on one device that ledgers keep and policies rank."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum
+
+HISTORY_LIMIT = 64  # residency changes kept per model (for error messages)
 
 
 class Residency(Enum):
@@ -61,3 +65,48 @@ def check_transition(name: str, old: Residency, new: Residency,
     """Raise IllegalTransition unless old -> new is in the table."""
     if new not in TRANSITIONS[old]:
         raise IllegalTransition(name, old, new, history)
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    """One model on one device: where it is, how big, how costly, how used."""
+
+    name: str
+    nbytes: int  # measured once loaded, else the estimate
+    state: Residency = Residency.ABSENT
+    measured: bool = False
+    load_seconds: float | None = None  # the loader's measured time
+    reload_seconds: float | None = None  # the last host -> device restore time
+    pinned: bool = False
+    offload_allowed: bool = True
+    in_use: int = 0  # running (or placed) invocations holding it
+    last_used: float = 0.0
+    uses: int = 0  # invocations that have used it here (frequency)
+    priority: int = 0  # highest priority of any function that used it here
+    users: set[str] = field(default_factory=set)
+    clock: float = 0.0  # the ledger's eviction clock when last used (GDSF "L")
+    from_host: bool = False  # while LOADING: a restore from host, not the loader
+    # A sharded model's shard: every device of its gang in rank order (this one included).
+    # The shards are one unit: they leave together (see `plan_group`).
+    shards: tuple[str, ...] = ()
+    history: list[tuple[Residency, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.history:
+            self.history.append((self.state, 0.0))
+
+    def to(self, state: Residency, now: float, *, force: bool = False) -> None:
+        """Move to `state`; raise IllegalTransition (with the history) unless legal.
+
+        `force` skips the table: only for a worker restart, where everything is gone.
+        """
+        if not force:
+            check_transition(self.name, self.state, state, [*self.history, (state, now)])
+        self.state = state
+        self.history.append((state, now))
+        del self.history[:-HISTORY_LIMIT]
+
+    @property
+    def idle(self) -> bool:
+        """Resident and held by no invocation."""
+        return self.state is Residency.RESIDENT and self.in_use == 0

@@ -27,6 +27,7 @@ from gpufn.exceptions import (
 from gpufn.runtime import context as ctxmod
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
+from gpufn.worker.groups import is_comm_error
 from gpufn.worker.output import OutputRouter, set_current
 from gpufn.worker.streaming import Driver, needs_driving
 
@@ -219,7 +220,7 @@ class Executor:
                 pass
         if call.context.world_size > 1:
             _tag_rank(e, call.context.rank, call.context.world_size)
-            if _is_comm_error(e):
+            if is_comm_error(e):
                 call.meta["comm_error"] = True
         if isinstance(e, (ModelLoadError, OutOfMemory)):
             return _gpufn_failure(inv, e, t0)
@@ -295,10 +296,6 @@ def _batch_result(call: Call, value: Any, t0: float) -> p.Result:
                     tuple(frames))
 
 
-_COMM_MARKERS = ("gloo", "NCCL", "nccl", "Connection closed by peer", "Connection reset by peer",
-                 "ProcessGroup", "process group")
-
-
 def retryable(exc: BaseException, on: list[str] | None) -> bool:
     """The exception is an instance of a class named in `on` ("module.qualname", matched
     along its MRO, so subclasses and classes defined in __main__ match); gpufn's own
@@ -307,14 +304,6 @@ def retryable(exc: BaseException, on: list[str] | None) -> bool:
         return False
     names = {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
     return not names.isdisjoint(on)
-
-
-def _is_comm_error(exc: BaseException) -> bool:
-    """A failure caused by a peer rank going away (its abort, its death), not by this rank."""
-    if isinstance(exc, Cancelled) or type(exc).__name__ in (
-            "GangAborted", "DistBackendError", "DistNetworkError", "DistStoreError"):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS)
 
 
 def _oom(exc: BaseException) -> bool:

@@ -37,7 +37,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from gpufn.exceptions import GpufnError
+from gpufn.exceptions import Cancelled, GpufnError
 from gpufn.runtime.context import mesh_for
 from gpufn.wire.rendezvous import (
     DEFAULT_TIMEOUT_S,
@@ -326,3 +326,15 @@ class GroupManager:
                 c10d._world.group_count = 0
             except Exception:
                 pass
+
+
+_COMM_MARKERS = ("gloo", "NCCL", "nccl", "Connection closed by peer", "Connection reset by peer",
+                 "ProcessGroup", "process group")
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """A failure caused by a peer rank going away (its abort, its death), not by this rank."""
+    if isinstance(exc, Cancelled) or type(exc).__name__ in (
+            "GangAborted", "DistBackendError", "DistNetworkError", "DistStoreError"):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS)

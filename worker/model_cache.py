@@ -16,26 +16,17 @@ import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
 from typing import Any
 
 from gpufn.exceptions import GpufnError, ModelLoadError, OutOfMemory, kind_of
 from gpufn.runtime import context as ctxmod
+from gpufn.runtime import models as runtime_models
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.wire.protocol import ModelState
-from gpufn.worker.executor import _is_comm_error
+from gpufn.worker.groups import is_comm_error
 
 log = logging.getLogger("gpufn.worker")
-
-_call_models = threading.local()  # name -> model key, for the call running in this thread
-# The same for an async call, set inside its task on the worker's event loop.
-_async_models: ContextVar[dict[str, str] | None] = ContextVar("gpufn_call_models", default=None)
-
-
-def set_async_models(mapping: dict[str, str]) -> None:
-    _async_models.set(dict(mapping))
-
 
 class ModelManager:
     def __init__(self, device: Any, capacity: int | None, emit: Callable[[p.Message], None]) -> None:
@@ -93,7 +84,7 @@ class ModelManager:
             if isinstance(e, OutOfMemory):
                 err: GpufnError = e
             else:
-                if context is not None and _is_comm_error(e):
+                if context is not None and is_comm_error(e):
                     with self._lock:
                         self._comm.add(key)
                 tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
@@ -158,7 +149,7 @@ class ModelManager:
             self.ops.submit(self._load, key, spec, frames, context)
         for key in shards:
             self._wait(key)
-        _call_models.mapping = dict(models)
+        runtime_models.set_call_models(models)
 
     def _wait(self, key: str) -> None:
         ev = self._event(key)
@@ -184,7 +175,7 @@ class ModelManager:
 
     def resolve(self, name: str) -> Any:
         """`Model.get()` inside a call."""
-        mapping = _async_models.get() or getattr(_call_models, "mapping", None) or {}
+        mapping = runtime_models.call_models()
         key = mapping.get(name)
         if key is None:
             raise GpufnError(

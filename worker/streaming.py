@@ -20,6 +20,7 @@ from typing import Any
 
 from gpufn.exceptions import Cancelled
 from gpufn.runtime import context as ctxmod
+from gpufn.runtime import models as runtime_models
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.worker.output import set_current_async
@@ -200,9 +201,7 @@ class Driver:
             ctxmod._set_async(ctx)  # this task's copy of the context only
             set_current_async(inv)
             if models:  # Model.get() inside the coroutine
-                from gpufn.worker.model_cache import set_async_models
-
-                set_async_models(models)
+                runtime_models.set_async_call_models(models)
             return await coro
 
         fut = asyncio.run_coroutine_threadsafe(in_context(), self.events.loop())

@@ -1,18 +1,21 @@
-"""The call forms beyond `.remote()`/`.map()`/`.spawn()`: `f.remote_gen` (and `.aio`),
-`gpufn.gather`, and the decoration-time checks for generator and async functions."""
+"""The call forms beyond `.remote()`/`.map()`/`.spawn()`: `f.remote_gen` (and `.aio`), and
+the decoration-time checks for generator and async functions."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, Protocol, overload
 
 from gpufn.api.calls import CallStream
 from gpufn.exceptions import InvalidSpec
 from gpufn.wire.spec import GpuSpec
 
-if TYPE_CHECKING:
-    from gpufn.api.function import Function
+
+class Streams(Protocol):
+    """What `f.remote_gen` needs of its function (a `Function`)."""
+
+    def _remote_gen(self, *args: Any, **kwargs: Any) -> CallStream[Any]: ...
 
 
 class RemoteGen:
@@ -21,7 +24,7 @@ class RemoteGen:
 
     __slots__ = ("_fn",)
 
-    def __init__(self, fn: Function[Any, Any]) -> None:
+    def __init__(self, fn: Streams) -> None:
         self._fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> CallStream[Any]:
@@ -35,8 +38,8 @@ class RemoteGenAttr:
     @overload
     def __get__(self, obj: None, cls: Any = None) -> RemoteGenAttr: ...
     @overload
-    def __get__(self, obj: Function[Any, Any], cls: Any = None) -> RemoteGen: ...
-    def __get__(self, obj: Function[Any, Any] | None, cls: Any = None) -> Any:
+    def __get__(self, obj: Streams, cls: Any = None) -> RemoteGen: ...
+    def __get__(self, obj: Streams | None, cls: Any = None) -> Any:
         return self if obj is None else RemoteGen(obj)
 
 

@@ -9,17 +9,31 @@ import queue
 import sys
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from gpufn.api.calls import FunctionCall
 from gpufn.client.client import Client
 from gpufn.client.default import get_client
 from gpufn.exceptions import GpufnError, InvalidSpec
 from gpufn.wire import config
 from gpufn.wire import protocol as p
+from gpufn.wire.spec import GpuSpec
 
-if TYPE_CHECKING:
-    from gpufn.api.calls import FunctionCall
-    from gpufn.api.function import Function
+Target = tuple[p.Register | None, str, dict[str, Any]]  # what `_prepare` gives: see Function
+
+
+class Mappable(Protocol):
+    """What a map run needs of the function it maps (a `Function`)."""
+
+    name: str
+    spec: GpuSpec
+
+    def _prepare(self, client: Client) -> Target: ...
+
+    def _submit_message(self, client: Client, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        target: Target | None = None, keep: bool = False) -> p.Submit: ...
+
+    def _start(self, client: Client, sub: p.Submit) -> FunctionCall[Any]: ...
 
 MAP_WINDOW = 4096               # calls in flight per .map()
 MAP_REFILL = 128                # refill the window in batches of at least this many
@@ -50,7 +64,7 @@ class _MapRun:
     """One .map(): windowed submission, ordered or unordered results, cancel on failure
     or when the caller stops iterating, optional LPT ordering by cost, progress bar."""
 
-    def __init__(self, fn: Function[Any, Any], items: Iterable[tuple[tuple[Any, ...], dict[str, Any]]],
+    def __init__(self, fn: Mappable, items: Iterable[tuple[tuple[Any, ...], dict[str, Any]]],
                  total: int | None, order_outputs: bool, return_exceptions: bool,
                  cost: Callable[[Any], float] | None, progress: bool | None) -> None:
         self.fn = fn
@@ -115,8 +129,6 @@ class _MapRun:
                 call._future.add_done_callback(functools.partial(self._completed, idx))
             self.submitted += len(batch)
             return
-        from gpufn.api.calls import FunctionCall
-
         futs = client.submit_many([(sub, self.fn.name) for _, sub in batch])
         for (idx, sub), fut in zip(batch, futs, strict=True):
             self.calls[idx] = FunctionCall(sub.invocation_id, fut, self.fn.name, client)

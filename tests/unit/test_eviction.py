@@ -13,7 +13,7 @@ from gpufn.memory_pool.eviction import (
     LRUCountPolicy,
     policy_by_name,
 )
-from gpufn.memory_pool.ledger import ModelEntry
+from gpufn.memory_pool.residency import ModelEntry
 
 
 def entry(name: str, gib: float = 1.0, *, uses: int = 1, load: float | None = 10.0,

@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from gpufn.memory_pool.ledger import ModelEntry
 from gpufn.memory_pool.residency import (
     TRANSITIONS,
     IllegalTransition,
+    ModelEntry,
     Residency,
     check_transition,
 )

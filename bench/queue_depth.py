@@ -38,11 +38,11 @@ class Driver:
         self.n = 0
         infos = simulated_devices("n", DEVICES, 80 * 2**30)
         self.feed(b"sup", p.Hello(p.Role.SUPERVISOR, p.PROTOCOL_VERSION, "", 1,
-                                  {"node": "n", "devices": [d.to_wire() for d in infos]}))
-        self.feed(b"cli", p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "", 2, {}))
+                                  p.HelloInfo(node="n", devices=[d.to_wire() for d in infos])))
+        self.feed(b"cli", p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "", 2))
         for i in range(DEVICES):
             self.feed(f"w{i}".encode(), p.Hello(p.Role.WORKER, p.PROTOCOL_VERSION, "", 100 + i,
-                                                {"device": f"n:{i}", "incarnation": 1}))
+                                                p.HelloInfo(device=f"n:{i}", incarnation=1)))
         spec = make_spec(concurrency=SLOTS).to_wire()
         self.fids = [f"f{i}" for i in range(functions)]
         for fid in self.fids:
@@ -57,7 +57,7 @@ class Driver:
 
     def submit(self) -> None:
         self.n += 1
-        self.feed(b"cli", p.Submit(f"i{self.n}", self.fids[self.n % len(self.fids)], {}, (b"a",)))
+        self.feed(b"cli", p.Submit(f"i{self.n}", self.fids[self.n % len(self.fids)], {}, frames=(b"a",)))
 
     def finish_one(self) -> None:
         worker, inv, token = self.running.popleft()

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections import deque
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpufn.exceptions import AppStopped, GpufnError, InvalidSpec, NotFound, kind_of
 from gpufn.memory_pool.residency import Residency
@@ -25,11 +23,9 @@ from gpufn.scheduler.deployments import (
 )
 from gpufn.scheduler.records import FunctionRecord, Invocation
 from gpufn.scheduler.states import DeviceState, InvState
+from gpufn.scheduler.surface import CoreView
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec, make_spec
-
-if TYPE_CHECKING:
-    from gpufn.scheduler.core import SchedulerCore
 
 log = logging.getLogger("gpufn.scheduler")
 
@@ -50,10 +46,9 @@ def _gib(n: int) -> str:
 class AppBook:
     MESSAGES = (p.Deploy, p.Lookup, p.AppCommand)  # what the core routes here (clients only)
 
-    def __init__(self, core: SchedulerCore, state_dir: str) -> None:
+    def __init__(self, core: CoreView, store: DeploymentStore) -> None:
         self.core = core
-        self.state_dir = state_dir
-        self._store: DeploymentStore | None = None
+        self.store = store
         self._records: dict[str, FunctionRecord] = {}  # deployed function id -> record
         # admitted calls per (app, function): [minute, count] for the last hour
         self._calls: dict[tuple[str, str], deque[list[int]]] = {}
@@ -65,25 +60,12 @@ class AppBook:
     def handlers(self) -> dict[type, Any]:
         return {p.Deploy: self.on_deploy, p.Lookup: self.on_lookup, p.AppCommand: self.on_command}
 
-    def _path(self) -> Path | str:
-        return Path(self.state_dir) / "deployments.sqlite" if self.state_dir else ":memory:"
-
-    @property
-    def store(self) -> DeploymentStore:
-        if self._store is None:  # opened on first use: a core that deploys nothing has no file
-            self._store = DeploymentStore(self._path())
-        return self._store
-
-    def _has_store(self) -> bool:
-        path = self._path()
-        return self._store is not None or (isinstance(path, Path) and path.exists())
-
     def _reply(self, peer: bytes, rid: int, data: dict[str, Any] | None = None,
                error: GpufnError | None = None) -> None:
         if error is not None:
-            self.core.tx.send(peer, p.AppReply(rid, False, kind_of(error), str(error)))
+            self.core.send(peer, p.AppReply(rid, False, kind_of(error), str(error)))
         else:
-            self.core.tx.send(peer, p.AppReply(rid, True, data=data or {}))
+            self.core.send(peer, p.AppReply(rid, True, data=data or {}))
 
     # ------------------------------------------------------------------ deploy
 
@@ -126,7 +108,7 @@ class AppBook:
             functions.append(StoredFunction(
                 msg.app, version, str(d["name"]), deployed_function_id(msg.app, version, str(d["function_id"])),
                 str(d["code_id"]), dict(d["spec"]), list(d.get("models", [])), ncode, frames))
-        v = Version(msg.app, version, time.time(), code_hash, str(meta.get("who", "")),
+        v = Version(msg.app, version, self.core.wall(now), code_hash, str(meta.get("who", "")),
                     str(meta.get("tag", "")), str(meta.get("git_commit", "")),
                     bool(meta.get("git_dirty")), meta.get("rollback_of"), strategy,
                     str(meta.get("source", "")))
@@ -251,7 +233,7 @@ class AppBook:
             return rec
         unknown = GpufnError("the scheduler does not know this function (it may have restarted); "
                              "reconnect with gpufn.connect() and call again")
-        if not function_id.startswith("d") or not self._has_store():
+        if not function_id.startswith("d") or not self.store.exists():
             return unknown
         try:
             return self._record_by_id(function_id)
@@ -367,7 +349,7 @@ class AppBook:
             base = sf.function_id
             sf.version, sf.function_id = version, deployed_function_id(app, version, base)
             functions.append(sf)
-        v = Version(app, version, time.time(), target.code_hash, str(args.get("who", "")),
+        v = Version(app, version, self.core.wall(now), target.code_hash, str(args.get("who", "")),
                     target.tag, target.git_commit, target.git_dirty, target_n,
                     str(args.get("strategy") or "rolling"), target.source)
         return self._switch(v, functions, a.current if a.state == "active" else None, now)
@@ -393,7 +375,6 @@ class AppBook:
             if inv.function.app != app or inv.function.version == keep or inv.members:
                 continue
             if inv.state is InvState.QUEUED:
-                self.core.queue.discard(inv)
                 self.core.tx.finish(inv, now, InvState.FAILED, AppStopped(
                     f"{inv.function.name} call {inv.id} did not run: {why}"))
                 n += 1
@@ -424,7 +405,7 @@ class AppBook:
                 elif e.state is not Residency.OFFLOADED:
                     continue
                 self._evicting.add((d.key, key))
-                self.core.tx.send(d.worker, p.EvictModel(key, False))
+                self.core.send(d.worker, p.EvictModel(key, False))
         present = {(d.key, k) for d in self.core.devices.values()
                    for k, e in d.ledger.models.items() if e.state is not Residency.ABSENT}
         self._evicting &= present

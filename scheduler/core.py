@@ -1,11 +1,13 @@
 """The scheduler's sans-I/O core: `handle(event, now) -> [Send]`.
 
 It owns every decision and touches no socket, thread or clock: the process shell
-(`server.py`) turns frames into events and executes the returned sends. User payload
-frames pass through untouched. The core is composed of books it asks questions of:
-the ready queue, the model book, the gang formations, the intake checks and a
-placement pass whose decisions the core applies. Each invocation transition is done
-by one method here that carries all of its effects (`_dispatch`, `_requeue`, `_finish`).
+(`server.py`) turns frames into events, passes in the deployment store, and executes the
+returned sends. User payload frames pass through untouched. The core is composed of books
+it asks questions of: the ready queue, the model book, the gang formations, the intake
+checks and a placement pass whose decisions the core applies; every invocation move goes
+through `Transitions`. Each message type has one handler: the core's own, or one its desks
+(apps, operations, streams) contribute for their own messages, merged once below. A step
+a desk owns in a core handler is called explicitly, in order, where it happens.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.scheduler import batches, fencing, handshake, status, wire_checks
 from gpufn.scheduler.app_book import AppBook
+from gpufn.scheduler.deployments import DeploymentStore
 from gpufn.scheduler.events import (
     Event,
     Received,
@@ -66,8 +69,10 @@ __all__ = ["Event", "Received", "RendezvousFailed", "RendezvousReady", "Schedule
            "SchedulerCore", "Send", "Tick", "Unreachable"]
 
 class SchedulerCore:
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, config: SchedulerConfig | None = None,
+                 deployments: DeploymentStore | None = None) -> None:
         self.config = config or SchedulerConfig()
+        self.wall_offset = 0.0  # wall clock minus the `now` the shell passes (set by the shell)
         self.peers: dict[bytes, Peer] = {}
         self.devices: dict[str, Device] = {}
         self.worker_device: dict[bytes, str] = {}
@@ -90,16 +95,19 @@ class SchedulerCore:
         self.tx = Transitions(self.config, self.devices, self.queue, self.invocations, self.peers,
                               self.counters, self.gangs, self.models, self._out)
         self._seq = 0
-        self.apps = AppBook(self, self.config.state_dir)
-        self._handlers: dict[type, Any] = {
+        self.apps = AppBook(self, deployments or DeploymentStore(":memory:"))
+        self.ops = OpsDesk(self)  # logs, usage and drain
+        self.streams = StreamDesk(self)  # streamed values, from_id callers
+        self.tx.observers += [self.ops, self.streams]  # usage first, then attached callers
+        own: dict[type, Any] = {
             p.Hello: self._on_hello, p.Ping: self._on_ping, p.Goodbye: self._on_goodbye,
             p.Register: self._on_register, p.Submit: self._on_submit, p.Cancel: self._on_cancel,
             p.StatusRequest: self._on_status, p.Result: self._on_worker_result,
-            p.Output: self._on_output, p.Heartbeat: self._on_heartbeat, **self.apps.handlers(),
+            p.Output: self._on_output, p.Heartbeat: self._on_heartbeat,
             p.WorkerExited: self._on_worker_exited, p.ModelEvent: self._on_model_event,
         }
-        self.ops = OpsDesk(self)  # logs, usage and drain (wraps the Output/Submit handlers)
-        self.streams = StreamDesk(self)  # streamed values, from_id callers (wraps Submit)
+        self._handlers = handshake.merge_handlers(
+            own, self.apps.handlers(), self.ops.handlers(), self.streams.handlers())
 
     # ------------------------------------------------------------------ entry points
 
@@ -117,7 +125,7 @@ class SchedulerCore:
             except Exception as e:  # one bad message must not take the scheduler down
                 log.exception("failed to handle %s", type(getattr(ev, "msg", ev)).__name__)
                 if isinstance(ev, Received):
-                    self._send(ev.peer, p.Error(kind_of(GpufnError), f"the scheduler could not "
+                    self.send(ev.peer, p.Error(kind_of(GpufnError), f"the scheduler could not "
                                                 f"handle {type(ev.msg).__name__}: {e}"))
         if self.tx.dirty:
             self.tx.dirty = False
@@ -153,8 +161,21 @@ class SchedulerCore:
         elif isinstance(ev, RendezvousFailed):
             self._rendezvous_failed(ev.error, now)
 
-    def _send(self, peer: bytes, msg: p.Message) -> None:
+    # ------------------------------------------------------------------ the desks' surface
+
+    def send(self, peer: bytes, msg: p.Message) -> None:
         self._out.append(Send(peer, msg))
+
+
+    def device_of(self, peer: bytes) -> Device | None:
+        """The device whose worker (or its control channel) is `peer`."""
+        key = self.worker_device.get(peer)
+        return self.devices.get(key) if key else None
+
+
+    def wall(self, now: float) -> float:
+        """Wall-clock seconds for `now` (what a person reads: deploy times, usage)."""
+        return now + self.wall_offset
 
     # ------------------------------------------------------------------ scheduling
 
@@ -176,7 +197,6 @@ class SchedulerCore:
         elif isinstance(decision, Preempt):
             self.tx.preempt(decision.victim, decision.beneficiary, now)
         elif isinstance(decision, Unplaceable):
-            self.queue.discard(decision.inv)
             self.tx.finish(decision.inv, now, InvState.FAILED, Unschedulable(decision.reason))
         elif isinstance(decision, WakeAt):
             if self._wakeup_at is None or decision.when < self._wakeup_at:
@@ -195,20 +215,19 @@ class SchedulerCore:
     def _on_message(self, peer: bytes, msg: p.Message, now: float) -> None:
         handler = self._handlers.get(type(msg))
         if handler is None:
-            self._send(peer, p.Error(kind_of(GpufnError), f"unexpected message {type(msg).__name__}"))
+            self.send(peer, p.Error(kind_of(GpufnError), f"unexpected message {type(msg).__name__}"))
             return
         if not isinstance(msg, p.Hello):
             known = self.peers.get(peer)
             if known is None:
                 self.counters.stale_results += isinstance(msg, p.Result)
-                self._send(peer, p.Error(
+                self.send(peer, p.Error(
                     kind_of(AuthenticationError),
                     "this connection has not said Hello (or the scheduler restarted); reconnect",
                 ))
                 return
-            allowed = handshake.ROLES_ALLOWED.get(type(msg))
-            if allowed is not None and known.role not in allowed:
-                self._send(peer, p.Error(kind_of(GpufnError),
+            if known.role not in handshake.ROLES_ALLOWED[type(msg)]:
+                self.send(peer, p.Error(kind_of(GpufnError),
                                          f"a {known.role} may not send {type(msg).__name__}"))
                 return
             known.last_seen = now
@@ -217,23 +236,22 @@ class SchedulerCore:
     def _on_hello(self, peer: bytes, msg: p.Hello, now: float) -> None:
         refused = handshake.refusal(msg, self.config.token)
         if refused is not None:
-            self._send(peer, refused)
+            self.send(peer, refused)
         elif msg.role == p.Role.CLIENT:
             self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
             self.recovery.client_hello(peer, msg.info, now)
-            self._send(peer, p.Welcome(True, info=self._cluster_info()))
+            self.send(peer, p.Welcome(True, info=self._cluster_info()))
         elif msg.role == p.Role.SUPERVISOR:
             self._hello_supervisor(peer, msg, now)
         else:
             self._hello_worker(peer, msg, now)
 
-    def _cluster_info(self) -> dict[str, Any]:
-        return {"protocol": p.PROTOCOL_VERSION, "devices": len(self.devices),
-                "client_timeout": self.config.client_timeout, "instance": self.instance,
-                "runtimes": handshake.runtimes(self.peers.values())}
+    def _cluster_info(self) -> p.WelcomeInfo:
+        return p.WelcomeInfo(p.PROTOCOL_VERSION, len(self.devices), self.config.client_timeout,
+                             self.instance, handshake.runtimes(self.peers.values()))
 
     def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
-        infos = [DeviceInfo.from_wire(d) for d in msg.info.get("devices", [])]
+        infos = [DeviceInfo.from_wire(d) for d in msg.info.devices]
         self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
         for info in infos:
             d = self.devices.get(info.key)
@@ -251,45 +269,45 @@ class SchedulerCore:
                 d.history.append(("starting", now))
                 self.devices[info.key] = d
         self._invalidate_feasibility()
-        self._send(peer, p.Welcome(True, info=self._cluster_info()))
-        log.info("supervisor %s registered %d device(s)", msg.info.get("node"), len(infos))
+        self.send(peer, p.Welcome(True, info=self._cluster_info()))
+        log.info("supervisor %s registered %d device(s)", msg.info.node, len(infos))
 
-    def _ledger(self, info: DeviceInfo, node_info: dict[str, Any]) -> DeviceLedger:
+    def _ledger(self, info: DeviceInfo, node_info: p.HelloInfo) -> DeviceLedger:
         """A device's ledger, sharing its node's host-memory budget for offloaded models."""
         host = self.hosts.get(info.node)
         if host is None:
-            budget = self.config.host_offload_bytes or int(node_info.get("host_memory", 0)) // 2
+            budget = self.config.host_offload_bytes or node_info.host_memory // 2
             host = self.hosts[info.node] = HostLedger(budget or 16 * 2**30)
         return DeviceLedger(info.memory_total, host=host, key=info.key, policy=self.policy)
 
     def _hello_worker(self, peer: bytes, msg: p.Hello, now: float) -> None:
-        key = msg.info.get("device", "")
+        key = msg.info.device
         d = self.devices.get(key)
         if d is None or d.state is DeviceState.GONE:
-            self._send(peer, p.Welcome(False, kind_of(GpufnError), (
+            self.send(peer, p.Welcome(False, kind_of(GpufnError), (
                 f"device {key!r} was not announced by a supervisor; start workers with "
                 "`gpufn serve` or `gpufn worker`, not by hand")))
             return
-        incarnation = int(msg.info.get("incarnation", 0))
+        incarnation = msg.info.incarnation
         if fencing.fenced(d, incarnation):  # a worker that was replaced (e.g. frozen)
-            self._send(peer, fencing.refusal(d, incarnation))
+            self.send(peer, fencing.refusal(d, incarnation))
             if d.supervisor in self.peers:
-                self._send(d.supervisor, p.KillWorker(key, msg.pid, "a fenced worker came back"))
+                self.send(d.supervisor, p.KillWorker(key, msg.pid, "a fenced worker came back"))
             return
-        if msg.info.get("channel") == "control":
+        if msg.info.channel == "control":
             if d.control is not None and d.control != peer:
                 self.peers.pop(d.control, None)
                 self.worker_device.pop(d.control, None)
             self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
             self.worker_device[peer] = key
             d.control, d.last_seen = peer, now
-            self._send(peer, p.Welcome(True, info=self._cluster_info()))
+            self.send(peer, p.Welcome(True, info=self._cluster_info()))
             return
         if d.worker is not None and d.worker != peer:
             self._lose_worker(d, now, "a new worker process registered for the device")
         self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
         self.worker_device[peer] = key
-        for inv_id in self.recovery.worker_ran(msg.info.get("ran", ()), now):
+        for inv_id in self.recovery.worker_ran(msg.info.ran, now):
             if inv_id in self.invocations:  # its client resubmitted it already
                 self.tx.lost_before_restart(self.invocations[inv_id], now)
         d.last_seen = now
@@ -301,13 +319,13 @@ class SchedulerCore:
             d.to(DeviceState.READY, now)
         d.last_error = ""
         self._invalidate_feasibility()
-        self._send(peer, p.Welcome(True, info=self._cluster_info()))
+        self.send(peer, p.Welcome(True, info=self._cluster_info()))
         if d.supervisor in self.peers:  # it started fine: not part of a crash loop
-            self._send(d.supervisor, p.WorkerServing(key, msg.pid, d.incarnation))
+            self.send(d.supervisor, p.WorkerServing(key, msg.pid, d.incarnation))
         log.info("worker for %s ready (pid %d)", key, msg.pid)
 
     def _on_ping(self, peer: bytes, msg: p.Ping, now: float) -> None:
-        self._send(peer, p.Pong(msg.seq))
+        self.send(peer, p.Pong(msg.seq))
 
     def _on_goodbye(self, peer: bytes, msg: p.Goodbye, now: float) -> None:
         self._drop_peer(peer, now, msg.reason or "said goodbye")
@@ -317,9 +335,9 @@ class SchedulerCore:
         if info is None:
             return
         if info.role == p.Role.WORKER:  # it may still be running calls that get retried
-            d = self._device_of(peer)
+            d = self.device_of(peer)
             if d is not None and d.supervisor in self.peers:
-                self._send(d.supervisor, p.KillWorker(d.key, d.worker_pid, "unreachable"))
+                self.send(d.supervisor, p.KillWorker(d.key, d.worker_pid, "unreachable"))
         self._drop_peer(peer, now, "unreachable")
 
     def _rendezvous_failed(self, error: str, now: float) -> None:
@@ -327,7 +345,6 @@ class SchedulerCore:
         self.intake.rendezvous_error = error
         for inv in [i for i in self.invocations.values()
                     if i.state is InvState.QUEUED and Shape.of(i.spec) is Shape.GANG]:
-            self.queue.discard(inv)
             self.tx.finish(inv, now, InvState.FAILED,
                          Unschedulable(self.intake.no_rendezvous(inv.function.name)))
 
@@ -338,7 +355,6 @@ class SchedulerCore:
         if info.role == p.Role.CLIENT:
             for inv in [i for i in self.invocations.values() if i.client == peer]:
                 if inv.state is InvState.QUEUED:
-                    self.queue.discard(inv)
                     self.tx.finish(inv, now, InvState.CANCELLED, Cancelled("client left"))
                 elif inv.state is InvState.RUNNING:
                     self.tx.cancel_running(inv, now, "client left")
@@ -362,7 +378,7 @@ class SchedulerCore:
         try:
             spec = wire_checks.register_spec(msg)
         except GpufnError as e:
-            self._send(peer, p.Error(kind_of(e), f"function {msg.name}: {e}"))
+            self.send(peer, p.Error(kind_of(e), f"function {msg.name}: {e}"))
             return
         ncode = len(msg.frames) - sum(int(m.get("nframes", 0)) for m in msg.models)
         fn = self.functions[msg.function_id] = FunctionRecord(
@@ -372,15 +388,19 @@ class SchedulerCore:
     def _on_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
         if msg.invocation_id in self.invocations:
             return  # a duplicate submit is ignored, never run twice
+        draining = self.ops.refusal(msg)  # 1. nothing is admitted while the scheduler drains
+        if draining is not None:
+            self.send(peer, draining)
+            return
         fn = self.functions.get(msg.function_id) or self.apps.resolve(msg.function_id, now)
         if isinstance(fn, GpufnError):  # unknown (a restart?), or a deployed app that is not
-            self._send(peer, p.Result(msg.invocation_id, False, kind_of(fn), str(fn)))
+            self.send(peer, p.Result(msg.invocation_id, False, kind_of(fn), str(fn)))
             return
         self.counters.submitted += 1
         try:
             spec = wire_checks.submit_spec(fn.spec, msg.options) if msg.options else fn.spec
         except GpufnError as e:
-            self._send(peer, p.Result(msg.invocation_id, False, kind_of(e), str(e)))
+            self.send(peer, p.Result(msg.invocation_id, False, kind_of(e), str(e)))
             return
         refused = self.intake.refusal(fn, spec, bool(msg.options))
         if refused is not None:
@@ -388,15 +408,17 @@ class SchedulerCore:
                 self.counters.unschedulable += 1
             else:
                 self.counters.rejected += 1
-            self._send(peer, p.Result(msg.invocation_id, False, kind_of(refused), str(refused)))
+            self.send(peer, p.Result(msg.invocation_id, False, kind_of(refused), str(refused)))
             return
         self._seq += 1
         inv = Invocation(msg.invocation_id, fn, peer, spec, tuple(msg.frames), now, self._seq)
+        inv.user = self.peers[peer].info.user
         inv.history.append(("queued", now))
         if spec.deadline is not None:
             inv.deadline = now + spec.deadline
             heapq.heappush(self._deadlines, (inv.deadline, inv.seq, inv))
         self.invocations[inv.id] = inv
+        self.streams.admitted(inv, msg.keep)  # 2. its Result kept for FunctionCall.from_id
         inv.not_before = self.recovery.not_before(peer, now)
         self.queue.push(inv, now)
         if self.recovery.ran_before(inv.id):
@@ -408,23 +430,18 @@ class SchedulerCore:
         if inv is None or inv.client != peer:
             return
         if inv.state is InvState.QUEUED:
-            self.queue.discard(inv)
             self.tx.finish(inv, now, InvState.CANCELLED, Cancelled(
                 f"{inv.function.name} call {inv.id} was cancelled before it started"))
         elif inv.state is InvState.RUNNING and msg.include_running:
             self.tx.cancel_running(inv, now, msg.reason or "cancelled by the caller")
 
     def _on_status(self, peer: bytes, msg: p.StatusRequest, now: float) -> None:
-        self._send(peer, p.StatusReply(msg.request_id, self.status(now)))
+        self.send(peer, p.StatusReply(msg.request_id, self.status(now)))
 
     # ------------------------------------------------------------------ worker reports
 
-    def _device_of(self, peer: bytes) -> Device | None:
-        key = self.worker_device.get(peer)
-        return self.devices.get(key) if key else None
-
     def _on_worker_result(self, peer: bytes, msg: p.Result, now: float) -> None:
-        d = self._device_of(peer)
+        d = self.device_of(peer)
         inv = d.running.get(msg.invocation_id) if d is not None else None
         if d is None or inv is None:
             self.counters.stale_results += 1
@@ -473,23 +490,25 @@ class SchedulerCore:
     def _on_output(self, peer: bytes, msg: p.Output, now: float) -> None:
         inv = self.invocations.get(msg.invocation_id)
         if inv is not None:
+            self.ops.output(inv, msg, now)  # kept for `gpufn logs`
             if inv.client in self.peers:
-                self._send(inv.client, msg)
+                self.send(inv.client, msg)
             return
-        d = self._device_of(peer)
+        d = self.device_of(peer)
         carrier = d.running.get(msg.invocation_id) if d is not None else None
         if carrier is not None:  # printed by a batch: every caller in it sees it
+            self.ops.output(carrier, msg, now)
             for m in carrier.members:
                 if m.state is InvState.RUNNING and m.client in self.peers:
-                    self._send(m.client, p.Output(m.id, msg.stream, msg.text))
+                    self.send(m.client, p.Output(m.id, msg.stream, msg.text))
 
     def _on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> None:
-        d = self._device_of(peer)
+        d = self.device_of(peer)
         if d is not None:
             d.last_seen = now
 
     def _on_model_event(self, peer: bytes, msg: p.ModelEvent, now: float) -> None:
-        d = self._device_of(peer)
+        d = self.device_of(peer)
         if d is None:
             return
         if self.models.on_event(d, msg, now):
@@ -567,7 +586,6 @@ class SchedulerCore:
             _, _, inv = heapq.heappop(self._deadlines)
             if inv.state is not InvState.QUEUED or inv.deadline is None or now <= inv.deadline:
                 continue  # started (or finished) in time
-            self.queue.discard(inv)
             self.tx.finish(inv, now, InvState.FAILED, Timeout(
                 f"{inv.function.name} call {inv.id} could not start within its deadline of "
                 f"{inv.spec.deadline:g}s; it was dropped, not run late"))
@@ -593,6 +611,6 @@ class SchedulerCore:
 
     def _kill_worker(self, d: Device, now: float, reason: str) -> None:
         if d.supervisor in self.peers:
-            self._send(d.supervisor, p.KillWorker(d.key, d.worker_pid, reason))
+            self.send(d.supervisor, p.KillWorker(d.key, d.worker_pid, reason))
         log.warning("killing worker of %s: %s", d.key, reason)
         self._lose_worker(d, now, reason)

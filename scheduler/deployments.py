@@ -10,7 +10,6 @@ import hashlib
 import json
 import sqlite3
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,18 +90,41 @@ def deployed_function_id(app: str, version: int, base_id: str) -> str:
 
 
 class DeploymentStore:
+    """The apps' versions in one sqlite file (":memory:" for none), opened on first use: a
+    scheduler that deploys nothing creates no file."""
+
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        if str(path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._memory = str(path) == ":memory:"
+        self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            if not self._memory:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(":memory:" if self._memory else str(self.path),
+                                 check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(SCHEMA)
+            self._conn = db
+        return self._conn
+
+    @classmethod
+    def in_state_dir(cls, state_dir: str) -> DeploymentStore:
+        """The store of a scheduler whose state lives in `state_dir` ("" for memory only)."""
+        return cls(Path(state_dir) / "deployments.sqlite" if state_dir else ":memory:")
+
+    def exists(self) -> bool:
+        """Whether any app may be stored (the file is open or exists)."""
+        return self._conn is not None or (not self._memory and self.path.exists())
 
     def close(self) -> None:
-        self._db.close()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def db_mode(self) -> str:
         """The journal mode ("wal" on a file)."""
@@ -187,7 +209,7 @@ class DeploymentStore:
                 cur.execute(
                     "INSERT INTO apps (name, current, state, created) VALUES (?, ?, 'active', ?) "
                     "ON CONFLICT(name) DO UPDATE SET current=excluded.current, state='active'",
-                    (v.app, v.version, time.time()))
+                    (v.app, v.version, v.created))
                 cur.execute("COMMIT")
             except BaseException:
                 cur.execute("ROLLBACK")

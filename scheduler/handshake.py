@@ -1,13 +1,13 @@
-"""The scheduler's side of the handshake: whether a peer's Hello is accepted."""
+"""The scheduler's side of the handshake: whether a peer's Hello is accepted, who may send
+what once it is (the one role table), and the merge of the core's and desks' handlers."""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpufn.exceptions import AuthenticationError, GpufnError, ProtocolMismatch, kind_of
-from gpufn.scheduler.app_book import AppBook
 from gpufn.scheduler.records import Peer
 from gpufn.wire import protocol as p
 
@@ -17,9 +17,9 @@ def runtimes(peers: Iterable[Peer]) -> list[dict[str, Any]]:
     their nodes: a client compares them with its own when it connects."""
     seen: dict[tuple[str, str], set[str]] = {}
     for peer in peers:
-        if peer.role in (p.Role.WORKER, p.Role.SUPERVISOR) and "python" in peer.info:
-            key = (str(peer.info.get("python")), str(peer.info.get("cloudpickle", "")))
-            seen.setdefault(key, set()).add(str(peer.info.get("node") or peer.info.get("device", "?")))
+        if peer.role in (p.Role.WORKER, p.Role.SUPERVISOR) and peer.info.python:
+            key = (peer.info.python, peer.info.cloudpickle)
+            seen.setdefault(key, set()).add(peer.info.node or peer.info.device or "?")
     return [{"python": py, "cloudpickle": cp, "nodes": sorted(nodes)}
             for (py, cp), nodes in seen.items()]
 
@@ -27,7 +27,7 @@ def runtimes(peers: Iterable[Peer]) -> list[dict[str, Any]]:
 def refusal(msg: p.Hello, token: str | None) -> p.Welcome | None:
     """The Welcome that refuses this Hello (malformed, other protocol, wrong token), or None."""
     if not (isinstance(msg.role, str) and isinstance(msg.token, str)
-            and isinstance(msg.info, dict) and isinstance(msg.pid, int)):
+            and isinstance(msg.info, p.HelloInfo) and isinstance(msg.pid, int)):
         return p.Welcome(False, kind_of(ProtocolMismatch),
                          "malformed Hello: role/token must be strings, info a map")
     if msg.version != p.PROTOCOL_VERSION:
@@ -43,15 +43,32 @@ def refusal(msg: p.Hello, token: str | None) -> p.Welcome | None:
     return None
 
 
-# Who may send what once welcomed (messages not listed: anyone).
+# Who may send what once welcomed. Every message a peer may send is listed: the core
+# checks this table once, before any handler runs.
+_CLIENT, _WORKER = frozenset({p.Role.CLIENT}), frozenset({p.Role.WORKER})
+_ANYONE = frozenset({p.Role.CLIENT, p.Role.WORKER, p.Role.SUPERVISOR})
 ROLES_ALLOWED: dict[type, frozenset[str]] = {
-    p.Register: frozenset({p.Role.CLIENT}),
-    p.Submit: frozenset({p.Role.CLIENT}),
-    p.Cancel: frozenset({p.Role.CLIENT}),
-    p.Result: frozenset({p.Role.WORKER}),
-    p.Output: frozenset({p.Role.WORKER}),
-    p.Heartbeat: frozenset({p.Role.WORKER}),
-    p.ModelEvent: frozenset({p.Role.WORKER}),
+    p.Hello: _ANYONE, p.Ping: _ANYONE, p.Goodbye: _ANYONE,
+    p.Register: _CLIENT, p.Submit: _CLIENT, p.Cancel: _CLIENT, p.StatusRequest: _CLIENT,
+    p.Query: _CLIENT, p.Drain: _CLIENT, p.Deploy: _CLIENT, p.Lookup: _CLIENT,
+    p.AppCommand: _CLIENT, p.Credit: _CLIENT, p.Attach: _CLIENT,
+    p.Result: _WORKER, p.Output: _WORKER, p.Heartbeat: _WORKER, p.ModelEvent: _WORKER,
+    p.Item: _WORKER,
     p.WorkerExited: frozenset({p.Role.SUPERVISOR}),
-    **dict.fromkeys(AppBook.MESSAGES, frozenset({p.Role.CLIENT})),
 }
+
+Handler = Callable[[bytes, Any, float], None]
+
+
+def merge_handlers(*tables: dict[type, Handler]) -> dict[type, Handler]:
+    """One handler per message type, from the core and each desk; a message type claimed
+    twice, or one the role table does not list, is a programming error."""
+    out: dict[type, Handler] = {}
+    for table in tables:
+        for kind, handler in table.items():
+            if kind in out:
+                raise TypeError(f"two handlers for {kind.__name__}")
+            if kind not in ROLES_ALLOWED:
+                raise TypeError(f"{kind.__name__} has a handler but no entry in ROLES_ALLOWED")
+            out[kind] = handler
+    return out

@@ -16,6 +16,7 @@ from gpufn.scheduler.states import (
     InvState,
     check,
 )
+from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec
 
 
@@ -187,5 +188,5 @@ class Peer:
     identity: bytes
     role: str
     pid: int
-    info: dict[str, Any]
+    info: p.HelloInfo
     last_seen: float

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from gpufn.wire import protocol as p
+
 RAN_MEMORY_SECONDS = 300.0  # how long a worker's report waits for its call's resubmit
 
 
@@ -27,11 +29,11 @@ class Recovery:
         self._resubmit_until: dict[bytes, float] = {}  # client -> end of its grace
         self.began: float | None = None  # when this scheduler handled its first event
 
-    def client_hello(self, peer: bytes, info: dict[str, Any], now: float) -> None:
+    def client_hello(self, peer: bytes, info: p.HelloInfo, now: float) -> None:
         if self.began is None:
             self.began = now
-        same = bool(self.instance) and info.get("instance") == self.instance  # only forgotten
-        if info.get("resubmit") and not same and now < self.began + self.grace:  # restarted
+        same = bool(self.instance) and info.instance == self.instance  # only forgotten
+        if info.resubmit and not same and now < self.began + self.grace:  # restarted
             self._resubmit_until[peer] = self.began + self.grace
 
     def not_before(self, peer: bytes, now: float) -> float:

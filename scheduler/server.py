@@ -33,6 +33,7 @@ from gpufn.scheduler.core import (
     Tick,
     Unreachable,
 )
+from gpufn.scheduler.deployments import DeploymentStore
 from gpufn.wire import protocol as p
 from gpufn.wire.config import join_address
 
@@ -49,7 +50,9 @@ class SchedulerServer:
         self, host: str = "127.0.0.1", port: int = 0, config: SchedulerConfig | None = None,
         ipc_path: str | None = None, security: ServerSecurity | None = None,
     ) -> None:
-        self.core = SchedulerCore(config)
+        config = config or SchedulerConfig()
+        self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir))
+        self.core.wall_offset = time.time() - time.monotonic()  # the core is passed monotonic time
         self.ctx = zmq.Context()
         # The ZAP allow-list must run before the first peer's handshake.
         self._auth = security.start_auth(self.ctx) if security is not None else None

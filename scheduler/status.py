@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from gpufn.memory_pool.eviction import EvictionPolicy
+from gpufn.scheduler.formations import GangBook
+from gpufn.scheduler.ops import OpsDesk
+from gpufn.scheduler.settings import Counters
 from gpufn.scheduler.states import InvState
+from gpufn.scheduler.surface import CoreView
 from gpufn.wire import protocol as p
 
-if TYPE_CHECKING:
-    from gpufn.scheduler.core import SchedulerCore
+
+class Reported(CoreView, Protocol):
+    """What the report reads beyond a desk's view."""
+
+    counters: Counters
+    gangs: GangBook
+    policy: EvictionPolicy
+    ops: OpsDesk
 
 
-def report(core: SchedulerCore, now: float) -> dict[str, Any]:
+def report(core: Reported, now: float) -> dict[str, Any]:
     devices = []
     for d in sorted(core.devices.values(), key=lambda d: (d.info.node, d.info.index)):
         devices.append({
@@ -44,7 +55,7 @@ def report(core: SchedulerCore, now: float) -> dict[str, Any]:
     }
 
 
-def queue_by_priority(core: SchedulerCore) -> list[dict[str, Any]]:
+def queue_by_priority(core: CoreView) -> list[dict[str, Any]]:
     """Queued calls per function and priority, highest priority first (a counter, no scan)."""
     rows = []
     for (fid, prio), n in core.queue.depth_by_priority().items():
@@ -54,7 +65,7 @@ def queue_by_priority(core: SchedulerCore) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (-r["priority"], r["app"], r["function"]))
 
 
-def hosts(core: SchedulerCore) -> list[dict[str, Any]]:
+def hosts(core: CoreView) -> list[dict[str, Any]]:
     """Per host: its workers by state, devices, and whether its supervisor is connected."""
     out: dict[str, dict[str, Any]] = {}
     for d in core.devices.values():

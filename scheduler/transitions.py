@@ -1,10 +1,12 @@
 """Invocation transitions, each with all of its effects, in one place.
 
-Like Dask's worker state machine, a table names the one method that performs each
-(start, finish) move of an invocation; nothing else changes an invocation's state.
-The methods update the record (its own `start`/`requeue`), the devices it holds, the
+Like Dask's worker state machine, `TABLE` maps each (start, finish) move of an
+invocation to the one function that performs it, and every move is dispatched through
+it (`dispatch`, `requeue`, `finish`); nothing else changes an invocation's state. The
+functions update the record (its own `start`/`requeue`), the devices it holds, the
 queue, the counters and the gang formations, and queue the messages that the move
-implies (runs, model orders, cancels, results). They never call back into the core.
+implies (runs, model orders, cancels, results). They never call back into the core;
+`RunObserver`s (usage, attached callers) are told when runs and calls end.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, Invocation, Peer
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
-from gpufn.scheduler.states import InvState
+from gpufn.scheduler.states import IllegalTransition, InvState
 from gpufn.wire import protocol as p
 from gpufn.wire.rendezvous import DEFAULT_TIMEOUT_S, GangSpec, resolve_backend
 from gpufn.wire.spec import retry_delay
@@ -34,14 +36,16 @@ log = logging.getLogger("gpufn.scheduler")
 
 _TERMINAL = (InvState.SUCCEEDED, InvState.FAILED, InvState.CANCELLED)
 
-# (from, to) -> the Transitions method that performs the move.
-TABLE: dict[tuple[InvState, InvState], str] = {
-    (InvState.QUEUED, InvState.RUNNING): "dispatch",
-    (InvState.RUNNING, InvState.QUEUED): "requeue",
-    (InvState.QUEUED, InvState.FAILED): "finish",  # refused, expired, unplaceable
-    (InvState.QUEUED, InvState.CANCELLED): "finish",
-    **{(InvState.RUNNING, t): "finish" for t in _TERMINAL},
-}
+
+
+class RunObserver:
+    """Told by `Transitions` of the ends of runs and calls; override what you watch."""
+
+    def run_ended(self, inv: Invocation, state: InvState, now: float) -> None:
+        """A run ended: finished in `state`, or QUEUED when it was queued again."""
+
+    def call_ended(self, inv: Invocation, result: p.Result) -> None:
+        """The call's terminal Result, once, after its caller was sent it."""
 
 
 class Transitions:
@@ -62,17 +66,46 @@ class Transitions:
         self.tokens = 0  # dispatch tokens (see Invocation.dispatch_token)
         self.rendezvous_port: int | None = None
         self.failing: set[Invocation] = set()  # gangs waiting for their ranks to settle
-        # Told when a run ends (finished, or QUEUED when requeued): the usage meter.
-        self.on_run_end: Callable[[Invocation, InvState, float], None] | None = None
-        # Told each call's terminal Result: callers attached with FunctionCall.from_id.
-        self.on_result: Callable[[Invocation, p.Result], None] | None = None
+        self.observers: list[RunObserver] = []  # told of run and call ends, in order
 
     def send(self, peer: bytes, msg: p.Message) -> None:
         self.out.append(Send(peer, msg))
 
+    @staticmethod
+    def _move(inv: Invocation, to: InvState) -> Callable[..., None]:
+        """The function that performs `inv`'s move to `to` (see `TABLE`)."""
+        move = TABLE.get((inv.state, to))
+        if move is None:
+            trail = " -> ".join(f"{s}@{t:.3f}" for s, t in inv.history[-12:])
+            raise IllegalTransition(f"invocation {inv.id} ({inv.function.name}): "
+                                    f"{inv.state.value} -> {to.value} is not allowed "
+                                    f"(history: {trail})")
+        return move
+
+    # ------------------------------------------------------------------ the moves
+
     def dispatch(self, inv: Invocation, devices: tuple[Device, ...], plans: dict[str, Plan],
-                  now: float) -> None:
+                 now: float) -> None:
         """QUEUED -> RUNNING: hold the devices, admit the models, send the runs."""
+        self._move(inv, InvState.RUNNING)(self, inv, devices, plans, now)
+
+    def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False,
+                not_before: float | None = None) -> None:
+        """RUNNING -> QUEUED: the run ended without a result; the call waits again. A
+        retry backs off first (`not_before`, else the lost-worker backoff) and then prefers
+        devices other than the ones it was lost on."""
+        self._move(inv, InvState.QUEUED)(self, inv, now, why, retry, not_before)
+
+    def finish(self, inv: Invocation, now: float, state: InvState, error: GpufnError | None = None,
+               result: p.Result | None = None, release: bool = True) -> None:
+        """Move an invocation to a terminal state and tell its client (exactly once). A
+        queued call leaves the queue. With release=False a running call keeps its hold on
+        its devices until its workers report that they stopped (a cancelled call still
+        occupies its worker)."""
+        self._move(inv, state)(self, inv, now, state, error, result, release)
+
+    def _dispatch(self, inv: Invocation, devices: tuple[Device, ...], plans: dict[str, Plan],
+                  now: float) -> None:
         self.tokens += 1
         shape = Shape.of(inv.spec)
         inv.start(now, tuple(d.key for d in devices), self.tokens, shape)
@@ -139,13 +172,10 @@ class Transitions:
             return [replace(base, multi=multi)] + [None] * (len(devices) - 1)
         return [base]
 
-    def requeue(self, inv: Invocation, now: float, why: str, retry: bool = False,
-                not_before: float | None = None) -> None:
-        """RUNNING -> QUEUED: the run ended without a result; the call waits again. A
-        retry backs off first (`not_before`, else the lost-worker backoff) and then prefers
-        devices other than the ones it was lost on."""
-        if self.on_run_end is not None:
-            self.on_run_end(inv, InvState.QUEUED, now)
+    def _requeue(self, inv: Invocation, now: float, why: str, retry: bool,
+                 not_before: float | None) -> None:
+        for o in self.observers:
+            o.run_ended(inv, InvState.QUEUED, now)
         lost_on = inv.devices
         inv.requeue(now)
         if retry:
@@ -163,15 +193,17 @@ class Transitions:
         else:
             log.info("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
 
-    def finish(self, inv: Invocation, now: float, state: InvState, error: GpufnError | None = None,
-                result: p.Result | None = None, release: bool = True) -> None:
-        """Move an invocation to a terminal state and tell its client (exactly once).
+    def _drop(self, inv: Invocation, now: float, state: InvState, error: GpufnError | None,
+              result: p.Result | None, release: bool) -> None:
+        """QUEUED -> FAILED or CANCELLED: refused, expired, unplaceable or cancelled."""
+        self.queue.discard(inv)
+        self._finish(inv, now, state, error, result, release)
 
-        With release=False the call keeps its hold on its devices until its workers
-        report that they stopped (a cancelled call still occupies its worker)."""
+    def _finish(self, inv: Invocation, now: float, state: InvState, error: GpufnError | None,
+                result: p.Result | None, release: bool) -> None:
         inv.to(state, now)
-        if self.on_run_end is not None:
-            self.on_run_end(inv, state, now)
+        for o in self.observers:
+            o.run_ended(inv, state, now)
         if release:
             for key in inv.devices:
                 self.release_device(inv, self.devices.get(key))
@@ -195,8 +227,8 @@ class Transitions:
             result = p.Result(inv.id, False, kind_of(error), str(error), self.meta(inv, now))
         if inv.client in self.peers:
             self.send(inv.client, result)
-        if self.on_result is not None:
-            self.on_result(inv, result)
+        for o in self.observers:
+            o.call_ended(inv, result)
 
     def meta(self, inv: Invocation, now: float, base: p.ResultMeta | None = None) -> p.ResultMeta:
         """The caller's result meta: what the worker reported plus where and when it ran."""
@@ -348,7 +380,6 @@ class Transitions:
             self.counters.retried += 1
             log.warning("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
             return
-        self.queue.discard(inv)
         self.finish(inv, now, InvState.FAILED, WorkerLost(
             f"{inv.function.name} call {inv.id}: {why}, so whether it completed is unknown."
             " Set retries=N in @gpu to run it again in such a case."))
@@ -391,3 +422,13 @@ class Transitions:
         self.finish(inv, now, InvState.FAILED, WorkerLost(
             f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s).{hint}"),
             release=False)
+
+
+# (from, to) -> the function that performs the move; every move is dispatched through it.
+TABLE: dict[tuple[InvState, InvState], Callable[..., None]] = {
+    (InvState.QUEUED, InvState.RUNNING): Transitions._dispatch,
+    (InvState.RUNNING, InvState.QUEUED): Transitions._requeue,
+    (InvState.QUEUED, InvState.FAILED): Transitions._drop,  # refused, expired, unplaceable
+    (InvState.QUEUED, InvState.CANCELLED): Transitions._drop,
+    **{(InvState.RUNNING, t): Transitions._finish for t in _TERMINAL},
+}

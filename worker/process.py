@@ -113,8 +113,8 @@ class WorkerProcess:
 
     def _connection(self, channel: str, identity: str) -> Connection:
         return Connection(self.ctx, ConnectionConfig(self.address, self.token), identity,
-                          p.Role.WORKER, {"device": self.device_key,
-                                          "incarnation": self.incarnation, "channel": channel})
+                          p.Role.WORKER, p.HelloInfo(device=self.device_key,
+                                                     incarnation=self.incarnation, channel=channel))
 
     def handshake(self) -> None:
         # Work may follow the Welcome at once.
@@ -227,7 +227,7 @@ class WorkerProcess:
         """Put the calls that run here or ended lately into the next Hello."""
         since = time.monotonic() - RECENT_RESULT_SECONDS
         recent = {inv for t, inv in self._sent if t >= since}
-        self.conn.info["ran"] = sorted(recent | self.core.running)
+        self.conn.info.ran = sorted(recent | self.core.running)
 
     def _drain_done(self) -> None:
         while self._done:

@@ -88,11 +88,10 @@ class Supervisor:
 
     def _connect(self) -> Connection:
         return Connection(self.ctx, ConnectionConfig(self.address, self.token),
-                          f"s/{self.node}/{os.getpid()}", p.Role.SUPERVISOR, {
-                              "node": self.node,
-                              "devices": [s.device.to_wire() for s in self.slots.values()],
-                              "host_memory": _host_memory(),
-                          })
+                          f"s/{self.node}/{os.getpid()}", p.Role.SUPERVISOR, p.HelloInfo(
+                              node=self.node,
+                              devices=[s.device.to_wire() for s in self.slots.values()],
+                              host_memory=_host_memory()))
 
     # ------------------------------------------------------------------ messages
 

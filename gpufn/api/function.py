@@ -265,9 +265,8 @@ class Function(Generic[P, R]):
         reg, fid, options = target or self._prepare(client)
         if reg is not None:
             client.ensure_registered(reg)
-        if keep:  # the scheduler keeps the Result a while, for FunctionCall.from_id
-            options = {**options, "keep": True}
-        return p.Submit(client.new_id(), fid, options, tuple(frames))
+        # keep: the scheduler keeps the Result a while, for FunctionCall.from_id
+        return p.Submit(client.new_id(), fid, options, keep, tuple(frames))
 
     # ------------------------------------------------------------------ calls
 
@@ -305,7 +304,7 @@ class Function(Generic[P, R]):
         client = get_client()
         frames = ser.dump_args(self.name, args, kwargs)
         reg, fid, options = self._prepare(client)
-        sub = p.Submit(client.new_id(), fid, options, tuple(frames))
+        sub = p.Submit(client.new_id(), fid, options, frames=tuple(frames))
         return decode_result(client.call(reg, sub, self.name), self.name)
 
     async def _remote_aio(self, *args: Any, **kwargs: Any) -> R:

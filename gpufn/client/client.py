@@ -267,16 +267,15 @@ class Client:
             if not fut.done():
                 fut.set_exception(exc)
 
-    def _connection(self, identity: str, info: dict[str, Any]) -> Connection:
-        info = {**info, "user": _os_user()}  # usage by user (`gpufn usage --by user`)
+    def _connection(self, identity: str, channel: str = "") -> Connection:
+        info = p.HelloInfo(user=_os_user(), channel=channel)
         return Connection(self._ctx, ConnectionConfig(self.address, self.token), identity,
                           p.Role.CLIENT, info)
 
     def _connect(self) -> Connection | None:
         """The I/O thread's handshake; its outcome goes to the constructor's future."""
         try:  # a malformed address fails here, in connect()
-            conn = self._connection(f"c/{os.getpid()}/{self._prefix}",
-                                    {"argv": " ".join(sys.argv)[:200]})
+            conn = self._connection(f"c/{os.getpid()}/{self._prefix}")
         except BaseException as e:
             self._ctx.destroy(linger=0)  # the half-made socket would block the context's exit
             self._welcome.set_exception(e)
@@ -289,13 +288,13 @@ class Client:
             return None
         welcome = conn.welcome
         assert welcome is not None
-        skewed = skew(runtime_info(), welcome.info.get("runtimes", []))
+        skewed = skew(runtime_info(), welcome.info.runtimes)
         if skewed is not None:  # now, not as an unpickling error in the middle of a call
             conn.close()
             self._welcome.set_exception(ProtocolMismatch(skewed))
             return None
         # Ping well within the time after which the scheduler forgets a silent client.
-        client_timeout = float(welcome.info.get("client_timeout", 120))
+        client_timeout = welcome.info.client_timeout
         self.ping_seconds = min(PING_SECONDS, client_timeout / 4)
         self.idle_rehello = client_timeout / 2
         self._last_heard = time.monotonic()
@@ -422,10 +421,10 @@ class Client:
                     if self._conn is not None:
                         # The scheduler holds our calls briefly so that workers can say
                         # which of them they ran (see scheduler/recovery.py).
-                        self._conn.info["resubmit"] = len(self._calls)
-                        self._conn.info["instance"] = getattr(self, "info", {}).get("instance", "")
+                        self._conn.info.resubmit = len(self._calls)
+                        self._conn.info.instance = self.info.instance
                         self._enqueue(self._conn.hello_frames())
-                        del self._conn.info["resubmit"]
+                        self._conn.info.resubmit = 0
             else:
                 log.warning("scheduler: %s", msg.message)
 
@@ -473,8 +472,7 @@ class _SyncChannel:
 
     def __init__(self, client: Client, number: int) -> None:
         self.client = client
-        self.conn = client._connection(f"c/{os.getpid()}/{client._prefix}/t{number}",
-                                       {"channel": "sync"})
+        self.conn = client._connection(f"c/{os.getpid()}/{client._prefix}/t{number}", "sync")
         self.sock = self.conn.sock
         self.registered: set[str] = set()
         self.last_heard = 0.0
@@ -531,10 +529,10 @@ class _SyncChannel:
         elif isinstance(msg, p.Shutdown):
             raise ConnectionLost(f"the scheduler stopped ({msg.reason})")
         elif self.conn.needs_rehello(msg):
-            self.conn.info["resubmit"] = 1  # it may have run (scheduler/recovery.py)
-            self.conn.info["instance"] = getattr(self.client, "info", {}).get("instance", "")
+            self.conn.info.resubmit = 1  # it may have run (scheduler/recovery.py)
+            self.conn.info.instance = self.client.info.instance
             self._hello()  # forgotten meanwhile: the submit was refused, send again
-            del self.conn.info["resubmit"]
+            self.conn.info.resubmit = 0
             if register is not None:
                 self._send(register)
                 self.registered.add(register.function_id)

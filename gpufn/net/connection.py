@@ -93,11 +93,11 @@ class Connection:
     """
 
     def __init__(self, ctx: zmq.Context[Any], config: ConnectionConfig, identity: str,
-                 role: str, info: dict[str, Any] | None = None) -> None:
+                 role: str, info: p.HelloInfo | None = None) -> None:
         self.config = config
         self.address = config.address
         self.role = role
-        self.info = info or {}
+        self.info = info or p.HelloInfo()
         self.welcome: p.Welcome | None = None
         self.backoff = Backoff()
         self.sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
@@ -178,8 +178,9 @@ class Connection:
     # ------------------------------------------------------------------ handshake
 
     def hello_message(self) -> p.Hello:
-        info = {**runtime_info(), **self.info}  # versions: the client checks the workers'
-        return p.Hello(self.role, p.PROTOCOL_VERSION, self.config.token, os.getpid(), info)
+        versions = runtime_info()  # the client checks the workers'
+        self.info.python, self.info.cloudpickle = versions["python"], versions["cloudpickle"]
+        return p.Hello(self.role, p.PROTOCOL_VERSION, self.config.token, os.getpid(), self.info)
 
     def hello_frames(self) -> list[Any]:
         """An encoded Hello, for owners that send through a queue of their own."""

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Frame = Any  # bytes | memoryview | zmq.Frame: whatever zmq can send without a copy
 
@@ -231,19 +231,50 @@ def message_types() -> dict[int, type[Message]]:
 # --------------------------------------------------------------------------- handshake
 
 
-@message(1)
+@struct
+@dataclass(slots=True)
+class HelloInfo:
+    """What a peer says of itself in its Hello; the fields of other roles stay empty."""
+
+    python: str = ""  # every peer: a client compares the workers' versions with its own
+    cloudpickle: str = ""
+    node: str = ""  # supervisor: its host
+    user: str = ""  # client: its OS user, as a label (the token decides who calls)
+    resubmit: int = 0  # client: how many calls it sends again after this Hello
+    instance: str = ""  # client: the scheduler instance it knew before ("": none)
+    devices: list[dict[str, Any]] = field(default_factory=list)  # supervisor: DeviceInfo wire
+    host_memory: int = 0  # supervisor: its host's RAM, bytes
+    device: str = ""  # worker: the device key it serves
+    incarnation: int = 0  # worker: its generation (counted by its supervisor)
+    channel: str = ""  # worker: "work" or "control"
+    ran: list[str] = field(default_factory=list)  # worker: calls it ran lately (recovery)
+
+
+@message(1, structs={"info": HelloInfo})
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
-    """First message of every peer. `info` is role-specific (devices, device key, ...)."""
+    """First message of every peer."""
 
     role: str
     version: int
     token: str
     pid: int
-    info: dict[str, Any] = field(default_factory=dict)
+    info: HelloInfo = field(default_factory=HelloInfo)
 
 
-@message(2)
+@struct
+@dataclass(slots=True)
+class WelcomeInfo:
+    """What an accepted peer learns of the cluster."""
+
+    protocol: int = PROTOCOL_VERSION
+    devices: int = 0
+    client_timeout: float = 120.0  # a client silent this long is forgotten
+    instance: str = ""  # this scheduler's id: a client tells a restart from being forgotten
+    runtimes: list[dict[str, Any]] = field(default_factory=list)  # the workers' versions
+
+
+@message(2, structs={"info": WelcomeInfo})
 @dataclass(frozen=True, slots=True)
 class Welcome(Message):
     """The scheduler's answer to Hello; on refusal `error_kind` names a gpufn error."""
@@ -251,7 +282,7 @@ class Welcome(Message):
     ok: bool
     error_kind: str = ""
     message: str = ""
-    info: dict[str, Any] = field(default_factory=dict)
+    info: WelcomeInfo = field(default_factory=WelcomeInfo)
 
 
 @message(3)
@@ -315,6 +346,7 @@ class Submit(Message):
     invocation_id: str
     function_id: str
     options: dict[str, Any]
+    keep: bool = False  # keep the Result a while after the call ends (`FunctionCall.from_id`)
     frames: tuple[Frame, ...] = ()
 
 

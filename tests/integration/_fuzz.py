@@ -191,7 +191,7 @@ class Generator:
     def hello(self, *, role: str = p.Role.CLIENT, token: str | None = None,
               version: int = p.PROTOCOL_VERSION, info: dict[str, Any] | None = None) -> list[bytes]:
         return p.encode(p.Hello(role, version, self.token if token is None else token, 4242,
-                                info or {}))
+                                p.HelloInfo(**(info or {}))))
 
     def wrong_version(self) -> list[bytes]:
         r = self.rng
@@ -236,7 +236,7 @@ class Generator:
                                    self.huge_lengths])(), "error", "undecodable")
             elif k == 2:  # Submit before (without) Register
                 sub = p.Submit(f"fz{r.getrandbits(48):x}", f"nofn{r.getrandbits(32):x}",
-                               {}, (b"args",))
+                               {}, frames=(b"args",))
                 case.add(p.encode(sub), "result", "submit before register")
             elif k == 3:  # a Register whose spec is wrong (always: memory is not a size)
                 spec = {_rand_str(r, 5): rand_value(r) for _ in range(r.randint(0, 3))}

@@ -68,16 +68,16 @@ def test_a_peer_that_bypasses_the_client_is_disconnected(fresh_cluster: Any) -> 
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
     try:
         sock.connect(c.address)
-        sock.send_multipart(p.encode(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, c.token, 1, {})))
+        sock.send_multipart(p.encode(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, c.token, 1)))
         assert sock.poll(10_000), "no Welcome"
         assert isinstance(p.decode(sock.recv_multipart()), p.Welcome)
         # Under the limit: processed (the scheduler does not know this function).
-        sock.send_multipart(p.encode(p.Submit("small", "nofn", {}, (b"s" * 1000,))))
+        sock.send_multipart(p.encode(p.Submit("small", "nofn", {}, frames=(b"s" * 1000,))))
         assert sock.poll(10_000)
         reply = p.decode(sock.recv_multipart())
         assert isinstance(reply, p.Result) and reply.invocation_id == "small"
         # Over the limit: the connection is dropped, nothing is answered.
-        sock.send_multipart(p.encode(p.Submit("huge", "nofn", {}, (b"h" * (3 * MiB),))))
+        sock.send_multipart(p.encode(p.Submit("huge", "nofn", {}, frames=(b"h" * (3 * MiB),))))
         deadline = time.monotonic() + 10
         events = []
         while time.monotonic() < deadline and zmq.EVENT_DISCONNECTED not in events:

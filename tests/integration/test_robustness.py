@@ -42,10 +42,10 @@ def test_malformed_messages_do_not_stop_the_scheduler() -> None:
     s.connect(server.address)
     try:
         s.send_multipart([p.BATCH_TAG, msgpack.packb({"not": "a list"}), b"x"])
-        s.send_multipart(p.encode(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, 5, 1, {})))  # type: ignore[arg-type]
-        s.send_multipart(p.encode(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "", 1, {})))
+        s.send_multipart(p.encode(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, 5, 1)))  # type: ignore[arg-type]
+        s.send_multipart(p.encode(p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "", 1)))
         s.send_multipart(p.encode(p.Register("f", "c", "f", {"count": "2"}, [], (b"x",))))
-        s.send_multipart(p.encode(p.Submit("i", "f", {}, (b"a",))))
+        s.send_multipart(p.encode(p.Submit("i", "f", {}, frames=(b"a",))))
         s.send_multipart(p.encode(p.StatusRequest(1)))
         replies: list[p.Message] = []
         deadline = time.monotonic() + 10

@@ -74,7 +74,7 @@ TOUCH, ECHO = _by_value()
 
 def _call(c: gpufn.Client, fn: Any, arg: str) -> Any:
     reg = fn.register_message()
-    sub = p.Submit(c.new_id(), reg.function_id, {}, tuple(ser.dump_args(fn.name, (arg,), {})))
+    sub = p.Submit(c.new_id(), reg.function_id, {}, frames=tuple(ser.dump_args(fn.name, (arg,), {})))
     return decode_result(c.call(reg, sub, fn.name), fn.name)
 
 
@@ -143,7 +143,7 @@ def _attack(address: str, token: str, sentinel: Path) -> BaseException | None:
                       p.Role.CLIENT)
     reg = TOUCH.register_message()
     sub = p.Submit(uuid.uuid4().hex, reg.function_id, {},
-                   tuple(ser.dump_args(TOUCH.name, (str(sentinel),), {})))
+                   frames=tuple(ser.dump_args(TOUCH.name, (str(sentinel),), {})))
     try:
         for m in (conn.hello_message(), reg, sub):
             conn.sock.send_multipart(p.encode(m))
@@ -336,7 +336,7 @@ def test_the_proxy_does_see_a_marker_in_plaintext() -> None:
                 reg = ECHO.register_message()
                 c.ensure_registered(reg)
                 c.submit(p.Submit(c.new_id(), reg.function_id, {},
-                                  tuple(ser.dump_args(ECHO.name, (marker,), {}))), "echo")
+                                  frames=tuple(ser.dump_args(ECHO.name, (marker,), {}))), "echo")
                 deadline = time.monotonic() + 20
                 while marker.encode() not in proxy.seen and time.monotonic() < deadline:
                     time.sleep(0.02)

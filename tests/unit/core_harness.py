@@ -6,6 +6,7 @@ from typing import Any
 
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore, Send, Tick, Unreachable
+from gpufn.scheduler.deployments import DeploymentStore
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec, make_spec
 
@@ -14,7 +15,8 @@ GiB = 2**30
 
 class Harness:
     def __init__(self, devices: int = 2, memory: int = 8 * GiB, islands: int = 1, **cfg: Any) -> None:
-        self.core = SchedulerCore(SchedulerConfig(**cfg))
+        config = SchedulerConfig(**cfg)
+        self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir))
         self.now = 1000.0
         self.sent: list[Send] = []
         self.n = 0
@@ -44,7 +46,7 @@ class Harness:
 
     def hello(self, peer: bytes, role: str, token: str = "", info: dict[str, Any] | None = None,
               version: int = p.PROTOCOL_VERSION, pid: int = 1) -> p.Message:
-        out = self.feed(peer, p.Hello(role, version, token, pid, info or {}))
+        out = self.feed(peer, p.Hello(role, version, token, pid, p.HelloInfo(**(info or {}))))
         return next(s.msg for s in out if s.peer == peer and isinstance(s.msg, p.Welcome))
 
     def start_worker(self, index: int, peer: bytes | None = None, pid: int = 100,
@@ -64,10 +66,10 @@ class Harness:
         self.feed(b"cli", p.Register(fid, f"code-{name}", name, spec.to_wire(), [], (b"code",)))
         return fid
 
-    def submit(self, fid: str, client: bytes = b"cli", **options: Any) -> str:
+    def submit(self, fid: str, client: bytes = b"cli", keep: bool = False, **options: Any) -> str:
         self.n += 1
         inv = f"inv{self.n}"
-        self.feed(client, p.Submit(inv, fid, options, (b"args",)))
+        self.feed(client, p.Submit(inv, fid, options, keep, (b"args",)))
         return inv
 
     def token(self, inv: str) -> int:

@@ -60,7 +60,7 @@ def sched(ctx: zmq.Context[Any]) -> Iterator[FakeScheduler]:
 @pytest.fixture
 def conn(ctx: zmq.Context[Any], sched: FakeScheduler) -> Iterator[Connection]:
     c = Connection(ctx, ConnectionConfig(sched.address, "tok"), "w/test", p.Role.WORKER,
-                   {"device": "n:0", "channel": "work"})
+                   p.HelloInfo(device="n:0", channel="work"))
     yield c
     c.close()
 
@@ -89,7 +89,7 @@ def _handshake_in_thread(conn: Connection, timeout: float = 5.0) -> Callable[[],
 
 
 def _welcome(**info: Any) -> p.Welcome:
-    return p.Welcome(True, info=info)
+    return p.Welcome(True, info=p.WelcomeInfo(**info))
 
 
 def test_handshake_sends_hello_and_returns_on_welcome(conn: Connection, sched: FakeScheduler) -> None:
@@ -100,10 +100,10 @@ def test_handshake_sends_hello_and_returns_on_welcome(conn: Connection, sched: F
     assert isinstance(hello, p.Hello)
     assert (hello.role, hello.version, hello.token, hello.pid) == (
         p.Role.WORKER, p.PROTOCOL_VERSION, "tok", os.getpid())
-    assert hello.info == {"device": "n:0", "channel": "work", **runtime_info()}
+    assert hello.info == p.HelloInfo(device="n:0", channel="work", **runtime_info())
     sched.send(peer, _welcome(client_timeout=7))
     assert join() == []
-    assert conn.welcome is not None and conn.welcome.info == {"client_timeout": 7}
+    assert conn.welcome is not None and conn.welcome.info.client_timeout == 7
 
 
 @pytest.mark.parametrize("kind", [gpufn.AuthenticationError, gpufn.ProtocolMismatch])
@@ -183,7 +183,7 @@ def test_forgotten_peer_says_hello_again(conn: Connection, sched: FakeScheduler)
     assert conn.on_error(forgot) is True
     _, [hello] = sched.recv()
     assert isinstance(hello, p.Hello) and hello.token == "tok"
-    assert hello.info == {"device": "n:0", "channel": "work", **runtime_info()}
+    assert hello.info == p.HelloInfo(device="n:0", channel="work", **runtime_info())
 
 
 def test_wake_pipe_coalesces_and_wakes_after_a_drain() -> None:
@@ -295,7 +295,7 @@ def test_blocking_call_says_hello_again_when_forgotten_and_resubmits() -> None:
     def answer(peer: bytes, msg: p.Message) -> list[p.Message]:
         if isinstance(msg, p.Hello):
             known.add(peer)
-            return [p.Welcome(True, info={"client_timeout": 120})]
+            return [p.Welcome(True, info=p.WelcomeInfo(client_timeout=120))]
         if isinstance(msg, p.Submit) and not forget_once.is_set():
             forget_once.set()
             known.clear()  # "restarted": this submit and everything after is refused

@@ -187,7 +187,7 @@ def test_a_worker_that_reports_before_the_resubmit_is_remembered() -> None:
     h, cli = _restarted()
     once = h.register("once")
     h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1, "ran": ["early"]})
-    h.feed(cli, p.Submit("early", once, {}, (b"args",)))
+    h.feed(cli, p.Submit("early", once, {}, frames=(b"args",)))
     assert h.results(cli)["early"].error_kind == "WorkerLost"
 
 

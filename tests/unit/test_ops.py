@@ -89,7 +89,7 @@ def test_ops_desk_keeps_output_meters_calls_by_user_and_drains() -> None:
     h.finish(w0, a, duration=2.0)
     h.feed(b"bob", p.Register(fid, "code-f", "f", h.core.functions[fid].spec.to_wire(), [], (b"c",)))
     b = "bob1"
-    h.feed(b"bob", p.Submit(b, fid, {}, (b"args",)))
+    h.feed(b"bob", p.Submit(b, fid, {}, frames=(b"args",)))
     logs = _ask(h, p.Query(1, p.QueryKind.LOGS, {"target": "f"})).data
     assert [ln["text"] for ln in logs["lines"]] == ["hello", "world"]
     assert logs["lines"][0]["invocation_id"] == a
@@ -126,8 +126,8 @@ def test_only_clients_may_drain() -> None:
     h = Harness(devices=1)
     w = h.start_worker(0)
     out = h.feed(w, p.Drain(1, 0.0))
-    reply = next(s.msg for s in out if isinstance(s.msg, p.QueryReply))
-    assert not reply.ok and not h.core.ops.draining
+    refused = next(s.msg for s in out if isinstance(s.msg, p.Error))
+    assert "may not send Drain" in refused.message and not h.core.ops.draining
 
 
 def test_grafana_dashboard_parses_and_uses_the_exported_names() -> None:

@@ -8,12 +8,12 @@ import pytest
 from gpufn.wire import protocol as p
 
 SAMPLES: list[p.Message] = [
-    p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "tok", 42, {"argv": "x"}),
-    p.Welcome(True, "", "", {"devices": 2}),
+    p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "tok", 42, p.HelloInfo(user="x", ran=["a"])),
+    p.Welcome(True, "", "", p.WelcomeInfo(devices=2)),
     p.Welcome(False, "AuthenticationError", "wrong token"),
     p.Ping(1), p.Pong(1), p.Goodbye("bye"), p.Shutdown("stop"), p.Error("GpufnError", "bad"),
     p.Register("f1", "c1", "square", {"count": 1}, [{"name": "m", "nframes": 1}], (b"code", b"m")),
-    p.Submit("i1", "f1", {"priority": 3}, (b"args", b"\x00" * 10)),
+    p.Submit("i1", "f1", {"priority": 3}, frames=(b"args", b"\x00" * 10)),
     p.Cancel("i1", "because", False),
     p.Result("i1", True, "", "", p.ResultMeta(duration=0.5, devices=["n:0"]), (b"value",)),
     p.Result("i2", False, "Timeout", "too slow"),
@@ -72,7 +72,7 @@ def test_round_trip(msg: p.Message) -> None:
 
 def test_payload_frames_stay_out_of_the_header() -> None:
     big = b"x" * 1_000_000
-    frames = p.encode(p.Submit("i", "f", {}, (big,)))
+    frames = p.encode(p.Submit("i", "f", {}, frames=(big,)))
     assert len(frames[1]) < 100  # header stays small
     assert frames[2] is big  # the buffer itself, no copy
 
@@ -94,7 +94,7 @@ def test_garbage_is_a_decode_error(frames: list[bytes]) -> None:
 
 
 def test_batches_round_trip_in_order() -> None:
-    msgs = [p.Ping(1), p.Submit("i", "f", {}, (b"a", b"b")), p.Output("i", "stdout", "x"), p.Ping(2)]
+    msgs = [p.Ping(1), p.Submit("i", "f", {}, frames=(b"a", b"b")), p.Output("i", "stdout", "x"), p.Ping(2)]
     frames = p.encode_batch(msgs)
     assert frames[0] == p.BATCH_TAG
     back = p.decode_all(frames)

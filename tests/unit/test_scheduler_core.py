@@ -21,7 +21,7 @@ def test_handshake_refuses_bad_token_and_version() -> None:
 
 def test_message_before_hello_is_refused() -> None:
     h = Harness()
-    out = h.feed(b"stranger", p.Submit("i", "f", {}, ()))
+    out = h.feed(b"stranger", p.Submit("i", "f", {}, frames=()))
     assert isinstance(out[0].msg, p.Error) and out[0].msg.error_kind == "AuthenticationError"
 
 
@@ -106,8 +106,8 @@ def test_duplicate_submit_runs_once() -> None:
     h = Harness(devices=1)
     w = h.start_worker(0)
     fid = h.register()
-    h.feed(b"cli", p.Submit("dup", fid, {}, (b"a",)))
-    h.feed(b"cli", p.Submit("dup", fid, {}, (b"a",)))
+    h.feed(b"cli", p.Submit("dup", fid, {}, frames=(b"a",)))
+    h.feed(b"cli", p.Submit("dup", fid, {}, frames=(b"a",)))
     assert len(h.runs(w)) == 1
 
 

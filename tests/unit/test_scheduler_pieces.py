@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from gpufn.exceptions import Cancelled
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger, Plan
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.memory_pool.residency import Residency
@@ -27,6 +30,7 @@ from gpufn.scheduler.states import INV_TRANSITIONS, DeviceState, InvState
 from gpufn.scheduler.transitions import TABLE, Transitions
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
+from tests.unit.core_harness import Harness
 
 GiB = 2**30
 _seq = 0
@@ -90,11 +94,32 @@ def test_start_and_requeue_own_the_records_fields() -> None:
     assert inv.counted_attempts == 0
 
 
-def test_every_allowed_move_has_exactly_one_transition_method() -> None:
+def test_every_allowed_move_has_exactly_one_transition_function() -> None:
     allowed = {(a, b) for a, targets in INV_TRANSITIONS.items() for b in targets}
     assert set(TABLE) == allowed
-    for name in set(TABLE.values()):
-        assert callable(getattr(Transitions, name))
+    for move in TABLE.values():
+        assert callable(move) and getattr(Transitions, move.__name__) is move
+
+
+def test_a_move_the_table_does_not_list_raises_with_the_history() -> None:
+    from gpufn.scheduler.states import IllegalTransition
+
+    h = Harness(devices=1)
+    h.start_worker(0)
+    fid = h.register("f")
+    inv = h.core.invocations[h.submit(fid)]
+    assert inv.state is InvState.RUNNING
+    with pytest.raises(IllegalTransition, match=r"running -> running.*history: queued"):
+        h.core.tx.dispatch(inv, (h.core.devices["n:0"],), {}, h.now)
+
+
+def test_a_queued_call_that_is_finished_leaves_the_queue() -> None:
+    h = Harness(devices=1)  # its worker never starts: the call stays queued
+    fid = h.register("f")
+    inv = h.core.invocations[h.submit(fid)]
+    assert len(h.core.queue) == 1
+    h.core.tx.finish(inv, h.now, InvState.CANCELLED, Cancelled("no"))
+    assert len(h.core.queue) == 0 and inv.state is InvState.CANCELLED
 
 
 # --------------------------------------------------------------------------- batches

@@ -92,7 +92,7 @@ class NeverFits:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Fit:
     """How to admit one request on one device. Apply it with `DeviceLedger.admit`, then
     send the worker, in this order: drop_host, offload, evict, restore, load, run."""
 
@@ -124,7 +124,7 @@ class Plan:
         return self.offload + self.evict
 
 
-class StalePlan(RuntimeError):
+class StaleFit(RuntimeError):
     """`admit` was given a plan made before the ledger last changed."""
 
 
@@ -404,10 +404,10 @@ class DeviceLedger:
 
     # ----------------------------------------------------------- planning
 
-    def plan(self, request: Request, policy: EvictionPolicy | None = None, *,
+    def fit(self, request: Request, policy: EvictionPolicy | None = None, *,
              forced: Mapping[str, bool] | None = None,
-             blocked: Iterable[str] = ()) -> Plan | NeverFits | None:
-        """How `request` fits here: a Plan, None if it cannot fit now but could once
+             blocked: Iterable[str] = ()) -> Fit | NeverFits | None:
+        """How `request` fits here: a Fit, None if it cannot fit now but could once
         running calls finish or models settle, or NeverFits with the shortfall. Pure.
 
         `forced`: models that must leave whatever the room (name -> may go to host):
@@ -480,7 +480,7 @@ class DeviceLedger:
             clock = policy.inflate(clock, v)
         freed = sum(v.nbytes for v in victims)
         add = request.workspace + load_bytes + restore_bytes
-        return Plan(
+        return Fit(
             request=request, resident=tuple(resident), waiting=tuple(waiting),
             load=tuple(load), restore=tuple(restore), offload=tuple(offload),
             evict=tuple(evict), drop_host=tuple(drops), load_bytes=load_bytes,
@@ -524,12 +524,12 @@ class DeviceLedger:
     def _version(self) -> tuple[int, int]:
         return (self.version, 0 if self.host is None else self.host.version)
 
-    def admit(self, owner: str, plan: Plan, now: float, *, check: bool = True) -> None:
+    def admit(self, owner: str, plan: Fit, now: float, *, check: bool = True) -> None:
         """Commit a plan from `plan()` for invocation `owner`: host copies dropped, victims
         offloading/evicting, loads and restores started, workspace reserved, models held.
         `check=False`: the caller checked the versions itself (a gang's joint plan)."""
         if check and plan.version != self._version():
-            raise StalePlan(f"plan for {owner} was made before the ledger changed; plan again")
+            raise StaleFit(f"plan for {owner} was made before the ledger changed; plan again")
         for dev, name in plan.drop_host:
             assert self.host is not None  # a plan only drops host copies when there is one
             self.host.drop(dev, name, now)
@@ -549,9 +549,9 @@ class DeviceLedger:
 
     def cost_to_place(self, request: Request,
                       policy: EvictionPolicy | None = None) -> tuple[int, int, int, float, int] | None:
-        """`Plan.cost` of placing `request` here, or None when it does not fit now."""
-        plan = self.plan(request, policy)
-        return plan.cost if isinstance(plan, Plan) else None
+        """`Fit.cost` of placing `request` here, or None when it does not fit now."""
+        plan = self.fit(request, policy)
+        return plan.cost if isinstance(plan, Fit) else None
 
     def describe(self) -> dict[str, object]:
         """A status snapshot: bytes and each model's residency."""
@@ -583,14 +583,14 @@ def _cover(deficit: int, ordered: Iterable[ModelEntry]) -> list[ModelEntry] | No
 
 
 def choose_device(ledgers: Mapping[str, DeviceLedger], request: Request,
-                  policy: EvictionPolicy | None = None) -> tuple[str, Plan] | NeverFits | None:
-    """The device where `request` is cheapest to place (lowest `Plan.cost`, ties by most
+                  policy: EvictionPolicy | None = None) -> tuple[str, Fit] | NeverFits | None:
+    """The device where `request` is cheapest to place (lowest `Fit.cost`, ties by most
     free bytes after, then key), None if none fits now, or — when no device could ever
     hold it — the NeverFits with the smallest shortfall (for `gpufn.Unschedulable`)."""
-    best: tuple[str, Plan] | None = None
+    best: tuple[str, Fit] | None = None
     never: list[NeverFits] = []
     for key in sorted(ledgers):
-        plan = ledgers[key].plan(request, policy)
+        plan = ledgers[key].fit(request, policy)
         if isinstance(plan, NeverFits):
             never.append(plan)
         elif plan is not None and (
@@ -606,15 +606,15 @@ def choose_device(ledgers: Mapping[str, DeviceLedger], request: Request,
 # ---------------------------------------------------------------------------- gangs
 
 @dataclass(frozen=True)
-class GroupPlan:
+class GroupFit:
     """A request planned on every device of a gang at once, sharded models as units.
 
-    `plans`: device key -> Plan (gang devices, rank order). `outside`: what must happen to
+    `plans`: device key -> Fit (gang devices, rank order). `outside`: what must happen to
     sibling shards on devices outside the gang, as (device key, model, action) with action
     "offload", "evict" or "drop" (a host copy). `versions`: every ledger's version planned
     against (admit all or replan)."""
 
-    plans: dict[str, Plan]
+    plans: dict[str, Fit]
     outside: tuple[tuple[str, str, str], ...]
     versions: tuple[tuple[str, tuple[int, int]], ...]
 
@@ -629,10 +629,10 @@ def _group_blocked(ledgers: Mapping[str, DeviceLedger]) -> set[str]:
     return blocked
 
 
-def plan_group(ledgers: Mapping[str, DeviceLedger], gang: Sequence[str], request: Request,
+def fit_group(ledgers: Mapping[str, DeviceLedger], gang: Sequence[str], request: Request,
                policy: EvictionPolicy | None = None,
-               doomed: Mapping[str, bool] | None = None) -> GroupPlan | NeverFits | None:
-    """Plan `request` on every device of `gang` at once (all fit, or None: wait).
+               doomed: Mapping[str, bool] | None = None) -> GroupFit | NeverFits | None:
+    """Fit `request` on every device of `gang` at once (all fit, or None: wait).
 
     Eviction is all-or-nothing: a shard chosen as a victim on one device takes its
     sibling shards along, on the gang's devices (planned again with them forced out, until
@@ -642,12 +642,12 @@ def plan_group(ledgers: Mapping[str, DeviceLedger], gang: Sequence[str], request
     forced: dict[str, bool] = dict(doomed or {})
     blocked = _group_blocked(ledgers) - set(forced)
     needed = {n.name for n in request.models}
-    plans: dict[str, Plan] = {}
+    plans: dict[str, Fit] = {}
     for _ in range(len(gang) + 2):
         plans = {}
         for key in gang:
-            plan = ledgers[key].plan(request, policy, forced=forced, blocked=blocked)
-            if not isinstance(plan, Plan):
+            plan = ledgers[key].fit(request, policy, forced=forced, blocked=blocked)
+            if not isinstance(plan, Fit):
                 return plan
             plans[key] = plan
         grown = dict(forced)
@@ -662,7 +662,7 @@ def plan_group(ledgers: Mapping[str, DeviceLedger], gang: Sequence[str], request
     else:
         return None
     if any(forced.values()) and not _host_fits(ledgers, gang, plans, forced):
-        return plan_group(ledgers, gang, request, policy, dict.fromkeys(forced, False))
+        return fit_group(ledgers, gang, request, policy, dict.fromkeys(forced, False))
     outside: list[tuple[str, str, str]] = []
     for name, may_offload in sorted(forced.items()):
         if name in needed:
@@ -682,10 +682,10 @@ def plan_group(ledgers: Mapping[str, DeviceLedger], gang: Sequence[str], request
                                 and (led.policy.offload if policy is None else policy.offload)
                                 else "evict"))
     versions = tuple((k, led._version()) for k, led in sorted(ledgers.items()))
-    return GroupPlan(plans, tuple(outside), versions)
+    return GroupFit(plans, tuple(outside), versions)
 
 
-def _host_fits(ledgers: Mapping[str, DeviceLedger], gang: Sequence[str], plans: Mapping[str, Plan],
+def _host_fits(ledgers: Mapping[str, DeviceLedger], gang: Sequence[str], plans: Mapping[str, Fit],
                forced: Mapping[str, bool]) -> bool:
     """Whether every host ledger can take the offloads the plans (and forced shards
     outside the gang) send to it together (each plan checked only its own)."""

@@ -43,7 +43,7 @@ TRANSITIONS: dict[Residency, frozenset[Residency]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
+class IllegalResidency(RuntimeError):
     """A model was asked to move between two states the table does not connect."""
 
     def __init__(self, name: str, old: Residency, new: Residency,
@@ -62,9 +62,9 @@ class IllegalTransition(RuntimeError):
 
 def check_transition(name: str, old: Residency, new: Residency,
                      history: list[tuple[Residency, float]]) -> None:
-    """Raise IllegalTransition unless old -> new is in the table."""
+    """Raise IllegalResidency unless old -> new is in the table."""
     if new not in TRANSITIONS[old]:
-        raise IllegalTransition(name, old, new, history)
+        raise IllegalResidency(name, old, new, history)
 
 
 @dataclass(eq=False)
@@ -87,7 +87,7 @@ class ModelEntry:
     clock: float = 0.0  # the ledger's eviction clock when last used (GDSF "L")
     from_host: bool = False  # while LOADING: a restore from host, not the loader
     # A sharded model's shard: every device of its gang in rank order (this one included).
-    # The shards are one unit: they leave together (see `plan_group`).
+    # The shards are one unit: they leave together (see `fit_group`).
     shards: tuple[str, ...] = ()
     history: list[tuple[Residency, float]] = field(default_factory=list)
 
@@ -96,7 +96,7 @@ class ModelEntry:
             self.history.append((self.state, 0.0))
 
     def to(self, state: Residency, now: float, *, force: bool = False) -> None:
-        """Move to `state`; raise IllegalTransition (with the history) unless legal.
+        """Move to `state`; raise IllegalResidency (with the history) unless legal.
 
         `force` skips the table: only for a worker restart, where everything is gone.
         """

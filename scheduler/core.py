@@ -28,7 +28,7 @@ from gpufn.exceptions import (
 )
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
-from gpufn.scheduler import batches, fencing, handshake, status, wire_checks
+from gpufn.scheduler import batches, fencing, handshake, report, wire_checks
 from gpufn.scheduler.app_book import AppBook
 from gpufn.scheduler.deployments import DeploymentStore
 from gpufn.scheduler.events import (
@@ -40,7 +40,7 @@ from gpufn.scheduler.events import (
     Tick,
     Unreachable,
 )
-from gpufn.scheduler.formations import GangBook
+from gpufn.scheduler.gang_book import GangBook
 from gpufn.scheduler.intake import Intake
 from gpufn.scheduler.model_book import ModelBook
 from gpufn.scheduler.ops import OpsDesk
@@ -146,7 +146,7 @@ class SchedulerCore:
         return self._wakeup_at
 
     def status(self, now: float) -> dict[str, Any]:
-        return status.report(self, now)
+        return report.report(self, now)
 
     def _on_event(self, ev: Event, now: float) -> None:
         if isinstance(ev, Received):

@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpufn.exceptions import GpufnError, QueueFull, Unschedulable
+from gpufn.scheduler.device_fit import feasibility_error
 from gpufn.scheduler.model_book import ModelBook
-from gpufn.scheduler.placement import feasibility_error
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, FunctionRecord
 from gpufn.scheduler.settings import SchedulerConfig
+from gpufn.scheduler.shapes import Shape
 from gpufn.wire.spec import GpuSpec
 
 
@@ -30,7 +31,7 @@ class Intake:
     def refusal(self, fn: FunctionRecord, spec: GpuSpec, per_call: bool) -> GpufnError | None:
         """Why this call is not accepted (Unschedulable, QueueFull), or None."""
         err = self._feasibility(fn, spec, per_call)
-        if err is None and self.rendezvous_error and spec.count > 1 and spec.spmd:
+        if err is None and self.rendezvous_error and Shape.of(spec).needs_rendezvous:
             err = f"{fn.name}: the gang rendezvous store could not start ({self.rendezvous_error})"
         if err is not None:
             return Unschedulable(err)

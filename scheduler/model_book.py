@@ -6,7 +6,7 @@ A model's key is its name plus its loader's content hash, so redefining a loader
 a new model; the old one stops being used and leaves the pool by policy.
 
 A sharded model (`count=N`) is one unit spread over a gang: one ledger entry per device
-(that rank's bytes), planned on all N devices at once (`plan_group`), leaving all
+(that rank's bytes), planned on all N devices at once (`fit_group`), leaving all
 together, and tied to the gang formation it was loaded in (`Holder`): once any of its
 devices leaves that group (a failure, a lost worker, another gang) its shards are stale
 and `sweep` removes them; a new formation loads it again.
@@ -21,17 +21,17 @@ from typing import Any
 
 from gpufn.exceptions import OutOfMemory, kind_of
 from gpufn.memory_pool.ledger import (
-    GroupPlan,
+    Fit,
+    GroupFit,
     ModelNeed,
     NeverFits,
-    Plan,
     Request,
-    StalePlan,
-    plan_group,
+    StaleFit,
+    fit_group,
 )
 from gpufn.memory_pool.residency import Residency
-from gpufn.scheduler.formations import GangBook
-from gpufn.scheduler.placement import drain_seconds
+from gpufn.scheduler.device_fit import drain_seconds
+from gpufn.scheduler.gang_book import GangBook
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation
 from gpufn.scheduler.states import DeviceState
 from gpufn.wire import protocol as p
@@ -94,7 +94,7 @@ class ModelBook:
         self.models: dict[str, ModelRecord] = {}
         self._replan: set[str] = set()  # calls whose model turned out larger than declared
         self.gangs = gangs if gangs is not None else GangBook()
-        self._joint: dict[str, GroupPlan] = {}  # a gang call's joint plan, until admitted
+        self._joint: dict[str, GroupFit] = {}  # a gang call's joint plan, until admitted
 
     # ------------------------------------------------------------------ registry
 
@@ -126,7 +126,7 @@ class ModelBook:
 
     # ------------------------------------------------------------------ questions
 
-    def cold_seconds(self, plan: Plan) -> float:
+    def cold_seconds(self, plan: Fit) -> float:
         """Expected seconds to make a plan's models resident (restores, then loads)."""
         total = 0.0
         for key in plan.restore:
@@ -138,7 +138,7 @@ class ModelBook:
         return total
 
     def best_plan(self, inv: Invocation, candidates: list[Device], every: Iterable[Device],
-                  now: float) -> tuple[Device, Plan] | None:
+                  now: float) -> tuple[Device, Fit] | None:
         """Where the call's models are cheapest to have, by expected time: what must
         drain there plus what must load (resident, then on host, then least eviction).
         None means wait: nothing fits now, or a device that already holds the models
@@ -148,18 +148,18 @@ class ModelBook:
         every = list(every)
         devmap = {x.key: x for x in every}
         shards = self._any_shards(devmap)
-        joints: dict[str, GroupPlan] = {}
-        best: tuple[tuple[Any, ...], Device, Plan, float] | None = None
+        joints: dict[str, GroupFit] = {}
+        best: tuple[tuple[Any, ...], Device, Fit, float] | None = None
         for d in candidates:
             if shards:  # a victim shard here takes its siblings on other devices along
-                joint = plan_group({k: x.ledger for k, x in devmap.items()}, (d.key,), req)
-                if not isinstance(joint, GroupPlan):
+                joint = fit_group({k: x.ledger for k, x in devmap.items()}, (d.key,), req)
+                if not isinstance(joint, GroupFit):
                     continue
                 joints[d.key] = joint
                 plan = joint.plans[d.key]
             else:
-                plan = d.ledger.plan(req)
-            if not isinstance(plan, Plan):
+                plan = d.ledger.fit(req)
+            if not isinstance(plan, Fit):
                 continue
             swapping = any(e.state in _MOVING and e.name not in mine for e in d.ledger.models.values())
             if swapping and (plan.load or plan.restore or plan.victims):
@@ -183,10 +183,10 @@ class ModelBook:
         return d, plan
 
     def gang_plans(self, inv: Invocation, devices: list[Device],
-                   every: Mapping[str, Device] | None = None) -> dict[str, Plan] | None:
+                   every: Mapping[str, Device] | None = None) -> dict[str, Fit] | None:
         """A plan on every device of a gang, or None if one of them cannot admit now.
         With sharded models anywhere in `every`, the gang is planned as one (see
-        `plan_group`) and the joint plan is kept for `admit`."""
+        `fit_group`) and the joint plan is kept for `admit`."""
         req = self.request(inv)
         if every is not None and self._any_shards(every):
             joint = self._plan_joint(inv, tuple(d.key for d in devices), req, every)
@@ -194,10 +194,10 @@ class ModelBook:
                 return None
             self._joint[inv.id] = joint
             return dict(joint.plans)
-        plans: dict[str, Plan] = {}
+        plans: dict[str, Fit] = {}
         for d in devices:
-            plan = d.ledger.plan(req)
-            if not isinstance(plan, Plan):
+            plan = d.ledger.fit(req)
+            if not isinstance(plan, Fit):
                 return None
             plans[d.key] = plan
         return plans
@@ -246,7 +246,7 @@ class ModelBook:
         return r.load_seconds / r.loads if r.loads else 1.0 + r.size / LOAD_BANDWIDTH
 
     def _plan_joint(self, inv: Invocation, gang: tuple[str, ...], req: Request,
-                    every: Mapping[str, Device]) -> GroupPlan | None:
+                    every: Mapping[str, Device]) -> GroupFit | None:
         doomed: dict[str, bool] = {}
         warm = self.gangs.is_warm(gang)
         for rec in self.models.values():
@@ -257,8 +257,8 @@ class ModelBook:
             if moving or (not warm and set(h.devices) & set(gang)):
                 doomed[rec.key] = False  # its group is left: the shards are useless
         ledgers = {k: d.ledger for k, d in every.items()}
-        found = plan_group(ledgers, gang, req, doomed=doomed)
-        return found if isinstance(found, GroupPlan) else None
+        found = fit_group(ledgers, gang, req, doomed=doomed)
+        return found if isinstance(found, GroupFit) else None
 
     def sweep(self, every: Mapping[str, Device], now: float) -> list[tuple[Device, p.Message]]:
         """Orders that remove stale shards (their gang's group is gone, or a rank's
@@ -293,14 +293,14 @@ class ModelBook:
                 rec.holder = None
         return orders
 
-    def _admit_joint(self, inv: Invocation, joint: GroupPlan, now: float,
+    def _admit_joint(self, inv: Invocation, joint: GroupFit, now: float,
                      devices: dict[str, Device]) -> list[tuple[Device, p.Message]]:
         """Before the gang's first device admits: check nothing changed since the joint
         plan, then move the sibling shards outside the gang."""
         if joint.versions != tuple((k, d.ledger._version()) for k, d in sorted(devices.items())):
             fresh = self._plan_joint(inv, inv.devices, self.request(inv), devices)
             if fresh is None:
-                raise StalePlan(f"the gang plan for {inv.id} no longer fits")
+                raise StaleFit(f"the gang plan for {inv.id} no longer fits")
             joint = self._joint[inv.id] = fresh
         orders: list[tuple[Device, p.Message]] = []
         for key, name, action in joint.outside:
@@ -325,7 +325,7 @@ class ModelBook:
         verdicts = []
         req = self._request(fn, spec_memory)
         for d in devs:
-            plan = d.ledger.plan(req)
+            plan = d.ledger.fit(req)
             if not isinstance(plan, NeverFits):
                 return None
             verdicts.append((plan.shortfall, d.key, plan))
@@ -336,7 +336,7 @@ class ModelBook:
 
     # ------------------------------------------------------------------ admission
 
-    def admit(self, inv: Invocation, d: Device, plan: Plan, now: float,
+    def admit(self, inv: Invocation, d: Device, plan: Fit, now: float,
               devices: dict[str, Device]) -> Admission:
         """Commit the plan in the device's ledger; the orders that make it true."""
         orders: list[tuple[Device, p.Message]] = []
@@ -354,18 +354,18 @@ class ModelBook:
             plan = self._admit_one(inv, d, plan, now)
         return self._orders(inv, d, plan, devices, orders)
 
-    def _admit_one(self, inv: Invocation, d: Device, plan: Plan, now: float) -> Plan:
+    def _admit_one(self, inv: Invocation, d: Device, plan: Fit, now: float) -> Fit:
         try:
             d.ledger.admit(inv.id, plan, now)
-        except StalePlan:  # a gang's earlier device changed the shared host ledger: plan again
-            fresh = d.ledger.plan(self.request(inv))
-            if not isinstance(fresh, Plan):
+        except StaleFit:  # a gang's earlier device changed the shared host ledger: plan again
+            fresh = d.ledger.fit(self.request(inv))
+            if not isinstance(fresh, Fit):
                 raise
             d.ledger.admit(inv.id, fresh, now)
             return fresh
         return plan
 
-    def _orders(self, inv: Invocation, d: Device, plan: Plan, devices: dict[str, Device],
+    def _orders(self, inv: Invocation, d: Device, plan: Fit, devices: dict[str, Device],
                 orders: list[tuple[Device, p.Message]]) -> Admission:
         for dev_key, key in plan.drop_host:
             other = devices.get(dev_key)

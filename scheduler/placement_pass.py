@@ -17,15 +17,16 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufn.memory_pool.ledger import Plan
+from gpufn.memory_pool.ledger import Fit
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler import batches
+from gpufn.scheduler.device_fit import could_ever_run, is_short, rank_devices, type_rank
 from gpufn.scheduler.gang_choice import Reservation, can_backfill, choose_gang, reservation_for
 from gpufn.scheduler.model_book import ModelBook
-from gpufn.scheduler.placement import could_ever_run, is_short, rank_devices, type_rank
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, Invocation
 from gpufn.scheduler.settings import SchedulerConfig
+from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import InvState
 
 # --------------------------------------------------------------------------- decisions
@@ -38,7 +39,7 @@ class Dispatch:
 
     inv: Invocation
     devices: tuple[Device, ...]
-    plans: dict[str, Plan] = field(default_factory=dict)
+    plans: dict[str, Fit] = field(default_factory=dict)
     batch: bool = False
 
 
@@ -145,7 +146,7 @@ class PlacementPass:
             return False
         usable = [d for d in ranked if inv.id not in d.running and (
             r is None or d.key not in r.devices or can_backfill(fn.runtime_ewma, r.start_eta))]
-        plans: dict[str, Plan] = {}
+        plans: dict[str, Fit] = {}
         if with_models and usable:
             best = self.models.best_plan(inv, usable, self.devices.values(), now)
             if best is None:
@@ -208,7 +209,8 @@ class PlacementPass:
     def _gang(self, inv: Invocation, reserved: tuple[str, ...], rendezvous_port: int | None,
               now: float) -> Generator[Decision, None, bool]:
         spec, fn = inv.spec, inv.function
-        if spec.spmd and rendezvous_port is None:
+        shape = Shape.of(spec)
+        if shape.needs_rendezvous and rendezvous_port is None:
             yield NeedRendezvous()  # the shell starts the store, then schedules again
             return False
         idle = [d for d in self._gang_capable(inv) if not d.running and d.key not in reserved
@@ -224,10 +226,10 @@ class PlacementPass:
             prefer, avoid = choice
             idle = [d for d in idle if d.key not in avoid]
         chosen = choose_gang([d.info for d in idle], spec.count, prefer=prefer)
-        if chosen is None or (not spec.spmd and len({c.node for c in chosen}) > 1):
+        if chosen is None or (shape.one_node and len({c.node for c in chosen}) > 1):
             return False
         devices = tuple(self.devices[c.key] for c in chosen)
-        plans: dict[str, Plan] = {}
+        plans: dict[str, Fit] = {}
         if fn.model_keys:
             found = self.models.gang_plans(inv, list(devices), self.devices)
             if found is None:

@@ -10,6 +10,9 @@ rest of the scheduler never asks `if spmd` or `if batch`:
 | BATCH    | its one device (a carrier) | 1       | that device               |
 | GANG     | every device, one rank each| N       | the reporting rank's device |
 | HELD_SET | the first device only; the others are held idle (spmd=False) | 1 | every device |
+
+A GANG needs the rendezvous store (its ranks form a process group); a HELD_SET's devices
+must all be on one node (one process sees them all).
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ class Shape(Enum):
     @property
     def multi_device(self) -> bool:
         return self in (Shape.GANG, Shape.HELD_SET)
+
+    @property
+    def needs_rendezvous(self) -> bool:
+        return self is Shape.GANG
+
+    @property
+    def one_node(self) -> bool:
+        """All its devices must be on one node."""
+        return self is Shape.HELD_SET
 
     def runners(self, devices: tuple[str, ...]) -> tuple[str, ...]:
         """The devices whose worker runs (and may be told to stop) a process of the call."""

@@ -16,18 +16,18 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from gpufn.exceptions import Cancelled, GpufnError, WorkerLost, kind_of
-from gpufn.memory_pool.ledger import Plan
+from gpufn.memory_pool.ledger import Fit
 from gpufn.memory_pool.residency import Residency
-from gpufn.scheduler import batches, gang_results
+from gpufn.scheduler import batches, gang_verdict
+from gpufn.scheduler.device_fit import is_short
 from gpufn.scheduler.events import Send
-from gpufn.scheduler.formations import GangBook
+from gpufn.scheduler.gang_book import GangBook
 from gpufn.scheduler.model_book import ModelBook
-from gpufn.scheduler.placement import is_short
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, Invocation, Peer
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
-from gpufn.scheduler.states import IllegalTransition, InvState
+from gpufn.scheduler.states import INV_TRANSITIONS, InvState, check
 from gpufn.wire import protocol as p
 from gpufn.wire.rendezvous import DEFAULT_TIMEOUT_S, GangSpec, resolve_backend
 from gpufn.wire.spec import retry_delay
@@ -73,18 +73,15 @@ class Transitions:
 
     @staticmethod
     def _move(inv: Invocation, to: InvState) -> Callable[..., None]:
-        """The function that performs `inv`'s move to `to` (see `TABLE`)."""
-        move = TABLE.get((inv.state, to))
-        if move is None:
-            trail = " -> ".join(f"{s}@{t:.3f}" for s, t in inv.history[-12:])
-            raise IllegalTransition(f"invocation {inv.id} ({inv.function.name}): "
-                                    f"{inv.state.value} -> {to.value} is not allowed "
-                                    f"(history: {trail})")
-        return move
+        """The function that performs `inv`'s move to `to` (see `TABLE`); an illegal move
+        raises `IllegalTransition` with the call's history."""
+        check(f"invocation {inv.id} ({inv.function.name})", INV_TRANSITIONS, inv.state, to,
+              inv.history)
+        return TABLE[(inv.state, to)]
 
     # ------------------------------------------------------------------ the moves
 
-    def dispatch(self, inv: Invocation, devices: tuple[Device, ...], plans: dict[str, Plan],
+    def dispatch(self, inv: Invocation, devices: tuple[Device, ...], plans: dict[str, Fit],
                  now: float) -> None:
         """QUEUED -> RUNNING: hold the devices, admit the models, send the runs."""
         self._move(inv, InvState.RUNNING)(self, inv, devices, plans, now)
@@ -104,7 +101,7 @@ class Transitions:
         occupies its worker)."""
         self._move(inv, state)(self, inv, now, state, error, result, release)
 
-    def _dispatch(self, inv: Invocation, devices: tuple[Device, ...], plans: dict[str, Plan],
+    def _dispatch(self, inv: Invocation, devices: tuple[Device, ...], plans: dict[str, Fit],
                   now: float) -> None:
         self.tokens += 1
         shape = Shape.of(inv.spec)
@@ -336,18 +333,18 @@ class Transitions:
             self.stop_ranks(inv, reason)
 
     def settle(self, inv: Invocation, now: float, force: bool = False) -> None:
-        """Finish a multi-device call once its verdict is in (see `gang_results`)."""
+        """Finish a multi-device call once its verdict is in (see `gang_verdict`)."""
         if inv.state is not InvState.RUNNING:
             return
-        v = gang_results.verdict(inv, force)
-        if isinstance(v, gang_results.Succeeded):
+        v = gang_verdict.verdict(inv, force)
+        if isinstance(v, gang_verdict.Succeeded):
             if v.meta.duration is not None:
                 inv.function.observe_runtime(v.meta.duration, inv.devices[0])
             self.finish(inv, now, InvState.SUCCEEDED, result=p.Result(
                 inv.id, True, "", "", self.meta(inv, now, v.meta), v.frames), release=False)
-        elif isinstance(v, gang_results.Lost):
+        elif isinstance(v, gang_verdict.Lost):
             self.retry_or_fail_lost(inv, now, f"{v.why} (rank {v.rank})")
-        elif isinstance(v, gang_results.Failed):
+        elif isinstance(v, gang_verdict.Failed):
             msg = v.result
             self.retry_or_fail(inv, now, p.Result(
                 inv.id, False, msg.error_kind, msg.message,

@@ -103,7 +103,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "retries=N gives N+1 retries",
     ),
     Mutation(
-        "gang-root-cause-inverted", "scheduler/gang_results.py",
+        "gang-root-cause-inverted", "scheduler/gang_verdict.py",
         '    root = [f for f in fails if not f[1].meta.comm_error] or fails\n',
         '    root = [f for f in fails if f[1].meta.comm_error] or fails\n',
         ("tests/integration/test_gangs.py::test_failing_rank_fails_the_call_and_survivors_serve_on",),
@@ -117,7 +117,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a late result from an earlier dispatch frees the device a later dispatch holds",
     ),
     Mutation(
-        "rendezvous-no-nonce", "scheduler/formations.py",
+        "rendezvous-no-nonce", "scheduler/gang_book.py",
         "            f.nonce = secrets.token_hex(8)\n",
         '            f.nonce = ""\n',
         (f"{R}::test_gang_store_keys_carry_a_random_per_formation_prefix",),

@@ -95,7 +95,7 @@ class Evict:
 
 
 @dataclass(frozen=True, slots=True)
-class Send:
+class Emit:
     msg: p.Message
 
 
@@ -105,7 +105,7 @@ class Exit:
 
 
 Action = (JoinGroup | RunInHelper | Execute | Interrupt | Grant | AbortGroup | StartLoad | Evict
-          | Send | Exit)
+          | Emit | Exit)
 
 
 def control_actions(msg: p.Message) -> list[Action]:
@@ -154,7 +154,7 @@ class WorkerCore:
         """A call ended (or was refused at its start)."""
         self.running.discard(result.invocation_id)
         self.completed += 1
-        return [Send(result)]
+        return [Emit(result)]
 
     def failed(self, msg: p.Message, exc: Exception) -> list[Action]:
         """Carrying out `msg` raised in the shell: a Run fails alone, the worker lives on."""
@@ -174,8 +174,9 @@ class WorkerCore:
             self.code_errors[msg.code_id] = f"{type(e).__name__}: {e}"
             log.warning("could not unpickle %s: %s", msg.name, e)
 
-    def _fail(self, inv: str, err: GpufnError, token: int) -> list[Action]:
-        return [Send(p.Result(inv, False, kind_of(err), str(err), p.ResultMeta(dispatch_token=token)))]
+    def _fail(self, inv: str, err: GpufnError, dispatch_token: int) -> list[Action]:
+        meta = p.ResultMeta(dispatch_token=dispatch_token)
+        return [Emit(p.Result(inv, False, kind_of(err), str(err), meta))]
 
     def _run(self, msg: p.Run) -> list[Action]:
         fn = self.code.get(msg.code_id)

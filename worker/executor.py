@@ -51,6 +51,9 @@ class Call:
     batch: list[int] | None = None  # frames per input when the call is a batch
     models: dict[str, str] = field(default_factory=dict)  # name -> key, resident before it runs
     retry_on: list[str] | None = None  # Retries(on=...): an exception of these is retryable
+    # Runs the call elsewhere on its argument frames and returns the result frames, which
+    # pass through untouched (spmd=False's device-set helper); replaces `fn`.
+    relay: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
 
 
 class Executor:
@@ -59,8 +62,8 @@ class Executor:
         self.on_done = on_done
         self.driver = Driver(on_done)  # generators, coroutines, async generators
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gpufn-call")
-        self._threads: dict[str, tuple[int, int]] = {}  # invocation -> (thread, attempt)
-        self._cancelled: dict[str, tuple[int, float]] = {}  # invocation -> (attempt, when)
+        self._threads: dict[str, tuple[int, int]] = {}  # invocation -> (thread, dispatch token)
+        self._cancelled: dict[str, tuple[int, float]] = {}  # invocation -> (dispatch token, when)
         self._lock = threading.Lock()
 
     def submit(self, call: Call) -> None:
@@ -70,38 +73,38 @@ class Executor:
         with self._lock:
             return list(self._threads)
 
-    def interrupt(self, invocation_id: str, attempt: int = 0) -> bool:
+    def interrupt(self, invocation_id: str, dispatch_token: int = 0) -> bool:
         """Raise Cancelled inside the call's thread (takes effect at the next bytecode).
 
         A call not running yet (still in the pool's queue, or not arrived: pipelined) is
-        remembered and refused when it starts. `attempt` (0: any) keeps a cancel meant for
-        an earlier attempt from refusing a retry. Interrupts are set under the lock while
+        remembered and refused when it starts. `dispatch_token` (0: any) keeps a cancel meant for
+        an earlier dispatch from refusing a retry. Interrupts are set under the lock while
         the call is registered, and `_run` clears any still pending when it deregisters.
         """
         with self._lock:
             entry = self._threads.get(invocation_id)
-            if entry is None or (attempt and entry[1] != attempt):
-                self._cancelled[invocation_id] = (attempt, time.monotonic())
+            if entry is None or (dispatch_token and entry[1] != dispatch_token):
+                self._cancelled[invocation_id] = (dispatch_token, time.monotonic())
                 return False
             n = 1
             if not self.driver.is_async(invocation_id):  # an async call's thread only waits
                 n = ctypes.pythonapi.PyThreadState_SetAsyncExc(
                     ctypes.c_ulong(entry[0]), ctypes.py_object(Cancelled))
-        self.driver.interrupt(invocation_id, attempt)  # wakes a stream waiting for credit
+        self.driver.interrupt(invocation_id, dispatch_token)  # wakes a stream waiting for credit
         return n == 1
 
-    def grant(self, invocation_id: str, token: int, allowed: int) -> None:
+    def grant(self, invocation_id: str, dispatch_token: int, allowed: int) -> None:
         """A stream's consumer read more: its producer may send up to `allowed` items."""
-        self.driver.grant(invocation_id, token, allowed)
+        self.driver.grant(invocation_id, dispatch_token, allowed)
 
-    def take_cancelled(self, invocation_id: str, attempt: int) -> bool:
-        """Whether a cancel arrived for this call (this attempt) before it started."""
+    def take_cancelled(self, invocation_id: str, dispatch_token: int) -> bool:
+        """Whether a cancel arrived for this call (this dispatch) before it started."""
         with self._lock:
-            return self._take_cancelled_locked(invocation_id, attempt)
+            return self._take_cancelled_locked(invocation_id, dispatch_token)
 
-    def _take_cancelled_locked(self, invocation_id: str, attempt: int) -> bool:
+    def _take_cancelled_locked(self, invocation_id: str, dispatch_token: int) -> bool:
         hit = self._cancelled.get(invocation_id)
-        if hit is None or (hit[0] and hit[0] != attempt):
+        if hit is None or (hit[0] and hit[0] != dispatch_token):
             return False
         del self._cancelled[invocation_id]
         return True
@@ -169,6 +172,8 @@ class Executor:
 
     def _call(self, call: Call, t0: float) -> p.Result:
         inv = call.invocation_id
+        if call.relay is not None:
+            return self._relayed(call, call.relay, t0)
         try:
             if call.batch is not None:
                 args, kwargs = _batched_arguments(call)
@@ -210,6 +215,21 @@ class Executor:
             return _gpufn_failure(inv, e, t0)
         return p.Result(inv, True, "", "", p.ResultMeta(duration=time.perf_counter() - t0),
                         tuple(frames))
+
+    def _relayed(self, call: Call, relay: Callable[[tuple[Any, ...]], tuple[Any, ...]],
+                 t0: float) -> p.Result:
+        """Run where `relay` sends it: arguments and result stay pickled here."""
+        try:
+            if call.prepare is not None:
+                call.prepare()
+            frames = relay(call.frames)
+            ser.check_payload(frames, f"the value returned by {call.name}")
+        except PayloadTooLarge as e:
+            return _gpufn_failure(call.invocation_id, e, t0)
+        except BaseException as e:
+            return self._raised(call, e, t0)
+        return p.Result(call.invocation_id, True, "", "",
+                        p.ResultMeta(duration=time.perf_counter() - t0), tuple(frames))
 
     def _raised(self, call: Call, e: BaseException, t0: float) -> p.Result:
         inv = call.invocation_id

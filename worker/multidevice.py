@@ -8,8 +8,8 @@ for the same device set and replaced when the set changes.
 
 Cost: the first call on a device set pays a process start with a torch import and, on
 GPUs, a CUDA context on each device (seconds; ~300-500 MiB per device while warm).
-Repeat calls on the same set pay a pipe round trip and a second (de)serialization of
-arguments and result.
+Repeat calls on the same set pay a pipe round trip; arguments and result cross it as the
+pickled frames they arrived and leave as (the worker never unpickles them).
 """
 
 from __future__ import annotations
@@ -117,26 +117,27 @@ class DeviceSetHelper:
     def alive(self) -> bool:
         return self.proc.is_alive()
 
-    def run(self, inv: str, name: str, code_id: str, code_frames: list[bytes], args: tuple[Any, ...],
-            kwargs: dict[str, Any], attempt: int) -> Any:
-        """Run the call in the helper (`attempt`: the attempt number, 1, 2, ...); its
-        prints go to this thread's stdout/stderr.
+    def run(self, inv: str, name: str, code_id: str, code_frames: list[bytes],
+            frames: tuple[Any, ...], attempt: int) -> tuple[Any, ...]:
+        """Run the call in the helper on its pickled argument frames and return the
+        pickled result frames (`attempt`: the attempt number, 1, 2, ...); its prints go to
+        this thread's stdout/stderr.
 
         If waiting ends any other way than with this call's reply (a cancel, a dead
         helper), the helper is killed: it may still be running the call, and a later call
         must never receive this one's output or value."""
         with self._lock:
             try:
-                return self._run(inv, name, code_id, code_frames, args, kwargs, attempt)
+                return self._run(inv, name, code_id, code_frames, frames, attempt)
             except BaseException:
                 self.close(force=True)
                 raise
 
     def _run(self, inv: str, name: str, code_id: str, code_frames: list[bytes],
-             args: tuple[Any, ...], kwargs: dict[str, Any], attempt: int) -> Any:
+             frames: tuple[Any, ...], attempt: int) -> tuple[Any, ...]:
         send_code = code_frames if code_id not in self.sent_code else []
         send(self.conn, p.HelperRun(inv, name, code_id, attempt, len(send_code),
-                                    (*send_code, *ser.dumps((args, kwargs)))))
+                                    (*send_code, *frames)))
         self.sent_code.add(code_id)
         while True:
             while not self.conn.poll(POLL_SECONDS):  # short waits let a cancel land
@@ -150,7 +151,7 @@ class DeviceSetHelper:
                 (sys.stdout if msg.stream == "stdout" else sys.stderr).write(msg.text)
                 continue
             if msg.ok:
-                return ser.loads(msg.frames)
+                return msg.frames
             raise ser.load_exception(msg.frames, msg.error_type, msg.message, msg.traceback,
                                      f"traceback in the multi-device process of {name}:")
 

@@ -31,6 +31,7 @@ from gpufn.wire import protocol as p
 from gpufn.worker.core import (
     AbortGroup,
     Action,
+    Emit,
     Evict,
     Execute,
     Exit,
@@ -38,7 +39,6 @@ from gpufn.worker.core import (
     Interrupt,
     JoinGroup,
     RunInHelper,
-    Send,
     StartLoad,
     WorkerCore,
     control_actions,
@@ -139,7 +139,7 @@ class WorkerProcess:
         for a in actions:
             if isinstance(a, Execute):
                 self._execute(a)
-            elif isinstance(a, Send):
+            elif isinstance(a, Emit):
                 if isinstance(a.msg, p.Result):  # its output first, then the result
                     self._outgoing.extend(self.router.drain(a.msg.invocation_id))
                     self._sent.append((time.monotonic(), a.msg.invocation_id))
@@ -216,12 +216,12 @@ class WorkerProcess:
         if self.helper is None:
             self.helper = DeviceSetHelper(a.devices)
         helper, call = self.helper, a.call
-        code_id, frames, attempt = a.code_id, a.code_frames, call.context.attempt
+        code_id, code, attempt = a.code_id, a.code_frames, call.context.attempt
 
-        def run_there(*args: Any, **kwargs: Any) -> Any:
-            return helper.run(call.invocation_id, call.name, code_id, frames, args, kwargs, attempt)
+        def run_there(frames: tuple[Any, ...]) -> tuple[Any, ...]:
+            return helper.run(call.invocation_id, call.name, code_id, code, frames, attempt)
 
-        call.fn = run_there
+        call.relay = run_there
 
     def _note_ran(self) -> None:
         """Put the calls that run here or ended lately into the next Hello."""

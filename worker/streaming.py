@@ -41,8 +41,8 @@ def is_special(fn: Any) -> bool:
 class _Flow:
     """One driven call: its credit window and how to stop it."""
 
-    def __init__(self, token: int) -> None:
-        self.token = token
+    def __init__(self, dispatch_token: int) -> None:
+        self.dispatch_token = dispatch_token
         self.allowed = p.STREAM_WINDOW
         self.cancelled = False
         self.step: concurrent.futures.Future[Any] | None = None  # the loop step it waits on
@@ -98,10 +98,10 @@ class Driver:
         self._flows: dict[str, _Flow] = {}
         self._lock = threading.Lock()
 
-    def grant(self, invocation_id: str, token: int, allowed: int) -> None:
+    def grant(self, invocation_id: str, dispatch_token: int, allowed: int) -> None:
         with self._lock:
             flow = self._flows.get(invocation_id)
-        if flow is not None and token in (0, flow.token):
+        if flow is not None and dispatch_token in (0, flow.dispatch_token):
             flow.grant(allowed)
 
     def is_async(self, invocation_id: str) -> bool:
@@ -109,11 +109,11 @@ class Driver:
             flow = self._flows.get(invocation_id)
         return flow is not None and flow.is_async
 
-    def interrupt(self, invocation_id: str, token: int = 0) -> bool:
+    def interrupt(self, invocation_id: str, dispatch_token: int = 0) -> bool:
         """Stop a driven call; True if it was one (then no async exception is needed)."""
         with self._lock:
             flow = self._flows.get(invocation_id)
-        if flow is None or (token and token != flow.token):
+        if flow is None or (dispatch_token and dispatch_token != flow.dispatch_token):
             return False
         flow.cancel()
         return True

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from gpufn.cli.common import fail
 from gpufn.exceptions import InvalidSpec
-from gpufn.parallel import planner
+from gpufn.parallel import capacity as planner
 from gpufn.wire.units import parse_memory
 
 console = Console()

@@ -188,22 +188,30 @@ class Client:
         self._enqueue(p.encode(p.Cancel(invocation_id, reason)))
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
-        return self._ask(p.StatusRequest, (), "a status request", timeout)
+        return self._request(lambda rid: p.StatusRequest(rid), "a status request", timeout)
 
     def query(self, kind: str, args: dict[str, Any] | None = None,
               timeout: float = 10.0) -> dict[str, Any]:
         """Read an operational book of the scheduler (`p.QueryKind`: logs, usage)."""
-        return self._ask(p.Query, (kind, args or {}), f"a {kind} query", timeout)
+        return self._request(lambda rid: p.Query(rid, kind, args or {}), f"a {kind} query",
+                             timeout)
 
     def drain(self, grace: float, reason: str = "", timeout: float = 10.0) -> dict[str, Any]:
         """Ask the scheduler to stop cleanly (see `p.Drain`); returns its acknowledgement."""
-        return self._ask(p.Drain, (grace, reason), "the shutdown request", timeout)
+        return self._request(lambda rid: p.Drain(rid, grace, reason), "the shutdown request",
+                             timeout)
 
-    def _ask(self, kind: Any, fields: tuple[Any, ...], what: str, timeout: float) -> dict[str, Any]:
+    def ask(self, make: Any, timeout: float = 60.0) -> dict[str, Any]:
+        """Send a Deploy/Lookup/AppCommand built by `make(request_id)`; the reply's data,
+        or its gpufn error (NotFound, AppStopped, ...) raised here."""
+        return self._request(make, "the request", timeout)
+
+    def _request(self, make: Any, what: str, timeout: float) -> dict[str, Any]:
+        """Send `make(request_id)` and wait for its reply's data (see `_dispatch`)."""
         rid = next(self._counter)
         fut: Future[dict[str, Any]] = Future()
         self._status[rid] = fut
-        frames = self._status_frames[rid] = p.encode(kind(rid, *fields))
+        frames = self._status_frames[rid] = p.encode(make(rid))
         self._enqueue(frames)
         try:
             return fut.result(timeout)
@@ -213,26 +221,6 @@ class Client:
         finally:
             self._status.pop(rid, None)
             self._status_frames.pop(rid, None)
-
-    def ask(self, make: Any, timeout: float = 60.0) -> dict[str, Any]:
-        """Send a Deploy/Lookup/AppCommand built by `make(request_id)`; the reply's data,
-        or its gpufn error (NotFound, AppStopped, ...) raised here."""
-        rid = next(self._counter)
-        fut: Future[p.AppReply] = Future()
-        self._status[rid] = fut
-        frames = self._status_frames[rid] = p.encode(make(rid))
-        self._enqueue(frames)
-        try:
-            reply = fut.result(timeout)
-        except TimeoutError:
-            raise ConnectionLost(f"the scheduler at {self.address} did not answer within "
-                                 f"{timeout:.0f}s") from None
-        finally:
-            self._status.pop(rid, None)
-            self._status_frames.pop(rid, None)
-        if not reply.ok:
-            raise from_wire(reply.error_kind, reply.message)
-        return reply.data
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -397,17 +385,18 @@ class Client:
         elif isinstance(msg, p.Welcome):
             if self._resubmit and msg.ok:
                 self._send_again()
-        elif isinstance(msg, (p.StatusReply, p.AppReply)):
+        elif isinstance(msg, (p.StatusReply, p.QueryReply, p.AppReply)):
             fut = self._status.get(msg.request_id)
-            if fut is not None and not fut.done():
-                fut.set_result(msg.status if isinstance(msg, p.StatusReply) else msg)
-        elif isinstance(msg, p.QueryReply):
-            fut = self._status.get(msg.request_id)
-            if fut is not None and not fut.done():
-                if msg.ok:
-                    fut.set_result(msg.data)
-                else:
-                    fut.set_exception(GpufnError(msg.error))
+            if fut is None or fut.done():
+                return
+            if isinstance(msg, p.StatusReply):
+                fut.set_result(msg.status)
+            elif msg.ok:
+                fut.set_result(msg.data)
+            elif isinstance(msg, p.QueryReply):
+                fut.set_exception(GpufnError(msg.error))
+            else:
+                fut.set_exception(from_wire(msg.error_kind, msg.message))
         elif isinstance(msg, p.Shutdown):
             self._fail_all(ConnectionLost(f"the scheduler stopped ({msg.reason})"))
         elif isinstance(msg, p.Error):

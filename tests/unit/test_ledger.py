@@ -8,16 +8,16 @@ import pytest
 from gpufn.memory_pool.eviction import CostAwarePolicy, LRUBytesPolicy, LRUCountPolicy
 from gpufn.memory_pool.ledger import (
     DeviceLedger,
+    Fit,
     HostLedger,
     ModelNeed,
     NeverFits,
-    Plan,
     Request,
     SizeCorrection,
-    StalePlan,
+    StaleFit,
     choose_device,
 )
-from gpufn.memory_pool.residency import IllegalTransition, Residency
+from gpufn.memory_pool.residency import IllegalResidency, Residency
 
 R = Residency
 
@@ -37,9 +37,9 @@ def offloaded(ledger: DeviceLedger, name: str, nbytes: int, *, seconds: float = 
     ledger.models[name].reload_seconds = reload
 
 
-def plan(ledger: DeviceLedger, *models: ModelNeed, workspace: int = 0, **kw: object) -> Plan:
-    p = ledger.plan(Request(tuple(models), workspace), **kw)  # type: ignore[arg-type]
-    assert isinstance(p, Plan), p
+def plan(ledger: DeviceLedger, *models: ModelNeed, workspace: int = 0, **kw: object) -> Fit:
+    p = ledger.fit(Request(tuple(models), workspace), **kw)  # type: ignore[arg-type]
+    assert isinstance(p, Fit), p
     return p
 
 
@@ -102,7 +102,7 @@ def test_load_failed_frees_and_names_holders() -> None:
     led.release("i1")
     led.release("i2")
     assert led.used == 0 and led.models["a"].in_use == 0
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalResidency):
         led.load_done("a", 2.0, 40, 1.0)
 
 
@@ -129,7 +129,7 @@ def test_pinned_in_use_and_loading_models_are_never_victims() -> None:
     put(led, "busy", 30)
     led.acquire("x", [ModelNeed("busy", 30)], 1.0)
     led.load_started(ModelNeed("loading", 10), 1.0)
-    assert led.plan(Request((ModelNeed("c", 30),))) is None  # fits later, not now
+    assert led.fit(Request((ModelNeed("c", 30),))) is None  # fits later, not now
     led.release("x")
     p = plan(led, ModelNeed("c", 30))
     assert p.victims == ("busy",)
@@ -142,11 +142,11 @@ def test_pinned_in_use_and_loading_models_are_never_victims() -> None:
 
 def test_never_fits_reports_the_shortfall() -> None:
     led = DeviceLedger(100)
-    v = led.plan(Request((ModelNeed("a", 60), ModelNeed("b", 30)), workspace=20))
+    v = led.fit(Request((ModelNeed("a", 60), ModelNeed("b", 30)), workspace=20))
     assert isinstance(v, NeverFits) and (v.shortfall, v.required, v.capacity) == (10, 110, 100)
     assert "short by 10 B" in str(v)
     put(led, "p", 15, pinned=True)
-    v = led.plan(Request((ModelNeed("a", 60), ModelNeed("b", 30)), workspace=0))
+    v = led.fit(Request((ModelNeed("a", 60), ModelNeed("b", 30)), workspace=0))
     assert isinstance(v, NeverFits) and (v.shortfall, v.pinned) == (5, 15)
     assert "pinned" in str(v)
 
@@ -155,7 +155,7 @@ def test_model_on_its_way_out_makes_the_call_wait() -> None:
     led = DeviceLedger(100)
     put(led, "a", 40)
     led.offload_started("a", 1.0)
-    assert led.plan(Request((ModelNeed("a", 40),))) is None
+    assert led.fit(Request((ModelNeed("a", 40),))) is None
     led.offload_done("a", 2.0)
     assert plan(led, ModelNeed("a", 40)).restore == ("a",)
 
@@ -222,8 +222,8 @@ def test_lru_count_evicts_by_count_and_ignores_bytes() -> None:
     assert p.free_after < 0  # over-committed, on purpose
     led.acquire("y", [ModelNeed("a", 60)], 4.0)
     led.acquire("z", [ModelNeed("b", 60)], 4.0)
-    assert led.plan(Request((ModelNeed("c", 60),))) is None
-    v = led.plan(Request((ModelNeed("c", 1), ModelNeed("d", 1), ModelNeed("e", 1))))
+    assert led.fit(Request((ModelNeed("c", 60),))) is None
+    v = led.fit(Request((ModelNeed("c", 1), ModelNeed("d", 1), ModelNeed("e", 1))))
     assert isinstance(v, NeverFits) and "allows 2" in str(v)
 
 
@@ -245,8 +245,8 @@ def test_lru_bytes_never_over_commits_and_offloads_only_when_asked() -> None:
         assert (set(p.offload), set(p.evict)) == (
             ({"old", "mid"}, set()) if host_tier else (set(), {"old", "mid"}))
         led.acquire("busy", [ModelNeed("new", 30)], 4.0)
-        assert led.plan(Request((ModelNeed("y", 71),))) is None  # would over-commit: waits
-        assert isinstance(led.plan(Request((ModelNeed("z", 101),))), NeverFits)
+        assert led.fit(Request((ModelNeed("y", 71),))) is None  # would over-commit: waits
+        assert isinstance(led.fit(Request((ModelNeed("z", 101),))), NeverFits)
 
 
 def test_gdsf_in_the_ledger_keeps_hot_expensive_models() -> None:
@@ -295,7 +295,7 @@ def test_stale_plan_is_refused() -> None:
     led = DeviceLedger(100)
     p = plan(led, ModelNeed("a", 10))
     led.reserve("other", 5)
-    with pytest.raises(StalePlan):
+    with pytest.raises(StaleFit):
         led.admit("i", p, 0.0)
 
 

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpufn.cli.main import app
-from gpufn.parallel import planner
+from gpufn.parallel import capacity as planner
 
 GiB = 2**30
 # The published config.json values (meta-llama/Meta-Llama-3-8B, -70B, Llama-3.1-405B).

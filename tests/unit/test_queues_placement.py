@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from gpufn.scheduler.placement import type_rank
+from gpufn.scheduler.device_fit import type_rank
 from gpufn.scheduler.queues import ReadyQueue, queue_key
 from gpufn.scheduler.records import FunctionRecord, Invocation
 from gpufn.scheduler.states import InvState

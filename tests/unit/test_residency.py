@@ -9,7 +9,7 @@ import pytest
 
 from gpufn.memory_pool.residency import (
     TRANSITIONS,
-    IllegalTransition,
+    IllegalResidency,
     ModelEntry,
     Residency,
     check_transition,
@@ -41,7 +41,7 @@ def test_each_pair_is_legal_exactly_when_in_table(old: Residency, new: Residency
     if (old, new) in LEGAL:
         check_transition("m", old, new, [])
     else:
-        with pytest.raises(IllegalTransition):
+        with pytest.raises(IllegalResidency):
             check_transition("m", old, new, [])
 
 
@@ -59,7 +59,7 @@ def test_illegal_transition_carries_history() -> None:
     e = ModelEntry("bert", 10)
     e.to(R.LOADING, 1.0)
     e.to(R.RESIDENT, 2.0)
-    with pytest.raises(IllegalTransition) as info:
+    with pytest.raises(IllegalResidency) as info:
         e.to(R.OFFLOADED, 3.0)  # must pass through OFFLOADING
     err = info.value
     assert (err.old, err.new, err.name) == (R.RESIDENT, R.OFFLOADED, "bert")
@@ -72,7 +72,7 @@ def test_forced_reset_bypasses_table() -> None:
     e = ModelEntry("m", 1)
     e.to(R.LOADING, 1.0)
     e.to(R.RESIDENT, 2.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalResidency):
         e.to(R.ABSENT, 3.0)
     e.to(R.ABSENT, 3.0, force=True)
     assert e.state is R.ABSENT and e.history[-1] == (R.ABSENT, 3.0)

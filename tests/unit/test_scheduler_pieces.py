@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from gpufn.exceptions import Cancelled
-from gpufn.memory_pool.ledger import DeviceLedger, HostLedger, Plan
+from gpufn.memory_pool.ledger import DeviceLedger, Fit, HostLedger
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.memory_pool.residency import Residency
-from gpufn.scheduler import batches, gang_results
+from gpufn.scheduler import batches, gang_verdict
 from gpufn.scheduler.intake import Intake
 from gpufn.scheduler.model_book import ModelBook
 from gpufn.scheduler.placement_pass import (
@@ -158,24 +158,24 @@ def _gang(gather: bool = False) -> Invocation:
 def test_gang_verdicts() -> None:
     inv = _gang(gather=True)
     inv.rank_results[1] = p.Result(inv.id, True, "", "", p.ResultMeta(), (b"one",))
-    assert gang_results.verdict(inv) is None  # rank 0 has not reported
+    assert gang_verdict.verdict(inv) is None  # rank 0 has not reported
     inv.rank_results[0] = p.Result(inv.id, True, "", "", p.ResultMeta(duration=1.0), (b"zero",))
-    v = gang_results.verdict(inv)
-    assert isinstance(v, gang_results.Succeeded) and v.frames == (b"zero", b"one")
+    v = gang_verdict.verdict(inv)
+    assert isinstance(v, gang_verdict.Succeeded) and v.frames == (b"zero", b"one")
     assert v.meta.gather == [1, 1] and v.meta.duration == 1.0
 
     inv = _gang()
     inv.failing_since = 1.0
     inv.rank_results[0] = p.Result(inv.id, False, "", "peer gone", p.ResultMeta(comm_error=True))
-    assert gang_results.verdict(inv) is None  # waits for rank 1 ...
-    assert isinstance(gang_results.verdict(inv, force=True), gang_results.Failed)  # ... unless forced
+    assert gang_verdict.verdict(inv) is None  # waits for rank 1 ...
+    assert isinstance(gang_verdict.verdict(inv, force=True), gang_verdict.Failed)  # ... unless forced
     inv.rank_results[1] = p.Result(inv.id, False, "", "real", p.ResultMeta())
-    v = gang_results.verdict(inv)
-    assert isinstance(v, gang_results.Failed) and v.rank == 1  # the root cause, not the first
+    v = gang_verdict.verdict(inv)
+    assert isinstance(v, gang_verdict.Failed) and v.rank == 1  # the root cause, not the first
 
     inv.lost_ranks[1] = "worker died"
-    v = gang_results.verdict(inv)
-    assert isinstance(v, gang_results.Lost) and (v.rank, v.why) == (1, "worker died")
+    v = gang_verdict.verdict(inv)
+    assert isinstance(v, gang_verdict.Lost) and (v.rank, v.why) == (1, "worker died")
 
 
 # --------------------------------------------------------------------------- model book
@@ -213,8 +213,8 @@ def test_model_book_waits_for_the_holding_device_rather_than_load_a_second_copy(
     d0, d1 = devs.values()
     fn = _fn("u", (key,), memory="1GiB")
     first = _inv(fn)
-    plan = d0.ledger.plan(book.request(first))
-    assert isinstance(plan, Plan)
+    plan = d0.ledger.fit(book.request(first))
+    assert isinstance(plan, Fit)
     book.admit(first, d0, plan, 0.0, devs)
     book.on_event(d0, p.ModelEvent(key, p.ModelState.RESIDENT, 2 * GiB, 5.0), 0.0)  # slow loader
     fn.observe_runtime(0.1, d0.key)

@@ -7,11 +7,11 @@ from typing import Any
 
 from gpufn.memory_pool.ledger import (
     DeviceLedger,
-    GroupPlan,
+    GroupFit,
     HostLedger,
     ModelNeed,
     Request,
-    plan_group,
+    fit_group,
 )
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.core import RendezvousReady
@@ -45,18 +45,18 @@ def test_a_victim_shard_takes_its_siblings_along_outside_the_gang() -> None:
     _resident_shards(leds, "x", ("a", "b"))
     req = Request((ModelNeed("y", 6 * GiB),), 0, "f")
     # planned alone, device a would give up only its own half of x
-    alone = leds["a"].plan(req)
+    alone = leds["a"].fit(req)
     assert alone is not None and not isinstance(alone, Exception)
-    got = plan_group(leds, ("a", "c"), req)
-    assert isinstance(got, GroupPlan)
+    got = fit_group(leds, ("a", "c"), req)
+    assert isinstance(got, GroupFit)
     assert got.plans["a"].offload == ("x",) and got.outside == (("b", "x", "offload"),)
 
 
 def test_shards_go_to_host_only_all_together() -> None:
     leds = _ledgers(host=8 * GiB)  # one 6 GiB shard fits on host, not both
     _resident_shards(leds, "x", ("a", "b"))
-    got = plan_group(leds, ("a", "c"), Request((ModelNeed("y", 6 * GiB),), 0, "f"))
-    assert isinstance(got, GroupPlan)
+    got = fit_group(leds, ("a", "c"), Request((ModelNeed("y", 6 * GiB),), 0, "f"))
+    assert isinstance(got, GroupFit)
     assert got.plans["a"].evict == ("x",) and not got.plans["a"].offload
     assert got.outside == (("b", "x", "evict"),)
 
@@ -65,20 +65,20 @@ def test_a_shard_in_use_on_one_rank_blocks_all_of_them() -> None:
     leds = _ledgers()
     _resident_shards(leds, "x", ("a", "b"))
     leds["b"].acquire("call", [ModelNeed("x")], 2.0)
-    assert plan_group(leds, ("a", "c"), Request((ModelNeed("y", 6 * GiB),), 0, "f")) is None
+    assert fit_group(leds, ("a", "c"), Request((ModelNeed("y", 6 * GiB),), 0, "f")) is None
     # with a whole model beside it on a, that one goes instead (x is never picked)
     leds["a"].capacity = 14 * GiB
     leds["a"].load_started(ModelNeed("w", 4 * GiB), 0.0)
     leds["a"].load_done("w", 1.0, 4 * GiB, 1.0)
-    got = plan_group(leds, ("a", "c"), Request((ModelNeed("y", 6 * GiB),), 0, "f"))
-    assert isinstance(got, GroupPlan) and got.plans["a"].victims == ("w",) and not got.outside
+    got = fit_group(leds, ("a", "c"), Request((ModelNeed("y", 6 * GiB),), 0, "f"))
+    assert isinstance(got, GroupFit) and got.plans["a"].victims == ("w",) and not got.outside
     leds["a"].capacity = 10 * GiB
     leds["a"].evict_started("w", 2.0)
     leds["a"].evict_done("w", 2.0)
     # pinned on one rank: the same
     leds["b"].release("call")
     leds["b"].models["x"].pinned = True
-    assert plan_group(leds, ("a", "c"), Request((ModelNeed("y", 6 * GiB),), 0, "f")) is None
+    assert fit_group(leds, ("a", "c"), Request((ModelNeed("y", 6 * GiB),), 0, "f")) is None
 
 
 def test_victims_chosen_on_two_gang_devices_are_consistent() -> None:
@@ -86,8 +86,8 @@ def test_victims_chosen_on_two_gang_devices_are_consistent() -> None:
     _resident_shards(leds, "x", ("a", "b"), nbytes=3 * GiB)
     _resident_shards(leds, "z", ("a", "b"), nbytes=3 * GiB)
     # y needs 6 GiB on each of a and b: one of x, z leaves whole, on both devices
-    got = plan_group(leds, ("a", "b"), Request((ModelNeed("y", 6 * GiB),), 0, "f"))
-    assert isinstance(got, GroupPlan)
+    got = fit_group(leds, ("a", "b"), Request((ModelNeed("y", 6 * GiB),), 0, "f"))
+    assert isinstance(got, GroupFit)
     assert got.plans["a"].victims == got.plans["b"].victims and len(got.plans["a"].victims) == 1
 
 

@@ -71,7 +71,7 @@ def test_batch_meta_reaches_the_call() -> None:
 def test_unknown_code_fails_the_call() -> None:
     core = _core()
     [send] = core.handle(_run({}, code_id="nope"))
-    assert isinstance(send, wc.Send) and isinstance(send.msg, p.Result)
+    assert isinstance(send, wc.Emit) and isinstance(send.msg, p.Result)
     r = send.msg
     assert (r.invocation_id, r.ok, r.error_kind) == ("i1", False, kind_of(GpufnError))
     assert "has no code nope" in r.message and r.meta == p.ResultMeta(dispatch_token=7)
@@ -82,7 +82,7 @@ def test_code_that_cannot_be_unpickled_names_the_fix() -> None:
     core = _core()
     assert core.handle(p.LoadCode("c2", "broken", (b"not a pickle",))) == []
     [send] = core.handle(_run({}, code_id="c2"))
-    assert isinstance(send, wc.Send) and isinstance(send.msg, p.Result)
+    assert isinstance(send, wc.Emit) and isinstance(send.msg, p.Result)
     r = send.msg
     assert r.error_kind == kind_of(SerializationError) and not r.ok
     assert "could not be unpickled on worker n:0" in r.message and "importable" in r.message
@@ -158,7 +158,7 @@ def test_done_sends_the_result_and_counts() -> None:
     core.handle(_run({}, inv="b"))
     assert core.running == {"a", "b"}
     result = p.Result("a", True, "", "", p.ResultMeta(dispatch_token=7))
-    assert core.done(result) == [wc.Send(result)]
+    assert core.done(result) == [wc.Emit(result)]
     assert core.running == {"b"} and core.completed == 1
 
 
@@ -167,7 +167,7 @@ def test_a_run_the_shell_failed_to_start_fails_alone() -> None:
     msg = _run({}, inv="a")
     core.handle(msg)
     [send] = core.failed(msg, RuntimeError("no helper"))
-    assert isinstance(send, wc.Send) and isinstance(send.msg, p.Result)
+    assert isinstance(send, wc.Emit) and isinstance(send.msg, p.Result)
     assert send.msg.error_kind == kind_of(GpufnError) and "no helper" in send.msg.message
     assert send.msg.meta == p.ResultMeta(dispatch_token=7)
     assert core.running == set() and core.completed == 0

@@ -6,6 +6,7 @@ import re
 from collections.abc import Iterable
 
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation
+from gpufn.scheduler.shapes import Shape
 from gpufn.wire.spec import GpuSpec
 from gpufn.wire.units import format_bytes
 
@@ -53,8 +54,9 @@ def feasibility_error(
     by_node: dict[str, int] = {}
     for d in ok:
         by_node[d.info.node] = by_node.get(d.info.node, 0) + 1
-    if ok and (spec.count == 1 or (spec.spmd and len(ok) >= spec.count)
-               or (not spec.spmd and max(by_node.values()) >= spec.count)):
+    one_node = Shape.of(spec).one_node
+    usable = max(by_node.values(), default=0) if one_node else len(ok)  # for a multi-device call
+    if ok and (spec.count == 1 or usable >= spec.count):
         return None
     listing = ", ".join(
         f"{d.key} {d.info.name!r} {format_bytes(d.ledger.capacity)} ({d.state.value})" for d in devs
@@ -73,9 +75,9 @@ def feasibility_error(
             "lower memory= or add larger devices"
         )
     if spec.count > 1 and len(ok) < spec.count:
-        where = "on one node " if not spec.spmd else ""
-        fixes.append(f"count={spec.count} but only {len(ok) if spec.spmd else max(by_node.values(), default=0)} "
-                     f"suitable devices exist {where}; lower count=")
+        where = "on one node " if one_node else ""
+        fixes.append(f"count={spec.count} but only {usable} suitable devices exist {where}; "
+                     "lower count=")
     if not fixes:
         fixes.append("no registered device is healthy")
     return f"{name} needs {need}, which no device can provide: {'; '.join(fixes)}. Devices: {listing}."

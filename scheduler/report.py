@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from gpufn.memory_pool.eviction import EvictionPolicy
-from gpufn.scheduler.formations import GangBook
+from gpufn.scheduler.gang_book import GangBook
 from gpufn.scheduler.ops import OpsDesk
 from gpufn.scheduler.settings import Counters
 from gpufn.scheduler.states import InvState

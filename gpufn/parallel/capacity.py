@@ -106,7 +106,7 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Plan:
+class CapacityPlan:
     shape: ModelShape
     devices: int
     device_memory: float
@@ -180,7 +180,7 @@ def layout(shape: ModelShape, tp: int, pp: int, *, device_memory: float, dtype: 
 
 def plan(cfg: dict[str, Any], *, devices: int, device_memory: float, dtype: str = "bf16",
          kv_dtype: str | None = None, context: int | None = None, batch: int = 1,
-         reserve: float = 0.1, name: str = "model") -> Plan:
+         reserve: float = 0.1, name: str = "model") -> CapacityPlan:
     """Every TP x PP layout (TP a power of two dividing the attention heads, PP up to the
     layer count, TP x PP <= devices) with its memory per device."""
     if dtype not in BYTES:
@@ -200,7 +200,7 @@ def plan(cfg: dict[str, Any], *, devices: int, device_memory: float, dtype: str 
             layouts.append(layout(shape, tp, pp, device_memory=device_memory, dtype=dtype,
                                   kv_dtype=kv_dtype, context=context, batch=batch,
                                   reserve=reserve))
-    return Plan(shape, devices, device_memory, dtype, kv_dtype, context, batch, reserve, layouts)
+    return CapacityPlan(shape, devices, device_memory, dtype, kv_dtype, context, batch, reserve, layouts)
 
 
 def read_config(path: str | Path) -> tuple[dict[str, Any], str]:

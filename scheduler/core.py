@@ -125,8 +125,11 @@ class SchedulerCore:
             except Exception as e:  # one bad message must not take the scheduler down
                 log.exception("failed to handle %s", type(getattr(ev, "msg", ev)).__name__)
                 if isinstance(ev, Received):
-                    self.send(ev.peer, p.Error(kind_of(GpufnError), f"the scheduler could not "
-                                                f"handle {type(ev.msg).__name__}: {e}"))
+                    why = f"the scheduler could not handle {type(ev.msg).__name__}: {e}"
+                    if isinstance(ev.msg, p.Submit):  # that call fails; it never hangs
+                        self._fail_submit(ev.peer, ev.msg.invocation_id, why, now)
+                    else:
+                        self.send(ev.peer, p.Error(kind_of(GpufnError), why))
         if self.tx.dirty:
             self.tx.dirty = False
             try:
@@ -136,6 +139,13 @@ class SchedulerCore:
         out = list(self._out)
         self._out.clear()
         return out
+
+    def _fail_submit(self, peer: bytes, invocation_id: str, why: str, now: float) -> None:
+        inv = self.invocations.get(invocation_id)
+        if inv is None:
+            self.send(peer, p.Result(invocation_id, False, kind_of(GpufnError), why))
+        elif inv.state is InvState.QUEUED:
+            self.tx.finish(inv, now, InvState.FAILED, GpufnError(why))
 
     @property
     def rendezvous_port(self) -> int | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gpufn.scheduler.states import InvState
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
@@ -146,3 +148,18 @@ def test_a_result_from_an_earlier_dispatch_never_releases_a_later_one() -> None:
     assert h.core.counters.stale_results == 1
     h.finish(w, inv)
     assert h.results()[inv].ok and h.results()[inv].frames == (b"value",)
+
+
+def test_a_submit_the_core_fails_to_handle_fails_its_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug while admitting a call answers that call with an error: it never hangs."""
+    h = Harness(devices=1)
+    h.start_worker(0)
+    fid = h.register("f")
+
+    def broken(*a: object, **k: object) -> None:
+        raise NameError("a bug")
+
+    monkeypatch.setattr(h.core.intake, "refusal", broken)
+    inv = h.submit(fid)
+    res = h.results()[inv]
+    assert not res.ok and "could not handle Submit" in res.message and "a bug" in res.message

@@ -179,7 +179,8 @@ class Connection:
 
     def hello_message(self) -> p.Hello:
         versions = runtime_info()  # the client checks the workers'
-        self.info.python, self.info.cloudpickle = versions["python"], versions["cloudpickle"]
+        self.info.python = self.info.python or versions["python"]
+        self.info.cloudpickle = self.info.cloudpickle or versions["cloudpickle"]
         return p.Hello(self.role, p.PROTOCOL_VERSION, self.config.token, os.getpid(), self.info)
 
     def hello_frames(self) -> list[Any]:

@@ -335,8 +335,8 @@ def test_version_skew_is_reported_at_connect(server: Served) -> None:
 
     ctx = zmq.Context()
     old = Connection(ctx, ConnectionConfig(server.address, server.token), "s/old-host",
-                     p.Role.SUPERVISOR, {"node": "oldbox", "devices": [], "python": "3.8.10",
-                                         "cloudpickle": "2.0.0"})
+                     p.Role.SUPERVISOR, p.HelloInfo(node="oldbox", python="3.8.10",
+                                                    cloudpickle="2.0.0"))
     try:
         old.handshake(30)
         with pytest.raises(gpufn.ProtocolMismatch) as e:

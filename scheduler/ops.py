@@ -7,6 +7,7 @@ belong: `refusal` before a Submit is admitted (nothing is admitted while drainin
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from gpufn.exceptions import Cancelled, ConnectionLost, kind_of
@@ -18,6 +19,8 @@ from gpufn.scheduler.transitions import RunObserver
 from gpufn.scheduler.usage import Key as UsageKey
 from gpufn.scheduler.usage import UsageMeter
 from gpufn.wire import protocol as p
+
+log = logging.getLogger("gpufn.scheduler")
 
 
 class OpsDesk(RunObserver):
@@ -94,6 +97,8 @@ class OpsDesk(RunObserver):
 
     def _on_drain(self, peer: bytes, msg: p.Drain, now: float) -> None:
         core = self.core
+        log.warning("drain requested by %r (grace %.0fs): %s", peer, msg.grace,
+                    msg.reason or "gpufn shutdown")
         first = not self.draining
         self.draining = True
         self.drain_reason = msg.reason or "gpufn shutdown"

@@ -195,7 +195,9 @@ class Generator:
 
     def wrong_version(self) -> list[bytes]:
         r = self.rng
-        v = r.choice([0, 2, -1, 2**31, p.PROTOCOL_VERSION + r.randint(1, 100)])
+        # never the version spoken now: such a Hello would be welcomed (and its peer could then
+        # send a valid Drain that stops the cluster)
+        v = r.choice([0, p.PROTOCOL_VERSION - 1, -1, 2**31, p.PROTOCOL_VERSION + r.randint(1, 100)])
         return self.hello(role=r.choice([p.Role.CLIENT, p.Role.WORKER, p.Role.SUPERVISOR]), version=v)
 
     def wrong_token(self) -> list[bytes]:

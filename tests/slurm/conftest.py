@@ -114,10 +114,19 @@ class Job:
             time.sleep(0.2)
         login = self.cluster.login
         self.clients.append(Driver(self.cluster.net, login, self.client_env()))
-        self.clients[0].wait("ready", 60)
+        try:
+            self.clients[0].wait("ready", 60)
+        except AssertionError as e:
+            log = (login.log_dir / "driver.log").read_text(errors="replace")[-1500:]
+            raise AssertionError(f"{e}; the client on the login host could not reach the "
+                                 f"head at {self.address()}:\n{log}{self.diagnostics()}") from None
         n = 2 * GPUS_PER_NODE
-        self.wait_devices(lambda d: len(d) == n and all(s == "ready" for s in d.values()),
-                          max(10.0, deadline - time.monotonic()), f"{n} ready")
+        try:
+            self.wait_devices(lambda d: len(d) == n and all(s == "ready" for s in d.values()),
+                              max(10.0, deadline - time.monotonic()), f"{n} ready")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; job steps: {self.cluster.steps(self.job_id)}"
+                                 f"{self.diagnostics()}") from None
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,14 @@ from pathlib import Path
 from tests.multihost.netns import SUBNET, Host, Network, netns_unavailable
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "squeue", "scontrol", "sinfo")
-GPUS_PER_NODE = 2  # GRES the nodes advertise (no device files: the devices are simulated)
+GPUS_PER_NODE = 2  # GRES the nodes advertise (the devices behind them are simulated)
+# The daemons live in sbin, which a user's PATH may lack.
+PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 
 
 def slurm_unavailable() -> str | None:
     """Why a SLURM cluster cannot be started here, or None if it can."""
-    missing = [d for d in DAEMONS if shutil.which(d) is None]
+    missing = [d for d in DAEMONS if shutil.which(d, path=PATH) is None]
     if missing:
         return (f"SLURM is not installed ({', '.join(missing)} not found): "
                 "`apt-get install slurmctld slurmd slurm-client munge` (.ci/run does)")
@@ -124,7 +126,8 @@ PartitionName=gpufn Nodes={names} Default=YES MaxTime=INFINITE State=UP
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("GPUFN_", "GLOO_", "NCCL_", "SLURM_", "SBATCH_", "SRUN_"))}
-        env.update(SLURM_CONF=str(self.conf), **extra)
+        env.update(SLURM_CONF=str(self.conf), PATH=PATH)
+        env.update(extra)
         return env
 
     # ------------------------------------------------------------------ daemons

@@ -12,10 +12,11 @@ import socket
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.multihost.netns import SUBNET, Host, Network, netns_unavailable
+from tests.multihost.netns import Host, Network, netns_unavailable
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "squeue", "scontrol", "sinfo")
 GPUS_PER_NODE = 2  # GRES the nodes advertise (the devices behind them are simulated)
@@ -55,12 +56,16 @@ class SlurmCluster:
             d.mkdir(parents=True, exist_ok=True)
         self.munge_dir.chmod(0o755)
         self.socket = self.munge_dir / "munge.socket"
-        self.net = Network(root / "hosts")
-        self.ctl = self.net.add_host("ctl", 1)
-        self.nodes = [Node(f"node{i}", self.net.add_host(f"node{i}", 10 + i))
-                      for i in range(1, nodes + 1)]
-        self.login = self.net.add_host("login", 21)
         self.conf = self.etc / "slurm.conf"
+        self.net = Network(root / "hosts")
+        try:
+            self.ctl = self.net.add_host("ctl", 1)
+            self.nodes = [Node(f"node{i}", self.net.add_host(f"node{i}", 10 + i))
+                          for i in range(1, nodes + 1)]
+            self.login = self.net.add_host("login", 21)
+        except BaseException:
+            self.net.close()
+            raise
 
     # ------------------------------------------------------------------ config
 
@@ -157,8 +162,7 @@ PartitionName=gpufn Nodes={names} Default=YES MaxTime=INFINITE State=UP
         return len(states) == len(self.nodes) and all(s == "idle" for s in states.values())
 
     @staticmethod
-    def _wait(pred: object, timeout: float, what: str, log: Path) -> None:
-        assert callable(pred)
+    def _wait(pred: Callable[[], bool], timeout: float, what: str, log: Path) -> None:
         deadline = time.monotonic() + timeout
         while not pred():
             if time.monotonic() > deadline:
@@ -216,4 +220,4 @@ PartitionName=gpufn Nodes={names} Default=YES MaxTime=INFINITE State=UP
         return self.net.leftovers()
 
 
-__all__ = ["SUBNET", "Node", "SlurmCluster", "slurm_unavailable"]
+__all__ = ["GPUS_PER_NODE", "Node", "SlurmCluster", "slurm_unavailable"]

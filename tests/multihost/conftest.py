@@ -100,7 +100,7 @@ class Mesh:
     def address(self) -> str:
         """What the head wrote: off loopback it is CURVE-encrypted, so the address carries
         the server's public key (`?key=`)."""
-        from gpufn.cli import address_file
+        from gpufn.net import address_file
 
         data = address_file.read(self.address_file)
         return data["address"] if data is not None else f"tcp://{self.head.address}:{PORT}"

@@ -119,10 +119,11 @@ def test_detached_server_operated_from_the_cli(tmp_path: Path) -> None:
             assert name in fams
         assert "pid" not in body and "invocation" not in body
 
-        # Shutdown while a 3 s call runs: the call finishes and returns its result.
+        # Shutdown while a 10 s call runs (long enough for a loaded machine to start the CLI):
+    # the call finishes and returns its result.
         slow: dict[str, subprocess.CompletedProcess[str]] = {}
         t = threading.Thread(target=lambda: slow.setdefault("r", _gpufn(
-            tmp_path, "run", "app.py::slow", "3", "--address", info["address"])))
+            tmp_path, "run", "app.py::slow", "10", "--address", info["address"])))
         t.start()
         deadline = time.monotonic() + 60
         while "slow started" not in _gpufn(tmp_path, "logs", "slow").stdout:
@@ -132,7 +133,7 @@ def test_detached_server_operated_from_the_cli(tmp_path: Path) -> None:
         assert down.returncode == 0, down.stderr
         assert json.loads(down.stdout)["running"] == 1
         t.join(60)
-        assert slow["r"].returncode == 0 and slow["r"].stdout.strip().endswith("3"), slow["r"].stderr
+        assert slow["r"].returncode == 0 and slow["r"].stdout.strip().endswith("10"), slow["r"].stderr
         assert not (state / "serve.pid").exists()
         assert not (tmp_path / "home" / "cluster.json").exists()
         after = _gpufn(tmp_path, "status")

@@ -120,7 +120,7 @@ def test_detached_server_operated_from_the_cli(tmp_path: Path) -> None:
         assert "pid" not in body and "invocation" not in body
 
         # Shutdown while a 10 s call runs (long enough for a loaded machine to start the CLI):
-    # the call finishes and returns its result.
+        # the call finishes and returns its result.
         slow: dict[str, subprocess.CompletedProcess[str]] = {}
         t = threading.Thread(target=lambda: slow.setdefault("r", _gpufn(
             tmp_path, "run", "app.py::slow", "10", "--address", info["address"])))

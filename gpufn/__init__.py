@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpufn import parallel as parallel
     from gpufn.api.calls import CallStream, FunctionCall, gather
+    from gpufn.api.chat import chat_model
     from gpufn.api.deployment import DeployError, Deployment, deploy
     from gpufn.api.function import Function, gpu
     from gpufn.api.lookup import DeployedFunction, lookup
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         InvalidSpec,
         ModelLoadError,
         NotFound,
+        NotJSONSerializable,
         OutOfMemory,
         PayloadTooLarge,
         ProtocolMismatch,
@@ -49,7 +51,8 @@ __version__ = "0.1.0"
 
 _EXCEPTIONS = (
     "AppStopped", "AuthenticationError", "Cancelled", "ConnectionLost", "GpufnError",
-    "InvalidSpec", "ModelLoadError", "NotFound", "OutOfMemory", "PayloadTooLarge",
+    "InvalidSpec", "ModelLoadError", "NotFound", "NotJSONSerializable", "OutOfMemory",
+    "PayloadTooLarge",
     "ProtocolMismatch", "QueueFull", "RemoteError", "SerializationError", "Timeout",
     "Unschedulable", "WorkerLost",
 )
@@ -59,7 +62,7 @@ _PUBLIC: dict[str, str] = {
     **dict.fromkeys(_EXCEPTIONS, "gpufn.exceptions"),
     "gpu": "gpufn.api.function", "Function": "gpufn.api.function",
     "FunctionCall": "gpufn.api.calls", "CallStream": "gpufn.api.calls", "gather": "gpufn.api.calls",
-    "model": "gpufn.api.model", "Model": "gpufn.api.model",
+    "model": "gpufn.api.model", "Model": "gpufn.api.model", "chat_model": "gpufn.api.chat",
     "lookup": "gpufn.api.lookup", "DeployedFunction": "gpufn.api.lookup",
     "deploy": "gpufn.api.deployment", "Deployment": "gpufn.api.deployment",
     "DeployError": "gpufn.api.deployment",
@@ -73,9 +76,10 @@ __all__ = [  # the same names as _PUBLIC (a test holds it)
     "AppStopped", "AuthenticationError", "CallContext", "CallStream", "Cancelled", "Client",
     "ConnectionLost", "DeployError", "DeployedFunction", "Deployment", "Function",
     "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
-    "NotFound", "OutOfMemory", "PayloadTooLarge", "ProtocolMismatch", "QueueFull",
-    "RemoteError", "Retries", "SerializationError", "Timeout", "Unschedulable", "WorkerLost",
-    "connect", "context", "current_device", "deploy", "gather", "gpu", "lookup", "model",
+    "NotFound", "NotJSONSerializable", "OutOfMemory", "PayloadTooLarge", "ProtocolMismatch",
+    "QueueFull", "RemoteError", "Retries", "SerializationError", "Timeout", "Unschedulable",
+    "WorkerLost", "chat_model", "connect", "context", "current_device", "deploy", "gather",
+    "gpu", "lookup", "model",
 ]
 
 if not TYPE_CHECKING:  # hidden from type checkers, which would type every unknown name as Any

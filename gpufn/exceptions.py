@@ -23,6 +23,11 @@ class SerializationError(GpufnError, TypeError):
     """An argument, result or function could not be pickled or unpickled."""
 
 
+class NotJSONSerializable(SerializationError):
+    """A call made with JSON arguments (over HTTP) returned or yielded a value that JSON
+    cannot hold; the message names its type."""
+
+
 class Timeout(GpufnError, TimeoutError):
     """A call ran past its `timeout`, missed its `deadline`, or `get(timeout=)` expired."""
 
@@ -98,7 +103,8 @@ class RemoteTraceback(Exception):
 _BY_NAME: dict[str, type[GpufnError]] = {
     cls.__name__: cls
     for cls in (
-        GpufnError, InvalidSpec, Unschedulable, SerializationError, Timeout, WorkerLost,
+        GpufnError, InvalidSpec, Unschedulable, SerializationError, NotJSONSerializable,
+        Timeout, WorkerLost,
         QueueFull, PayloadTooLarge, OutOfMemory, Cancelled, AuthenticationError, ProtocolMismatch,
         ConnectionLost, ModelLoadError, NotFound, AppStopped,
     )

@@ -8,6 +8,7 @@ deployed function (after a restart). Versions live in the `DeploymentStore`.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import deque
@@ -39,6 +40,21 @@ def _parse_alias(fid: str) -> tuple[str, str, int]:
     return app, fn, int(ver) if ver.isdigit() else 0
 
 
+def _interface(value: Any) -> dict[str, Any]:
+    """A function's recorded interface (gpufn/wire/interface.py): kept as the JSON it is."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidSpec("a function's interface must be a map")
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise InvalidSpec(f"a function's interface is not JSON: {e}") from None
+    if len(text) > 64 * 1024:
+        raise InvalidSpec("a function's interface is larger than 64 KiB")
+    return value
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -56,6 +72,7 @@ class AppBook:
         self._resolved: dict[tuple[str, str, int], FunctionRecord] = {}
         self._release: set[str] = set()  # model keys of stopped apps, evicted once idle
         self._evicting: set[tuple[str, str]] = set()  # (device, key) told to evict
+        self._interfaces: dict[str, dict[str, Any]] = {}  # deployed function id -> interface
 
     def handlers(self) -> dict[type, Any]:
         return {p.Deploy: self.on_deploy, p.Lookup: self.on_lookup, p.AppCommand: self.on_command}
@@ -107,7 +124,8 @@ class AppBook:
             make_spec(GpuSpec.from_wire(d["spec"]))  # a bad spec fails the deploy, not a call
             functions.append(StoredFunction(
                 msg.app, version, str(d["name"]), deployed_function_id(msg.app, version, str(d["function_id"])),
-                str(d["code_id"]), dict(d["spec"]), list(d.get("models", [])), ncode, frames))
+                str(d["code_id"]), dict(d["spec"]), list(d.get("models", [])), ncode, frames,
+                _interface(d.get("interface"))))
         v = Version(msg.app, version, self.core.wall(now), code_hash, str(meta.get("who", "")),
                     str(meta.get("tag", "")), str(meta.get("git_commit", "")),
                     bool(meta.get("git_dirty")), meta.get("rollback_of"), strategy,
@@ -155,7 +173,7 @@ class AppBook:
     def _deployed(self, app: str, version: int, unchanged: bool, notes: list[str],
                   previous: int | None = None) -> dict[str, Any]:
         fns = [{"name": sf.name, "spec": sf.spec, "models": [m["name"] for m in sf.models],
-                "describe": GpuSpec.from_wire(sf.spec).describe()}
+                "describe": GpuSpec.from_wire(sf.spec).describe(), "interface": sf.interface}
                for sf in self.store.functions(app, version)]
         return {"app": app, "version": version, "unchanged": unchanged, "notes": notes,
                 "previous": previous, "functions": fns}
@@ -175,6 +193,7 @@ class AppBook:
             rec.model_keys = self.core.models.register(sf.models, tuple(sf.frames[sf.ncode:]))
             self.core.functions[sf.function_id] = rec
         self._records[sf.function_id] = rec
+        self._interfaces[sf.function_id] = sf.interface
         return rec
 
     def _record_by_id(self, fid: str) -> FunctionRecord:
@@ -262,7 +281,8 @@ class AppBook:
             return
         self._reply(peer, msg.request_id, {"app": msg.app, "function": rec.name,
                                            "version": rec.version, "function_id": rec.function_id,
-                                           "spec": rec.spec.to_wire()})
+                                           "spec": rec.spec.to_wire(),
+                                           "interface": self._interfaces.get(rec.function_id, {})})
 
     # ------------------------------------------------------------------ commands
 
@@ -303,7 +323,7 @@ class AppBook:
                     "models": [m["name"] for m in sf.models],
                     "calls_1h": self._calls_1h(a.name, sf.name, now),
                     "queued": queued.get(key, 0), "running": running.get(key, 0),
-                    "errors": self._model_errors(rec),
+                    "errors": self._model_errors(rec), "interface": sf.interface,
                 })
             out.append({"name": a.name, "version": a.current, "state": a.state,
                         "tag": v.tag if v else "", "created": v.created if v else a.created,

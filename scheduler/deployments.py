@@ -27,7 +27,7 @@ CREATE TABLE IF NOT EXISTS versions (
 CREATE TABLE IF NOT EXISTS functions (
     app TEXT NOT NULL, version INTEGER NOT NULL, name TEXT NOT NULL, function_id TEXT NOT NULL,
     code_id TEXT NOT NULL, spec TEXT NOT NULL, models TEXT NOT NULL, ncode INTEGER NOT NULL,
-    frames TEXT NOT NULL, PRIMARY KEY (app, version, name)
+    frames TEXT NOT NULL, interface TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (app, version, name)
 );
 CREATE INDEX IF NOT EXISTS functions_by_id ON functions (function_id);
 CREATE TABLE IF NOT EXISTS blobs (hash TEXT PRIMARY KEY, data BLOB NOT NULL);
@@ -45,6 +45,8 @@ class StoredFunction:
     models: list[dict[str, Any]]
     ncode: int  # the first `ncode` frames are the function's code, then the loaders'
     frames: tuple[bytes, ...] = ()
+    # How it is called (gpufn/wire/interface.py): parameters, streaming, HTTP roles.
+    interface: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,6 +111,9 @@ class DeploymentStore:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(SCHEMA)
+            columns = {r[1] for r in db.execute("PRAGMA table_info(functions)")}
+            if "interface" not in columns:  # a store written before interfaces were recorded
+                db.execute("ALTER TABLE functions ADD COLUMN interface TEXT NOT NULL DEFAULT '{}'")
             self._conn = db
         return self._conn
 
@@ -160,18 +165,19 @@ class DeploymentStore:
 
     def functions(self, app: str, version: int, with_frames: bool = False) -> list[StoredFunction]:
         rows = self._db.execute(
-            "SELECT app, version, name, function_id, code_id, spec, models, ncode, frames "
-            "FROM functions WHERE app=? AND version=? ORDER BY name", (app, version))
+            "SELECT app, version, name, function_id, code_id, spec, models, ncode, frames, "
+            "interface FROM functions WHERE app=? AND version=? ORDER BY name", (app, version))
         return [self._function(r, with_frames) for r in rows.fetchall()]
 
     def function_by_id(self, function_id: str) -> StoredFunction | None:
         r = self._db.execute(
-            "SELECT app, version, name, function_id, code_id, spec, models, ncode, frames "
-            "FROM functions WHERE function_id=?", (function_id,)).fetchone()
+            "SELECT app, version, name, function_id, code_id, spec, models, ncode, frames, "
+            "interface FROM functions WHERE function_id=?", (function_id,)).fetchone()
         return self._function(r, True) if r else None
 
     def _function(self, r: Sequence[Any], with_frames: bool) -> StoredFunction:
-        fn = StoredFunction(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]), r[7])
+        fn = StoredFunction(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]), r[7],
+                            interface=json.loads(r[9] or "{}"))
         if with_frames:
             hashes = json.loads(r[8])
             blobs = dict(self._db.execute(
@@ -198,9 +204,10 @@ class DeploymentStore:
                         hashes.append(h)
                     cur.execute(
                         "INSERT INTO functions (app, version, name, function_id, code_id, spec, "
-                        "models, ncode, frames) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        "models, ncode, frames, interface) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (v.app, v.version, fn.name, fn.function_id, fn.code_id,
-                         json.dumps(fn.spec), json.dumps(fn.models), fn.ncode, json.dumps(hashes)))
+                         json.dumps(fn.spec), json.dumps(fn.models), fn.ncode, json.dumps(hashes),
+                         json.dumps(fn.interface)))
                 cur.execute(
                     "INSERT INTO versions (app, version, created, code_hash, who, tag, git_commit, "
                     "git_dirty, rollback_of, strategy, source) VALUES (?,?,?,?,?,?,?,?,?,?,?)",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.usage import BOUNDS, Histogram
+from gpufn.wire import config
 
 if TYPE_CHECKING:
     from gpufn.scheduler.core import SchedulerCore
@@ -134,6 +135,11 @@ class Exporter:
         self.wanted = False  # read by the scheduler loop once per iteration
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        gateway = config.http_metrics_dir()
+        if gateway is not None:  # the HTTP gateway's request counts, from its own process
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            MultiProcessCollector(self.registry, path=str(gateway))
         self.server, self.thread = start_http_server(port, host, registry=self.registry)
         self.port = self.server.server_port
 

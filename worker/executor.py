@@ -19,12 +19,14 @@ from gpufn.exceptions import (
     Cancelled,
     GpufnError,
     ModelLoadError,
+    NotJSONSerializable,
     OutOfMemory,
     PayloadTooLarge,
     SerializationError,
     kind_of,
 )
 from gpufn.runtime import context as ctxmod
+from gpufn.wire import jsonwire
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.worker.groups import is_comm_error
@@ -54,6 +56,7 @@ class Call:
     # Runs the call elsewhere on its argument frames and returns the result frames, which
     # pass through untouched (spmd=False's device-set helper); replaces `fn`.
     relay: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
+    json: bool = False  # its arguments came as JSON: its value and items go back as JSON
 
 
 class Executor:
@@ -138,7 +141,7 @@ class Executor:
                 ctxmod._set(call.context)
                 result = self._call(call, t0)
         except BaseException as e:  # an async Cancelled landing outside the user's code
-            result = _failure(inv, e, t0)
+            result = _failure(inv, e, t0, call.json)
         finally:
             with self._lock:
                 if registered:
@@ -177,6 +180,9 @@ class Executor:
         try:
             if call.batch is not None:
                 args, kwargs = _batched_arguments(call)
+            elif jsonwire.is_json(call.frames):  # from the HTTP gateway: never unpickled
+                call.json = True
+                args, kwargs = jsonwire.load_call(call.frames)
             else:
                 args, kwargs = ser.loads(call.frames)
         except GpufnError as e:
@@ -202,7 +208,10 @@ class Executor:
         if call.batch is not None:
             return _batch_result(call, value, t0)
         try:
-            frames = ser.dumps(value)
+            frames = (jsonwire.dump_value(value, f"the value returned by {call.name}") if call.json
+                      else ser.dumps(value))
+        except NotJSONSerializable as e:
+            return _gpufn_failure(inv, e, t0)
         except Exception as e:
             err = SerializationError(
                 f"the value returned by {call.name} cannot be pickled: {type(e).__name__}: {e}. "
@@ -218,7 +227,9 @@ class Executor:
 
     def _relayed(self, call: Call, relay: Callable[[tuple[Any, ...]], tuple[Any, ...]],
                  t0: float) -> p.Result:
-        """Run where `relay` sends it: arguments and result stay pickled here."""
+        """Run where `relay` sends it: arguments and result pass through here untouched
+        (JSON ones stay JSON: the helper reads the same mark)."""
+        call.json = jsonwire.is_json(call.frames)
         try:
             if call.prepare is not None:
                 call.prepare()
@@ -242,11 +253,11 @@ class Executor:
             _tag_rank(e, call.context.rank, call.context.world_size)
             if is_comm_error(e):
                 call.meta["comm_error"] = True
-        if isinstance(e, (ModelLoadError, OutOfMemory)):
+        if isinstance(e, (ModelLoadError, OutOfMemory, NotJSONSerializable)):
             return _gpufn_failure(inv, e, t0)
         if _oom(e):
             return self._out_of_memory(call, e, t0)
-        result = _failure(inv, e, t0)
+        result = _failure(inv, e, t0, call.json)
         result.meta.retryable = retryable(e, call.retry_on)
         return result
 
@@ -256,15 +267,22 @@ def _batched_arguments(call: Call) -> tuple[tuple[Any, ...], dict[str, Any]]:
     An input that cannot be unpickled is left out and answered with its own error."""
     assert call.batch is not None
     items, bad, i = [], {}, 0
+    as_json: set[int] = set()  # inputs from JSON callers: their outputs go back as JSON
     for pos, n in enumerate(call.batch):
         try:
-            items.append(ser.loads(call.frames[i:i + n]))
+            frames = call.frames[i:i + n]
+            if jsonwire.is_json(frames):
+                as_json.add(pos)
+                items.append(jsonwire.load_call(frames))
+            else:
+                items.append(ser.loads(frames))
         except Exception as e:
             bad[pos] = SerializationError(
                 f"this input of {call.name} could not be unpickled on the worker: "
                 f"{type(e).__name__}: {e}")
         i += n
     call.meta["batch_bad"] = bad
+    call.meta["batch_json"] = as_json
     if not items:
         return (), {}
     shapes = {(len(a), tuple(sorted(k))) for a, k in items}
@@ -283,6 +301,7 @@ def _batch_result(call: Call, value: Any, t0: float) -> p.Result:
     """One output per input (an exception in an item's place fails only that caller)."""
     assert call.batch is not None
     bad: dict[int, GpufnError] = call.meta.pop("batch_bad", {})
+    as_json: set[int] = call.meta.pop("batch_json", set())
     n = len(call.batch) - len(bad)
     if not isinstance(value, (list, tuple)) or len(value) != n:
         got = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (list, tuple)) else "")
@@ -300,12 +319,18 @@ def _batch_result(call: Call, value: Any, t0: float) -> p.Result:
         v = next(outputs)
         if isinstance(v, BaseException):
             f, tb = ser.dump_exception(v)
+            if pos in as_json:
+                f = []  # a JSON caller gets type, message and traceback, never a pickle
             items.append({"ok": False, "n": len(f), "error_kind": "", "message": str(v),
                           "type": type(v).__name__, "traceback": tb})
         else:
             try:
-                f = ser.dumps(v)
+                f = (jsonwire.dump_value(v, f"an output of {call.name}") if pos in as_json
+                     else ser.dumps(v))
                 items.append({"ok": True, "n": len(f)})
+            except NotJSONSerializable as e:
+                f = []
+                items.append({"ok": False, "n": 0, "error_kind": kind_of(e), "message": str(e)})
             except Exception as e:
                 f = []
                 items.append({"ok": False, "n": 0, "error_kind": kind_of(SerializationError),
@@ -349,8 +374,12 @@ def _tag_rank(exc: BaseException, rank: int, world: int) -> None:
         pass
 
 
-def _failure(inv: str, exc: BaseException, t0: float) -> p.Result:
+def _failure(inv: str, exc: BaseException, t0: float, as_json: bool = False) -> p.Result:
+    """A raised exception, pickled for its caller (a JSON caller gets its type, message
+    and traceback only)."""
     frames, tb = ser.dump_exception(exc)
+    if as_json:
+        frames = []
     meta = p.ResultMeta(duration=time.perf_counter() - t0, error_type=type(exc).__name__,
                         traceback=tb)
     return p.Result(inv, False, "", str(exc), meta, tuple(frames))

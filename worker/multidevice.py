@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from gpufn.wire import protocol as p
+from gpufn.wire import jsonwire
 from gpufn.wire import serialization as ser
 
 POLL_SECONDS = 0.05
@@ -86,8 +87,15 @@ def _helper_main(conn: Connection, kind: str, count: int, parent: int, visible: 
                 code[msg.code_id] = ser.load_code(msg.frames[:msg.code_frames])
             ctxmod._set(ctxmod.CallContext(invocation_id=inv, function=msg.name, device=devices[0],
                                            devices=list(devices), attempt=msg.attempt))
-            args, kwargs = ser.loads(msg.frames[msg.code_frames:])
-            reply = p.HelperResult(inv, True, frames=tuple(ser.dumps(code[msg.code_id](*args, **kwargs))))
+            payload = msg.frames[msg.code_frames:]
+            if jsonwire.is_json(payload):  # a call made over HTTP: JSON in, JSON out
+                args, kwargs = jsonwire.load_call(payload)
+                out = jsonwire.dump_value(code[msg.code_id](*args, **kwargs),
+                                          f"the value returned by {msg.name}")
+            else:
+                args, kwargs = ser.loads(payload)
+                out = ser.dumps(code[msg.code_id](*args, **kwargs))
+            reply = p.HelperResult(inv, True, frames=tuple(out))
         except BaseException as e:
             frames, tb = ser.dump_exception(e)
             reply = p.HelperResult(inv, False, type(e).__name__, str(e), tb, tuple(frames))

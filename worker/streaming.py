@@ -21,6 +21,7 @@ from typing import Any
 from gpufn.exceptions import Cancelled
 from gpufn.runtime import context as ctxmod
 from gpufn.runtime import models as runtime_models
+from gpufn.wire import jsonwire
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.worker.output import set_current_async
@@ -174,7 +175,8 @@ class Driver:
                 if first is None:
                     first = time.perf_counter() - t0
                 if sends:
-                    frames = ser.dumps(value)
+                    frames = (jsonwire.dump_value(value, f"a value yielded by {call.name}")
+                              if call.json else ser.dumps(value))
                     ser.check_payload(frames, f"a value yielded by {call.name}")
                     self.send(p.Item(call.invocation_id, call.dispatch_token, n, tuple(frames)))
                 n += 1

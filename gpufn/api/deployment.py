@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from gpufn.api.chat import chat_name
 from gpufn.api.function import Function
 from gpufn.api.model import Model
 from gpufn.client.client import Client
@@ -25,6 +26,7 @@ from gpufn.exceptions import GpufnError, InvalidSpec
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.wire.byvalue import by_value, local_modules
+from gpufn.wire.interface import describe
 from gpufn.wire.spec import make_spec
 
 
@@ -167,6 +169,10 @@ def deploy(module_or_path: ModuleType | str | Path, name: str | None = None, tag
     fns, models = _members(module)
     if not fns:
         raise DeployError(f"{source or module.__name__} has no @gpu functions to deploy")
+    chats = [chat_name(f) for f in fns.values() if chat_name(f)]
+    if len(chats) != len(set(chats)):
+        raise DeployError(f"two functions of {source or module.__name__} declare the same "
+                          f"@gpufn.chat_model name ({sorted(chats)}); give each its own")
     folder = os.path.dirname(os.path.abspath(source)) if source else os.getcwd()
     local = [module, *local_modules(folder)] if source else [module]
     client = client or get_client()
@@ -189,7 +195,8 @@ def deploy(module_or_path: ModuleType | str | Path, name: str | None = None, tag
                 fid = ser.content_hash(code_id.encode(), json.dumps(wire, sort_keys=True).encode(),
                                        json.dumps([d["name"] for d in descs]).encode())
                 described.append({"name": attr, "function_id": fid, "code_id": code_id,
-                                  "spec": wire, "models": descs, "ncode": len(code)})
+                                  "spec": wire, "models": descs, "ncode": len(code),
+                                  "interface": describe(f._fn, chat_name(f))})
                 frames += code + loaders
             checked = _check(models) if check else []
         finally:

@@ -73,6 +73,11 @@ class DeployedFunction(Function[Any, Any]):
             return self._resolved
 
     @property
+    def _yields(self) -> bool:  # type: ignore[override]
+        """A generator function streams (`.remote_gen`): its deployment recorded it."""
+        return bool(self.resolve().get("interface", {}).get("generator"))
+
+    @property
     def spec(self) -> GpuSpec:  # type: ignore[override]
         spec = GpuSpec.from_wire(self.resolve()["spec"])
         return make_spec(spec, **self._options) if self._options else spec

@@ -50,6 +50,10 @@ def serve(
     allow_keys: str | None = typer.Option(None, "--allow-keys", help="Also admit only CURVE clients whose public key (*.key) is in this folder."),
     curve: bool = typer.Option(False, "--curve", envvar="GPUFN_CURVE", help="Encrypt with CURVE on loopback too (always on off loopback)."),
     as_json: bool = typer.Option(False, "--json", help="Print the address and where the token is as JSON."),
+    http_port: int | None = typer.Option(None, help="Serve deployed apps over HTTP (JSON, SSE, OpenAI chat, a dashboard) on this port (0 picks one; needs `pip install gpufn[http]`)."),
+    http_host: str = typer.Option("127.0.0.1", help="Interface of the HTTP gateway (off loopback it needs --http-cert and --http-key)."),
+    http_cert: Path | None = typer.Option(None, help="TLS certificate (PEM) for the HTTP gateway."),
+    http_key: Path | None = typer.Option(None, help="TLS private key (PEM, mode 0600) for the HTTP gateway."),
 ) -> None:
     """Run the scheduler and this host's workers (until Ctrl-C or `gpufn shutdown`).
 
@@ -67,6 +71,16 @@ def serve(
         except ImportError:
             fail("--metrics-port needs prometheus-client: pip install 'gpufn[metrics]'", 2)
         os.environ["GPUFN_METRICS_PORT"] = str(metrics_port)  # read by the scheduler process
+    metrics_dir = None
+    if http_port is not None:
+        from gpufn.http import process as http_process
+
+        why = http_process.needs_extra() or http_process.refusal(http_host, http_cert, http_key)
+        if why is not None:
+            fail(f"--http-port: {why}", 2)
+        if metrics_port is not None and not detach:  # the scheduler serves the gateway's metrics too
+            metrics_dir = http_process.metrics_folder()
+            os.environ["GPUFN_HTTP_METRICS_DIR"] = str(metrics_dir)
     if state_dir is not None:
         os.environ["GPUFN_STATE_DIR"] = str(state_dir.resolve())
     if curve:
@@ -91,13 +105,24 @@ def serve(
         fail(f"the scheduler did not start: {e} (is another `gpufn serve` using port {port}? "
              "pick another with --port, or --port 0 for any free one)")
     address = _public_address(address, host)
+    gateway = None
+    if http_port is not None:
+        gateway = http_process.GatewayProcess(
+            address, http_host, http_port, http_cert, http_key,
+            http_process.gateway_env(metrics_dir, keys, Path(allow_keys) if allow_keys else None))
+        try:
+            gateway.start()
+        except GpufnError as e:
+            cluster.stop()
+            fail(f"{e} (pick another --http-port, or 0 for any free one)")
     token_file = write_cluster_file(address, tok)
     if address_file is not None:
         addrfile.write(address_file, address, public_key=config.split_address(address)[1])
     encrypted = config.split_address(address)[1] is not None
     if as_json:
         typer.echo(json.dumps({"address": address, "token_file": str(token_file),
-                               "encrypted": encrypted, "pid": os.getpid()}))
+                               "encrypted": encrypted, "pid": os.getpid(),
+                               "http": gateway.url if gateway else None}))
     else:
         console.print(f"gpufn scheduler listening on [bold]{escape(address)}[/]"
                       + (" (CURVE-encrypted)" if encrypted else " (loopback: token only)"),
@@ -107,6 +132,9 @@ def serve(
         # Z85 keys hold shell characters ($ & ( ...) but never a single quote.
         console.print(f"connect with: export GPUFN_ADDRESS='{address}' GPUFN_TOKEN=<the token>",
                       soft_wrap=True, markup=False)
+        if gateway is not None:
+            console.print(f"HTTP gateway on {gateway.url} (Authorization: Bearer <the token>; "
+                          f"the dashboard is at {gateway.url}/)", soft_wrap=True, markup=False)
         if not workers:
             console.print(f"add workers with: GPUFN_TOKEN=<the token> gpufn worker --address "
                           f"'{address}'", soft_wrap=True, markup=False)
@@ -121,7 +149,13 @@ def serve(
     except KeyboardInterrupt:
         code = 0
     finally:
+        if gateway is not None:
+            gateway.stop()
         cluster.stop()
+        if metrics_dir is not None:
+            import shutil
+
+            shutil.rmtree(metrics_dir, ignore_errors=True)
         forget_server(os.getpid())
         if address_file is not None:
             addrfile.remove_if_ours(address_file)

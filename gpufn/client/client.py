@@ -93,6 +93,11 @@ class Client:
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def closed(self) -> bool:
+        """Closed (by `close()`, or its I/O thread failed): a new Client is needed."""
+        return self._closed.is_set()
+
     def new_id(self) -> str:
         return f"{self._prefix}{next(self._counter):08x}"
 
@@ -208,19 +213,31 @@ class Client:
 
     def _request(self, make: Any, what: str, timeout: float) -> dict[str, Any]:
         """Send `make(request_id)` and wait for its reply's data (see `_dispatch`)."""
-        rid = next(self._counter)
-        fut: Future[dict[str, Any]] = Future()
-        self._status[rid] = fut
-        frames = self._status_frames[rid] = p.encode(make(rid))
-        self._enqueue(frames)
+        rid, fut = self.request(make)
         try:
-            return fut.result(timeout)
+            data: dict[str, Any] = fut.result(timeout)
+            return data
         except TimeoutError:
             raise ConnectionLost(f"the scheduler at {self.address} did not answer {what} "
                                  f"within {timeout:.0f}s") from None
         finally:
-            self._status.pop(rid, None)
-            self._status_frames.pop(rid, None)
+            self.forget(rid)
+
+    def request(self, make: Any) -> tuple[int, Future[Any]]:
+        """Send a request built by `make(request_id)` (StatusRequest, Query, Drain, Deploy,
+        Lookup, AppCommand) without waiting: its id and the future of its reply's data (a
+        refusal is the future's exception). Call `forget(id)` once it is answered or
+        abandoned (until then it is sent again if the scheduler forgets this client)."""
+        rid = next(self._counter)
+        fut: Future[Any] = Future()
+        self._status[rid] = fut
+        frames = self._status_frames[rid] = p.encode(make(rid))
+        self._enqueue(frames)
+        return rid, fut
+
+    def forget(self, request_id: int) -> None:
+        self._status.pop(request_id, None)
+        self._status_frames.pop(request_id, None)
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -168,6 +168,20 @@ def metrics_port() -> int | None:
     return None if v is None else env_int("GPUFN_METRICS_PORT", 0)
 
 
+def http_metrics_dir() -> Path | None:
+    """GPUFN_HTTP_METRICS_DIR: where the HTTP gateway writes its request metrics
+    (prometheus-client's multiprocess files) for the scheduler's metrics endpoint to
+    serve; `gpufn serve --http-port --metrics-port` sets it (unset: none)."""
+    v = env_str("GPUFN_HTTP_METRICS_DIR")
+    return Path(v) if v else None
+
+
+def http_client_idle() -> float:
+    """GPUFN_HTTP_CLIENT_IDLE: seconds the HTTP gateway keeps the scheduler connection
+    of a token that has no call in flight (default 300)."""
+    return env_float("GPUFN_HTTP_CLIENT_IDLE", 300.0)
+
+
 def curve_forced() -> bool:
     """GPUFN_CURVE: 1 encrypts with CURVE even on a loopback bind (off loopback it always
     is); default off."""

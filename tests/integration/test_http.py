@@ -1,0 +1,423 @@
+"""The HTTP gateway against a real `gpufn serve --http-port`: JSON calls, SSE streams,
+cancel on disconnect, spawned calls, every error status, metrics, curl. Real HTTP
+clients (httpx, curl in a subprocess) only; one served cluster for the module."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+import gpufn  # noqa: E402
+
+from .http_served import APP, ServedGateway  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedGateway]:
+    s = ServedGateway(tmp_path_factory.mktemp("http"), GPUFN_MAX_QUEUE_PER_FUNCTION="4",
+                      GPUFN_HTTP_CLIENT_IDLE="3")
+    s.start()
+    try:
+        client = s.client()
+        try:
+            s.wait_ready(client)
+            gpufn.deploy(APP, name="t", client=client)
+        finally:
+            client.close()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def http(served: ServedGateway) -> Iterator[Any]:
+    with httpx.Client(base_url=served.url, headers={"Authorization": f"Bearer {served.token}"},
+                      timeout=60) as c:
+        yield c
+
+
+def post(http: Any, fn: str, *args: Any, **kwargs: Any) -> Any:
+    return http.post(f"/v1/apps/t/{fn}", json={"args": list(args), "kwargs": kwargs})
+
+
+def events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(event name, data) of each Server-Sent Event."""
+    name, data = "message", []
+    for line in lines:
+        if not line:
+            if data:
+                yield name, "\n".join(data)
+            name, data = "message", []
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())
+
+
+def wait_for(path: Path, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} was never written"
+        time.sleep(0.02)
+    return path.read_text()
+
+
+# --------------------------------------------------------------------------- JSON calls
+
+
+def test_apps_lists_functions_with_parameters(http: Any) -> None:
+    r = http.get("/v1/apps")
+    assert r.status_code == 200
+    (app,) = [a for a in r.json()["apps"] if a["name"] == "t"]
+    assert app["version"] == 1 and app["state"] == "active"
+    fns = {f["name"]: f for f in app["functions"]}
+    echo = fns["echo"]
+    assert [(p["name"], p["kind"]) for p in echo["params"]] == [
+        ("x", "POSITIONAL_OR_KEYWORD"), ("scale", "KEYWORD_ONLY"), ("note", "KEYWORD_ONLY")]
+    assert echo["params"][1]["default"] == 1 and echo["params"][1]["annotation"] == "int"
+    assert echo["returns"] == "dict[str, Any]" and echo["doc"] == "Its arguments back, as JSON."
+    assert fns["count"]["streams"] and not echo["streams"]
+    assert echo["url"] == "/v1/apps/t/echo"
+
+
+def test_json_call_returns_the_result_and_the_call_id(http: Any) -> None:
+    r = post(http, "echo", {"a": [1, 2.5, None, True, "é"]}, scale=3)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["result"] == {"x": {"a": [1, 2.5, None, True, "é"]}, "scale": 3, "note": ""}
+    assert body["call_id"] and r.headers["x-gpufn-call-id"] == body["call_id"]
+    assert post(http, "noop").json()["result"] is None
+    # An empty body is a call without arguments; priority and timeout are call options.
+    r = http.post("/v1/apps/t/noop?priority=5&timeout=30")
+    assert r.status_code == 200 and r.json()["result"] is None
+    r = http.post("/v1/apps/t/echo?version=1", json={"kwargs": {"x": 7}})
+    assert r.json()["result"]["x"] == 7
+
+
+def test_nested_calls_and_gangs_and_batches(http: Any, served: ServedGateway) -> None:
+    # gather=True on a gang of two: every rank's value, in rank order.
+    r = post(http, "ranks")
+    assert r.status_code == 200, r.text
+    assert r.json()["result"] == [0, 1]
+    # One batch may hold JSON callers (HTTP) and pickle callers (Python): each gets its own.
+    client = served.client()
+    try:
+        double = gpufn.lookup("t", "double")
+        with client_as_default(client):
+            py_calls = [double.spawn(i) for i in range(2)]
+            with httpx.Client(base_url=served.url, timeout=60,
+                              headers={"Authorization": f"Bearer {served.token}"}) as h:
+                import concurrent.futures as cf
+
+                with cf.ThreadPoolExecutor(2) as pool:
+                    rs = list(pool.map(lambda i: post(h, "double", 10 + i), range(2)))
+            assert [c.get(timeout=60) for c in py_calls] == [0, 2]
+        assert [r.json().get("result") for r in rs] == [20, 22], [r.text for r in rs]
+        assert any((c.result_meta().get("batch_size") or 1) > 1 for c in py_calls)
+    finally:
+        client.close()
+
+
+class client_as_default:
+    """Use this client as gpufn's default connection for the block."""
+
+    def __init__(self, client: gpufn.Client) -> None:
+        self.client = client
+
+    def __enter__(self) -> None:
+        from gpufn.client import default
+
+        self.saved = default._default
+        default._default = self.client
+
+    def __exit__(self, *exc: Any) -> None:
+        from gpufn.client import default
+
+        default._default = self.saved
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_no_token_or_a_wrong_one_is_401_and_nothing_runs(served: ServedGateway,
+                                                         tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    body = {"args": [str(marker)]}
+    with httpx.Client(base_url=served.url, timeout=30) as h:
+        for headers in ({}, {"Authorization": "Bearer wrong-token"},
+                        {"Authorization": f"Basic {served.token}"}):
+            r = h.post("/v1/apps/t/touch", json=body, headers=headers)
+            assert r.status_code == 401, (headers, r.text)
+            assert r.json()["error"]["type"] == "AuthenticationError"
+            assert r.headers["www-authenticate"] == "Bearer"
+        for path in ("/v1/apps", "/v1/status", "/v1/models"):
+            assert h.get(path).status_code == 401
+        time.sleep(0.5)
+        assert not marker.exists()
+        r = h.post("/v1/apps/t/touch", json=body, headers={"Authorization": f"Bearer {served.token}"})
+        assert r.status_code == 200 and marker.read_text() == "ran"
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"{not json", "not JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"args": 5}', '"args" must be a list'),
+    (b'{"kwargs": []}', '"kwargs" must be an object'),
+    (b'{"args": [], "extra": 1}', "unknown field"),
+])
+def test_malformed_body_is_400(http: Any, body: bytes, why: str) -> None:
+    r = http.post("/v1/apps/t/echo", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+def test_arguments_that_do_not_bind_are_400_before_anything_runs(http: Any) -> None:
+    r = post(http, "echo")
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "BadArguments" and "missing a required argument: 'x'" in err["message"]
+    assert "t.echo(x: Any, *, scale: int=1, note: str='')" in err["message"]
+    assert "too many positional" in post(http, "echo", 1, 2).json()["error"]["message"]
+    assert "unexpected keyword" in post(http, "echo", 1, nope=2).json()["error"]["message"]
+    for query in ("priority=high", "timeout=-1", "version=0", "colour=red"):
+        r = http.post(f"/v1/apps/t/noop?{query}")
+        assert r.status_code == 400, (query, r.text)
+
+
+def test_unknown_app_function_version_or_route_is_404(http: Any) -> None:
+    r = post(http, "nope")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["type"] == "NotFound" and "echo" in err["message"] and "t" in err["apps"]
+    r = http.post("/v1/apps/nosuchapp/echo", json={})
+    assert r.status_code == 404 and "t" in r.json()["error"]["apps"]
+    r = http.post("/v1/apps/t/echo?version=9", json={"args": [1]})
+    assert r.status_code == 404 and "no version 9" in r.json()["error"]["message"]
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFound"
+    assert http.get("/v1/apps/t/echo").status_code == 405
+
+
+def test_remote_exception_and_non_json_result_are_500_naming_the_type(http: Any) -> None:
+    r = post(http, "fail", "no luck")
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "ValueError" and err["message"] == "no luck" and err["remote"]
+    assert "raise ValueError(message)" in err["traceback"]
+    r = post(http, "tensor")
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "NotJSONSerializable" and "torch.Tensor" in err["message"]
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def test_sse_streams_each_value_then_end(served: ServedGateway, http: Any) -> None:
+    with http.stream("POST", "/v1/apps/t/count", json={"args": [5]},
+                     headers={"Accept": "text/event-stream"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        got = list(events(r.iter_lines()))
+    assert got[:5] == [("message", str(i)) for i in range(5)]
+    assert got[5][0] == "end" and json.loads(got[5][1])["items"] == 5
+    # Without Accept: text/event-stream, every value as one list.
+    assert post(http, "count", 4).json()["result"] == [0, 1, 2, 3]
+    # A plain function asked for as a stream: its value as one event.
+    with http.stream("POST", "/v1/apps/t/echo", json={"args": [1]},
+                     headers={"Accept": "text/event-stream"}) as r:
+        got = list(events(r.iter_lines()))
+    assert json.loads(got[0][1])["x"] == 1 and got[1][0] == "end"
+
+
+def test_an_exception_mid_stream_arrives_as_an_error_event(http: Any) -> None:
+    with http.stream("POST", "/v1/apps/t/count", json={"args": [10], "kwargs": {"fail_at": 3}},
+                     headers={"Accept": "text/event-stream"}) as r:
+        got = list(events(r.iter_lines()))
+    assert got[:3] == [("message", "0"), ("message", "1"), ("message", "2")]
+    name, data = got[3]
+    assert name == "error" and len(got) == 4
+    assert json.loads(data)["type"] == "RuntimeError" and json.loads(data)["message"] == "boom at 3"
+    with http.stream("POST", "/v1/apps/t/tensors", json={"args": [3]},
+                     headers={"Accept": "text/event-stream"}) as r:
+        got = list(events(r.iter_lines()))
+    assert got[0] == ("message", "1") and got[1][0] == "error"
+    assert json.loads(got[1][1])["type"] == "NotJSONSerializable"
+
+
+def running_ids(served: ServedGateway) -> set[str]:
+    client = served.client()
+    try:
+        return {r["id"] for d in client.status()["devices"] for r in d["running"]}
+    finally:
+        client.close()
+
+
+def test_closing_the_sse_connection_cancels_the_remote_generator(
+        served: ServedGateway, http: Any, tmp_path: Path) -> None:
+    marker = tmp_path / "finally"
+    with http.stream("POST", "/v1/apps/t/count", headers={"Accept": "text/event-stream"},
+                     json={"args": [100000], "kwargs": {"delay": 0.02, "marker": str(marker)}}) as r:
+        call_id = r.headers["x-gpufn-call-id"]
+        seen = []
+        for name, data in events(r.iter_lines()):
+            seen.append(int(data))
+            if len(seen) == 3:
+                break
+    # The connection is closed: the generator's finally ran on its worker, the call ended.
+    assert seen == [0, 1, 2]
+    assert wait_for(marker) == "finally"
+    deadline = time.monotonic() + 10
+    while call_id in running_ids(served):
+        assert time.monotonic() < deadline, "the cancelled stream still runs"
+        time.sleep(0.05)
+
+
+def test_disconnecting_from_a_plain_call_cancels_it(served: ServedGateway, tmp_path: Path) -> None:
+    marker = tmp_path / "finally"
+    with httpx.Client(base_url=served.url, timeout=1.0,
+                      headers={"Authorization": f"Bearer {served.token}"}) as h, \
+            pytest.raises(httpx.ReadTimeout):
+        post(h, "sleepy", 60, marker=str(marker))
+    assert wait_for(marker) == "finally"  # interrupted long before its 60 s
+
+
+# --------------------------------------------------------------------------- spawned calls
+
+
+def test_spawn_get_and_delete(http: Any) -> None:
+    r = http.post("/v1/apps/t/echo/spawn", json={"args": ["later"]})
+    assert r.status_code == 202
+    call_id = r.json()["call_id"]
+    deadline = time.monotonic() + 30
+    while (view := http.get(f"/v1/calls/{call_id}").json())["state"] != "done":
+        assert view["state"] in ("queued", "running", "pending") and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert view["result"]["x"] == "later" and view["function"] == "t.echo"
+    long = http.post("/v1/apps/t/sleepy/spawn", json={"args": [60]}).json()["call_id"]
+    deadline = time.monotonic() + 30
+    while http.get(f"/v1/calls/{long}").json()["state"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = http.delete(f"/v1/calls/{long}")
+    assert r.status_code == 200 and r.json()["cancelled"] is True
+    while (view := http.get(f"/v1/calls/{long}").json())["state"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert view["state"] == "cancelled" and view["error"]["type"] == "Cancelled"
+    assert http.delete(f"/v1/calls/{long}").json()["cancelled"] is False
+    r = http.get("/v1/calls/nosuchcall")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFound"
+    r = http.post("/v1/apps/t/count/spawn", json={"args": [3]})
+    assert r.status_code == 400 and "event-stream" in r.json()["error"]["message"]
+
+
+def test_queue_full_is_429(http: Any) -> None:
+    # blocker runs one at a time per device (2 devices); the queue holds 4 per function.
+    ids, refused = [], []
+    for _ in range(8):
+        r = http.post("/v1/apps/t/blocker/spawn", json={"args": [30]})
+        assert r.status_code == 202
+        ids.append(r.json()["call_id"])
+    deadline = time.monotonic() + 30
+    try:
+        while not refused:
+            for i in ids:
+                view = http.get(f"/v1/calls/{i}").json()
+                if view["state"] == "failed":
+                    refused.append(view)
+            assert time.monotonic() < deadline, "no call was refused"
+            time.sleep(0.05)
+        assert refused[0]["error"]["type"] == "QueueFull"
+        r = post(http, "blocker", 30)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "QueueFull"
+    finally:
+        for i in ids:
+            http.delete(f"/v1/calls/{i}")
+
+
+def test_timeout_is_504(http: Any) -> None:
+    r = http.post("/v1/apps/t/sleepy?timeout=0.5", json={"args": [30]})
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["type"] == "Timeout"
+
+
+# --------------------------------------------------------------------------- operations
+
+
+def test_curl_json_call_and_stream(served: ServedGateway) -> None:
+    auth = f"Authorization: Bearer {served.token}"
+    out = subprocess.run(["curl", "-sS", "-X", "POST", f"{served.url}/v1/apps/t/echo", "-H", auth,
+                          "-H", "Content-Type: application/json", "-d", '{"args": ["curl"]}'],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and json.loads(out.stdout)["result"]["x"] == "curl", out.stderr
+    out = subprocess.run(["curl", "-sSN", "-X", "POST", f"{served.url}/v1/apps/t/count", "-H", auth,
+                          "-H", "Accept: text/event-stream", "-d", '{"args": [3]}'],
+                         capture_output=True, text=True, timeout=60)
+    assert list(events(iter(out.stdout.splitlines())))[:3] == [
+        ("message", "0"), ("message", "1"), ("message", "2")]
+    assert "event: end" in out.stdout
+    out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                          f"{served.url}/v1/apps"], capture_output=True, text=True, timeout=60)
+    assert out.stdout == "401"
+
+
+def test_request_metrics_on_the_scheduler_endpoint(served: ServedGateway, http: Any) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    call_id = post(http, "noop").json()["call_id"]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}/metrics",
+                                  timeout=30).read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(body)}
+    reqs = [s for s in fams["gpufn_http_requests"].samples if s.name == "gpufn_http_requests_total"]
+    by = {(s.labels["route"], s.labels["status"]): s.value for s in reqs}
+    assert by[("/v1/apps/{app}/{function}", "200")] >= 1
+    assert by.get(("/v1/apps/{app}/{function}", "401"), 0) >= 0
+    lat = fams["gpufn_http_request_duration_seconds"].samples
+    assert any(s.name.endswith("_count") and s.labels["route"] == "/v1/apps/{app}/{function}"
+               and s.value >= 1 for s in lat)
+    assert call_id not in body and "/v1/apps/t/" not in body  # no names or ids in labels
+    assert fams["gpufn_calls"].samples  # the scheduler's own metrics are still there
+
+
+def test_idle_connections_are_closed(served: ServedGateway, http: Any) -> None:
+    post(http, "noop")
+    client = served.client()
+    try:
+        before = client.status()["clients"]
+        deadline = time.monotonic() + 30
+        while client.status()["clients"] >= before:  # GPUFN_HTTP_CLIENT_IDLE=3 here
+            assert time.monotonic() < deadline, "the gateway kept its idle connection"
+            time.sleep(0.2)
+    finally:
+        client.close()
+    assert post(http, "noop").status_code == 200  # and connects again on the next request
+
+
+def test_draining_is_503(served: ServedGateway, http: Any) -> None:
+    """Last: it shuts the served cluster down."""
+    spawned = http.post("/v1/apps/t/sleepy/spawn", json={"args": [8]}).json()["call_id"]
+    deadline = time.monotonic() + 30
+    while http.get(f"/v1/calls/{spawned}").json()["state"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client = served.client()
+    try:
+        client.drain(30, "test")
+    finally:
+        client.close()
+    r = post(http, "noop")
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["type"] == "ConnectionLost" and "shutting down" in r.json()["error"]["message"]

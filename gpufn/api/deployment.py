@@ -126,7 +126,7 @@ def _code_hash(files: list[str], described: list[dict[str, Any]]) -> str:
             parts.append(Path(f).read_bytes())
         except OSError:
             parts.append(f.encode())
-    spec = [(d["name"], d["spec"], [(m["name"], m["memory"], m["pin"], m["offload"])
+    spec = [(d["name"], d["spec"], [(m["name"], m["memory"], m["pin"], m["offload"], m["count"])
                                     for m in d["models"]]) for d in described]
     parts.append(json.dumps(spec, sort_keys=True).encode())
     return ser.content_hash(*parts)
@@ -188,8 +188,11 @@ def deploy(module_or_path: ModuleType | str | Path, name: str | None = None, tag
                 loaders: list[Any] = []
                 for m in f._models:
                     m_id, m_frames = ser.dump_code(m.loader, f"model {m.name}")
+                    # count: a sharded model loads on a gang, inside its group (as
+                    # Model.wire_description says for calls made without a deploy)
                     descs.append({"name": m.name, "memory": m.memory, "pin": m.pin,
-                                  "offload": m.offload, "code_id": m_id, "nframes": len(m_frames)})
+                                  "offload": m.offload, "code_id": m_id, "nframes": len(m_frames),
+                                  "count": m.count})
                     loaders += m_frames
                 wire = f.spec.to_wire()
                 fid = ser.content_hash(code_id.encode(), json.dumps(wire, sort_keys=True).encode(),

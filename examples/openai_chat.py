@@ -78,7 +78,7 @@ def generate(model: torch.nn.Module, messages: list[dict[str, Any]], max_tokens:
     gen = torch.Generator().manual_seed(0 if seed is None else seed)
     ids, past, text, n, finish = torch.tensor([prompt], device=device), None, "", 0, "length"
     with torch.no_grad():
-        for n in range(1, min(max_tokens, 256 - len(prompt)) + 1):  # noqa: B007
+        for n in range(1, min(max_tokens, 256 - len(prompt)) + 1):
             out = model(input_ids=ids, past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[0, -1].float().cpu()
             if temperature > 0:

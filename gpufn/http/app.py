@@ -167,7 +167,10 @@ class Gateway:
         return Response(b'{"ok":true}', media_type=JSON)
 
     async def page(self, request: Request) -> Response:
-        return HTMLResponse(dashboard.page())
+        return HTMLResponse(dashboard.page(), headers=dashboard.HEADERS)
+
+    async def favicon(self, request: Request) -> Response:
+        return Response(status_code=204)  # browsers ask; not an error worth listing
 
 
 # --------------------------------------------------------------------------- helpers
@@ -320,6 +323,7 @@ def create_app(address: str, idle_s: float | None = None) -> ASGIApp:
 
     routes = [
         Route("/", gw.page, methods=["GET"]),
+        Route("/favicon.ico", gw.favicon, methods=["GET"]),
         Route("/healthz", gw.health, methods=["GET"]),
         Route("/v1/status", gw.status, methods=["GET"]),
         Route("/v1/apps", gw.apps, methods=["GET"]),

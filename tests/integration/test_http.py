@@ -272,7 +272,7 @@ def test_closing_the_sse_connection_cancels_the_remote_generator(
                      json={"args": [100000], "kwargs": {"delay": 0.02, "marker": str(marker)}}) as r:
         call_id = r.headers["x-gpufn-call-id"]
         seen = []
-        for name, data in events(r.iter_lines()):
+        for _, data in events(r.iter_lines()):
             seen.append(int(data))
             if len(seen) == 3:
                 break
@@ -404,6 +404,221 @@ def test_idle_connections_are_closed(served: ServedGateway, http: Any) -> None:
     finally:
         client.close()
     assert post(http, "noop").status_code == 200  # and connects again on the next request
+
+
+def test_tls_gateway_and_restart_after_a_crash(served: ServedGateway, tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from gpufn.http.process import GatewayProcess, refusal
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                           str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                           "-addext", "subjectAltName=IP:127.0.0.1"], capture_output=True, timeout=60)
+    if made.returncode != 0:
+        pytest.skip(f"openssl could not make a certificate: {made.stderr.decode()[-200:]}")
+    key.chmod(0o644)
+    assert "chmod 600" in (refusal("0.0.0.0", cert, key) or "")
+    key.chmod(0o600)
+    assert refusal("0.0.0.0", cert, key) is None
+    gw = GatewayProcess(served.address, "127.0.0.1", 0, cert, key)
+    url = gw.start()
+    try:
+        assert url.startswith("https://127.0.0.1:")
+        import ssl
+
+        with httpx.Client(base_url=url, verify=ssl.create_default_context(cafile=str(cert)), timeout=30,
+                          headers={"Authorization": f"Bearer {served.token}"}) as h:
+            assert post(h, "echo", "tls").json()["result"]["x"] == "tls"
+            assert gw.proc is not None
+            first = gw.proc.pid
+            os.kill(first, signal.SIGKILL)  # the gateway dies: serve starts it again, same port
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if post(h, "echo", 2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "the gateway was not restarted"
+                time.sleep(0.2)
+            assert gw.proc.pid != first
+        with httpx.Client(base_url=url.replace("https", "http"), timeout=10) as plain, \
+                pytest.raises(httpx.TransportError):
+            plain.get("/healthz")  # no plaintext on a TLS port
+    finally:
+        gw.stop()
+
+
+def test_an_off_loopback_gateway_without_tls_is_refused(tmp_path: Path) -> None:
+    from .served import gpufn_cmd, serve_env
+
+    r = subprocess.run([*gpufn_cmd(), "serve", "--port", "0", "--http-port", "0", "--http-host",
+                        "0.0.0.0", "--no-workers"], env=serve_env(tmp_path), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "must use TLS" in r.stderr and "--http-cert" in r.stderr, r.stderr
+    assert not (tmp_path / "cluster.json").exists()  # refused before anything started
+
+
+# --------------------------------------------------------------------------- OpenAI
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello GPUs"}]
+
+
+@pytest.fixture(scope="module")
+def llm(served: ServedGateway) -> Iterator[Any]:
+    """examples/openai_chat.py deployed as `llm`, and the official OpenAI client."""
+    openai = pytest.importorskip("openai")
+    client = served.client()
+    try:
+        gpufn.deploy(EXAMPLES / "openai_chat.py", name="llm", client=client)
+    finally:
+        client.close()
+    yield openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.token, max_retries=0)
+
+
+def test_openai_models_and_streamed_chat_equal_remote_gen(served: ServedGateway, llm: Any) -> None:
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import openai_chat
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    models = [m.id for m in llm.models.list().data]
+    assert "tiny-llama" in models
+    chunks = list(llm.chat.completions.create(model="tiny-llama", messages=MESSAGES,
+                                              max_tokens=12, stream=True,
+                                              stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(streamed.split()) == 12
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == len(openai_chat.prompt_ids(MESSAGES))
+    # The same greedy generation through the Python client's .remote_gen of the deployment.
+    client = served.client()
+    try:
+        with client_as_default(client):
+            pieces = list(gpufn.lookup("llm", "chat").remote_gen(MESSAGES, max_tokens=12))
+    finally:
+        client.close()
+    assert "".join(x for x in pieces if isinstance(x, str)) == streamed
+    # And the sharded (TP=2) model generates what one process generates.
+    local = openai_chat.generate(openai_chat.build_model(), MESSAGES, max_tokens=12)
+    assert "".join(x for x in local if isinstance(x, str)) == streamed
+    # Not streamed: the joined stream, with the usage.
+    answer = llm.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=12)
+    assert answer.choices[0].message.content == streamed
+    assert answer.choices[0].finish_reason == "length" and answer.usage.total_tokens == (
+        answer.usage.prompt_tokens + 12)
+
+
+def test_openai_parameters_reach_the_function(llm: Any) -> None:
+    def text(**kw: Any) -> Any:
+        return llm.chat.completions.create(model="tiny-llama", messages=MESSAGES, **kw).choices[0]
+
+    greedy = text(max_tokens=8).message.content
+    sampled = text(max_tokens=8, temperature=1.5, top_p=0.9, seed=7).message.content
+    assert sampled == text(max_tokens=8, temperature=1.5, top_p=0.9, seed=7).message.content
+    assert sampled != greedy  # sampling at temperature 1.5 over 512 tokens: not the argmax path
+    third = greedy.split()[2]
+    stopped = text(max_tokens=8, stop=[" " + third])
+    assert stopped.message.content == " ".join(greedy.split()[:2])
+    assert stopped.finish_reason == "stop"
+
+
+def test_openai_errors(llm: Any, http: Any) -> None:
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as nf:
+        llm.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert "tiny-llama" in str(nf.value)
+    with pytest.raises(openai.BadRequestError):
+        llm.chat.completions.create(model="tiny-llama", messages=[])
+    r = http.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": MESSAGES,
+                                                "temperature": 9})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=str(llm.base_url), api_key="wrong", max_retries=0).models.list()
+
+
+def test_curl_chat_completion_stream(served: ServedGateway, llm: Any) -> None:
+    body = json.dumps({"model": "tiny-llama", "messages": MESSAGES, "stream": True,
+                       "max_tokens": 4})
+    out = subprocess.run(["curl", "-sSN", f"{served.url}/v1/chat/completions", "-H",
+                          f"Authorization: Bearer {served.token}", "-H",
+                          "Content-Type: application/json", "-d", body],
+                         capture_output=True, text=True, timeout=120)
+    datas = [d for _, d in events(iter(out.stdout.splitlines()))]
+    assert datas[-1] == "[DONE]", out.stdout
+    pieces = [json.loads(d)["choices"][0]["delta"].get("content", "") for d in datas[:-1]]
+    assert len("".join(pieces).split()) == 4
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+def chrome(tmp_path: Path) -> Any:
+    """Headless Chromium driven by Selenium (Debian's chromium and chromium-driver)."""
+    import shutil
+
+    pytest.importorskip("selenium")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if browser is None or driver is None:
+        pytest.skip("Chromium is not installed here (apt-get install chromium chromium-driver; "
+                    ".ci/run installs them)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1400,1000",
+                f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        opts.add_argument(arg)
+    return webdriver.Chrome(service=Service(driver), options=opts)
+
+
+def test_dashboard_in_a_real_browser(served: ServedGateway, http: Any, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    post(http, "fail", "shown on the dashboard")  # a recent error
+    browser = chrome(tmp_path)
+    try:
+        wait = WebDriverWait(browser, 30)
+        browser.get(served.url + "/")
+        wait.until(lambda b: b.find_element(By.ID, "login").is_displayed())
+        browser.find_element(By.ID, "token").send_keys("wrong-token")
+        browser.find_element(By.CSS_SELECTOR, "#login-form button").click()
+        wait.until(lambda b: "refused" in b.find_element(By.ID, "login-error").text)
+        browser.find_element(By.ID, "token").send_keys(served.token)
+        browser.find_element(By.CSS_SELECTOR, "#login-form button").click()
+        wait.until(lambda b: b.execute_script("return document.body.dataset.rendered") == "1")
+        devices = browser.find_elements(By.CSS_SELECTOR, "#devices tbody tr[data-device]")
+        assert len(devices) == 2 and "/ 8.0 GiB" in devices[0].text and "free" in devices[0].text
+        app = browser.find_element(By.CSS_SELECTOR, '#apps tbody tr[data-app="t"]')
+        assert "v1" in app.text and "echo" in app.text and "active" in app.text
+        assert "ready: 2" in browser.find_element(By.ID, "hosts").text
+        assert "shown on the dashboard" in browser.find_element(By.ID, "errors").text
+        shot = tmp_path / "dashboard.png"
+        assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+        print(f"dashboard screenshot: {shot}")
+        # The token lives in the tab's session: a reload stays signed in, and it refreshes.
+        before = browser.find_element(By.ID, "updated").text
+        browser.refresh()
+        wait.until(lambda b: b.execute_script("return document.body.dataset.rendered") == "1")
+        assert not browser.find_element(By.ID, "login").is_displayed()
+        wait.until(lambda b: b.find_element(By.ID, "updated").text != before)
+        assert browser.execute_script("return localStorage.length") == 0
+    finally:
+        browser.quit()
 
 
 def test_draining_is_503(served: ServedGateway, http: Any) -> None:

@@ -27,8 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedGateway]:
-    s = ServedGateway(tmp_path_factory.mktemp("http"), GPUFN_MAX_QUEUE_PER_FUNCTION="4",
-                      GPUFN_HTTP_CLIENT_IDLE="3")
+    s = ServedGateway(tmp_path_factory.mktemp("http"), GPUFN_MAX_QUEUE_PER_FUNCTION="4")
     s.start()
     try:
         client = s.client()
@@ -392,18 +391,28 @@ def test_request_metrics_on_the_scheduler_endpoint(served: ServedGateway, http: 
     assert fams["gpufn_calls"].samples  # the scheduler's own metrics are still there
 
 
-def test_idle_connections_are_closed(served: ServedGateway, http: Any) -> None:
-    post(http, "noop")
+def test_idle_connections_are_closed(served: ServedGateway) -> None:
+    from gpufn.http.process import GatewayProcess
+
+    # A gateway of its own that forgets idle tokens after 2 s (the module's keeps them 300 s,
+    # so that no test here passes because a connection was closed for being idle).
+    gw = GatewayProcess(served.address, "127.0.0.1", 0, env={"GPUFN_HTTP_CLIENT_IDLE": "2"})
+    url = gw.start()
     client = served.client()
     try:
         before = client.status()["clients"]
-        deadline = time.monotonic() + 30
-        while client.status()["clients"] >= before:  # GPUFN_HTTP_CLIENT_IDLE=3 here
-            assert time.monotonic() < deadline, "the gateway kept its idle connection"
-            time.sleep(0.2)
+        with httpx.Client(base_url=url, timeout=30,
+                          headers={"Authorization": f"Bearer {served.token}"}) as h:
+            assert post(h, "noop").status_code == 200
+            assert client.status()["clients"] == before + 1
+            deadline = time.monotonic() + 30
+            while client.status()["clients"] > before:
+                assert time.monotonic() < deadline, "the gateway kept its idle connection"
+                time.sleep(0.2)
+            assert post(h, "noop").status_code == 200  # and connects again on the next request
     finally:
         client.close()
-    assert post(http, "noop").status_code == 200  # and connects again on the next request
+        gw.stop()
 
 
 def test_tls_gateway_and_restart_after_a_crash(served: ServedGateway, tmp_path: Path) -> None:

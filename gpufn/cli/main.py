@@ -115,7 +115,7 @@ def serve(
         except GpufnError as e:
             cluster.stop()
             fail(f"{e} (pick another --http-port, or 0 for any free one)")
-    token_file = write_cluster_file(address, tok)
+    token_file = write_cluster_file(address, tok, gateway.url if gateway else None)
     if address_file is not None:
         addrfile.write(address_file, address, public_key=config.split_address(address)[1])
     encrypted = config.split_address(address)[1] is not None
@@ -199,13 +199,16 @@ def _detach(token: str, as_json: bool) -> None:
     from gpufn.net.cluster_file import home
 
     info = {"address": saved["address"], "token_file": str(home() / "cluster.json"),
-            "pid": proc.pid, "pid_file": str(common.pid_file()), "log_file": str(common.log_file())}
+            "pid": proc.pid, "pid_file": str(common.pid_file()), "log_file": str(common.log_file()),
+            "http": saved.get("http")}
     if as_json:
         typer.echo(json.dumps(info))
         return
     console.print(f"gpufn server started in the background (pid {proc.pid}), listening on "
                   f"[bold]{escape(str(info['address']))}[/]", soft_wrap=True)
     console.print(f"log: {info['log_file']} · stop with: gpufn shutdown")
+    if info["http"]:
+        console.print(f"HTTP gateway on {info['http']}", soft_wrap=True, markup=False)
     console.print(f"the token is in {info['token_file']} (readable by you only)")
     console.print(f"connect with: export GPUFN_ADDRESS='{info['address']}' GPUFN_TOKEN=<the token>",
                   soft_wrap=True, markup=False)

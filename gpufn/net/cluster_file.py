@@ -15,14 +15,15 @@ def home() -> Path:
     return config.home()
 
 
-def write_cluster_file(address: str, token: str) -> Path:
+def write_cluster_file(address: str, token: str, http: str | None = None) -> Path:
     d = home()
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = d / "cluster.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that existed already
     with os.fdopen(fd, "w") as f:
-        json.dump({"address": address, "token": token, "pid": os.getpid()}, f)
+        json.dump({"address": address, "token": token, "pid": os.getpid(),
+                   **({"http": http} if http else {})}, f)
     return path
 
 

@@ -21,8 +21,8 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from gpufn.wire import protocol as p
 from gpufn.wire import jsonwire
+from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 
 POLL_SECONDS = 0.05

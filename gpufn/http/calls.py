@@ -38,7 +38,7 @@ class ClientGone(Exception):
 def submit(entry: Entry, target: Target, args: list[Any], kwargs: dict[str, Any],
            options: dict[str, Any]) -> p.Submit:
     frames = jsonwire.dump_call(args, kwargs)
-    return p.Submit(entry.client.new_id(), target.function_id(), options, tuple(frames))
+    return p.Submit(entry.client.new_id(), target.function_id(), options, frames=tuple(frames))
 
 
 async def call(entry: Entry, sub: p.Submit, name: str, receive: Receive | None) -> p.Result:

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,8 +28,13 @@ from gpufn.http.pool import Entry
 from gpufn.wire import jsonwire
 from gpufn.wire import protocol as p
 
-if TYPE_CHECKING:
-    from gpufn.http.app import Gateway
+
+class Gateway(Protocol):
+    """What these routes need of the gateway (gpufn/http/app.py)."""
+
+    async def entry(self, request: Request) -> Entry: ...
+
+    async def body(self, request: Request) -> Any: ...
 
 JSON = "application/json"
 

@@ -97,3 +97,13 @@ def double(x: list[int]) -> list[int]:
 @gpufn.gpu(count=2, gather=True)
 def ranks() -> int:
     return gpufn.context().rank
+
+
+@gpufn.gpu(count=2, spmd=False)
+def whole(x: int, as_tensor: bool = False) -> Any:
+    """One process over both devices (its helper reads and writes the JSON itself)."""
+    if as_tensor:
+        import torch
+
+        return torch.zeros(1)
+    return {"x": x, "devices": len(gpufn.context().devices)}

@@ -111,6 +111,11 @@ def test_nested_calls_and_gangs_and_batches(http: Any, served: ServedGateway) ->
     r = post(http, "ranks")
     assert r.status_code == 200, r.text
     assert r.json()["result"] == [0, 1]
+    # spmd=False: one helper process over both devices, JSON in and out there too.
+    r = post(http, "whole", 3)
+    assert r.status_code == 200 and r.json()["result"] == {"x": 3, "devices": 2}, r.text
+    r = post(http, "whole", 3, as_tensor=True)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "NotJSONSerializable", r.text
     # One batch may hold JSON callers (HTTP) and pickle callers (Python): each gets its own.
     client = served.client()
     try:
@@ -323,26 +328,29 @@ def test_spawn_get_and_delete(http: Any) -> None:
     assert r.status_code == 400 and "event-stream" in r.json()["error"]["message"]
 
 
-def test_queue_full_is_429(http: Any) -> None:
+def test_queue_full_is_429(served: ServedGateway, http: Any) -> None:
     # blocker runs one at a time per device (2 devices); the queue holds 4 per function.
-    ids, refused = [], []
+    ids = []
     for _ in range(8):
-        r = http.post("/v1/apps/t/blocker/spawn", json={"args": [30]})
+        r = http.post("/v1/apps/t/blocker/spawn", json={"args": [60]})
         assert r.status_code == 202
         ids.append(r.json()["call_id"])
-    deadline = time.monotonic() + 30
+    client = served.client()
     try:
-        while not refused:
-            for i in ids:
-                view = http.get(f"/v1/calls/{i}").json()
-                if view["state"] == "failed":
-                    refused.append(view)
-            assert time.monotonic() < deadline, "no call was refused"
-            time.sleep(0.05)
-        assert refused[0]["error"]["type"] == "QueueFull"
-        r = post(http, "blocker", 30)
+        views = [http.get(f"/v1/calls/{i}").json() for i in ids]
+        deadline = time.monotonic() + 60
+        while sum(v["state"] == "failed" for v in views) < 2:  # 2 run, 4 wait, 2 refused
+            assert time.monotonic() < deadline, views
+            time.sleep(0.1)
+            views = [http.get(f"/v1/calls/{i}").json() for i in ids]
+        refused = [v for v in views if v["state"] == "failed"]
+        assert {v["error"]["type"] for v in refused} == {"QueueFull"}
+        queued = {q["function"]: q["queued"] for q in client.status()["queue_by_priority"]}
+        assert queued.get("blocker") == 4, queued  # full, so the next call is refused at once
+        r = http.post("/v1/apps/t/blocker", json={"args": [60]}, timeout=30)
         assert r.status_code == 429 and r.json()["error"]["type"] == "QueueFull"
     finally:
+        client.close()
         for i in ids:
             http.delete(f"/v1/calls/{i}")
 

@@ -25,6 +25,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "gpufn.runtime": {"gpufn.exceptions", "gpufn.wire"},
     "gpufn.api": {"gpufn.exceptions", "gpufn.wire", "gpufn.net", "gpufn.client", "gpufn.runtime"},
     "gpufn.parallel": {"gpufn.exceptions", "gpufn.runtime"},
+    "gpufn.http": {"gpufn.exceptions", "gpufn.wire", "gpufn.net", "gpufn.client", "gpufn.api"},
     "gpufn.cli": {"*"},
     "gpufn.memory_pool": {"gpufn.exceptions", "gpufn.wire"},
     "gpufn.scheduler": {"gpufn.exceptions", "gpufn.wire", "gpufn.net", "gpufn.memory_pool"},
@@ -156,3 +157,26 @@ def test_every_public_name_is_listed_and_loads() -> None:
     assert sorted(gpufn.__all__) == sorted(table)
     for name in gpufn.__all__:
         assert getattr(gpufn, name) is not None
+
+
+@pytest.mark.timeout(120)
+def test_the_http_gateway_is_imported_by_nothing_else() -> None:
+    """`gpufn.http` (and its web framework) is a room of its own: the SDK, the CLI, the
+    scheduler and the workers run without it (`gpufn serve` imports it only with --http-port)."""
+    for folder in ("scheduler", "worker", "memory_pool", "gpufn/wire", "gpufn/net",
+                   "gpufn/client", "gpufn/api", "gpufn/runtime", "gpufn/parallel"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            assert "gpufn.http" not in text and "starlette" not in text and "uvicorn" not in text, path
+    script = textwrap.dedent("""
+        import sys
+        import gpufn, gpufn.cli.main, gpufn.scheduler.server, gpufn.worker.process
+        import gpufn.api.deployment, gpufn.api.lookup, gpufn.api.chat
+        gpufn.chat_model, gpufn.NotJSONSerializable
+        bad = sorted(m for m in sys.modules if m.split(".")[0] in ("starlette", "uvicorn", "fastapi")
+                     or m.startswith("gpufn.http"))
+        print(bad)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=100, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -44,29 +44,6 @@ def test_numpy_is_a_runtime_dependency() -> None:
     assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in deps), deps
 
 
-@pytest.mark.timeout(120)
-def test_the_http_gateway_is_imported_by_nothing_else() -> None:
-    """`gpufn.http` (and its web framework) is a room of its own: the SDK, the CLI, the
-    scheduler and the workers run without it (`gpufn serve` imports it only with --http-port)."""
-    for folder in ("scheduler", "worker", "memory_pool", "gpufn/wire", "gpufn/net",
-                   "gpufn/client", "gpufn/api", "gpufn/runtime", "gpufn/parallel"):
-        for path in (ROOT / folder).rglob("*.py"):
-            text = path.read_text()
-            assert "gpufn.http" not in text and "starlette" not in text and "uvicorn" not in text, path
-    script = textwrap.dedent("""
-        import sys
-        import gpufn, gpufn.cli.main, gpufn.scheduler.server, gpufn.worker.process
-        import gpufn.api.deployment, gpufn.api.lookup, gpufn.api.chat
-        gpufn.chat_model, gpufn.NotJSONSerializable
-        bad = sorted(m for m in sys.modules if m.split(".")[0] in ("starlette", "uvicorn", "fastapi")
-                     or m.startswith("gpufn.http"))
-        print(bad)
-    """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       timeout=100, cwd=ROOT)
-    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
-
-
 def test_the_http_extra_is_part_of_test() -> None:
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 
@@ -67,17 +68,23 @@ def feasibility_error(
     fixes = []
     if spec.type and not any(type_rank(spec.type, d.info.name) is not None for d in devs):
         fixes.append(f"no device matches type={list(spec.type)}; use one of the names listed")
+    simulated = all(d.info.kind == "cpu" for d in devs)
     biggest = max(d.ledger.capacity for d in devs)
     if spec.memory + model_bytes > biggest:
         over = spec.memory + model_bytes - biggest
+        gib = math.ceil((spec.memory + model_bytes) / 2**30)
+        fix = (f"lower memory=, or, as these are simulated devices, give them more with "
+               f"GPUFN_DEVICE_MEMORY={gib}GiB (`gpufn serve --device-memory {gib}GiB`)"
+               if simulated else "lower memory= or add larger devices")
         fixes.append(
-            f"the largest device has {format_bytes(biggest)}, {format_bytes(over)} too little; "
-            "lower memory= or add larger devices"
+            f"the largest device has {format_bytes(biggest)}, {format_bytes(over)} too little: {fix}"
         )
     if spec.count > 1 and len(ok) < spec.count:
-        where = "on one node " if one_node else ""
-        fixes.append(f"count={spec.count} but only {usable} suitable devices exist {where}; "
-                     "lower count=")
+        where = " on one node" if one_node else ""
+        fix = (f"lower count=, or, as these are simulated devices, start {spec.count} with "
+               f"GPUFN_CPU_DEVICES={spec.count} (`gpufn serve --cpu-devices {spec.count}`)"
+               if simulated else "lower count= or add devices")
+        fixes.append(f"count={spec.count} but only {usable} suitable devices exist{where}: {fix}")
     if not fixes:
         fixes.append("no registered device is healthy")
     return f"{name} needs {need}, which no device can provide: {'; '.join(fixes)}. Devices: {listing}."

@@ -36,7 +36,8 @@ def report(core: Reported, now: float) -> dict[str, Any]:
         })
     functions = [
         {"name": f.name, "function_id": f.function_id, "queued": core.queue.depth(fid),
-         "calls": f.calls, "runtime_ewma": f.runtime_ewma, "app": f.app, "version": f.version}
+         "calls": f.calls, "runtime_ewma": f.runtime_ewma, "app": f.app, "version": f.version,
+         "model_keys": list(f.model_keys)}
         for fid, f in core.functions.items()
     ]
     return {

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -271,12 +272,30 @@ def _announce(ready_fd: int, address: str) -> bool:
         os.close(ready_fd)
 
 
+def _refuse(ready_fd: int | None, reason: str) -> None:
+    """Tell the starter in one line why we cannot serve (on its ready pipe, else stderr)."""
+    if ready_fd is not None:
+        try:
+            os.write(ready_fd, b"!" + reason.encode() + b"\n")  # embedded.START_FAILED
+            return
+        except OSError:
+            pass
+        finally:
+            os.close(ready_fd)
+    print(f"gpufn scheduler: {reason}", file=sys.stderr)
+
+
 def run(
     host: str, port: int, config: SchedulerConfig, ready_fd: int | None = None,
     parent_pid: int = 0, ipc_path: str | None = None, security: ServerSecurity | None = None,
     metrics_port: int | None = None,
 ) -> None:
-    server = SchedulerServer(host, port, config, ipc_path, security)
+    try:
+        server = SchedulerServer(host, port, config, ipc_path, security)
+    except zmq.ZMQError as e:  # the port is taken, or the interface does not exist
+        where = f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}"
+        _refuse(ready_fd, f"cannot listen on {where}: {e.strerror}")
+        raise SystemExit(2) from None
     if metrics_port is not None:
         server.start_metrics(metrics_port)
     signal.signal(signal.SIGTERM, server.stop)

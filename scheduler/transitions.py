@@ -185,8 +185,12 @@ class Transitions:
         self.dirty = True
         if retry:
             self.counters.retried += 1
-            log.warning("[%s] %s: %s; queued again in %.2fs", inv.id, inv.function.name, why,
-                        inv.not_before - now)
+            # A raised exception that Retries(on=...) matches is retried as the caller asked
+            # (INFO; its `why` states the delay); a lost worker is worth a WARNING.
+            raised = not_before is not None
+            log.log(logging.INFO if raised else logging.WARNING, "[%s] %s: %s%s", inv.id,
+                    inv.function.name, why,
+                    "" if raised else f"; retrying in {inv.not_before - now:.2g}s")
         else:
             log.info("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
 
@@ -233,7 +237,7 @@ class Transitions:
         meta.devices = list(inv.devices)
         meta.attempts = inv.attempts
         meta.queued_s = (inv.started or now) - inv.submitted
-        meta.cold_start = inv.cold or (inv.carrier.cold if inv.carrier else "") or False
+        meta.cold_start = inv.cold or (inv.carrier.cold if inv.carrier else "")
         return meta
 
     def release_device(self, inv: Invocation, d: Device | None) -> None:

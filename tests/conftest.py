@@ -3,19 +3,26 @@ settings, and a check that no gpufn process outlives the tests that started it."
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+# The tests never see the user's own `gpufn serve` (~/.gpufn/cluster.json) nor write there.
+os.environ["GPUFN_HOME"] = tempfile.mkdtemp(prefix="gpufn-test-home-")
 os.environ.setdefault("GPUFN_CPU_DEVICES", "2")
 os.environ.setdefault("GPUFN_DEVICE_MEMORY", "8GiB")
 os.environ.setdefault("GPUFN_PROGRESS", "0")
 
 import gpufn
 from gpufn.client import default as client_mod
+
+atexit.register(shutil.rmtree, os.environ["GPUFN_HOME"], True)
 
 
 def cluster_pids(c: gpufn.Client) -> list[int]:

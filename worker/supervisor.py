@@ -74,7 +74,8 @@ class Supervisor:
         self.address = address
         self.token = token
         self.node = node
-        self.slots = {d.key: _Slot(d, log_path=log_dir() / f"worker-{node}-{d.index}.log")
+        log_dir()
+        self.slots = {d.key: _Slot(d, log_path=config.worker_log_file(node, d.index))
                       for d in devices}
         self.threads_per_worker = threads_per_worker
         # Gang ranks on this host talk over the interface that reaches the scheduler.
@@ -188,8 +189,11 @@ class Supervisor:
             else:
                 slot.fast_failures += 1
                 slot.restart_at = now + RESTART_BACKOFF.delay(slot.fast_failures - 1)
+            # A kill the scheduler ordered it has reported already (the caller got the
+            # Timeout or the cancel): INFO, so it does not trail a script's own last line.
+            level = logging.INFO if slot.kill_reason else logging.WARNING
             slot.kill_reason, slot.served = "", False
-            log.warning("worker for %s (pid %d) ended: %s", key, proc.pid, reason)
+            log.log(level, "worker for %s (pid %d) ended: %s", key, proc.pid, reason)
             if slot.fast_failures >= GIVE_UP_AFTER:
                 wait = config.give_up_retry_seconds()
                 slot.restart_at = now + wait

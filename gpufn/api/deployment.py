@@ -21,7 +21,7 @@ from gpufn.api.chat import chat_name
 from gpufn.api.function import Function
 from gpufn.api.model import Model
 from gpufn.client.client import Client
-from gpufn.client.default import get_client
+from gpufn.client.default import served_client
 from gpufn.exceptions import GpufnError, InvalidSpec
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
@@ -58,6 +58,24 @@ class Deployment:
         return f'f = gpufn.lookup("{self.app}", "{fn}"); f.remote(...)'
 
 
+_GPUFN_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def _is_user_frame(filename: str) -> bool:
+    return not (filename.startswith("<frozen ") or filename.startswith(_GPUFN_DIR))
+
+
+def user_traceback(exc: BaseException) -> str:
+    """`exc`'s traceback with gpufn's own frames and the import machinery's left out: what
+    the user wrote (for a SyntaxError, just the line and its caret)."""
+    tb = traceback.TracebackException.from_exception(exc)
+    for part in (tb, tb.__cause__, tb.__context__):
+        if part is not None:
+            part.stack = traceback.StackSummary.from_list(
+                [f for f in part.stack if _is_user_frame(f.filename)])
+    return "".join(tb.format())
+
+
 def load_module(path: str | Path) -> ModuleType:
     """Import an app file as a module named after its stem; its folder is importable
     while it loads (for its local modules). A failure raises DeployError with the traceback."""
@@ -85,7 +103,7 @@ def load_module(path: str | Path) -> ModuleType:
         if isinstance(e, KeyboardInterrupt):
             raise
         raise DeployError(f"{path.name} failed to import: {type(e).__name__}: {e}",
-                          traceback.format_exc()) from None
+                          user_traceback(e)) from None
     finally:
         if added:
             sys.path.remove(folder)
@@ -175,7 +193,7 @@ def deploy(module_or_path: ModuleType | str | Path, name: str | None = None, tag
                           f"@gpufn.chat_model name ({sorted(chats)}); give each its own")
     folder = os.path.dirname(os.path.abspath(source)) if source else os.getcwd()
     local = [module, *local_modules(folder)] if source else [module]
-    client = client or get_client()
+    client = client or served_client("gpufn.deploy()")
     described: list[dict[str, Any]] = []
     frames: list[Any] = []
     with by_value(local):
@@ -219,7 +237,7 @@ def deploy(module_or_path: ModuleType | str | Path, name: str | None = None, tag
 
 
 def _command(command: str, client: Client | None = None, **args: Any) -> dict[str, Any]:
-    client = client or get_client()
+    client = client or served_client(f"the app command {command!r}")
     return client.ask(lambda rid: p.AppCommand(rid, command, args))
 
 

@@ -419,6 +419,36 @@ def _check_models(models: Any) -> tuple[Any, ...]:
     return out
 
 
+_WARM_HINT = ("for setup that should stay warm between calls (a model, a tokenizer), "
+              "declare it with @gpufn.model and name it in @gpu(models=[...])")
+
+
+def _refuse_classes_and_methods(fn: Any) -> None:
+    """@gpu runs one function per call; a class (Modal's @app.cls) or a method is refused."""
+    if isinstance(fn, type):
+        raise InvalidSpec(f"@gpu decorates functions, not the class {fn.__name__}: "
+                          f"decorate a module-level function instead; {_WARM_HINT}.")
+    if isinstance(fn, (staticmethod, classmethod)):
+        fn = fn.__func__
+    qualname = str(getattr(fn, "__qualname__", ""))
+    owner = qualname.rpartition(".")[0]
+    if inspect.isfunction(fn) and owner and not owner.endswith("<locals>"):
+        raise InvalidSpec(f"@gpu decorates functions, not the method "
+                          f"{qualname.rpartition('<locals>.')[2]}: move it to "
+                          f"module level (it gets no `self`); {_WARM_HINT}.")
+
+
+def _refuse_unknown(options: dict[str, Any]) -> None:
+    from gpufn.wire.spec import modal_gpu_hint
+
+    if "gpu" in options:
+        raise InvalidSpec(f"@gpu(gpu={options['gpu']!r}) is Modal's spelling; gpufn's is "
+                          f"{modal_gpu_hint(options['gpu'])}.")
+    names = ", ".join(sorted(options))
+    known = [o for o in OPTION_NAMES if not o.startswith("retry_") and o != "deadline"]
+    raise InvalidSpec(f"@gpu got unknown option(s) {names}; its options are {', '.join(known)}.")
+
+
 class _GpuDecorator(Protocol):
     """What `gpu(...)` with options returns: a decorator that keeps the signature."""
 
@@ -453,13 +483,17 @@ def gpu(
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
     batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
-    device_args: bool = False,
+    device_args: bool = False, **unknown: Any,
 ) -> Any:
     """Declare a function's GPU needs; it then runs remotely with .remote()/.map()/.spawn().
 
-    `@gpu` alone works too. Every option is validated here: a bad value raises
-    `gpufn.InvalidSpec` at import time, naming the option and the fix.
+    `@gpu` alone works too. Every option's form is validated here: a bad value raises
+    `gpufn.InvalidSpec` at import time, naming the option and the fix. Whether some device
+    can satisfy it (a `type=` name, `memory=`, `count=`) the cluster decides at the first
+    call (`Unschedulable` at once, listing its devices).
     """
+    if unknown:
+        _refuse_unknown(unknown)
     model_objs = _check_models(models)
     spec = make_spec(
         count=count, type=type, memory=memory, timeout=timeout, retries=retries,
@@ -471,6 +505,7 @@ def gpu(
     def wrap(fn: Callable[..., Any]) -> Function[Any, Any]:
         if isinstance(fn, Function):
             fn = fn._fn
+        _refuse_classes_and_methods(fn)
         if not callable(fn):
             raise InvalidSpec(f"@gpu decorates a function, not {fn!r}")
         check_gang(model_objs, spec.count, spec.spmd, getattr(fn, "__qualname__", ""))

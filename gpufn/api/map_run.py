@@ -191,6 +191,7 @@ class _MapRun:
             return
         from gpufn.api.progress import make_bar
 
+        get_client()  # connect (or start the embedded cluster, saying so) before the bar shows
         bar = make_bar(f"{self.fn.name}.map", self.total)
 
         def counted() -> Iterator[tuple[int, bool, Any]]:

@@ -45,7 +45,7 @@ class _Snapshot:
         rate = self.done / self.elapsed if self.elapsed > 0 else 0.0
         eta = ((self.total - self.done) / rate if rate and self.total is not None else None)
         count = f"{self.done}/{self.total}" if self.total is not None else f"{self.done}"
-        return count, f"{rate:.1f}/s", _clock(eta if self.done != self.total else 0.0)
+        return count, rate_text(self.done, self.elapsed), _clock(eta if self.done != self.total else 0.0)
 
     def __repr__(self) -> str:
         count, rate, eta = self._numbers()
@@ -85,19 +85,35 @@ class NotebookBar:
         self.handle.update(self._snapshot())
 
 
+def rate_text(done: int, elapsed: float) -> str:
+    """Calls per second so far, as both bars show it ("12.5/s")."""
+    return f"{done / elapsed if elapsed > 0 else 0.0:.1f}/s"
+
+
 class TerminalBar:
     def __init__(self, name: str, total: int | None) -> None:
+        from rich.markup import escape
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
             Progress,
+            ProgressColumn,
             TextColumn,
             TimeElapsedColumn,
             TimeRemainingColumn,
         )
+        from rich.text import Text
 
-        self.progress = Progress(TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+        class RateColumn(ProgressColumn):
+            """Completed calls per second, over the whole run (as the notebook bar shows)."""
+
+            def render(self, task: Any) -> Text:
+                elapsed = task.finished_time if task.finished else task.elapsed
+                return Text(rate_text(int(task.completed), elapsed or 0.0), style="cyan")
+
+        self.progress = Progress(TextColumn(f"[bold]{escape(name)}"), BarColumn(),
+                                 MofNCompleteColumn(), RateColumn(), TimeElapsedColumn(),
+                                 TimeRemainingColumn(), transient=False)
         self.task = self.progress.add_task("map", total=total)
         self.progress.start()
 

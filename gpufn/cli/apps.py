@@ -1,4 +1,4 @@
-"""`gpufn deploy` and `gpufn app list|history|rollback|stop`: thin commands over
+"""`gpufn deploy` and `gpufn app list|history|rollback|stop|logs`: thin commands over
 `gpufn.api.deployment`, rendered with rich (or `--json`), exiting non-zero with a one-line
 reason on an expected failure."""
 
@@ -15,46 +15,28 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gpufn.cli import common
+from gpufn.cli.common import ADDRESS_HELP, TOKEN_HELP, fail
 from gpufn.exceptions import GpufnError
 
-app_cli = typer.Typer(add_completion=False, no_args_is_help=True,
-                      help="Deployed apps: list, history, rollback, stop.")
+app_cli = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                      help="Deployed apps: list, history, rollback, stop, logs.")
 console = Console()
-err = Console(stderr=True)
 
-ADDRESS = typer.Option(None, "--address", envvar="GPUFN_ADDRESS",
-                       help="Scheduler address [the last `gpufn serve` on this machine].")
-TOKEN = typer.Option(None, "--token", envvar="GPUFN_TOKEN", help="The cluster's token.")
+ADDRESS = typer.Option(None, "--address", help=ADDRESS_HELP)
+TOKEN = typer.Option(None, "--token", help=TOKEN_HELP)
 JSON = typer.Option(False, "--json", help="Print JSON.")
-
-
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    err.print(f"[red]error[/]: {message}", highlight=False)
-    return typer.Exit(code)
 
 
 @contextlib.contextmanager
 def _client(address: str | None, token: str | None) -> Iterator[Any]:
     """A client of a running scheduler (never the embedded one: a deployment must outlive
     this command); expected failures exit with one line."""
-    from gpufn.client.client import Client
-    from gpufn.net.cluster_file import load_cluster_file, saved_token
-
-    if not address:
-        saved = load_cluster_file()
-        if saved is None:
-            raise _fail("no scheduler address: start one with `gpufn serve`, or pass --address "
-                        "/ set GPUFN_ADDRESS", 2)
-        address = str(saved["address"])
-    token = token or saved_token(address)
-    try:
-        client = Client(address, token, connect_timeout=10.0)
-    except GpufnError as e:
-        raise _fail(f"{type(e).__name__}: {e}") from None
+    client = common.connect(address, token, 10.0)
     try:
         yield client
     except GpufnError as e:
-        raise _fail(f"{type(e).__name__}: {e}") from None
+        fail(f"{type(e).__name__}: {e}")
     finally:
         client.close()
 
@@ -92,14 +74,14 @@ def deploy_command(
     from gpufn.api.deployment import DeployError, deploy
 
     if strategy not in ("rolling", "recreate"):
-        raise _fail(f"--strategy {strategy!r}: use rolling or recreate", 2)
+        fail(f"--strategy {strategy!r}: use rolling or recreate", 2)
     with _client(address, token) as client:
         try:
             d = deploy(path, name=name, tag=tag, strategy=strategy, check=check, client=client)
         except DeployError as e:
             if e.details:
-                err.print(e.details.rstrip(), highlight=False, markup=False)
-            raise _fail(str(e)) from None
+                typer.echo(e.details.rstrip(), err=True)
+            fail(str(e))
     if as_json:
         _print_json(d.__dict__)
         return
@@ -172,7 +154,7 @@ def _version(text: str | None) -> int | None:
         return None
     digits = text[1:] if text.lower().startswith("v") else text
     if not digits.isdigit() or int(digits) < 1:
-        raise _fail(f"version {text!r}: write it as v3 or 3", 2)
+        fail(f"version {text!r}: write it as v3 or 3", 2)
     return int(digits)
 
 
@@ -215,5 +197,9 @@ def stop_command(app: str = typer.Argument(..., help="The app."),
 
 def register(app: typer.Typer) -> None:
     """Add `deploy` and `app ...` to the main CLI."""
+    from gpufn.cli import ops
+
     app.command("deploy")(deploy_command)
+    app_cli.command("logs", help="The same as `gpufn logs` (Modal's spelling): function "
+                    "output with invocation ids.")(ops.logs)
     app.add_typer(app_cli, name="app")

@@ -6,15 +6,20 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
 from gpufn.net.processes import alive
 from gpufn.wire import config
 
-ADDRESS_HELP = "Scheduler address, tcp://host:port [the last `gpufn serve` on this machine]."
-TOKEN_HELP = "The cluster's token [saved by `gpufn serve` on this machine]."
+if TYPE_CHECKING:
+    from gpufn.net.discovery import Target
+
+ADDRESS_HELP = ("Scheduler address, tcp://HOST:PORT (default: GPUFN_ADDRESS, else the running "
+                "`gpufn serve` of this GPUFN_HOME).")
+TOKEN_HELP = ("The cluster's token (default: GPUFN_TOKEN, else the one `gpufn serve` saved "
+              "on this machine).")
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 
@@ -40,36 +45,35 @@ def parse_duration(text: str, what: str = "--since") -> float:
     return sum(float(n) * _UNITS[u] for n, u in parts)
 
 
-def resolve(address: str | None, token: str | None) -> tuple[str, str | None]:
-    """The scheduler to talk to: --address/GPUFN_ADDRESS, else the one `gpufn serve` on this
-    machine left in GPUFN_HOME/cluster.json; its token likewise."""
-    from gpufn.net.cluster_file import load_cluster_file, saved_token
+def resolve(address: str | None, token: str | None) -> Target:
+    """The scheduler to talk to, found as every gpufn client finds it
+    (`gpufn.net.discovery.resolve`): --address, GPUFN_ADDRESS, then the running `gpufn
+    serve` of this GPUFN_HOME. Never an embedded cluster: with none, a one-line exit."""
+    from gpufn.exceptions import InvalidSpec
+    from gpufn.net.discovery import resolve as discover
 
-    if not address:
-        saved = load_cluster_file()
-        if saved is None:
-            fail("no scheduler address: start one with `gpufn serve` (or `gpufn serve "
-                 "--detach`), or pass --address / set GPUFN_ADDRESS", 2)
-        address = str(saved["address"])
-    if not token:
-        token = saved_token(address)
-    return config.normalize_address(address), token
+    try:
+        target = discover(address, token, label="--address")
+    except InvalidSpec as e:
+        fail(str(e), 2)
+    if target.embedded:
+        why = f" ({target.notice}; {target.advice})" if target.notice else ""
+        fail("no scheduler address: start one with `gpufn serve` (or `gpufn serve --detach`), "
+             f"or pass --address / set GPUFN_ADDRESS{why}", 2)
+    return target
 
 
-def connect(address: str | None, token: str | None, timeout: float) -> Any:
+def connect(address: str | None, token: str | None, timeout: float,
+            target: Target | None = None) -> Any:
     """A `Client` for the resolved scheduler, or a one-line exit saying why not."""
-    import zmq
-
     from gpufn.client.client import Client
     from gpufn.exceptions import GpufnError
 
-    addr, tok = resolve(address, token)
+    target = target or resolve(address, token)
     try:
-        return Client(addr, tok, connect_timeout=timeout)
+        return Client(str(target.address), target.token, connect_timeout=timeout, target=target)
     except GpufnError as e:
-        fail(f"cannot reach the scheduler at {addr}: {type(e).__name__}: {e}")
-    except zmq.ZMQError as e:
-        fail(f"bad scheduler address {addr!r}: {e}", 2)
+        fail(f"cannot reach the scheduler at {target.address}: {type(e).__name__}: {e}")
 
 
 def pid_file() -> Path:

@@ -18,9 +18,11 @@ from gpufn.cli.common import fail
 from gpufn.exceptions import GpufnError
 from gpufn.net import address_file as addrfile
 from gpufn.net.cluster_file import load_cluster_file, write_cluster_file
+from gpufn.net.discovery import port_holder
 from gpufn.wire import config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Help texts are plain text: rich markup would eat "[metrics]" in `gpufn[metrics]`.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="gpufn: self-hosted serverless GPU functions.")
 console = Console()
 err = Console(stderr=True)
@@ -38,14 +40,14 @@ def _public_address(address: str, host: str) -> str:
 def serve(
     host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 for a cluster; off loopback, traffic is CURVE-encrypted)."),
     port: int = typer.Option(config.DEFAULT_PORT, help="Port to bind (0 picks a free one)."),
-    cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found [GPUFN_CPU_DEVICES, 2]."),
-    device_memory: str | None = typer.Option(None, help="Memory of each simulated device, e.g. 8GiB [GPUFN_DEVICE_MEMORY]."),
+    cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found (default: GPUFN_CPU_DEVICES, else 2)."),
+    device_memory: str | None = typer.Option(None, help="Memory of each simulated device, e.g. 8GiB (default: GPUFN_DEVICE_MEMORY, else 8GiB)."),
     islands: int | None = typer.Option(None, help="Split simulated devices into NVLink-like islands."),
     token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="Shared secret clients and workers must present (generated if unset)."),
     workers: bool = typer.Option(True, help="Start workers for this host's devices (--no-workers: scheduler only)."),
     address_file: Path | None = typer.Option(None, help="Write the address here (e.g. on a shared filesystem) for `gpufn worker --address-file`."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Run in the background (pid and log files in the state dir); stop it with `gpufn shutdown`."),
-    state_dir: Path | None = typer.Option(None, "--state-dir", envvar="GPUFN_STATE_DIR", help="Where the scheduler keeps deployments and CURVE keys (in keys/), and --detach its pid and log files [GPUFN_HOME]."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", envvar="GPUFN_STATE_DIR", help="Where the scheduler keeps deployments and CURVE keys (in keys/), worker logs (in logs/), and --detach its pid and log files (default: GPUFN_HOME)."),
     metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port at /metrics (needs `pip install gpufn[metrics]`)."),
     allow_keys: str | None = typer.Option(None, "--allow-keys", help="Also admit only CURVE clients whose public key (*.key) is in this folder."),
     curve: bool = typer.Option(False, "--curve", envvar="GPUFN_CURVE", help="Encrypt with CURVE on loopback too (always on off loopback)."),
@@ -90,6 +92,11 @@ def serve(
         security.server_keys(keys, create=True)  # made on first start; the mode is checked
     except security.SecurityError as e:
         fail(f"the scheduler did not start: {e}")
+    holder = port_holder(host, port)
+    if holder is not None:
+        fail(f"port {port} on {host} is taken by {holder}: pick another with --port (--port 0 "
+             "picks a free one)" + (", or stop that server with `gpufn shutdown`"
+                                    if "gpufn" in holder else ""))
     tok = token or secrets.token_hex(16)
     if detach:
         _detach(tok, as_json)
@@ -102,8 +109,9 @@ def serve(
     except security.SecurityError as e:
         fail(f"the scheduler did not start: {e}")
     except GpufnError as e:
-        fail(f"the scheduler did not start: {e} (is another `gpufn serve` using port {port}? "
-             "pick another with --port, or --port 0 for any free one)")
+        taken = "in use" in str(e)
+        fail(f"{e}" + (" (pick another port with --port, or --port 0 for any free one)"
+                       if taken else ""))
     address = _public_address(address, host)
     gateway = None
     if http_port is not None:
@@ -193,8 +201,8 @@ def _detach(token: str, as_json: bool) -> None:
                 proc.kill()
             common.pid_file().unlink(missing_ok=True)
             tail = common.log_file().read_text(errors="replace").strip().splitlines()[-1:]
-            fail(f"the detached server did not start: {tail[0] if tail else 'no output'} "
-                 f"(log: {common.log_file()})")
+            last = tail[0].removeprefix("error: ") if tail else "no output"
+            fail(f"the detached server did not start: {last} (log: {common.log_file()})")
         time.sleep(0.1)
     from gpufn.net.cluster_file import home
 

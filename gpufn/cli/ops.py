@@ -19,8 +19,8 @@ from gpufn.exceptions import GpufnError
 
 console = Console()
 
-_ADDRESS = typer.Option(None, envvar="GPUFN_ADDRESS", help=ADDRESS_HELP)
-_TOKEN = typer.Option(None, envvar="GPUFN_TOKEN", help=TOKEN_HELP)
+_ADDRESS = typer.Option(None, help=ADDRESS_HELP)
+_TOKEN = typer.Option(None, help=TOKEN_HELP)
 _JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
 _TIMEOUT = typer.Option(5.0, help="Seconds to wait for the scheduler.")
 
@@ -150,11 +150,10 @@ def shutdown(
 
     from gpufn.net.cluster_file import load_cluster_file
 
-    addr, tok = common.resolve(address, token)
-    saved = load_cluster_file()
-    pid = saved.get("pid") if saved and saved.get("address") == addr else None
+    target = None
     try:
-        client = common.connect(addr, tok, timeout)
+        target = common.resolve(address, token)
+        client = common.connect(address, token, timeout, target)
     except typer.Exit:
         dpid = common.read_pid()
         if not (force and dpid):
@@ -162,8 +161,13 @@ def shutdown(
         import os
 
         os.kill(dpid, signal.SIGTERM)
-        pid, ack = dpid, {"forced": True}
+        pid: Any = dpid
+        ack: dict[str, Any] = {"forced": True}
+        addr, tok = (str(target.address) if target else ""), None
     else:
+        addr, tok = str(target.address), target.token
+        saved = load_cluster_file()
+        pid = saved.get("pid") if saved and saved.get("address") == addr else None
         try:
             ack = client.drain(grace, "gpufn shutdown", timeout)
         except GpufnError as e:
@@ -273,21 +277,25 @@ def run(
     ref: str = typer.Argument(..., metavar="FILE.py::FUNCTION", help="The function to call."),
     args: list[str] | None = typer.Argument(None, metavar="ARG...", help=(
         "Arguments as Python literals or JSON (strings otherwise); NAME=VALUE for keywords.")),
-    address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help=(
-        "Run on this scheduler [default: a local cluster started for this run].")),
+    address: str | None = typer.Option(None, help=(
+        "Run on this scheduler (default: GPUFN_ADDRESS, else the running `gpufn serve` of "
+        "this GPUFN_HOME, else a local cluster started for this run).")),
     token: str | None = _TOKEN, as_json: bool = _JSON,
 ) -> None:
     """Call a function once, print its result, clean up (an ephemeral run)."""
-    import gpufn
     from gpufn.client import default as client_mod
+    from gpufn.exceptions import InvalidSpec
+    from gpufn.net.discovery import resolve
 
     pos, kw = parse_call_args(list(args or []))
     fn = load_function(ref)
     try:
+        target = resolve(address, token, label="--address")
+    except InvalidSpec as e:
+        fail(str(e), 2)
+    try:
         try:
-            if address:
-                addr, tok = common.resolve(address, token)
-                gpufn.connect(addr, token=tok)
+            client_mod.connect_to(target)
             value = fn.remote(*pos, **kw)
         except GpufnError as e:
             fail(f"{type(e).__name__}: {e}")

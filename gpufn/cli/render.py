@@ -26,7 +26,7 @@ def devices_table(status: dict[str, Any]) -> Table:
     for col in ("device", "name", "state", "memory", "used / total", "running", "done", "restarts"):
         t.add_column(col, justify="right" if col in ("done", "restarts") else "left")
     for d in status.get("devices", []):
-        running = ", ".join(f"{r['function']} {r['id'][-8:]} ({r['seconds']:.1f}s)"
+        running = ", ".join(f"{r['function']} {r['id']} ({r['seconds']:.1f}s)"
                             for r in d.get("running", [])) or "-"
         state = d["state"]
         style = _STATE_STYLE.get(state, "")
@@ -61,14 +61,26 @@ def models_table(status: dict[str, Any]) -> Table | None:
     return t
 
 
+def _app_versions(functions: list[dict[str, Any]], key: str) -> str:
+    """Which apps and versions use a model ("demo v1, v2"); "-" for ad-hoc functions only."""
+    by_app: dict[str, set[int]] = {}
+    for f in functions:
+        if key in f.get("model_keys", ()) and f.get("app"):
+            by_app.setdefault(f["app"], set()).add(int(f.get("version") or 0))
+    return "; ".join(f"{app} " + ", ".join(f"v{v}" for v in sorted(vs))
+                     for app, vs in sorted(by_app.items())) or "-"
+
+
 def model_counters_table(status: dict[str, Any]) -> Table | None:
     recs = status.get("models", [])
     if not recs:
         return None
+    functions = status.get("functions", [])
+    apps = any(f.get("app") for f in functions)
     t = Table(title=f"model pool (policy: {status.get('policy', '?')})", title_justify="left")
-    for col in ("model", "bytes", "loads", "mean load", "restores", "mean restore", "offloads",
-                "evictions", "failures"):
-        t.add_column(col, justify="left" if col == "model" else "right")
+    for col in ("model", *(("app",) if apps else ()), "bytes", "loads", "mean load", "restores",
+                "mean restore", "offloads", "evictions", "failures"):
+        t.add_column(col, justify="left" if col in ("model", "app") else "right")
 
     def secs(v: Any) -> str:
         return f"{v * 1000:.0f} ms" if isinstance(v, (int, float)) else "-"
@@ -77,7 +89,8 @@ def model_counters_table(status: dict[str, Any]) -> Table | None:
         name = r["name"]
         if r.get("count", 1) > 1:
             name += f" (TP={r['count']}" + (f" on {', '.join(r['gang'])})" if r.get("gang") else ")")
-        t.add_row(name, format_bytes(r["bytes"]) + (" per device" if r.get("count", 1) > 1 else ""), str(r["loads"]), secs(r["mean_load_s"]),
+        where = (_app_versions(functions, r.get("key", "")),) if apps else ()
+        t.add_row(name, *where, format_bytes(r["bytes"]) + (" per device" if r.get("count", 1) > 1 else ""), str(r["loads"]), secs(r["mean_load_s"]),
                   str(r["restores"]), secs(r["mean_restore_s"]), str(r["offloads"]),
                   str(r["evictions"]), str(r["failures"]))
     return t
@@ -87,12 +100,15 @@ def functions_table(status: dict[str, Any]) -> Table | None:
     fns = status.get("functions", [])
     if not fns:
         return None
+    apps = any(f.get("app") for f in fns)
     t = Table(title="functions", title_justify="left")
-    for col in ("function", "queued", "calls", "mean run time"):
+    for col in ("function", *(("app", "version") if apps else ()), "queued", "calls", "mean run time"):
         t.add_column(col)
-    for f in fns:
+    order = sorted(fns, key=lambda f: (f.get("app") or "", f["name"], f.get("version") or 0))
+    for f in order:
         ewma = f.get("runtime_ewma")
-        t.add_row(f["name"], str(f["queued"]), str(f["calls"]),
+        where = ((f.get("app") or "-", f"v{f['version']}" if f.get("app") else "-") if apps else ())
+        t.add_row(f["name"], *where, str(f["queued"]), str(f["calls"]),
                   f"{ewma * 1000:.1f} ms" if isinstance(ewma, (int, float)) else "-")
     return t
 
@@ -160,4 +176,4 @@ def usage_table(rows: list[dict[str, Any]], by: str, since: str) -> Table:
 def log_line(line: dict[str, Any], when: str) -> str:
     """One line of `gpufn logs` (markup-free: output is printed as it was written)."""
     name = f"{line['app']}.{line['function']}" if line["app"] else line["function"]
-    return f"{when} [{name} {line['invocation_id'][-8:]}] {line['text']}"
+    return f"{when} [{name} {line['invocation_id']}] {line['text']}"

@@ -25,6 +25,7 @@ import zmq
 from gpufn.client.items import ItemQueue
 from gpufn.exceptions import ConnectionLost, GpufnError, ProtocolMismatch, from_wire
 from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
+from gpufn.net.discovery import Target
 from gpufn.wire import config
 from gpufn.wire import protocol as p
 from gpufn.wire.versions import runtime_info, skew
@@ -48,10 +49,11 @@ class Client:
     """A connection to a gpufn scheduler (remote, or the embedded local cluster)."""
 
     def __init__(self, address: str, token: str | None = None, *, cluster: Any = None,
-                 connect_timeout: float = 30.0) -> None:
+                 connect_timeout: float = 30.0, target: Target | None = None) -> None:
         self.address = config.normalize_address(address)
         self.token = token or ""
         self.cluster = cluster
+        self.target = target  # where the address came from (gpufn.net.discovery)
         self.pid = os.getpid()
         self.connection_timeout = config.env_float("GPUFN_CONNECTION_TIMEOUT", 60.0)
         self._prefix = os.urandom(4).hex()
@@ -272,9 +274,15 @@ class Client:
             if not fut.done():
                 fut.set_exception(exc)
 
+    def __repr__(self) -> str:
+        origin = f" from {self.target.origin()}" if self.target is not None else ""
+        state = " closed" if self._closed.is_set() else ""
+        return f"<gpufn.Client {self.address}{origin}{state}>"
+
     def _connection(self, identity: str, channel: str = "") -> Connection:
         info = p.HelloInfo(user=_os_user(), channel=channel)
-        return Connection(self._ctx, ConnectionConfig(self.address, self.token), identity,
+        hint = self.target.unreachable_hint() if self.target is not None else ""
+        return Connection(self._ctx, ConnectionConfig(self.address, self.token, hint), identity,
                           p.Role.CLIENT, info)
 
     def _connect(self) -> Connection | None:
@@ -454,7 +462,7 @@ class Client:
         if name is None:
             pend = self._calls.get(msg.invocation_id)
             name = pend.name if pend else "?"
-        prefix = f"[{name} {msg.invocation_id[-8:]}] "
+        prefix = f"[{name} {msg.invocation_id}] "  # the call's id, unique in the cluster
         text = msg.text[:-1] if msg.text.endswith("\n") else msg.text
         try:
             stream = sys.stderr if msg.stream == "stderr" else sys.stdout

@@ -1,5 +1,5 @@
-"""The default client of this process: `gpufn.connect()`, `get_client()` (connecting or
-starting the embedded cluster on first use), and what happens at interpreter exit."""
+"""The default client of this process: `gpufn.connect()`, `get_client()` (finding the
+cluster once, on first use, or starting the embedded one), and what happens at exit."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 
 from gpufn.client.client import Client
 from gpufn.exceptions import ConnectionLost
-from gpufn.wire import config
+from gpufn.net.discovery import Source, Target, announce, resolve
 
 _default: Client | None = None
 _default_lock = threading.RLock()
@@ -20,45 +20,55 @@ _exiting = False  # set when interpreter exit begins: no connection or cluster i
 def connect(address: str | None = None, *, token: str | None = None) -> Client:
     """Connect to a scheduler and make it the default for `.remote()` and friends.
 
-    With no address and no GPUFN_ADDRESS, start (or reuse) the embedded local cluster.
+    The cluster is found as everywhere in gpufn (`gpufn.net.discovery.resolve`): `address`,
+    else GPUFN_ADDRESS, else the running `gpufn serve` of this GPUFN_HOME, else an embedded
+    local cluster started (or reused) for this process.
     """
+    return connect_to(resolve(address, token))
+
+
+def connect_to(target: Target) -> Client:
+    """`connect` to a cluster already found (`gpufn.net.discovery.resolve`)."""
     global _default
     with _default_lock:
         if _exiting or sys.is_finalizing():
             raise ConnectionLost(
                 "the interpreter is exiting; gpufn calls made after exit has begun are refused "
                 "(is a daemon thread still calling? stop or join it before the main thread ends)")
-        addr = address or config.address()
-        tok = token if token is not None else config.token()
-        if addr is None and _default is not None and _default.pid != os.getpid():
+        if target.embedded and _default is not None and _default.pid != os.getpid():
             # A forked child reuses its parent's embedded cluster instead of starting one.
-            addr, tok = _default.address, _default.token
+            target = Target(_default.address, _default.token, Source.ARGUMENT,
+                            f"the embedded cluster of the parent process (pid {_default.pid})")
             _default = None
         if _default is not None and _default.pid == os.getpid():
-            same = (addr is None and _default.cluster is not None) or (
-                addr is not None and config.normalize_address(addr) == _default.address)
+            same = (target.embedded and _default.cluster is not None) or (
+                target.address is not None and target.address == _default.address)
             if same and not _default._closed.is_set():
                 return _default
             _shutdown_default()
-        if addr is None:
-            from gpufn.client.embedded import LocalCluster
+        _default = _start(target) if target.embedded else Client(
+            str(target.address), target.token, target=target)
+        return _default
 
-            cluster = LocalCluster()
-            addr, tok = cluster.start()
-            try:
-                client = Client(addr, tok, cluster=cluster)
-                cluster.wait_for_devices(client)
-            except BaseException:
-                cluster.stop()
-                raise
-        else:
-            if not tok:  # `gpufn serve` on this machine leaves its token for local clients
-                from gpufn.net.cluster_file import saved_token
 
-                tok = saved_token(addr)
-            client = Client(addr, tok)
-        _default = client
-        return client
+def _start(target: Target) -> Client:
+    """Start an embedded cluster (saying why first, if another one may have been meant)."""
+    from gpufn.client.embedded import LocalCluster
+
+    if target.notice:
+        announce(target)
+    elif _interactive():  # it takes seconds: say what the wait is (a .map bar waits behind it)
+        _say("gpufn: starting a local cluster for this process (to share one, run `gpufn "
+             "serve --detach` or set GPUFN_ADDRESS) ...")
+    cluster = LocalCluster(private_state=True)
+    addr, tok = cluster.start()
+    try:
+        client = Client(addr, tok, cluster=cluster, target=target)
+        cluster.wait_for_devices(client)
+    except BaseException:
+        cluster.stop()
+        raise
+    return client
 
 
 def get_client() -> Client:
@@ -66,6 +76,46 @@ def get_client() -> Client:
     c = _default
     if c is not None and c.pid == os.getpid() and not c._closed.is_set():
         return c
+    return connect()
+
+
+def _interactive() -> bool:
+    """stderr is a terminal, or this is a notebook kernel (whose stderr shows in the cell)."""
+    try:
+        return sys.stderr.isatty() or "ipykernel" in sys.modules
+    except (AttributeError, ValueError):
+        return False
+
+
+def _say(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:  # a closed stderr must not stop the cluster from starting
+        pass
+
+
+def served_client(what: str) -> Client:
+    """The default client, for `what` (e.g. "gpufn.deploy()"), which needs a cluster that
+    outlives this process: an embedded cluster (with its private state) is refused, with
+    what to do instead."""
+    c = _default
+    if c is not None and c.pid == os.getpid() and not c._closed.is_set():
+        if c.cluster is None:
+            return c
+        raise ConnectionLost(
+            f"{what} needs a running cluster, and this process uses an embedded one (its "
+            "state ends with this process). Start one with `gpufn serve --detach`, then "
+            "gpufn.connect() to it (or set GPUFN_ADDRESS), or pass client=.")
+    target = resolve()
+    if target.embedded:
+        if target.notice:
+            raise ConnectionLost(f"{what} needs a running cluster and found none: "
+                                 f"{target.notice}; {target.advice}.")
+        raise ConnectionLost(
+            f"{what} needs a running cluster and found none: start one with `gpufn serve "
+            "--detach` (it is then found through this GPUFN_HOME), or set GPUFN_ADDRESS, or "
+            "pass client=.")
     return connect()
 
 

@@ -1,9 +1,10 @@
 """The embedded local cluster: a scheduler and a supervisor as child processes.
 
-Started by the first `.remote()` when no GPUFN_ADDRESS is set: one worker per detected
-GPU, or simulated CPU devices (GPUFN_CPU_DEVICES, GPUFN_DEVICE_MEMORY). It lives as long
-as the interpreter and is torn down at exit; the children also watch their parent and
-stop by themselves if it dies, so no process is left behind.
+Started by the first `.remote()` when no cluster is found (`gpufn.net.discovery`): one
+worker per detected GPU, or simulated CPU devices (GPUFN_CPU_DEVICES, GPUFN_DEVICE_MEMORY),
+with a state dir of its own. It lives as long as the interpreter and is torn down at exit;
+the children also watch their parent and stop by themselves if it dies, so no process is
+left behind.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +22,26 @@ from typing import Any
 
 from gpufn.exceptions import ConnectionLost
 from gpufn.net.curve import LOCAL_KEY_NAME, ServerSecurity, ensure_keypair
+from gpufn.net.processes import alive
 from gpufn.wire import config
+
+# The scheduler writes this before a one-line reason on its ready pipe when it cannot start.
+START_FAILED = "!"
+
+
+def private_state_dir() -> Path:
+    """A new state dir of an embedded cluster's own (deployments, worker logs), never a
+    served cluster's: `$TMPDIR/gpufn-$UID/embedded/<pid>-<random>`, 0700. Folders left by
+    processes that died without cleaning up are removed here."""
+    runtime = config.runtime_dir()
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    root = runtime / "embedded"
+    root.mkdir(mode=0o700, exist_ok=True)
+    for old in root.iterdir():
+        pid = old.name.split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
 
 
 def _extra_pythonpath() -> list[str]:
@@ -49,7 +70,7 @@ class LocalCluster:
         islands: int | None = None, extra_env: dict[str, str] | None = None, *,
         host: str = "127.0.0.1", port: int = 0, token: str | None = None,
         transport: str | None = None, workers: bool = True, keys: Path | None = None,
-        allow_keys: Path | None = None,
+        allow_keys: Path | None = None, private_state: bool = False,
     ) -> None:
         self.cpu_devices = cpu_devices
         self.device_memory = device_memory
@@ -62,6 +83,11 @@ class LocalCluster:
         self.address = ""
         self.token = token or secrets.token_hex(16)
         self.keys, self.allow_keys = keys, allow_keys  # CURVE (see gpufn.net.curve)
+        # The embedded cluster keeps its state (and worker logs) in a folder of its own,
+        # removed when it stops; `gpufn serve` uses GPUFN_STATE_DIR.
+        self.private_state = private_state
+        self.state_dir: Path | None = None
+        self.label = "the embedded gpufn scheduler" if private_state else "the gpufn scheduler"
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -70,6 +96,8 @@ class LocalCluster:
         paths = _extra_pythonpath() + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env.update(self.extra_env)
+        if self.state_dir is not None:
+            env["GPUFN_STATE_DIR"] = str(self.state_dir)
         return env
 
     def _security_args(self, env: dict[str, str]) -> list[str]:
@@ -88,6 +116,8 @@ class LocalCluster:
         return args
 
     def start(self, timeout: float = 60.0) -> tuple[str, str]:
+        if self.private_state and self.state_dir is None:
+            self.state_dir = private_state_dir()
         env = self._env()
         # Before the pipe: a refusal here leaves nothing to clean up.
         security_args = self._security_args(env)
@@ -96,7 +126,7 @@ class LocalCluster:
                str(self.port), "--ready-fd", str(w), "--parent-pid", str(os.getpid()),
                *security_args]
         if self.transport == "ipc":
-            sock_dir = Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
+            sock_dir = config.runtime_dir()
             sock_dir.mkdir(mode=0o700, exist_ok=True)
             cmd += ["--ipc", str(sock_dir / f"sched-{os.getpid()}-{secrets.token_hex(4)}.sock")]
         self.scheduler = subprocess.Popen(
@@ -106,6 +136,9 @@ class LocalCluster:
         os.close(w)
         try:
             self.address = self._read_address(r, timeout)
+        except BaseException:
+            self._remove_state()
+            raise
         finally:
             os.close(r)
         if self.workers:
@@ -138,14 +171,18 @@ class LocalCluster:
             if left <= 0 or self.scheduler.poll() is not None:
                 self.stop()
                 raise ConnectionLost(
-                    "the embedded gpufn scheduler did not start (see the output above); "
-                    "set GPUFN_LOG_LEVEL=INFO for details")
+                    f"{self.label} did not start (see the output above); set "
+                    "GPUFN_LOG_LEVEL=INFO for details")
             if select.select([fd], [], [], min(left, 0.2))[0]:
                 chunk = os.read(fd, 4096)
                 if not chunk and self.scheduler.poll() is not None:
                     continue
                 buf += chunk
-        return buf.decode().strip()
+        line = buf.decode().strip()
+        if line.startswith(START_FAILED):
+            self.stop()
+            raise ConnectionLost(f"{self.label} did not start: {line[len(START_FAILED):]}")
+        return line
 
     def wait_for_devices(self, client: Any, timeout: float = 60.0) -> None:
         """Block until the supervisor has announced its devices (workers may still start)."""
@@ -176,3 +213,9 @@ class LocalCluster:
                 proc.kill()
                 proc.wait()
         self.supervisor = self.scheduler = None
+        self._remove_state()
+
+    def _remove_state(self) -> None:
+        if self.private_state and self.state_dir is not None:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+            self.state_dir = None

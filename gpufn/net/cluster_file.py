@@ -28,8 +28,14 @@ def write_cluster_file(address: str, token: str, http: str | None = None) -> Pat
 
 
 def load_cluster_file() -> dict[str, Any] | None:
+    """The cluster file of this GPUFN_HOME, or None."""
+    return read_cluster_file(home() / "cluster.json")
+
+
+def read_cluster_file(path: Path) -> dict[str, Any] | None:
+    """A cluster file's contents (address, token, pid), or None if absent or unreadable."""
     try:
-        data = json.loads((home() / "cluster.json").read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or "address" not in data:

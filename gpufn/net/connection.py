@@ -11,7 +11,14 @@ from typing import Any
 
 import zmq
 
-from gpufn.exceptions import AuthenticationError, ConnectionLost, GpufnError, from_wire, kind_of
+from gpufn.exceptions import (
+    AuthenticationError,
+    ConnectionLost,
+    GpufnError,
+    InvalidSpec,
+    from_wire,
+    kind_of,
+)
 from gpufn.net import curve as security
 from gpufn.net import sockets
 from gpufn.wire import config
@@ -37,6 +44,8 @@ class ConnectionConfig:
 
     address: str
     token: str = ""
+    # What to check when nothing answers: says where the address came from (discovery).
+    unreachable: str = ""
 
     @property
     def endpoint(self) -> str:
@@ -110,7 +119,13 @@ class Connection:
         endpoint = config.endpoint
         if endpoint.startswith("tcp://"):
             self._monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-        self.sock.connect(endpoint)
+        try:
+            self.sock.connect(endpoint)
+        except zmq.ZMQError as e:  # e.g. a host name ZeroMQ cannot parse
+            self._stop_monitor()
+            self.sock.close(0)
+            raise InvalidSpec(f"address {endpoint!r} cannot be connected to ({e.strerror}): "
+                              "write it as tcp://HOST:PORT, as `gpufn serve` printed it") from None
 
     def _secure(self, sock: zmq.Socket[Any]) -> str | None:
         """Security options, applied before connect; every peer's socket comes through here.
@@ -221,8 +236,8 @@ class Connection:
             if not ready.get(self.sock):
                 raise ConnectionLost(
                     f"no answer from a gpufn scheduler at {self.address} within {timeout:.0f}s. "
-                    "Is `gpufn serve` running there? Check GPUFN_ADDRESS, or unset it to use the "
-                    "embedded local cluster.")
+                    + (self.config.unreachable or "Is `gpufn serve` running there, and is this the "
+                       "address it printed (--address or GPUFN_ADDRESS)?"))
             try:
                 msgs = p.decode_all(self.sock.recv_multipart(copy=False))
             except p.DecodeError as e:

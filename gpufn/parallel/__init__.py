@@ -8,7 +8,20 @@ pipeline parallelism built on PyTorch's own `torch.distributed.tensor.parallel` 
 
 from __future__ import annotations
 
-from gpufn.parallel.pipeline import Pipeline, pipeline_parallel
-from gpufn.parallel.tensor import tensor_parallel
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpufn.parallel.pipeline import Pipeline, pipeline_parallel
+    from gpufn.parallel.tensor import tensor_parallel
 
 __all__ = ["Pipeline", "pipeline_parallel", "tensor_parallel"]
+
+# Loaded on first use: `gpufn plan` (capacity) and the CLI do not pay for importing torch.
+_LAZY = {"Pipeline": "pipeline", "pipeline_parallel": "pipeline", "tensor_parallel": "tensor"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"gpufn.parallel.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'gpufn.parallel' has no attribute {name!r}")

@@ -36,7 +36,7 @@ Strategy = Literal["colwise", "rowwise", "replicate"]
 # code reads some of them (GPT-2's `split_size`, BART's `embed_dim`...) to reshape, so each rank
 # must see its local value once q/k/v are sharded.
 _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "n_heads")
-_HEAD_WIDTH_ATTRS = ("embed_dim", "split_size", "all_head_size", "hidden_size")
+_HEAD_WIDTH_ATTRS = ("embed_dim", "split_size", "all_head_size", "hidden_size", "inner_dim")
 _KV_NAMES = ("k_proj", "v_proj", "key", "value")
 
 
@@ -125,7 +125,7 @@ def tensor_parallel(
         if rows is not None:
             _relayout(module, name, rows)
     modules = dict(module.named_modules())
-    _shrink_attention(modules, sharding, keep, world)
+    _shrink_attention(modules, sharding, keep, world, mesh.get_local_rank())
     for name in sharding.experts:
         shard_experts(modules[name], mesh)
 
@@ -326,9 +326,11 @@ def _relayout(root: nn.Module, name: str, rows: list[torch.Tensor]) -> None:
 
 
 def _shrink_attention(
-    modules: dict[str, nn.Module], sharding: Sharding, keep: dict[str, tuple[str, ...]], world: int
+    modules: dict[str, nn.Module], sharding: Sharding, keep: dict[str, tuple[str, ...]], world: int,
+    rank: int,
 ) -> None:
-    """Divide head counts and head-sized widths of modules whose q/k/v outputs become local."""
+    """Divide head counts and head-sized widths of modules whose q/k/v outputs become local,
+    and give per-head embeddings (T5's relative position bias) this rank's heads."""
     parents = {
         parent_name(name) for name, rule in sharding.rules.items()
         if rule.local_output and is_linear_like(modules[name])
@@ -338,6 +340,7 @@ def _shrink_attention(
         if not any(isinstance(getattr(parent, a, None), int) for a in ("head_dim", *_HEAD_COUNT_ATTRS)):
             continue  # an MLP: nothing reads head counts
         kept = _keep_for(name, sharding)
+        _localise_head_embeddings(name, parent, sharding, kept, world, rank)
         for attr in (*_HEAD_COUNT_ATTRS, *_HEAD_WIDTH_ATTRS):
             value = getattr(parent, attr, None)
             if attr in kept or not isinstance(value, int) or isinstance(value, bool):
@@ -351,6 +354,34 @@ def _shrink_attention(
         entry = sharding.family(name)
         if entry is not None and entry[0].localise is not None:
             entry[0].localise(parent, entry[1], world)
+
+
+def _localise_head_embeddings(
+    name: str, parent: nn.Module, sharding: Sharding, kept: tuple[str, ...], world: int, rank: int
+) -> None:
+    """An attention module's embedding with one column per head (a relative position bias)
+    keeps only this rank's heads, contiguous as a colwise q gives them; else its bias would
+    have every head while the scores have the local ones."""
+    heads = {v for a in _HEAD_COUNT_ATTRS
+             if a not in kept and isinstance(v := getattr(parent, a, None), int) and not isinstance(v, bool)}
+    for child_name, child in parent.named_children():
+        full = f"{name}.{child_name}" if name else child_name
+        if not isinstance(child, nn.Embedding) or child.embedding_dim not in heads:
+            continue
+        if full in sharding.rules and sharding.rules[full].strategy != "replicate":
+            raise InvalidSpec(
+                f"tensor_parallel: {full!r} holds one column per attention head of {name!r}; "
+                "leave it out of the plan (or mark it 'replicate'): it follows the heads"
+            )
+        local = child.embedding_dim // world
+        cols = slice(rank * local, (rank + 1) * local)
+        new = nn.Embedding(child.num_embeddings, local, padding_idx=child.padding_idx,
+                           device=child.weight.device, dtype=child.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(child.weight[:, cols])
+        new.train(child.training)
+        new.requires_grad_(child.weight.requires_grad)
+        setattr(parent, child_name, new)
 
 
 def _wait_output(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor | None:

@@ -122,9 +122,20 @@ def log_level() -> str:
 
 
 def log_dir() -> Path:
-    """GPUFN_LOG_DIR: where workers' output goes (default $TMPDIR/gpufn-$UID)."""
+    """GPUFN_LOG_DIR: where workers' output goes (default: `logs/` in the state dir, so a
+    cluster's logs stay with its state; an embedded cluster's state dir is its own)."""
     d = env_str("GPUFN_LOG_DIR")
-    return Path(d) if d else Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
+    return Path(d) if d else state_dir() / "logs"
+
+
+def worker_log_file(node: str, index: int) -> Path:
+    """The one file a worker's output goes to: `worker-<node>-<index>.log` in `log_dir()`."""
+    return log_dir() / f"worker-{node}-{index}.log"
+
+
+def runtime_dir() -> Path:
+    """This user's folder for sockets and embedded clusters' state ($TMPDIR/gpufn-$UID)."""
+    return Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
 
 
 def give_up_retry_seconds() -> float:
@@ -249,10 +260,22 @@ def join_address(endpoint: str, key: str | None) -> str:
 
 def normalize_address(addr: str) -> str:
     """'host:port' or 'tcp://host:port' -> 'tcp://host:port' (a ?key= suffix is kept)."""
-    endpoint, key = split_address(addr)
+    if not isinstance(addr, str) or not addr.strip():
+        raise InvalidSpec(f"address {addr!r}: write a scheduler address as tcp://HOST:PORT.")
+    endpoint, key = split_address(addr.strip())
     if "://" not in endpoint:
         endpoint = (f"tcp://{endpoint}:{DEFAULT_PORT}" if ":" not in endpoint
                     else f"tcp://{endpoint}")
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidSpec(f"address {addr!r}: write it as tcp://HOST:PORT, e.g. "
+                              f"tcp://127.0.0.1:{DEFAULT_PORT} (as `gpufn serve` printed it).")
+    elif scheme not in ("ipc", "inproc") or not rest:
+        raise InvalidSpec(f"address {addr!r}: gpufn schedulers speak ZeroMQ, not {scheme}://; "
+                          f"write it as tcp://HOST:PORT, e.g. tcp://127.0.0.1:{DEFAULT_PORT} "
+                          "(as `gpufn serve` printed it).")
     return join_address(endpoint, key)
 
 

@@ -379,7 +379,7 @@ class ResultMeta:
     devices: list[str] = field(default_factory=list)  # where it ran
     attempts: int = 0  # times dispatched
     queued_s: float = 0.0  # from submit to dispatch
-    cold_start: str | bool = False  # "loaded" / "restored" / "waited", False if resident
+    cold_start: str = ""  # "loaded" / "restored" / "waited"; "" when warm (or no model)
     batch_size: int | None = None  # calls in the batch it ran in
     gather: list[int] | None = None  # payload frames per rank, with gather=True
     items: int | None = None  # a generator: values it yielded (rank 0's, from a gang)

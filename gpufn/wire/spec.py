@@ -170,7 +170,31 @@ def _types(value: object) -> tuple[str, ...]:
             f"type={value!r} must be a device name like 'H100' or an ordered list of "
             "acceptable names like ['H100', 'A100'] (fallbacks, first preferred)."
         )
+    for name in names:
+        base, sep, n = name.rpartition(":")
+        if sep and n.strip().isdigit():  # Modal's "H100:2"
+            raise InvalidSpec(f"type={name!r}: give the device count apart, "
+                              f"@gpu(type={base.strip()!r}, count={int(n)}).")
+        if not any(ch.isalnum() for ch in name):
+            raise InvalidSpec(f"type={name!r} is not a device name; use one like 'H100' or 'A100'.")
     return names
+
+
+def modal_gpu_hint(value: object) -> str:
+    """The gpufn spelling of Modal's `gpu=` argument ("H100", "H100:2", ["H100", "A100"])."""
+    names = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
+    count, types = 1, []
+    for v in names:
+        if not isinstance(v, str):
+            return "@gpu(type='H100', count=2)"
+        base, sep, n = v.rpartition(":")
+        if sep and n.strip().isdigit():
+            count, v = int(n), base
+        types.append(v.strip())
+    if not types:
+        return "@gpu(type='H100', count=2)"
+    t = repr(types[0]) if len(types) == 1 else repr(types)
+    return f"@gpu(type={t}" + (f", count={count})" if count > 1 else ")")
 
 
 AUTOCAST_DTYPES = ("bf16", "fp16")

@@ -44,6 +44,22 @@ def build_gpt2(heads: int = 4, embd: int = 64) -> nn.Module:
     return GPT2LMHeadModel(config).eval()
 
 
+def build_t5(heads: int = 4) -> nn.Module:
+    """A 2-layer T5 (relative position bias per head, no head_dim attribute), seeded, fp32."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                      num_decoder_layers=2, num_heads=heads, decoder_start_token_id=0,
+                      pad_token_id=0, eos_token_id=1, attn_implementation="eager")
+    return T5ForConditionalGeneration(config).eval()
+
+
+def t5_logits(model: nn.Module) -> torch.Tensor:
+    ids = input_ids()
+    return model(input_ids=ids, decoder_input_ids=ids[:, :5]).logits
+
+
 def build_mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -70,6 +86,7 @@ def reference() -> dict[str, Any]:
         out[f"{name}_pp_logits"] = model(input_ids(batch=4)).logits
         out[f"{name}_pp_short"] = model(input_ids(batch=4)[:, :7]).logits
     out["mlp"] = build_mlp()(mlp_input())
+    out["t5_logits"] = t5_logits(build_t5())
     return out
 
 
@@ -84,6 +101,9 @@ DICT_PLANS: dict[str, dict[str, str]] = {
         "layers.*.mlp.down_proj": "rowwise", "embed_tokens": "replicate",
     },
     "gpt2": {"*.c_attn": "colwise", "*.c_fc": "colwise", "*.c_proj": "rowwise", "lm_head": "replicate"},
+    # issue 19: a user's plan for T5 (whose attention has a per-head relative position bias)
+    "t5": {"*.q": "colwise", "*.k": "colwise", "*.v": "colwise", "*.o": "rowwise",
+           "*.wi": "colwise", "*.wo": "rowwise"},
 }
 
 
@@ -117,6 +137,13 @@ def _tp_dict(name: str) -> torch.Tensor:
 
     model = tensor_parallel(BUILDERS[name](), DICT_PLANS[name])
     return model(input_ids()).logits
+
+
+@torch.no_grad()
+def _tp_plan(model: nn.Module, plan: dict[str, str]) -> nn.Module:
+    from gpufn.parallel import tensor_parallel
+
+    return tensor_parallel(model, plan)
 
 
 @torch.no_grad()
@@ -179,6 +206,7 @@ CHECKS: dict[str, Callable[[], Any]] = {
     "tp_llama_dict": lambda: _tp_dict("llama"),
     "tp_gpt2_dict": lambda: _tp_dict("gpt2"),
     "tp_mlp": _tp_mlp,
+    "tp_t5_dict": lambda: t5_logits(_tp_plan(build_t5(), DICT_PLANS["t5"])),
     "pp_llama": lambda: _pp("llama"),
     "pp_gpt2": lambda: _pp("gpt2"),
     "pp_mlp_split_points": _pp_mlp_split_points,

@@ -107,7 +107,7 @@ def test_output_reaches_the_caller_with_a_prefix(cluster: gpufn.Client, capfd: p
 
     call = chatty.spawn(42)
     assert call.get(timeout=30) == 42
-    tag = f"[{chatty.name} {call.id[-8:]}]"
+    tag = f"[{chatty.name} {call.id}]"
     out = err = ""
 
     def arrived() -> bool:  # output may trail the result by a message

@@ -128,7 +128,7 @@ def test_model_is_loaded_once_and_shared_by_functions(pool: gpufn.Client) -> Non
     assert m["state"] == "resident" and m["measured"] and set(m["users"]) == {"use_a", "also_a"}
     assert record(pool, "small_a")["loads"] == 1
     metas = [c.result_meta()["cold_start"] for c in calls]
-    assert metas.count("loaded") == 1 and set(metas) <= {"loaded", "waited", False}
+    assert metas.count("loaded") == 1 and set(metas) <= {"loaded", "waited", ""}
 
 
 def test_offload_to_host_and_restore_when_the_pool_is_full(pool: gpufn.Client) -> None:

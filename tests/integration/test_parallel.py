@@ -23,7 +23,8 @@ SPAWN_DEADLINE_S = 110.0
 # One spawn per world size runs every check for it (process start-up dominates on 2 cores).
 WORLD_CHECKS: dict[int, list[str]] = {
     2: [
-        "tp_llama", "tp_gpt2", "tp_llama_dict", "tp_gpt2_dict", "tp_mlp", "pp_llama", "pp_gpt2", "pp_mlp_split_points",
+        "tp_llama", "tp_gpt2", "tp_llama_dict", "tp_gpt2_dict", "tp_t5_dict", "tp_mlp", "pp_llama", "pp_gpt2",
+        "pp_mlp_split_points",
         "err_heads", "err_strategy", "err_pattern", "err_stages",
     ],
     4: ["tp_llama", "tp_gpt2", "tp_mlp", "err_kv_heads"],
@@ -160,6 +161,14 @@ def test_tensor_parallel_shards_the_weights(ranks, world: int, model: str) -> No
 def test_tensor_parallel_dict_plan_matches_single_process(ranks, reference, model: str) -> None:
     for value in _values(ranks(2), f"tp_{model}_dict"):
         torch.testing.assert_close(value, reference[f"{model}_logits"])
+
+
+@pytest.mark.timeout(150)
+def test_tensor_parallel_dict_plan_on_t5_matches_single_process(ranks, reference) -> None:
+    """T5's attention has no head_dim and a relative position bias with one column per head:
+    a user's colwise q/k/v + rowwise o plan gives each rank its heads of that bias too."""
+    for value in _values(ranks(2), "tp_t5_dict"):
+        torch.testing.assert_close(value, reference["t5_logits"])
 
 
 @pytest.mark.timeout(150)

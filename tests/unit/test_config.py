@@ -3,9 +3,7 @@ refused with InvalidSpec naming the variable."""
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ CASES: list[tuple[Callable[[], Any], str, Any, list[tuple[str, Any]], list[str]]
      [("1", True), ("true", True), ("ON", True), ("0", False), ("no", False)], ["maybe", "2"]),
     (config.log_level, "GPUFN_LOG_LEVEL", "WARNING", [("info", "INFO"), ("DEBUG", "DEBUG")],
      ["LOUD", "verbose"]),
-    (config.log_dir, "GPUFN_LOG_DIR", Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}",
+    (config.log_dir, "GPUFN_LOG_DIR", config.state_dir() / "logs",
      [("/tmp/x", Path("/tmp/x"))], []),
     (config.home, "GPUFN_HOME", Path.home() / ".gpufn", [("/tmp/h", Path("/tmp/h"))], []),
     (config.embedded_transport, "GPUFN_EMBEDDED_TRANSPORT", "ipc",

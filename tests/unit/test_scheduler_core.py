@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpufn.scheduler.states import DeviceState, IllegalTransition, InvState
 from gpufn.wire import protocol as p
+from gpufn.wire.spec import make_spec
 
 from .core_harness import GiB, Harness
 
@@ -83,7 +86,10 @@ def test_memory_packing() -> None:
 @pytest.mark.parametrize(
     ("options", "fragment"),
     [({"memory": "80GiB"}, "72.0 GiB too little"), ({"type": "H100"}, "no device matches type=['H100']"),
-     ({"count": 3}, "count=3 but only 2 suitable devices")],
+     ({"count": 3}, "count=3 but only 2 suitable devices"),
+     # simulated devices: the fix is a setting, and it is named (issue 19)
+     ({"count": 3}, "start 3 with GPUFN_CPU_DEVICES=3 (`gpufn serve --cpu-devices 3`)"),
+     ({"memory": "20GiB"}, "GPUFN_DEVICE_MEMORY=20GiB (`gpufn serve --device-memory 20GiB`)")],
 )
 def test_unschedulable_fails_at_once_listing_devices(options: dict[str, object], fragment: str) -> None:
     h = Harness(devices=2)
@@ -92,6 +98,16 @@ def test_unschedulable_fails_at_once_listing_devices(options: dict[str, object],
     res = h.results()[inv]
     assert not res.ok and res.error_kind == "Unschedulable"
     assert fragment in res.message and "n:0 'cpu' 8.0 GiB" in res.message
+
+
+def test_unschedulable_on_real_devices_does_not_suggest_simulation_settings() -> None:
+    from gpufn.scheduler.device_fit import feasibility_error
+
+    h = Harness(devices=2)
+    for d in h.core.devices.values():
+        d.info = dataclasses.replace(d.info, kind="cuda", name="NVIDIA H100")
+    msg = feasibility_error(make_spec(count=3), "f", h.core.devices.values())
+    assert msg is not None and "count=3 but only 2" in msg and "GPUFN_CPU_DEVICES" not in msg
 
 
 def test_device_type_fallbacks_prefer_the_first() -> None:

@@ -111,3 +111,62 @@ def test_make_spec_combination_rules() -> None:
     assert make_spec(count=2, gather=True).gather
     with pytest.raises(gpufn.InvalidSpec, match="batch_size"):
         make_spec(count=2, batch_size=4)
+
+
+# ---------------------------------------------------------------------------------- issue 19
+
+
+@pytest.mark.parametrize(("modal", "ours"), [
+    ("H100:2", "@gpu(type='H100', count=2)"), ("A100-80GB", "@gpu(type='A100-80GB')"),
+    (["H100", "A100"], "@gpu(type=['H100', 'A100'])"),
+])
+def test_modals_gpu_spelling_is_told_gpufns(modal: object, ours: str) -> None:
+    with pytest.raises(gpufn.InvalidSpec, match="Modal's spelling") as e:
+        gpufn.gpu(gpu=modal)  # type: ignore[call-overload]
+    assert ours in str(e.value)
+
+
+def test_unknown_options_list_the_known_ones() -> None:
+    with pytest.raises(gpufn.InvalidSpec, match=r"unknown option.*image.*count, type, memory"):
+        gpufn.gpu(image="debian")  # type: ignore[call-overload]
+
+
+def test_a_count_inside_type_is_refused_with_the_fix() -> None:
+    with pytest.raises(gpufn.InvalidSpec, match=r"type='H100', count=2"):
+        gpufn.gpu(type="H100:2")
+    with pytest.raises(gpufn.InvalidSpec, match="not a device name"):
+        gpufn.gpu(type="--")
+
+
+def test_a_class_is_refused_at_decoration_pointing_to_models() -> None:
+    with pytest.raises(gpufn.InvalidSpec, match=r"not the class Model.*@gpufn.model"):
+        @gpufn.gpu
+        class Model:
+            def __call__(self) -> int:
+                return 1
+    with pytest.raises(gpufn.InvalidSpec, match="not the class"):
+        @gpufn.gpu(memory="1GiB")
+        class Other:
+            pass
+
+
+def test_methods_are_refused_at_decoration_but_nested_functions_are_not() -> None:
+    with pytest.raises(gpufn.InvalidSpec, match=r"not the method Holder.run.*@gpufn.model"):
+        class Holder:
+            @gpufn.gpu(memory="1GiB")
+            def run(self) -> int:
+                return 1
+    with pytest.raises(gpufn.InvalidSpec, match="not the method"):
+        class Static:
+            @gpufn.gpu
+            @staticmethod
+            def run() -> int:
+                return 1
+
+    def outer() -> gpufn.Function:
+        @gpufn.gpu
+        def inner() -> int:
+            return 1
+        return inner
+
+    assert outer().local() == 1  # a function in a function (a test, a notebook cell) is fine

@@ -7,6 +7,7 @@ local helper module, and a kernel interrupt that cancels the remote calls."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,16 +118,32 @@ def test_notebook(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "after 25 True" in text["after"], text["after"]
 
 
-def test_example_notebook_runs(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
-    """examples/deploy/notebook.ipynb, top to bottom, against the example app."""
-    monkeypatch.setenv("GPUFN_ADDRESS", served.address)
-    monkeypatch.setenv("GPUFN_TOKEN", served.token)
+def test_example_notebook_runs_on_the_served_cluster_without_an_address(served: Served) -> None:
+    """examples/deploy/notebook.ipynb, top to bottom, in a kernel with no GPUFN_ADDRESS (nor
+    any GPUFN_* but the served cluster's GPUFN_HOME): `gpufn.connect()` finds the `gpufn
+    serve` of that home, and `gpufn status` counts the notebook's calls there."""
+    import json
+    import subprocess
+
+    from .served import gpufn_cmd
+
     client = gpufn.connect(served.address, token=served.token)
     gpufn.deploy(ROOT / "examples" / "deploy" / "app.py", name="demo", client=client)
     folder = ROOT / "examples" / "deploy"
     nb = nbformat.read(folder / "notebook.ipynb", as_version=4)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFN_")}
+    env["GPUFN_HOME"] = str(served.home)
     nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
-                            resources={"metadata": {"path": str(folder)}}).execute()
+                            resources={"metadata": {"path": str(folder)}}).execute(env=env)
     outputs = "".join(_text(c) for c in nb.cells if c.cell_type == "code")
     assert "similarity('self-hosted GPUs', 'a self-hosted GPU box') =" in outputs
     assert "(4, 16)" in outputs and "[0, 1, 4, 9, 16, 25, 36, 49]" in outputs
+    connect = _text(nb.cells[1])
+    assert served.address in connect and "cluster.json" in connect, connect
+    assert "embedded" not in outputs
+    st = subprocess.run([*gpufn_cmd(), "status", "--json"], env=served.env(), capture_output=True,
+                        text=True, timeout=60)
+    assert st.returncode == 0, st.stderr
+    calls = {f["name"]: f["calls"] for f in json.loads(st.stdout)["functions"] if f["app"] == "demo"}
+    assert calls["similarity"] >= 1 and calls["embed"] >= 4 + 1 + 2, calls
+    assert calls["slow_square"] >= 8, calls

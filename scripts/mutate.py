@@ -23,6 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 G = "tests/integration/test_mutation_guards.py"
 R = "tests/integration/test_readme_claims.py"
+D = "tests/unit/test_discovery.py"
+DC = "tests/integration/test_discovery_cli.py"
+E = "tests/integration/test_edges_cli.py"
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,85 @@ MUTATIONS: tuple[Mutation, ...] = (
         '            f.nonce = ""\n',
         (f"{R}::test_gang_store_keys_carry_a_random_per_formation_prefix",),
         "the gang rendezvous keys lose their random per-formation prefix",
+    ),
+    Mutation(
+        "discovery-ignores-gpufn-serve", "gpufn/net/discovery.py",
+        "    saved = cluster_file.load_cluster_file()\n",
+        "    saved = None\n",
+        (f"{D}::test_the_order_argument_environment_cluster_file_embedded",
+         f"{DC}::test_a_script_without_gpufn_address_calls_the_served_cluster"),
+        "clients never find the running `gpufn serve` of their GPUFN_HOME (issue 19)",
+    ),
+    Mutation(
+        "discovery-trusts-a-stale-file", "gpufn/net/discovery.py",
+        "    if isinstance(pid, int) and not alive(pid):\n",
+        "    if False:\n",
+        (f"{D}::test_a_stale_cluster_file_is_not_used_and_is_noticed",),
+        "a cluster file whose `gpufn serve` is gone is used anyway",
+    ),
+    Mutation(
+        "embedded-shares-the-state-dir", "gpufn/client/embedded.py",
+        "            env[\"GPUFN_STATE_DIR\"] = str(self.state_dir)\n",
+        "            pass\n",
+        (f"{DC}::test_an_embedded_cluster_keeps_its_state_to_itself",),
+        "an embedded cluster writes the served cluster's state dir (deployments, logs)",
+    ),
+    Mutation(
+        "address-any-scheme", "gpufn/wire/config.py",
+        '    elif scheme not in ("ipc", "inproc") or not rest:\n',
+        "    elif False:\n",
+        (f"{D}::test_malformed_addresses_are_invalid_spec_naming_the_form",
+         f"{E}::test_an_http_address_from_python_is_a_gpufn_error"),
+        "an http:// address reaches ZeroMQ (a raw ZMQError, a traceback in the CLI)",
+    ),
+    Mutation(
+        "help-rich-markup", "gpufn/cli/main.py",
+        "app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,\n",
+        "app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode='rich',\n",
+        (f"{E}::test_help_keeps_bracketed_text",),
+        "rich markup eats [bracketed] help text (gpufn[metrics])",
+    ),
+    Mutation(
+        "deploy-shows-gpufn-frames", "gpufn/api/deployment.py",
+        "                          user_traceback(e)) from None\n",
+        "                          traceback.format_exc()) from None\n",
+        (f"{E}::test_a_broken_app_shows_only_the_users_frames",),
+        "a broken app's traceback starts with gpufn's own frames and importlib's",
+    ),
+    Mutation(
+        "retry-of-an-exception-warns", "scheduler/transitions.py",
+        "            raised = not_before is not None\n",
+        "            raised = False\n",
+        (f"{E}::test_a_retried_exception_is_not_a_warning_and_states_its_delay_once",),
+        "each retry of a raised exception is a WARNING in the user's terminal",
+    ),
+    Mutation(
+        "killed-worker-warns-late", "worker/supervisor.py",
+        "            level = logging.INFO if slot.kill_reason else logging.WARNING\n",
+        "            level = logging.WARNING\n",
+        (f"{E}::test_nothing_is_printed_after_the_scripts_last_line",),
+        "the supervisor's note of a worker the scheduler killed trails the script's last line",
+    ),
+    Mutation(
+        "unschedulable-no-setting-named", "scheduler/device_fit.py",
+        '    simulated = all(d.info.kind == "cpu" for d in devs)\n',
+        "    simulated = False\n",
+        ("tests/unit/test_scheduler_core.py::test_unschedulable_fails_at_once_listing_devices",),
+        "Unschedulable on simulated devices does not name GPUFN_CPU_DEVICES / GPUFN_DEVICE_MEMORY",
+    ),
+    Mutation(
+        "tp-head-embeddings-kept-whole", "gpufn/parallel/tensor.py",
+        "        _localise_head_embeddings(name, parent, sharding, kept, world, rank)\n",
+        "        pass\n",
+        ("tests/integration/test_parallel.py::test_tensor_parallel_dict_plan_on_t5_matches_single_process",),
+        "T5's relative position bias keeps every head while the scores have the local ones",
+    ),
+    Mutation(
+        "docs-streaming-asks-20gib", "docs/api.md",
+        '@gpufn.gpu(memory="2GiB", models=[llm])\n',
+        '@gpufn.gpu(memory="20GiB", models=[llm])\n',
+        ("tests/integration/test_docs_blocks.py::test_python_blocks_run_as_written[docs/api.md]",),
+        "the docs' streaming example asks for more memory than the simulated devices have",
     ),
     Mutation(
         "eviction-policy-env-ignored", "scheduler/settings.py",

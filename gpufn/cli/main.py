@@ -249,13 +249,14 @@ def worker(
         found = addrfile.wait_for(address_file, wait, on_wait=lambda: err.print(
             f"waiting for the head to write {address_file} ..."))
         if found is None:
-            err.print(f"[red]no address in {address_file} after {wait:g}s[/]")
-            raise typer.Exit(1)
+            fail(f"no address in {address_file} after {wait:g}s")
         address = found["address"]
     if not address:
-        err.print("[red]no scheduler address[/]: pass --address tcp://HEAD:7555 or set GPUFN_ADDRESS")
-        raise typer.Exit(2)
-    argv = ["--address", config.normalize_address(address)]
+        fail("no scheduler address: pass --address tcp://HEAD:7555 or set GPUFN_ADDRESS", 2)
+    try:
+        argv = ["--address", config.normalize_address(address)]
+    except GpufnError as e:
+        fail(str(e), 2)
     if cpu_devices:
         argv += ["--cpu-devices", str(cpu_devices)]
     if device_memory:

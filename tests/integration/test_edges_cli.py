@@ -140,6 +140,7 @@ for _ in range(2):
     except gpufn.Timeout:
         print("timed out", flush=True)
 print("LAST LINE", flush=True)
+time.sleep(0.5)  # the script goes on a little (or exits slowly): what is printed meanwhile?
 """
 
 

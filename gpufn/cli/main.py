@@ -138,8 +138,9 @@ def serve(
         console.print(f"the token is in {token_file} (readable by you only); give it to clients "
                       "and workers as GPUFN_TOKEN over a channel you trust", soft_wrap=True)
         # Z85 keys hold shell characters ($ & ( ...) but never a single quote.
-        console.print(f"connect with: export GPUFN_ADDRESS='{address}' GPUFN_TOKEN=<the token>",
-                      soft_wrap=True, markup=False)
+        console.print(f"connect with: export GPUFN_ADDRESS='{address}' GPUFN_TOKEN=<the token> "
+                      "(on other hosts: here, this GPUFN_HOME's scripts, notebooks and CLI "
+                      "find it by themselves)", soft_wrap=True, markup=False)
         if gateway is not None:
             console.print(f"HTTP gateway on {gateway.url} (Authorization: Bearer <the token>; "
                           f"the dashboard is at {gateway.url}/)", soft_wrap=True, markup=False)
@@ -218,8 +219,9 @@ def _detach(token: str, as_json: bool) -> None:
     if info["http"]:
         console.print(f"HTTP gateway on {info['http']}", soft_wrap=True, markup=False)
     console.print(f"the token is in {info['token_file']} (readable by you only)")
-    console.print(f"connect with: export GPUFN_ADDRESS='{info['address']}' GPUFN_TOKEN=<the token>",
-                  soft_wrap=True, markup=False)
+    console.print(f"connect with: export GPUFN_ADDRESS='{info['address']}' GPUFN_TOKEN=<the token> "
+                  "(on other hosts: here, this GPUFN_HOME's scripts, notebooks and CLI find it "
+                  "by themselves)", soft_wrap=True, markup=False)
 
 
 def forget_server(pid: int) -> None:

@@ -275,8 +275,10 @@ class Client:
                 fut.set_exception(exc)
 
     def __repr__(self) -> str:
-        origin = f" from {self.target.origin()}" if self.target is not None else ""
-        state = " closed" if self._closed.is_set() else ""
+        target = getattr(self, "target", None)
+        origin = f" from {target.origin()}" if target is not None else ""
+        closed = getattr(self, "_closed", None)
+        state = " closed" if closed is not None and closed.is_set() else ""
         return f"<gpufn.Client {self.address}{origin}{state}>"
 
     def _connection(self, identity: str, channel: str = "") -> Connection:

@@ -15,6 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from gpufn.exceptions import InvalidSpec
 from gpufn.net import cluster_file
 from gpufn.net.processes import alive
 from gpufn.wire import config
@@ -84,7 +85,12 @@ def resolve(address: str | None = None, token: str | None = None, *,
         notice, advice = _other_servers()
         return Target(None, env_token, Source.EMBEDDED, notice=notice, advice=advice)
     pid = saved.get("pid")
-    addr = config.normalize_address(saved["address"])
+    try:
+        addr = config.normalize_address(saved["address"])
+    except InvalidSpec:
+        return Target(None, env_token, Source.EMBEDDED,
+                      notice=f"{path} holds no usable address ({saved['address']!r})",
+                      advice="remove the file, or start `gpufn serve --detach` again")
     who = f"`gpufn serve` pid {pid}" if isinstance(pid, int) else "`gpufn serve`"
     if isinstance(pid, int) and not alive(pid):
         return Target(None, env_token, Source.EMBEDDED,

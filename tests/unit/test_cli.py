@@ -71,16 +71,40 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeClient:
 def test_status_renders_bars_hosts_models_and_queue(fake: FakeClient) -> None:
     r = runner.invoke(app, ["status", "--address", "tcp://h:1"], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
-    for text in ("█", "hosts", "1 ready", "offloaded", "queue by priority", "f cdef0123"):
+    for text in ("█", "hosts", "1 ready", "offloaded", "queue by priority", "f abcdef0123"):
         assert text in r.output
     r = runner.invoke(app, ["status", "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["hosts"][0]["host"] == "n"
     assert fake.closed
 
 
+def test_status_of_deployed_apps_has_app_and_version_columns() -> None:
+    from rich.console import Console
+
+    from gpufn.cli import render
+
+    st = {**STATUS, "functions": [
+        {"name": "embed", "queued": 0, "calls": 3, "runtime_ewma": None, "app": "demo", "version": 2,
+         "model_keys": ["enc@b"]},
+        {"name": "embed", "queued": 0, "calls": 9, "runtime_ewma": None, "app": "demo", "version": 1,
+         "model_keys": ["enc@a"]},
+        {"name": "adhoc", "queued": 0, "calls": 1, "runtime_ewma": None, "app": "", "version": 0}],
+        "models": [{"name": "enc", "key": "enc@a", "bytes": 1 << 20, "loads": 1, "count": 1,
+                    "mean_load_s": None, "restores": 0, "mean_restore_s": None, "offloads": 0,
+                    "evictions": 0, "failures": 0}]}
+    console = Console(width=200, record=True)
+    console.print(render.status_view(st))
+    text = console.export_text()
+    fns = text[text.index("functions"):].splitlines()
+    assert "app" in fns[2] and "version" in fns[2]
+    rows = [ln.split("│")[1:4] for ln in fns if "embed" in ln]
+    assert [[c.strip() for c in r] for r in rows] == [["embed", "demo", "v1"], ["embed", "demo", "v2"]]
+    assert "demo v1" in text[text.index("model pool"):text.index("functions")]
+
+
 def test_logs_usage_shutdown_parse_and_render(fake: FakeClient) -> None:
     r = runner.invoke(app, ["logs", "shop.embed", "--since", "10m"])
-    assert r.exit_code == 0 and "[shop.embed 456789ab] hello from embed" in r.output
+    assert r.exit_code == 0 and "[shop.embed 0123456789ab] hello from embed" in r.output
     assert fake.asked[-1] == ("logs", {"target": "shop.embed", "since": 600.0})
     r = runner.invoke(app, ["logs", "shop", "--json"])
     assert json.loads(r.output)[0]["invocation_id"] == "0123456789ab"

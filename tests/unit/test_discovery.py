@@ -79,6 +79,12 @@ def test_a_stale_cluster_file_is_not_used_and_is_noticed(home: Path, listener: s
     assert "gpufn serve --detach" in t.advice
 
 
+def test_a_cluster_file_with_a_bad_address_is_not_used(home: Path) -> None:
+    _cluster_file(home, "http://nowhere", os.getpid())
+    t = discovery.resolve()
+    assert t.embedded and "no usable address" in t.notice
+
+
 def test_a_live_pid_whose_port_is_closed_is_not_used(home: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         NotJSONSerializable,
         OutOfMemory,
         PayloadTooLarge,
+        PermissionDenied,
         ProtocolMismatch,
         QueueFull,
         RemoteError,
@@ -52,9 +53,8 @@ __version__ = "0.1.0"
 _EXCEPTIONS = (
     "AppStopped", "AuthenticationError", "Cancelled", "ConnectionLost", "GpufnError",
     "InvalidSpec", "ModelLoadError", "NotFound", "NotJSONSerializable", "OutOfMemory",
-    "PayloadTooLarge",
-    "ProtocolMismatch", "QueueFull", "RemoteError", "SerializationError", "Timeout",
-    "Unschedulable", "WorkerLost",
+    "PayloadTooLarge", "PermissionDenied", "ProtocolMismatch", "QueueFull", "RemoteError",
+    "SerializationError", "Timeout", "Unschedulable", "WorkerLost",
 )
 
 # public name -> the module that defines it
@@ -76,10 +76,10 @@ __all__ = [  # the same names as _PUBLIC (a test holds it)
     "AppStopped", "AuthenticationError", "CallContext", "CallStream", "Cancelled", "Client",
     "ConnectionLost", "DeployError", "DeployedFunction", "Deployment", "Function",
     "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
-    "NotFound", "NotJSONSerializable", "OutOfMemory", "PayloadTooLarge", "ProtocolMismatch",
-    "QueueFull", "RemoteError", "Retries", "SerializationError", "Timeout", "Unschedulable",
-    "WorkerLost", "chat_model", "connect", "context", "current_device", "deploy", "gather",
-    "gpu", "lookup", "model",
+    "NotFound", "NotJSONSerializable", "OutOfMemory", "PayloadTooLarge", "PermissionDenied",
+    "ProtocolMismatch", "QueueFull", "RemoteError", "Retries", "SerializationError", "Timeout",
+    "Unschedulable", "WorkerLost", "chat_model", "connect", "context", "current_device",
+    "deploy", "gather", "gpu", "lookup", "model",
 ]
 
 if not TYPE_CHECKING:  # hidden from type checkers, which would type every unknown name as Any

@@ -76,6 +76,10 @@ class AppStopped(GpufnError):
     """The app was stopped (or replaced with `--strategy recreate`) before the call ran."""
 
 
+class PermissionDenied(GpufnError):
+    """The caller's token does not allow this (an operation for the admin or an operator)."""
+
+
 class RemoteError(GpufnError):
     """A remote exception whose type cannot be rebuilt in this process."""
 
@@ -106,7 +110,7 @@ _BY_NAME: dict[str, type[GpufnError]] = {
         GpufnError, InvalidSpec, Unschedulable, SerializationError, NotJSONSerializable,
         Timeout, WorkerLost,
         QueueFull, PayloadTooLarge, OutOfMemory, Cancelled, AuthenticationError, ProtocolMismatch,
-        ConnectionLost, ModelLoadError, NotFound, AppStopped,
+        ConnectionLost, ModelLoadError, NotFound, AppStopped, PermissionDenied,
     )
 }
 

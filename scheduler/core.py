@@ -61,6 +61,8 @@ from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import DeviceState, InvState
 from gpufn.scheduler.streams import StreamDesk
 from gpufn.scheduler.transitions import Transitions
+from gpufn.scheduler.user_desk import UserDesk
+from gpufn.scheduler.users import Identity, UserStore, sees
 from gpufn.wire import protocol as p
 
 log = logging.getLogger("gpufn.scheduler")
@@ -70,7 +72,8 @@ __all__ = ["Event", "Received", "RendezvousFailed", "RendezvousReady", "Schedule
 
 class SchedulerCore:
     def __init__(self, config: SchedulerConfig | None = None,
-                 deployments: DeploymentStore | None = None) -> None:
+                 deployments: DeploymentStore | None = None,
+                 users: UserStore | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.wall_offset = 0.0  # wall clock minus the `now` the shell passes (set by the shell)
         self.peers: dict[bytes, Peer] = {}
@@ -99,6 +102,8 @@ class SchedulerCore:
         self.ops = OpsDesk(self)  # logs, usage and drain
         self.streams = StreamDesk(self)  # streamed values, from_id callers
         self.tx.observers += [self.ops, self.streams]  # usage first, then attached callers
+        self.users = UserDesk(self, users or UserStore(), self._drop_peer)  # tokens, limits
+        self.placement.caps = self.users.caps
         own: dict[type, Any] = {
             p.Hello: self._on_hello, p.Ping: self._on_ping, p.Goodbye: self._on_goodbye,
             p.Register: self._on_register, p.Submit: self._on_submit, p.Cancel: self._on_cancel,
@@ -107,7 +112,8 @@ class SchedulerCore:
             p.WorkerExited: self._on_worker_exited, p.ModelEvent: self._on_model_event,
         }
         self._handlers = handshake.merge_handlers(
-            own, self.apps.handlers(), self.ops.handlers(), self.streams.handlers())
+            own, self.apps.handlers(), self.ops.handlers(), self.streams.handlers(),
+            self.users.handlers())
 
     # ------------------------------------------------------------------ entry points
 
@@ -241,24 +247,31 @@ class SchedulerCore:
                                          f"a {known.role} may not send {type(msg).__name__}"))
                 return
             known.last_seen = now
+            denied = self.users.denial(known, msg)  # an operation its token does not allow
+            if denied is not None:
+                self.send(peer, denied)
+                return
         handler(peer, msg, now)
 
     def _on_hello(self, peer: bytes, msg: p.Hello, now: float) -> None:
-        refused = handshake.refusal(msg, self.config.token)
+        who = self.users.identify(msg)
+        refused = handshake.refusal(msg, who)
         if refused is not None:
             self.send(peer, refused)
         elif msg.role == p.Role.CLIENT:
-            self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
+            assert who is not None
+            self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now, who.user, who.admin)
             self.recovery.client_hello(peer, msg.info, now)
-            self.send(peer, p.Welcome(True, info=self._cluster_info()))
+            self.send(peer, p.Welcome(True, info=self._cluster_info(who)))
         elif msg.role == p.Role.SUPERVISOR:
             self._hello_supervisor(peer, msg, now)
         else:
             self._hello_worker(peer, msg, now)
 
-    def _cluster_info(self) -> p.WelcomeInfo:
+    def _cluster_info(self, who: Identity | None = None) -> p.WelcomeInfo:
         return p.WelcomeInfo(p.PROTOCOL_VERSION, len(self.devices), self.config.client_timeout,
-                             self.instance, handshake.runtimes(self.peers.values()))
+                             self.instance, handshake.runtimes(self.peers.values()),
+                             who.user if who else "", who.admin if who else False)
 
     def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
         infos = [DeviceInfo.from_wire(d) for d in msg.info.devices]
@@ -412,6 +425,12 @@ class SchedulerCore:
         except GpufnError as e:
             self.send(peer, p.Result(msg.invocation_id, False, kind_of(e), str(e)))
             return
+        limited = self.users.admit(self.peers[peer], spec, fn.name)  # the user's limits
+        if isinstance(limited, GpufnError):
+            self.counters.unschedulable += 1
+            self.send(peer, p.Result(msg.invocation_id, False, kind_of(limited), str(limited)))
+            return
+        spec = limited
         refused = self.intake.refusal(fn, spec, bool(msg.options))
         if refused is not None:
             if isinstance(refused, Unschedulable):
@@ -422,7 +441,7 @@ class SchedulerCore:
             return
         self._seq += 1
         inv = Invocation(msg.invocation_id, fn, peer, spec, tuple(msg.frames), now, self._seq)
-        inv.user = self.peers[peer].info.user
+        inv.user = self.peers[peer].user  # from its token, never the client's claim
         inv.history.append(("queued", now))
         if spec.deadline is not None:
             inv.deadline = now + spec.deadline
@@ -437,16 +456,23 @@ class SchedulerCore:
 
     def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:
         inv = self.invocations.get(msg.invocation_id)
-        if inv is None or inv.client != peer:
-            return
-        if inv.state is InvState.QUEUED:
-            self.tx.finish(inv, now, InvState.CANCELLED, Cancelled(
-                f"{inv.function.name} call {inv.id} was cancelled before it started"))
-        elif inv.state is InvState.RUNNING and msg.include_running:
-            self.tx.cancel_running(inv, now, msg.reason or "cancelled by the caller")
+        cancelled = False
+        # Its caller, or the same user (or an admin) from elsewhere (`FunctionCall.from_id`);
+        # another user's call is answered exactly like an unknown one.
+        if inv is not None and (inv.client == peer or sees(self.peers.get(peer), inv.user)):
+            if inv.state is InvState.QUEUED:
+                self.tx.finish(inv, now, InvState.CANCELLED, Cancelled(
+                    f"{inv.function.name} call {inv.id} was cancelled before it started"))
+                cancelled = True
+            elif inv.state is InvState.RUNNING and msg.include_running:
+                self.tx.cancel_running(inv, now, msg.reason or "cancelled by the caller")
+                cancelled = True
+        if msg.request_id:
+            self.send(peer, p.QueryReply(msg.request_id, True, {"cancelled": cancelled}))
 
     def _on_status(self, peer: bytes, msg: p.StatusRequest, now: float) -> None:
-        self.send(peer, p.StatusReply(msg.request_id, self.status(now)))
+        self.send(peer, p.StatusReply(msg.request_id,
+                                      self.users.view(self.status(now), self.peers[peer])))
 
     # ------------------------------------------------------------------ worker reports
 

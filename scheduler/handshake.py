@@ -3,12 +3,12 @@ what once it is (the one role table), and the merge of the core's and desks' han
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpufn.exceptions import AuthenticationError, GpufnError, ProtocolMismatch, kind_of
 from gpufn.scheduler.records import Peer
+from gpufn.scheduler.users import Identity
 from gpufn.wire import protocol as p
 
 
@@ -24,8 +24,10 @@ def runtimes(peers: Iterable[Peer]) -> list[dict[str, Any]]:
             for (py, cp), nodes in seen.items()]
 
 
-def refusal(msg: p.Hello, token: str | None) -> p.Welcome | None:
-    """The Welcome that refuses this Hello (malformed, other protocol, wrong token), or None."""
+def refusal(msg: p.Hello, who: Identity | None) -> p.Welcome | None:
+    """The Welcome that refuses this Hello (malformed, other protocol, a token that is
+    nobody's, a user's token for a worker host), or None. `who` is the token's holder
+    (`users.identify`), None if it is nobody's."""
     if not (isinstance(msg.role, str) and isinstance(msg.token, str)
             and isinstance(msg.info, p.HelloInfo) and isinstance(msg.pid, int)):
         return p.Welcome(False, kind_of(ProtocolMismatch),
@@ -34,12 +36,17 @@ def refusal(msg: p.Hello, token: str | None) -> p.Welcome | None:
         return p.Welcome(False, kind_of(ProtocolMismatch), (
             f"peer speaks gpufn protocol {msg.version}, this scheduler speaks "
             f"{p.PROTOCOL_VERSION}; install the same gpufn version everywhere"))
-    if token and not hmac.compare_digest(token.encode(), (msg.token or "").encode()):
+    if who is None:
         return p.Welcome(False, kind_of(AuthenticationError), (
-            "wrong or missing token: set GPUFN_TOKEN (or connect(token=...)) to the token "
-            "the scheduler was started with"))
+            "wrong, missing or revoked token: set GPUFN_TOKEN (or connect(token=...)) to the "
+            "cluster's token (in the cluster file of `gpufn serve`) or to a user's token from "
+            "`gpufn token create`"))
     if msg.role not in (p.Role.CLIENT, p.Role.SUPERVISOR, p.Role.WORKER):
         return p.Welcome(False, kind_of(GpufnError), f"unknown role {msg.role!r}")
+    if msg.role != p.Role.CLIENT and not who.admin:  # a worker sees every user's calls
+        return p.Welcome(False, kind_of(AuthenticationError), (
+            f"user {who.user!r}'s token admits clients only: worker hosts join with the "
+            "cluster's token (in the cluster file of `gpufn serve` on the head)"))
     return None
 
 
@@ -51,7 +58,7 @@ ROLES_ALLOWED: dict[type, frozenset[str]] = {
     p.Hello: _ANYONE, p.Ping: _ANYONE, p.Goodbye: _ANYONE,
     p.Register: _CLIENT, p.Submit: _CLIENT, p.Cancel: _CLIENT, p.StatusRequest: _CLIENT,
     p.Query: _CLIENT, p.Drain: _CLIENT, p.Deploy: _CLIENT, p.Lookup: _CLIENT,
-    p.AppCommand: _CLIENT, p.Credit: _CLIENT, p.Attach: _CLIENT,
+    p.AppCommand: _CLIENT, p.Credit: _CLIENT, p.Attach: _CLIENT, p.UserCommand: _CLIENT,
     p.Result: _WORKER, p.Output: _WORKER, p.Heartbeat: _WORKER, p.ModelEvent: _WORKER,
     p.Item: _WORKER,
     p.WorkerExited: frozenset({p.Role.SUPERVISOR}),

@@ -24,6 +24,7 @@ class Line:
     invocation_id: str
     stream: str
     text: str
+    user: str = ""  # whose call printed it (users.py): only they and an admin read it
 
 
 @dataclass(slots=True)
@@ -50,7 +51,7 @@ class LogStore:
         self._seq = 0
 
     def add(self, app: str, function: str, invocation_id: str, stream: str, text: str,
-            now: float) -> None:
+            now: float, user: str = "") -> None:
         key = (app, function)
         ring = self._rings.get(key)
         if ring is None:
@@ -62,7 +63,7 @@ class LogStore:
         for part in text.rstrip("\n").split("\n"):
             part = part[:MAX_LINE]
             self._seq += 1
-            ring.lines.append(Line(self._seq, now, invocation_id, stream, part))
+            ring.lines.append(Line(self._seq, now, invocation_id, stream, part, user))
             ring.nbytes += len(part)
         while ring.lines and (len(ring.lines) > self.max_lines or ring.nbytes > self.max_bytes):
             ring.nbytes -= len(ring.lines.popleft().text)
@@ -72,9 +73,9 @@ class LogStore:
         return sorted({a or f for a, f in self._rings} | {f"{a}.{f}" for a, f in self._rings if a})
 
     def query(self, target: str, now: float, since: float | None = None, after: int = 0,
-              limit: int = 10_000) -> dict[str, Any]:
+              limit: int = 10_000, user: str | None = None) -> dict[str, Any]:
         """Lines of matching functions newer than `since` seconds ago and after seq `after`,
-        oldest first (at most `limit`, the newest ones)."""
+        oldest first (at most `limit`, the newest ones); with `user`, only that user's."""
         found = False
         out: list[Line] = []
         keys: dict[int, tuple[str, str]] = {}
@@ -85,6 +86,8 @@ class LogStore:
             for line in reversed(ring.lines):
                 if line.seq <= after or (since is not None and now - line.at > since):
                     break
+                if user is not None and line.user != user:
+                    continue
                 out.append(line)
                 keys[line.seq] = (app, fn)
         out.sort(key=lambda ln: ln.seq)

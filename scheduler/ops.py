@@ -45,9 +45,12 @@ class OpsDesk(RunObserver):
                         f"the scheduler is shutting down ({self.drain_reason})")
 
     def output(self, inv: Invocation, msg: p.Output, now: float) -> None:
-        """A line the call printed: kept for `gpufn logs`."""
+        """A line the call printed: kept for `gpufn logs`, as its user's (a batch's lines
+        are its users' if they are one, else only an admin reads them)."""
+        owners = {m.user for m in inv.members}
+        user = inv.user or (owners.pop() if len(owners) == 1 else "")
         self.logs.add(inv.function.app, inv.function.name, msg.invocation_id, msg.stream,
-                      msg.text, now)
+                      msg.text, now, user=user)
 
     def run_ended(self, inv: Invocation, state: InvState, now: float) -> None:
         """A run ended (`state` QUEUED: it was requeued). Meter the devices it held and,
@@ -71,20 +74,23 @@ class OpsDesk(RunObserver):
     # ------------------------------------------------------------------ requests
 
     def _on_query(self, peer: bytes, msg: p.Query, now: float) -> None:
-        try:
-            data = self.answer(msg.kind, msg.args, now)
+        viewer = self.core.peers[peer]
+        try:  # a user reads their own calls' output and usage; an admin reads everyone's
+            data = self.answer(msg.kind, msg.args, now, None if viewer.admin else viewer.user)
         except (ValueError, TypeError, KeyError) as e:
             self.core.send(peer, p.QueryReply(msg.request_id, False, error=str(e)))
             return
         self.core.send(peer, p.QueryReply(msg.request_id, True, data))
 
-    def answer(self, kind: str, args: dict[str, Any], now: float) -> dict[str, Any]:
+    def answer(self, kind: str, args: dict[str, Any], now: float,
+               user: str | None = None) -> dict[str, Any]:
+        """The answer to a Query; with `user`, only that user's lines and usage."""
         since = args.get("since")
         since = float(since) if since is not None else None
         if kind == p.QueryKind.LOGS:
             target = str(args.get("target", ""))
             out = self.logs.query(target, now, since, int(args.get("after", 0)),
-                                  int(args.get("limit", 10_000)))
+                                  int(args.get("limit", 10_000)), user=user)
             fns = self.core.functions.values()
             out["found"] = out["found"] or any(matches(target, f.app, f.name) for f in fns)
             if not out["found"]:
@@ -92,7 +98,8 @@ class OpsDesk(RunObserver):
                 out["known"] = names
             return out
         if kind == p.QueryKind.USAGE:
-            return {"rows": self.usage.report(now, since, str(args.get("by", "function")))}
+            return {"rows": self.usage.report(now, since, str(args.get("by", "function")),
+                                              user=user)}
         raise ValueError(f"unknown query {kind!r}")
 
     def _on_drain(self, peer: bytes, msg: p.Drain, now: float) -> None:

@@ -28,6 +28,7 @@ from gpufn.scheduler.records import Device, Invocation
 from gpufn.scheduler.settings import SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import InvState
+from gpufn.scheduler.users import DeviceCaps
 
 # --------------------------------------------------------------------------- decisions
 
@@ -85,6 +86,7 @@ class PlacementPass:
         self.devices = devices
         self.queue = queue
         self.models = models
+        self.caps: DeviceCaps | None = None  # per-user device caps (set by the core)
 
     def run(self, now: float, rendezvous_port: int | None) -> Iterator[Decision]:
         if not len(self.queue):
@@ -92,6 +94,9 @@ class PlacementPass:
         backoff_ends = self.queue.release(now)  # retries whose backoff ended become eligible
         if backoff_ends is not None:
             yield WakeAt(backoff_ends)
+        capped = self.caps is not None and self.caps.begin(self.devices.values())
+        if self.caps is not None and self.queue.held_users():
+            self._unhold()  # with no cap left (changed, or the user revoked) all go back
         if self._full():
             return
         reservation: Reservation | None = None
@@ -104,6 +109,9 @@ class PlacementPass:
             if inv.not_before > now:  # a retry in its backoff (its function waits behind it)
                 yield WakeAt(inv.not_before)
                 continue
+            if capped and self.caps is not None and not self.caps.admits(inv):
+                self.queue.hold(inv)  # its user is at their device cap: it waits aside
+                continue
             if inv.spec.count > 1:
                 reserved = reservation.devices if reservation and owner is not inv else ()
                 placed = yield from self._gang(inv, reserved, rendezvous_port, now)
@@ -113,9 +121,17 @@ class PlacementPass:
                 placed = yield from self._single(inv, now, reservation)
             if not placed:
                 continue  # this function is blocked for the rest of the pass
+            if capped and self.caps is not None:
+                self.caps.took(inv)
             if self._full():
                 order.close()
                 return  # the rest of the queue cannot start now: a pass costs O(placed)
+
+    def _unhold(self) -> None:
+        """Calls set aside at their user's device cap go back while there is room."""
+        assert self.caps is not None
+        for user in self.queue.held_users():
+            self.queue.unhold(user, self.caps.room(user))
 
     def _full(self) -> bool:
         """Every device is full and nothing could be preempted: no call can start."""

@@ -52,6 +52,10 @@ class ReadyQueue:
         self._by_priority: Counter[tuple[str, int]] = Counter()
         self._heads: list[tuple[float, int, str]] = []  # function heads, best first (lazy)
         self._later: list[tuple[float, int, Invocation]] = []  # (not_before, seq, call)
+        # Calls set aside while their user is at their device cap (users.DeviceCaps),
+        # best first per user: still queued and counted, but not a function's head, so
+        # the calls of other users behind them are not blocked.
+        self._held: dict[str, list[tuple[float, int, Invocation]]] = {}
 
     def __len__(self) -> int:
         return self._len
@@ -114,6 +118,50 @@ class ReadyQueue:
         self._count(inv, -1)
         if q.live == 0:
             del self._by_fn[inv.function.function_id]
+
+    def hold(self, inv: Invocation) -> None:
+        """Set the head `inv` aside until `unhold` (its user is at their device cap)."""
+        fid = inv.function.function_id
+        q = self._by_fn[fid]
+        head = q.head()
+        assert head is not None and head.seq == inv.seq, "only a function's head is held"
+        heapq.heappop(q.heap)
+        heapq.heappush(self._held.setdefault(inv.user, []), (self.key(inv), inv.seq, inv))
+        nxt = q.head()
+        if nxt is not None:
+            self._note(self.key(nxt), nxt.seq, fid)
+
+    def held_users(self) -> list[str]:
+        """Users with calls set aside (some may have left the queue lazily)."""
+        return list(self._held)
+
+    def held(self, user: str) -> int:
+        """How many of `user`'s calls are set aside."""
+        return sum(1 for _, _, inv in self._held.get(user, ()) if inv.state is InvState.QUEUED)
+
+    def unhold(self, user: str, room: float) -> int:
+        """Put `user`'s set-aside calls back in their places, best first, while their
+        devices fit in `room`; returns how many went back."""
+        h = self._held.get(user)
+        n = 0
+        while h:
+            inv = h[0][2]
+            if inv.state is not InvState.QUEUED:
+                heapq.heappop(h)
+                continue
+            if inv.spec.count > room:
+                break
+            heapq.heappop(h)
+            room -= inv.spec.count
+            q = self._by_fn[inv.function.function_id]  # it is still counted there
+            entry = (self.key(inv), inv.seq, inv)
+            heapq.heappush(q.heap, entry)
+            if q.heap[0] is entry:
+                self._note(entry[0], inv.seq, inv.function.function_id)
+            n += 1
+        if not h:
+            self._held.pop(user, None)
+        return n
 
     def head(self, function_id: str) -> Invocation | None:
         q = self._by_fn.get(function_id)
@@ -193,3 +241,7 @@ class ReadyQueue:
         for _, _, inv in self._later:
             if inv.state is InvState.QUEUED:
                 yield inv
+        for held in self._held.values():
+            for _, _, inv in held:
+                if inv.state is InvState.QUEUED:
+                    yield inv

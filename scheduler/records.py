@@ -92,7 +92,7 @@ class Invocation:
     # or waiting for its models to load. Timeouts count from here.
     run_started: float | None = None
     unstarted_losses: int = 0  # lost with its worker before it ever started (no retry used)
-    user: str = ""  # the caller's OS user (from its Hello), for usage by user
+    user: str = ""  # whose call it is: the user its client's token belongs to (users.py)
     items: int = 0  # values a generator call has streamed to its caller (no retry after one)
     # A retried call waits until `not_before` (backoff; placement skips it until then) and
     # prefers devices other than the ones its last attempt was lost on.
@@ -190,3 +190,5 @@ class Peer:
     pid: int
     info: p.HelloInfo
     last_seen: float
+    user: str = ""  # who its token belongs to (decided at Hello, never the peer's claim)
+    admin: bool = False  # the cluster's (admin) token: sees every call

@@ -28,7 +28,7 @@ def report(core: Reported, now: float) -> dict[str, Any]:
         devices.append({
             "key": d.key, "name": d.info.name, "kind": d.info.kind, "state": d.state.value,
             "capacity": d.ledger.capacity, "used": d.ledger.used,
-            "running": [{"id": i.id, "function": i.function.name,
+            "running": [{"id": i.id, "function": i.function.name, "user": i.user,
                          "seconds": now - (i.started or now)} for i in d.running.values()],
             "completed": d.completed, "restarts": d.restarts, "last_error": d.last_error,
             "pid": d.worker_pid, "models": core.models.device_status(d),

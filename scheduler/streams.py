@@ -20,6 +20,7 @@ from gpufn.scheduler.records import Invocation
 from gpufn.scheduler.states import InvState
 from gpufn.scheduler.surface import CoreView
 from gpufn.scheduler.transitions import RunObserver
+from gpufn.scheduler.users import sees
 from gpufn.wire import protocol as p
 
 KEEP_RESULTS = 4096  # kept Results of spawned calls, newest last
@@ -35,6 +36,7 @@ class StreamDesk(RunObserver):
         self.core = core
         self.keep: set[str] = set()  # live calls whose Result is kept
         self.kept: OrderedDict[str, p.Result] = OrderedDict()
+        self.kept_user: dict[str, str] = {}  # whose each kept Result is (users.sees)
         self.kept_bytes = 0
         self.watchers: dict[str, set[bytes]] = {}  # call id -> attached peers
 
@@ -73,11 +75,14 @@ class StreamDesk(RunObserver):
 
     def _on_attach(self, peer: bytes, msg: p.Attach, now: float) -> None:
         core = self.core
-        if msg.invocation_id in core.invocations:
-            self.watchers.setdefault(msg.invocation_id, set()).add(peer)
+        viewer = core.peers.get(peer)  # another user's call is answered as an unknown one
+        inv_id = msg.invocation_id
+        inv = core.invocations.get(inv_id)
+        if inv is not None and sees(viewer, inv.user):
+            self.watchers.setdefault(inv_id, set()).add(peer)
             return
-        kept = self.kept.get(msg.invocation_id)
-        if kept is not None:
+        kept = self.kept.get(inv_id)
+        if inv is None and kept is not None and sees(viewer, self.kept_user.get(inv_id, "")):
             core.send(peer, kept)
             return
         core.send(peer, p.Result(msg.invocation_id, False, kind_of(GpufnError), (
@@ -94,7 +99,9 @@ class StreamDesk(RunObserver):
             return
         self.keep.discard(inv.id)
         self.kept[inv.id] = result
+        self.kept_user[inv.id] = inv.user
         self.kept_bytes += _nbytes(result.frames)
         while self.kept and (len(self.kept) > KEEP_RESULTS or self.kept_bytes > KEEP_BYTES):
-            _, old = self.kept.popitem(last=False)
+            old_id, old = self.kept.popitem(last=False)
+            self.kept_user.pop(old_id, None)
             self.kept_bytes -= _nbytes(old.frames)

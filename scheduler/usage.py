@@ -103,9 +103,11 @@ class UsageMeter:
             self._cell(t, key).device_seconds += (edge - t) * devices
             t = edge
 
-    def report(self, now: float, since: float | None = None, by: str = "function") -> list[dict[str, Any]]:
+    def report(self, now: float, since: float | None = None, by: str = "function",
+               user: str | None = None) -> list[dict[str, Any]]:
         """Totals per `by` key for buckets newer than `since` seconds ago (a bucket partly
-        inside counts whole: the window is accurate to a minute)."""
+        inside counts whole: the window is accurate to a minute); with `user`, only that
+        user's calls."""
         if by not in BY:
             raise ValueError(f"--by must be one of {', '.join(BY)}, not {by!r}")
         first = int((now - since) // BUCKET_S) if since is not None else None
@@ -114,6 +116,8 @@ class UsageMeter:
             if first is not None and b < first:
                 continue
             for k, c in cells.items():
+                if user is not None and k.user != user:
+                    continue
                 rk = ((k.app,) if by == "app" else (k.user,) if by == "user"
                       else (k.app, k.function))
                 row = rows.get(rk)

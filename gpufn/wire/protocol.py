@@ -272,6 +272,8 @@ class WelcomeInfo:
     client_timeout: float = 120.0  # a client silent this long is forgotten
     instance: str = ""  # this scheduler's id: a client tells a restart from being forgotten
     runtimes: list[dict[str, Any]] = field(default_factory=list)  # the workers' versions
+    user: str = ""  # a client: the user its token belongs to (the scheduler decides)
+    admin: bool = False  # a client: whether that is the cluster's (admin) token
 
 
 @message(2, structs={"info": WelcomeInfo})
@@ -359,6 +361,9 @@ class Cancel(Message):
     reason: str = ""
     include_running: bool = True
     dispatch_token: int = 0  # scheduler -> worker: the dispatch meant (0: any)
+    # client -> scheduler: when not 0, answer with QueryReply(request_id, True,
+    # {"cancelled": bool}); another user's call is answered like an unknown one
+    request_id: int = 0
 
 
 @struct
@@ -639,8 +644,8 @@ class AppCommand(Message):
 @message(73)
 @dataclass(frozen=True, slots=True)
 class AppReply(Message):
-    """Scheduler -> client: the answer to Deploy, Lookup or AppCommand; on failure
-    `error_kind` names a gpufn error (NotFound, AppStopped, ...)."""
+    """Scheduler -> client: the answer to Deploy, Lookup, AppCommand or UserCommand; on
+    failure `error_kind` names a gpufn error (NotFound, AppStopped, ...)."""
 
     request_id: int
     ok: bool
@@ -781,3 +786,27 @@ class Drain(Message):
     request_id: int
     grace: float
     reason: str = ""
+
+
+# --------------------------------------------------------------------------- users
+
+
+class UserCommandKind(str, Enum):
+    """What a UserCommand asks (a string on the wire); the admin's only."""
+
+    CREATE = "create"  # args: name, operator, max_priority, max_devices -> user, token
+    LIST = "list"  # -> users (never tokens)
+    REVOKE = "revoke"  # args: name -> user, dropped (connections closed)
+    ROTATE = "rotate"  # args: name -> user, token, dropped
+    UPDATE = "update"  # args: name and the fields to change (None clears a limit) -> user
+
+
+@message(90)
+@dataclass(frozen=True, slots=True)
+class UserCommand(Message):
+    """Client -> scheduler: manage the cluster's users (`gpufn token ...`); answered with
+    an AppReply (on failure `error_kind` names a gpufn error)."""
+
+    request_id: int
+    command: str
+    args: dict[str, Any] = field(default_factory=dict)

@@ -7,6 +7,7 @@ from typing import Any
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore, Send, Tick, Unreachable
 from gpufn.scheduler.deployments import DeploymentStore
+from gpufn.scheduler.users import UserStore
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec, make_spec
 
@@ -14,16 +15,18 @@ GiB = 2**30
 
 
 class Harness:
-    def __init__(self, devices: int = 2, memory: int = 8 * GiB, islands: int = 1, **cfg: Any) -> None:
+    def __init__(self, devices: int = 2, memory: int = 8 * GiB, islands: int = 1,
+                 users: UserStore | None = None, **cfg: Any) -> None:
         config = SchedulerConfig(**cfg)
-        self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir))
+        self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir), users)
         self.now = 1000.0
         self.sent: list[Send] = []
         self.n = 0
         self.generations: dict[int, int] = {}
         self.infos = simulated_devices("n", devices, memory, islands=islands)
-        self.hello(b"sup", p.Role.SUPERVISOR, info={"node": "n", "devices": [d.to_wire() for d in self.infos]})
-        self.hello(b"cli", p.Role.CLIENT)
+        self.hello(b"sup", p.Role.SUPERVISOR, token=config.token or "",
+                   info={"node": "n", "devices": [d.to_wire() for d in self.infos]})
+        self.hello(b"cli", p.Role.CLIENT, token=config.token or "")
 
     # ------------------------------------------------------------------ driving
 

@@ -7,6 +7,7 @@ import pytest
 
 from gpufn.scheduler.logs import LogStore, matches
 from gpufn.scheduler.usage import BOUNDS, BUCKET_S, Key, UsageMeter
+from gpufn.scheduler.users import UserStore
 from gpufn.wire import protocol as p
 
 from .core_harness import Harness
@@ -80,8 +81,10 @@ def _ask(h: Harness, msg: p.Message) -> p.QueryReply:
 
 
 def test_ops_desk_keeps_output_meters_calls_by_user_and_drains() -> None:
-    h = Harness(devices=2)
-    h.hello(b"bob", p.Role.CLIENT, info={"user": "bob"})
+    store = UserStore()
+    _, bob_token = store.create("bob", 0.0)
+    h = Harness(devices=2, users=store)
+    h.hello(b"bob", p.Role.CLIENT, token=bob_token, info={"user": "an OS label"})
     w0, w1 = h.start_worker(0), h.start_worker(1)
     fid = h.register("f")
     a = h.submit(fid)
@@ -95,7 +98,7 @@ def test_ops_desk_keeps_output_meters_calls_by_user_and_drains() -> None:
     assert logs["lines"][0]["invocation_id"] == a
     assert not _ask(h, p.Query(2, p.QueryKind.LOGS, {"target": "g"})).data["found"]
     usage = _ask(h, p.Query(3, p.QueryKind.USAGE, {"by": "user"})).data["rows"]
-    assert {r["user"]: r["calls"] for r in usage} == {"": 1}  # bob's call still runs
+    assert {r["user"]: r["calls"] for r in usage} == {"admin": 1}  # bob's call still runs
     assert usage[0]["device_seconds"] == pytest.approx(2.0)
     # Drain: bob's running call may finish, new calls are refused, then the shell stops.
     ack = _ask(h, p.Drain(4, 30.0, "test")).data
@@ -107,7 +110,7 @@ def test_ops_desk_keeps_output_meters_calls_by_user_and_drains() -> None:
     h.feed(runner, p.Result(b, True, "", "", p.ResultMeta(dispatch_token=h.token(b)), (b"v",)), 1.0)
     assert h.core.ops.stop_now(h.now)
     usage = _ask(h, p.Query(5, p.QueryKind.USAGE, {"by": "user"})).data["rows"]
-    assert {r["user"]: r["calls"] for r in usage} == {"": 1, "bob": 1}
+    assert {r["user"]: r["calls"] for r in usage} == {"admin": 1, "bob": 1}
 
 
 def test_drain_drops_queued_calls_and_ends_after_its_grace() -> None:

@@ -9,12 +9,13 @@ from gpufn.wire import protocol as p
 
 SAMPLES: list[p.Message] = [
     p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "tok", 42, p.HelloInfo(user="x", ran=["a"])),
-    p.Welcome(True, "", "", p.WelcomeInfo(devices=2)),
+    p.Welcome(True, "", "", p.WelcomeInfo(devices=2, user="bob", admin=False)),
     p.Welcome(False, "AuthenticationError", "wrong token"),
     p.Ping(1), p.Pong(1), p.Goodbye("bye"), p.Shutdown("stop"), p.Error("GpufnError", "bad"),
     p.Register("f1", "c1", "square", {"count": 1}, [{"name": "m", "nframes": 1}], (b"code", b"m")),
     p.Submit("i1", "f1", {"priority": 3}, frames=(b"args", b"\x00" * 10)),
     p.Cancel("i1", "because", False),
+    p.Cancel("i1", "", True, 0, 7),
     p.Result("i1", True, "", "", p.ResultMeta(duration=0.5, devices=["n:0"]), (b"value",)),
     p.Result("i2", False, "Timeout", "too slow"),
     p.Output("i1", "stdout", "hello\n"),
@@ -38,6 +39,7 @@ SAMPLES: list[p.Message] = [
     p.Query(3, p.QueryKind.LOGS, {"target": "app.fn", "since": 600.0}),
     p.QueryReply(3, True, {"lines": []}), p.QueryReply(3, False, error="unknown query"),
     p.Drain(4, 30.0, "maintenance"),
+    p.UserCommand(5, p.UserCommandKind.CREATE, {"name": "bob", "max_devices": 2}),
     p.Deploy(3, "app", {"code_hash": "h", "tag": "t"},
              [{"name": "f", "code_id": "c1", "spec": {"count": 1}, "models": [], "ncode": 1}],
              (b"code",)),

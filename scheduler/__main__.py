@@ -10,6 +10,7 @@ from pathlib import Path
 from gpufn.net.curve import SecurityError, ServerSecurity
 from gpufn.scheduler.server import run
 from gpufn.scheduler.settings import SchedulerConfig
+from gpufn.scheduler.users import UserStoreError
 from gpufn.wire import config
 
 
@@ -38,7 +39,11 @@ def main() -> None:
         print(f"gpufn scheduler refused to start: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     cfg = SchedulerConfig.from_env(config.token())
-    run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, security, config.metrics_port())
+    try:
+        run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, security, config.metrics_port())
+    except UserStoreError as e:  # before it listens: nothing to clean up
+        print(f"gpufn scheduler refused to start: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ class SchedulerCore:
         self.ops = OpsDesk(self)  # logs, usage and drain
         self.streams = StreamDesk(self)  # streamed values, from_id callers
         self.tx.observers += [self.ops, self.streams]  # usage first, then attached callers
-        self.users = UserDesk(self, users or UserStore(), self._drop_peer)  # tokens, limits
+        self.users = UserDesk(self, UserStore() if users is None else users,  # tokens, limits
+                              self._drop_peer)
         self.placement.caps = self.users.caps
         own: dict[type, Any] = {
             p.Hello: self._on_hello, p.Ping: self._on_ping, p.Goodbye: self._on_goodbye,

@@ -35,6 +35,7 @@ from gpufn.scheduler.core import (
     Unreachable,
 )
 from gpufn.scheduler.deployments import DeploymentStore
+from gpufn.scheduler.users import UserStore
 from gpufn.wire import protocol as p
 from gpufn.wire.config import join_address
 
@@ -52,7 +53,8 @@ class SchedulerServer:
         ipc_path: str | None = None, security: ServerSecurity | None = None,
     ) -> None:
         config = config or SchedulerConfig()
-        self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir))
+        self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir),
+                                  UserStore.in_state_dir(config.state_dir))
         self.core.wall_offset = time.time() - time.monotonic()  # the core is passed monotonic time
         self.ctx = zmq.Context()
         # The ZAP allow-list must run before the first peer's handshake.

@@ -7,5 +7,6 @@ In reading order:
 - `call_forms`: `f.remote_gen` and the decoration-time checks of generators and async;
 - `map_run`: one `.map()` (windowed submission, ordering, cancel); `progress`: its bar;
 - `model`: `@gpufn.model`; `cache`: the result cache of `@gpu(cache=...)`;
-- `deployment`: `gpufn.deploy` and app operations; `lookup`: deployed functions by name.
+- `deployment`: `gpufn.deploy` and app operations; `lookup`: deployed functions by name;
+- `users`: a cluster's users and their tokens (`gpufn token ...`).
 """

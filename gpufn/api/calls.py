@@ -186,15 +186,20 @@ class FunctionCall(Generic[R]):
         self._client = client
         self._items = items  # a generator call's values, read through .stream()
         self._stream: CallStream[Any] | None = None
+        self._attached = False  # made elsewhere (from_id): a cancel waits for the answer
 
     @classmethod
     def from_id(cls, invocation_id: str) -> FunctionCall[Any]:
         """A handle on a call spawned elsewhere (another process, `call.id`): `.get()`
         waits for its result. It works while the call is queued or running (and its
         spawner stays connected), and for the last few thousand finished spawned calls.
-        Not for a generator's values, which only its spawner streams."""
+        Only the user whose token made the call (or an admin) may attach: another user's
+        call id fails like an unknown one. Not for a generator's values, which only its
+        spawner streams."""
         client = get_client()
-        return cls(invocation_id, client.attach(invocation_id), "call", client)
+        call: FunctionCall[Any] = cls(invocation_id, client.attach(invocation_id), "call", client)
+        call._attached = True
+        return call
 
     gather = staticmethod(gather)  # FunctionCall.gather(*calls), as in Modal: gpufn.gather
 
@@ -245,11 +250,14 @@ class FunctionCall(Generic[R]):
         return self._future.done()
 
     def cancel(self) -> bool:
-        """Cancel the call: removed at once if queued, stopped if running.
-        Returns False if it had already finished."""
+        """Cancel the call: removed at once if queued, stopped if running. Returns False
+        if it had already finished; for a call from `from_id`, also if the scheduler
+        refused (it ended, or it is another user's call), after asking it."""
         if self._future.done():
             return False
-        self._client.cancel(self._id, "cancelled by the caller")
+        if self._attached:
+            return self._client.cancel_checked(self._id, "cancelled by the caller")
+        self._client.cancel(self._id, "cancelled by the caller")  # our own: no round trip
         return True
 
     def result_meta(self) -> dict[str, Any]:

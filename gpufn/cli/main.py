@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 from pathlib import Path
 
@@ -13,11 +12,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from gpufn.cli import apps, common, ops, plan
+from gpufn.cli import apps, common, ops, plan, tokens
 from gpufn.cli.common import fail
 from gpufn.exceptions import GpufnError
 from gpufn.net import address_file as addrfile
-from gpufn.net.cluster_file import load_cluster_file, write_cluster_file
+from gpufn.net.cluster_file import load_cluster_file, serve_token, write_cluster_file
 from gpufn.net.discovery import port_holder
 from gpufn.wire import config
 
@@ -43,7 +42,8 @@ def serve(
     cpu_devices: int | None = typer.Option(None, help="Simulated devices when no GPU is found (default: GPUFN_CPU_DEVICES, else 2)."),
     device_memory: str | None = typer.Option(None, help="Memory of each simulated device, e.g. 8GiB (default: GPUFN_DEVICE_MEMORY, else 8GiB)."),
     islands: int | None = typer.Option(None, help="Split simulated devices into NVLink-like islands."),
-    token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="Shared secret clients and workers must present (generated if unset)."),
+    token: str | None = typer.Option(None, envvar="GPUFN_TOKEN", help="The cluster's (admin) token clients and workers present [the state dir's from the last start, else a new one]."),
+    new_token: bool = typer.Option(False, "--new-token", help="Make a new admin token instead of keeping the state dir's: clients and worker hosts with the old one are refused."),
     workers: bool = typer.Option(True, help="Start workers for this host's devices (--no-workers: scheduler only)."),
     address_file: Path | None = typer.Option(None, help="Write the address here (e.g. on a shared filesystem) for `gpufn worker --address-file`."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Run in the background (pid and log files in the state dir); stop it with `gpufn shutdown`."),
@@ -97,7 +97,10 @@ def serve(
         fail(f"port {port} on {host} is taken by {holder}: pick another with --port (--port 0 "
              "picks a free one)" + (", or stop that server with `gpufn shutdown`"
                                     if "gpufn" in holder else ""))
-    tok = token or secrets.token_hex(16)
+    if token and new_token:
+        fail("--new-token makes a new token, and --token (or GPUFN_TOKEN) gives one: use "
+             "one of them (unset GPUFN_TOKEN for --new-token)", 2)
+    tok, token_source = serve_token(token, rotate=new_token)  # kept across restarts
     if detach:
         _detach(tok, as_json)
         return
@@ -130,13 +133,19 @@ def serve(
     if as_json:
         typer.echo(json.dumps({"address": address, "token_file": str(token_file),
                                "encrypted": encrypted, "pid": os.getpid(),
-                               "http": gateway.url if gateway else None}))
+                               "http": gateway.url if gateway else None,
+                               "token_source": token_source}))
     else:
         console.print(f"gpufn scheduler listening on [bold]{escape(address)}[/]"
                       + (" (CURVE-encrypted)" if encrypted else " (loopback: token only)"),
                       soft_wrap=True)
         console.print(f"the token is in {token_file} (readable by you only); give it to clients "
                       "and workers as GPUFN_TOKEN over a channel you trust", soft_wrap=True)
+        kept = {"kept": "the same token as the last start (a new one: --new-token)",
+                "new": "a new token: clients and worker hosts with an older one are refused",
+                "given": "the token given by --token or GPUFN_TOKEN"}[token_source]
+        console.print(f"token: {kept}; users get their own with `gpufn token create NAME`",
+                      soft_wrap=True, markup=False)
         # Z85 keys hold shell characters ($ & ( ...) but never a single quote.
         console.print(f"connect with: export GPUFN_ADDRESS='{address}' GPUFN_TOKEN=<the token> "
                       "(on other hosts: here, this GPUFN_HOME's scripts, notebooks and CLI "
@@ -183,7 +192,7 @@ def _detach(token: str, as_json: bool) -> None:
     if running is not None:
         fail(f"a detached gpufn server is already running (pid {running}, pid file "
              f"{common.pid_file()}); stop it with `gpufn shutdown`")
-    argv = [a for a in sys.argv[1:] if a not in ("--detach", "-d")]
+    argv = [a for a in sys.argv[1:] if a not in ("--detach", "-d", "--new-token")]
     state = config.state_dir()
     state.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, GPUFN_TOKEN=token)  # not on the command line, where ps shows it
@@ -274,6 +283,7 @@ def worker(
 
 ops.register(app)
 plan.register(app)
+tokens.register(app)  # gpufn token ...
 
 
 apps.register(app)  # gpufn deploy, gpufn app ...

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from gpufn.wire.units import format_bytes
 
@@ -149,11 +151,34 @@ def status_view(status: dict[str, Any]) -> Group:
     c = status.get("counters", {})
     if status.get("draining"):
         parts.append("[yellow]draining: shutting down once running calls finish[/]")
-    parts.append(
+    for row in status.get("capped", []):  # calls waiting at their user's device cap
+        parts.append(Text(row["why"], style="yellow"))
+    you = status.get("you")
+    who = (f" · you: {you['user']}" + (" (admin: every call)" if you["admin"] else
+                                       " (your calls only)")) if you else ""
+    parts.append(Text(
         f"queued {status.get('queued', 0)} · running {status.get('running', 0)} · clients "
         f"{status.get('clients', 0)} · " + " · ".join(f"{k} {v}" for k, v in c.items() if v)
-    )
+        + who
+    ))
     return Group(*parts)
+
+
+def users_table(users: list[dict[str, Any]]) -> Table:
+    """`gpufn token list`: users and what they may do (tokens are never shown)."""
+    t = Table(title="users", title_justify="left")
+    for col in ("user", "may", "max priority", "max devices", "connections", "created"):
+        t.add_column(col, justify="right" if col == "connections" else "left")
+    for u in users:
+        may = ("everything (the cluster's token)" if u.get("admin") else
+               "call, operate" if u.get("operator") else "call")
+        created = (datetime.fromtimestamp(u["created"]).strftime("%Y-%m-%d %H:%M")
+                   if u.get("created") else "-")
+        limit = {None: "-"}
+        t.add_row(Text(u["name"]), may, limit.get(u.get("max_priority"), str(u.get("max_priority"))),
+                  limit.get(u.get("max_devices"), str(u.get("max_devices"))),
+                  str(u.get("connections", 0)), created)
+    return t
 
 
 def usage_table(rows: list[dict[str, Any]], by: str, since: str) -> Table:

@@ -194,6 +194,14 @@ class Client:
     def cancel(self, invocation_id: str, reason: str = "") -> None:
         self._enqueue(p.encode(p.Cancel(invocation_id, reason)))
 
+    def cancel_checked(self, invocation_id: str, reason: str = "",
+                       timeout: float = 10.0) -> bool:
+        """Cancel and wait for the scheduler's answer: True if it stopped the call, False
+        if it had ended, or is unknown to it (another user's call looks unknown)."""
+        data = self._request(lambda rid: p.Cancel(invocation_id, reason, True, 0, rid),
+                             "the cancel", timeout)
+        return bool(data.get("cancelled"))
+
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
         return self._request(lambda rid: p.StatusRequest(rid), "a status request", timeout)
 
@@ -410,7 +418,9 @@ class Client:
         elif isinstance(msg, p.Output):
             self._print_output(msg)
         elif isinstance(msg, p.Welcome):
-            if self._resubmit and msg.ok:
+            if not msg.ok:
+                self._refused(msg)
+            elif self._resubmit:
                 self._send_again()
         elif isinstance(msg, (p.StatusReply, p.QueryReply, p.AppReply)):
             fut = self._status.get(msg.request_id)
@@ -443,6 +453,21 @@ class Client:
                         self._conn.info.resubmit = 0
             else:
                 log.warning("scheduler: %s", msg.message)
+
+    def _refused(self, msg: p.Welcome) -> None:
+        """Saying Hello again (the scheduler restarted, or forgot us) was refused: with a
+        token that no longer holds, nothing outstanding can ever be answered, so it all
+        fails now, with the scheduler's reason and the fix."""
+        self._resubmit = False  # a later Hello (the next call) may be welcomed again
+        with self._lock:
+            n = len(self._calls)
+        error = from_wire(msg.error_kind, (
+            f"the scheduler at {self.address} refused this client when it reconnected "
+            f"({msg.message}); {n} outstanding call(s) failed. Was the scheduler restarted "
+            "with a new token (`gpufn serve --new-token`), or this token revoked or rotated "
+            "(`gpufn token revoke|rotate`)? Connect again with the current token"))
+        log.warning("%s", error)
+        self._fail_all(error)
 
     def _send_again(self) -> None:
         """Welcomed again after being forgotten: register and submit what is outstanding

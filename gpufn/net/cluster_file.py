@@ -1,10 +1,12 @@
 """Where `gpufn serve` leaves its address (with ?key= when it encrypts) and token for local
-clients and `gpufn status` ($GPUFN_HOME/cluster.json, default ~/.gpufn, owner-only)."""
+clients and `gpufn status` ($GPUFN_HOME/cluster.json, default ~/.gpufn, owner-only), and
+the token it keeps between starts (admin.token in its state directory, owner-only)."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +70,30 @@ def saved_server_key(address: str) -> str | None:
     `address`, if it encrypts (its saved address carries ?key=)."""
     saved = _saved_for(address)
     return config.split_address(saved["address"])[1] if saved else None
+
+
+def admin_token_file() -> Path:
+    """Where `gpufn serve` keeps its (admin) token between starts: the state directory."""
+    return config.state_dir() / "admin.token"
+
+
+def serve_token(given: str | None, rotate: bool = False) -> tuple[str, str]:
+    """The token `gpufn serve` starts with and where it came from: "given" (--token or
+    GPUFN_TOKEN), "kept" (the state directory's, so a restart changes nothing for the
+    clients and worker hosts that have it), or "new" (the first start, or `rotate`). It
+    is saved in the state directory, owner-only, for the next start."""
+    path = admin_token_file()
+    token, source = given or "", "given"
+    if not token and not rotate:
+        try:
+            token, source = path.read_text().strip(), "kept"
+        except OSError:
+            token = ""
+    if not token:
+        token, source = secrets.token_hex(16), "new"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, source

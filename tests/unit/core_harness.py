@@ -58,8 +58,8 @@ class Harness:
         peer = peer or f"w{index}".encode()
         if incarnation is None:
             incarnation = self.generations[index] = self.generations.get(index, 0) + 1
-        msg = self.hello(peer, p.Role.WORKER, info={"device": f"n:{index}",
-                                                    "incarnation": incarnation}, pid=pid)
+        msg = self.hello(peer, p.Role.WORKER, token=self.core.config.token or "",
+                         info={"device": f"n:{index}", "incarnation": incarnation}, pid=pid)
         assert isinstance(msg, p.Welcome) and msg.ok, msg
         return peer
 

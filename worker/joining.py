@@ -28,8 +28,10 @@ def refusal_reason(e: GpufnError | p.Welcome) -> str:
         e = from_wire(e.error_kind, e.message)
     if isinstance(e, ConnectionLost):
         return "unreachable (no answer)"
-    if isinstance(e, AuthenticationError):
-        return f"wrong token ({e})"
+    if isinstance(e, AuthenticationError):  # e.g. the head came back with a new token
+        return (f"wrong token ({e}); this host keeps trying: restart `gpufn worker` with the "
+                "cluster's current token (GPUFN_TOKEN), or the head with the previous one "
+                "(`gpufn serve --token ...`)")
     if isinstance(e, ProtocolMismatch):
         return f"version mismatch ({e})"
     return f"refused ({type(e).__name__}: {e})"

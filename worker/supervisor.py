@@ -229,8 +229,9 @@ class Supervisor:
                 self.join_log.joined()
             else:  # refused on a re-hello (e.g. restarted with another token): retry later
                 self.join_log.refused_again(refusal_reason(msg), time.monotonic())
-        elif self.conn.on_error(msg):  # forgotten: the scheduler restarted; Hello again
-            self.join_log.rejoining()
+        elif self.join_log.next_hello is None and self.conn.on_error(msg):
+            self.join_log.rejoining()  # forgotten (the scheduler restarted): Hello again,
+            # unless refused lately: then the next Hello waits for its backoff
 
     def _watch_scheduler(self, now: float) -> None:
         """Log while the scheduler is silent, and say Hello again when a refusal's backoff

@@ -36,6 +36,20 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         s.stop()
 
 
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_driver_left() -> Iterator[None]:
+    """A failing test leaves no user process behind (they would wait for their calls)."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _wait(check: Callable[[], object], what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -53,8 +67,10 @@ def _cli(s: Served, *args: str, token: str | None = None) -> subprocess.Complete
 
 def _driver(s: Served, token: str, *args: str) -> subprocess.Popen[str]:
     env = s.env(GPUFN_ADDRESS=s.address, GPUFN_TOKEN=token)
-    return subprocess.Popen([sys.executable, str(DRIVER), *args], env=env, cwd=s.home / "cwd",
+    proc = subprocess.Popen([sys.executable, str(DRIVER), *args], env=env, cwd=s.home / "cwd",
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _STARTED.append(proc)
+    return proc
 
 
 def _as(s: Served, token: str, *args: str) -> str:
@@ -332,6 +348,7 @@ def test_serve_keeps_its_token_and_a_refused_reconnect_fails_calls_at_once(tmp_p
         client = subprocess.Popen([sys.executable, str(DRIVER), "spawn", "x", str(flags)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, cwd=tmp_path)
+        _STARTED.append(client)
         _spawned(client)
         _wait((flags / "started-x").exists, "the client's call to start")
         _wait(lambda: "other" in json.dumps(_head_status(head)), "the worker host to join")

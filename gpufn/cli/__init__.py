@@ -2,5 +2,6 @@
 
 - `main`: the app, `serve` and `worker`; `ops`: status, logs, usage, run, shutdown;
 - `apps`: deploy and app list/history/rollback/stop; `plan`: the capacity planner;
+- `tokens`: users and their tokens (`gpufn token create|list|update|rotate|revoke`);
 - `common`: reaching the scheduler and one-line failures; `render`: rich tables.
 """

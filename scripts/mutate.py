@@ -303,7 +303,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "client-drops-refused-welcome", "gpufn/client/client.py",
         "            if not msg.ok:\n                self._refused(msg)\n",
         "            if not msg.ok:\n                pass\n",
-        ("tests/integration/test_users.py::test_a_revoked_token_fails_at_once",),
+        ("tests/unit/test_connection.py::test_a_refused_rehello_fails_every_pending_call_at_once",
+         "tests/integration/test_users.py::test_a_revoked_token_fails_at_once"),
         "a refused re-hello is dropped and the client's pending calls hang",
     ),
     Mutation(

@@ -23,7 +23,14 @@ from typing import Any
 import zmq
 
 from gpufn.client.items import ItemQueue
-from gpufn.exceptions import ConnectionLost, GpufnError, ProtocolMismatch, from_wire
+from gpufn.exceptions import (
+    AuthenticationError,
+    ConnectionLost,
+    GpufnError,
+    ProtocolMismatch,
+    from_wire,
+    kind_of,
+)
 from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
 from gpufn.net.discovery import Target
 from gpufn.wire import config
@@ -461,11 +468,13 @@ class Client:
         self._resubmit = False  # a later Hello (the next call) may be welcomed again
         with self._lock:
             n = len(self._calls)
-        error = from_wire(msg.error_kind, (
-            f"the scheduler at {self.address} refused this client when it reconnected "
-            f"({msg.message}); {n} outstanding call(s) failed. Was the scheduler restarted "
-            "with a new token (`gpufn serve --new-token`), or this token revoked or rotated "
-            "(`gpufn token revoke|rotate`)? Connect again with the current token"))
+        why = (f"the scheduler at {self.address} refused this client when it reconnected "
+               f"({msg.message}); {n} outstanding call(s) failed")
+        if msg.error_kind == kind_of(AuthenticationError):
+            why += (". Was the scheduler restarted with a new token (`gpufn serve "
+                    "--new-token`), or this token revoked or rotated (`gpufn token "
+                    "revoke|rotate`)? Connect again with the current token")
+        error = from_wire(msg.error_kind, why)
         log.warning("%s", error)
         self._fail_all(error)
 

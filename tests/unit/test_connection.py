@@ -319,3 +319,35 @@ def test_blocking_call_says_hello_again_when_forgotten_and_resubmits() -> None:
     finally:
         client.close()
         sched.close()
+
+
+def test_a_refused_rehello_fails_every_pending_call_at_once() -> None:
+    """The head came back with another token: the client, forgotten, says Hello again and
+    is refused. Its pending calls and requests fail with AuthenticationError naming the
+    fix, instead of waiting forever (the refusing Welcome used to be dropped)."""
+    hellos: list[p.Hello] = []
+
+    def answer(peer: bytes, msg: p.Message) -> list[p.Message]:
+        if isinstance(msg, p.Hello):
+            hellos.append(msg)
+            if len(hellos) == 1:
+                return [p.Welcome(True, info=p.WelcomeInfo(devices=1))]
+            return [p.Welcome(False, "AuthenticationError", "wrong, missing or revoked token")]
+        if isinstance(msg, p.Submit):  # "restarted": it does not know this client any more
+            return [p.Error("AuthenticationError", "this connection has not said Hello")]
+        return []
+
+    sched = TcpScheduler(answer)
+    client = Client(sched.address, "old-token", connect_timeout=5)
+    try:
+        futs = client.submit_many([(p.Submit(f"i{n}", "f", {}, frames=(b"a",)), "f")
+                                   for n in range(3)])
+        for fut in futs:
+            with pytest.raises(gpufn.AuthenticationError, match="--new-token") as e:
+                fut.result(timeout=10)
+        assert "refused this client when it reconnected" in str(e.value)
+        assert "3 outstanding call(s) failed" in str(e.value)
+        assert len(hellos) >= 2
+    finally:
+        client.close()
+        sched.close()

@@ -61,8 +61,8 @@ class Served:
         """The scheduler (started with our pid as its parent) and the workers (by port)."""
         assert self.proc is not None
         out = []
-        for pattern in (f"--parent-pid {self.proc.pid}", self.address.rsplit(":", 1)[1]):
-            out += subprocess.run(["pgrep", "-f", pattern], capture_output=True,
+        for pattern in (f"--parent-pid {self.proc.pid}( |$)", self.address.rsplit(":", 1)[1]):
+            out += subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True,
                                   text=True).stdout.split()
         return sorted({int(x) for x in out})
 

@@ -26,6 +26,11 @@ R = "tests/integration/test_readme_claims.py"
 D = "tests/unit/test_discovery.py"
 DC = "tests/integration/test_discovery_cli.py"
 E = "tests/integration/test_edges_cli.py"
+CG = "tests/unit/test_core_guards.py"
+PG = "tests/unit/test_piece_guards.py"
+IG = "tests/integration/test_release_guards.py"
+SEC = "tests/integration/test_security.py"
+BAD = "tests/integration/test_bad_input.py"
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,145 @@ MUTATIONS: tuple[Mutation, ...] = (
         '        policy = "cost"\n',
         (f"{R}::test_lru_count_eviction_policy_from_the_environment",),
         "GPUFN_EVICTION_POLICY is ignored",
+    ),
+    # ---- issue 23: the rules of the last release that no test held
+    Mutation(
+        "fencing-stale-by-fenced", "scheduler/fencing.py",
+        "    stale = (msg.incarnation < d.incarnation if msg.incarnation\n",
+        "    stale = (msg.incarnation <= d.fenced if msg.incarnation\n",
+        (f"{CG}::test_late_exit_notices_of_restarts_that_never_said_hello_spare_the_serving_worker",),
+        "a late exit notice of a restart that never said Hello takes down the serving worker",
+    ),
+    Mutation(
+        "fencing-stale-unless-current", "scheduler/fencing.py",
+        "    stale = (msg.incarnation < d.incarnation if msg.incarnation\n",
+        "    stale = (msg.incarnation != d.incarnation if msg.incarnation\n",
+        (f"{CG}::test_in_order_exit_notices_of_restarts_that_never_said_hello_are_applied",),
+        "exit notices of generations newer than the last Hello (the supervisor gave up) are ignored",
+    ),
+    Mutation(
+        "recovery-charges-twice", "scheduler/transitions.py",
+        "        if inv.state is not InvState.QUEUED or inv.attempts:\n",
+        "        if inv.state is not InvState.QUEUED:\n",
+        (f"{CG}::test_a_call_lost_here_is_not_charged_again_when_its_worker_re_registers_listing_it",),
+        "a call lost and requeued here is charged again when its worker re-registers listing it",
+    ),
+    Mutation(
+        "unstarted-loss-uses-retry", "scheduler/transitions.py",
+        "                inv.unstarted_losses += 1  # it never ran: queue it again, no retry used\n",
+        "                pass\n",
+        (f"{CG}::test_a_call_lost_while_its_model_loads_runs_again_without_a_retry",),
+        "a call lost while its model loads spends a retry",
+    ),
+    Mutation(
+        "clock-starts-while-model-loads", "scheduler/transitions.py",
+        "            if any(d.ledger.state(k) is not Residency.RESIDENT for k in inv.function.model_keys):\n",
+        "            if any(d.ledger.state(k) is Residency.ABSENT for k in inv.function.model_keys):\n",
+        (f"{CG}::test_a_call_lost_while_its_model_loads_runs_again_without_a_retry",),
+        "a call counts as started (timeout clock, retries) while its model still loads",
+    ),
+    Mutation(
+        "rollback-to-the-first", "scheduler/app_book.py",
+        "            target_n = older[-1].version\n",
+        "            target_n = older[0].version\n",
+        (f"{CG}::test_rollback_without_a_version_goes_to_the_version_before_the_current_one",),
+        "a rollback without a version goes to v1, not the version before the current one",
+    ),
+    Mutation(
+        "deploy-unchanged-leaves-stopped", "scheduler/app_book.py",
+        '                    self.store.set_state(msg.app, "active")\n',
+        "                    pass\n",
+        (f"{CG}::test_deploying_to_a_stopped_app_starts_it_again[after-eviction-unchanged-code]",),
+        "deploying unchanged code to a stopped app leaves it stopped",
+    ),
+    Mutation(
+        "deploy-changed-leaves-stopped", "scheduler/deployments.py",
+        "DO UPDATE SET current=excluded.current, state='active'\",",
+        "DO UPDATE SET current=excluded.current\",",
+        (f"{CG}::test_deploying_to_a_stopped_app_starts_it_again[after-eviction-changed-code]",),
+        "deploying changed code to a stopped app adds a version but leaves the app stopped",
+    ),
+    Mutation(
+        "restart-keeps-releasing-models", "scheduler/app_book.py",
+        "                    self._keep_models(self.store.functions(msg.app, current.current))\n",
+        "                    pass\n",
+        (f"{CG}::test_deploying_to_a_stopped_app_starts_it_again[while-running-unchanged-code]",),
+        "a stopped app started again by an unchanged deploy still has its models evicted",
+    ),
+    Mutation(
+        "usage-gang-counts-one-device", "scheduler/ops.py",
+        "            held = len(inv.devices)\n",
+        "            held = 1\n",
+        (f"{CG}::test_a_gang_call_is_metered_as_its_devices_times_its_run_time",
+         f"{IG}::test_a_gang_call_is_metered_as_its_devices_times_its_run_time"),
+        "a gang call on N devices is metered as one device",
+    ),
+    Mutation(
+        "usage-counts-requeued-runs", "scheduler/ops.py",
+        "        if state is not InvState.QUEUED and not inv.members:\n",
+        "        if not inv.members:\n",
+        (f"{CG}::test_a_retried_call_counts_once_as_succeeded_with_both_runs_device_time",
+         f"{CG}::test_a_preempted_call_counts_once_as_succeeded_with_both_runs_device_time"),
+        "a retried or preempted call counts as two calls, one of them 'queued'",
+    ),
+    Mutation(
+        "usage-drops-lost-runs", "scheduler/ops.py",
+        "        if inv.started is not None and inv.devices:\n",
+        "        if inv.started is not None and inv.devices and state is not InvState.QUEUED:\n",
+        (f"{CG}::test_a_retried_call_counts_once_as_succeeded_with_both_runs_device_time",
+         f"{CG}::test_a_preempted_call_counts_once_as_succeeded_with_both_runs_device_time"),
+        "the device time of a run that was lost or preempted is not metered",
+    ),
+    Mutation(
+        "cache-release-any-claim", "gpufn/api/cache.py",
+        '        if token is not None and self._owner(self._path(key, ".claim")).get("token") == token:\n',
+        "        if token is not None:\n",
+        (f"{PG}::test_an_owner_whose_claim_was_taken_over_leaves_the_new_owners_claim",),
+        "an owner whose claim was taken over deletes the new owner's claim",
+    ),
+    Mutation(
+        "cache-owner-never-touches", "gpufn/api/cache.py",
+        "                self.store.touch_owned()\n",
+        "                pass\n",
+        (f"{PG}::test_an_owner_computing_past_the_lease_keeps_its_claim",),
+        "an owner computing past the lease lets its claim go stale",
+    ),
+    Mutation(
+        "cache-compute-no-watcher", "gpufn/api/cache.py",
+        "        self._ensure_thread()  # it touches the claim while the call runs\n",
+        "",
+        (f"{PG}::test_an_owner_computing_past_the_lease_keeps_its_claim",),
+        "an owner with nothing to wait for never starts the thread that touches its claims",
+    ),
+    Mutation(
+        "stream-item-unchecked", "worker/streaming.py",
+        '                    ser.check_payload(frames, f"a value yielded by {call.name}")\n',
+        "",
+        (f"{PG}::test_a_yielded_value_over_the_limit_ends_the_stream_naming_the_function",
+         f"{BAD}::test_a_yielded_value_over_the_limit_ends_its_stream_and_the_worker_serves_on"),
+        "a yielded value over GPUFN_MAX_PAYLOAD is sent (and drops the worker's connection)",
+    ),
+    Mutation(
+        "allow-keys-ignored-on-loopback", "gpufn/net/curve.py",
+        "        if not (needs_curve(host, ipc) or allow_keys is not None):\n",
+        "        if not needs_curve(host, ipc):\n",
+        (f"{PG}::test_an_allow_list_on_loopback_encrypts_or_refuses",
+         f"{SEC}::test_an_allow_list_on_loopback_encrypts_or_refuses_to_start"),
+        "--allow-keys on loopback is silently ignored (no CURVE, anyone with the token gets in)",
+    ),
+    Mutation(
+        "map-bytes-never-freed", "gpufn/api/map_run.py",
+        "        self.inflight_bytes -= self.sizes.pop(idx, 0)\n",
+        "        self.sizes.pop(idx, 0)\n",
+        (f"{IG}::test_a_map_over_more_bytes_than_its_window_returns_every_output_in_order",),
+        "a map over more bytes than its window returns only the first window's outputs",
+    ),
+    Mutation(
+        "map-bytes-window-ignored", "gpufn/api/map_run.py",
+        "               and self.inflight_bytes < MAP_WINDOW_BYTES):\n",
+        "               ):\n",
+        (f"{IG}::test_a_map_over_more_bytes_than_its_window_returns_every_output_in_order",),
+        "a map submits every call at once, whatever the bytes of its arguments",
     ),
 )
 

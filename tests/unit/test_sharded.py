@@ -125,20 +125,20 @@ def _complete(h: Harness, ws: dict[str, bytes], inv: str, load: bool = True) -> 
     return devices
 
 
-_answered: set[int] = set()
-
-
 def _settle_models(h: Harness, ws: dict[str, bytes]) -> None:
+    # The orders answered so far, kept on the harness: a module-level set keyed by id(h)
+    # mistook a new harness (at a freed harness's address) for an old one.
+    answered: set[int] = h.__dict__.setdefault("answered_orders", set())
     by_peer = {v: k for k, v in ws.items()}
     for i, s in enumerate(list(h.sent)):
-        if (id(h), i) in _answered or s.peer not in by_peer:
+        if i in answered or s.peer not in by_peer:
             continue
         msg = s.msg
         if isinstance(msg, p.LoadModel):
-            _answered.add((id(h), i))  # type: ignore[arg-type]
+            answered.add(i)
             h.feed(s.peer, p.ModelEvent(msg.model, p.ModelState.RESIDENT, 6 * GiB, 2.0))
         elif isinstance(msg, p.EvictModel):
-            _answered.add((id(h), i))  # type: ignore[arg-type]
+            answered.add(i)
             state = p.ModelState.OFFLOADED if msg.offload else p.ModelState.EVICTED
             h.feed(s.peer, p.ModelEvent(msg.model, state, 6 * GiB, 0.1))
 

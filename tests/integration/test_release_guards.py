@@ -30,9 +30,18 @@ def first_byte(gate: str, data: bytes) -> tuple[int, int]:
     return data[0], len(data)
 
 
+@pytest.mark.parametrize("window", ["bytes", "calls"])
 def test_a_map_over_more_bytes_than_its_window_returns_every_output_in_order(
-        cluster: gpufn.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(map_run, "MAP_WINDOW_BYTES", WINDOW)
+        cluster: gpufn.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        window: str) -> None:
+    """The in-flight window, of argument bytes (shrunk here) or of calls
+    (GPUFN_MAP_WINDOW), holds a map's calls back; every output still comes, in order."""
+    if window == "bytes":
+        monkeypatch.setattr(map_run, "MAP_WINDOW_BYTES", WINDOW)
+        limit = WINDOW // ITEM + 1  # whole calls: it may pass its limit by the one that crosses it
+    else:
+        monkeypatch.setenv("GPUFN_MAP_WINDOW", "3")
+        limit = 3
     gate = str(tmp_path / "open")
     n = 30  # about seven windows of arguments
     inputs = [bytes([i]) * ITEM for i in range(n)]
@@ -46,13 +55,15 @@ def test_a_map_over_more_bytes_than_its_window_returns_every_output_in_order(
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    wait_for(lambda: len(running_ids(cluster)) == 2, 30, "both devices to run the map")
-    time.sleep(0.3)  # a map ignoring its byte window would submit everything meanwhile
-    st = cluster.status()
-    in_flight = st["queued"] + len(running_ids(cluster))
-    # the window holds whole calls: it may pass its limit by the one that crosses it
-    assert in_flight <= WINDOW // ITEM + 1, f"{in_flight} calls in flight for a {WINDOW}-byte window"
-    Path(gate).touch()
+    try:
+        wait_for(lambda: out or len(running_ids(cluster)) >= 2, 30, "the map's calls to run")
+        assert not out, out
+        time.sleep(0.3)  # a map ignoring its window would submit everything meanwhile
+        st = cluster.status()
+        in_flight = st["queued"] + len(running_ids(cluster))
+        assert in_flight <= limit, f"{in_flight} calls in flight for a window of {limit}"
+    finally:
+        Path(gate).touch()  # never leave the devices held
     t.join(60)
     assert not t.is_alive(), "the map did not finish"
     assert out == [(i, ITEM) for i in range(n)]

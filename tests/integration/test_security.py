@@ -397,9 +397,8 @@ def test_an_allow_list_on_loopback_encrypts_or_refuses_to_start(
     address, token = cluster.start()
     try:
         assert config.split_address(address)[1] is not None, "not encrypted"
-        with _client_key(monkeypatch, stranger):
-            with pytest.raises(gpufn.AuthenticationError):
-                gpufn.Client(address, token, connect_timeout=15)
+        with _client_key(monkeypatch, stranger), pytest.raises(gpufn.AuthenticationError):
+            gpufn.Client(address, token, connect_timeout=15)
         with _client_key(monkeypatch, friend):
             gpufn.Client(address, token, connect_timeout=20).close()
     finally:

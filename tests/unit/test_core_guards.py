@@ -219,7 +219,7 @@ def test_deploying_to_a_stopped_app_starts_it_again(changed: bool, evicted_first
         h.tick(1.0)
     assert len(h.of_type(p.EvictModel)) == before, "the started app's model was evicted"
     again = _call_with_model(h, w, alias)
-    assert h.results()[again].meta.cold_start is False  # its model stayed resident
+    assert not h.results()[again].meta.cold_start  # its model stayed resident
 
 
 # --------------------------------------------------------------------------- usage

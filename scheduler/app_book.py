@@ -110,6 +110,7 @@ class AppBook:
                 if restarted:
                     self.store.set_state(msg.app, "active")
                     self._resolved.clear()
+                    self._keep_models(self.store.functions(msg.app, current.current))
                 return self._deployed(msg.app, current.current, unchanged=True,
                                       notes=["unchanged code: the version stays"]
                                       + (["the stopped app was started again"] if restarted else []))
@@ -139,8 +140,7 @@ class AppBook:
             notes += self._fit_note(v.app, old, functions)
         self.store.add_version(v, functions)
         self._resolved.clear()
-        for sf in functions:
-            self._release -= set(self._record(sf).model_keys)
+        self._keep_models(functions)
         if old is not None and v.strategy == "recreate":
             n = self._stop_calls(v.app, now, f"app {v.app} was redeployed as v{v.version} with "
                                  "--strategy recreate", keep=v.version, cancel_running=True)
@@ -149,6 +149,12 @@ class AppBook:
             notes.append(f"rolling: calls admitted on v{old} finish there; new calls run v{v.version}")
         log.info("app %s deployed as v%d (%s)", v.app, v.version, v.strategy)
         return self._deployed(v.app, v.version, unchanged=False, notes=notes, previous=old)
+
+    def _keep_models(self, functions: list[StoredFunction]) -> None:
+        """The models of a version that serves again are no longer released (a stop
+        releases them once idle)."""
+        for sf in functions:
+            self._release -= set(self._record(sf).model_keys)
 
     def _fit_note(self, app: str, old: int, new: list[StoredFunction]) -> list[str]:
         """Whether the new version's models fit beside the old one's on some device; if

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -56,6 +57,28 @@ def test_a_result_over_the_limit_fails_naming_the_function(fresh_cluster: Any) -
         big_result.remote(2 * MiB)
     assert len(big_result.remote(1000)) == 1000
     assert pid.remote() == before
+
+
+@gpufn.gpu
+def yields_big(n: int) -> Iterator[bytes]:
+    yield b"a"
+    yield b"b"
+    yield b"c" * n
+    yield b"d"
+
+
+@pytest.mark.timeout(60)
+def test_a_yielded_value_over_the_limit_ends_its_stream_and_the_worker_serves_on(
+        fresh_cluster: Any) -> None:
+    fresh_cluster(GPUFN_MAX_PAYLOAD="1MiB", GPUFN_CPU_DEVICES=1)
+    before = pid.remote()
+    got = []
+    with pytest.raises(gpufn.PayloadTooLarge, match="yields_big"):
+        for v in yields_big.remote_gen(2 * MiB):
+            got.append(v)
+    assert got == [b"a", b"b"]  # the values before it arrived
+    assert pid.remote() == before
+    assert list(yields_big.remote_gen(10)) == [b"a", b"b", b"c" * 10, b"d"]
 
 
 def test_a_peer_that_bypasses_the_client_is_disconnected(fresh_cluster: Any) -> None:

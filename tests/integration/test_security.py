@@ -377,6 +377,36 @@ def test_a_secret_key_readable_by_others_is_refused(tmp_path: Path) -> None:
     assert r.returncode == 2 and "readable by others" in r.stderr, r.stderr
 
 
+def test_an_allow_list_on_loopback_encrypts_or_refuses_to_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--allow-keys on loopback is never ignored: with keys the scheduler encrypts and
+    refuses a key outside the folder; without them it does not start."""
+    monkeypatch.delenv("GPUFN_CURVE", raising=False)
+    keys, allowed, mine = tmp_path / "keys", tmp_path / "allowed", tmp_path / "mine"
+    allowed.mkdir()
+    security.server_keys(keys, create=True)
+    _, friend = security.ensure_keypair(mine, "friend")
+    _, stranger = security.ensure_keypair(mine, "stranger")
+    shutil.copy(mine / "friend.key", allowed / "friend.key")
+    with pytest.raises(security.SecurityError, match="--allow-keys needs CURVE"):
+        LocalCluster(transport="tcp", workers=False, allow_keys=allowed).start()
+    r = subprocess.run([sys.executable, "-m", "gpufn.scheduler", "--allow-keys", str(allowed)],
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--allow-keys needs CURVE" in r.stderr, r.stderr
+    cluster = LocalCluster(transport="tcp", workers=False, keys=keys, allow_keys=allowed)
+    address, token = cluster.start()
+    try:
+        assert config.split_address(address)[1] is not None, "not encrypted"
+        with _client_key(monkeypatch, stranger), pytest.raises(gpufn.AuthenticationError):
+            gpufn.Client(address, token, connect_timeout=15)
+        with _client_key(monkeypatch, friend):
+            gpufn.Client(address, token, connect_timeout=20).close()
+    finally:
+        pids = [x.pid for x in (cluster.scheduler, cluster.supervisor) if x is not None]
+        cluster.stop()
+        assert_all_gone(pids)
+
+
 def test_curve_can_be_forced_on_loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = tmp_path / "keys"
     security.server_keys(keys, create=True)

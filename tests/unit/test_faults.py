@@ -20,7 +20,8 @@ from .core_harness import Harness
 @pytest.fixture(autouse=True)
 def _no_scheduler_errors(caplog: pytest.LogCaptureFixture) -> None:
     yield
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # caplog.records holds the current (teardown) phase's records only: ask for the call's
+    errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
 
 

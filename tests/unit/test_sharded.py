@@ -125,20 +125,20 @@ def _complete(h: Harness, ws: dict[str, bytes], inv: str, load: bool = True) -> 
     return devices
 
 
-_answered: set[int] = set()
-
-
 def _settle_models(h: Harness, ws: dict[str, bytes]) -> None:
+    # The orders answered so far, kept on the harness: a module-level set keyed by id(h)
+    # mistook a new harness (at a freed harness's address) for an old one.
+    answered: set[int] = h.__dict__.setdefault("answered_orders", set())
     by_peer = {v: k for k, v in ws.items()}
     for i, s in enumerate(list(h.sent)):
-        if (id(h), i) in _answered or s.peer not in by_peer:
+        if i in answered or s.peer not in by_peer:
             continue
         msg = s.msg
         if isinstance(msg, p.LoadModel):
-            _answered.add((id(h), i))  # type: ignore[arg-type]
+            answered.add(i)
             h.feed(s.peer, p.ModelEvent(msg.model, p.ModelState.RESIDENT, 6 * GiB, 2.0))
         elif isinstance(msg, p.EvictModel):
-            _answered.add((id(h), i))  # type: ignore[arg-type]
+            answered.add(i)
             state = p.ModelState.OFFLOADED if msg.offload else p.ModelState.EVICTED
             h.feed(s.peer, p.ModelEvent(msg.model, state, 6 * GiB, 0.1))
 
@@ -252,3 +252,40 @@ def test_status_shows_a_sharded_model_once_with_its_gang_and_bytes() -> None:
     assert table is not None and table.row_count == 1
     counters = model_counters_table(st)
     assert counters is not None and counters.row_count == 1
+
+
+def test_a_loader_failing_on_one_rank_makes_the_other_shards_stale() -> None:
+    """Rank 1's loader fails while rank 0's shard loaded: rank 0's is partial, so it is
+    evicted, and the next call loads the model on every rank again."""
+    h, ws = _harness(devices=2)
+    fid = _register(h, "gen", "llama")
+    inv = h.submit(fid)
+    devices = tuple(_runs(h, inv)[0].meta.gang["devices"])
+    key = next(r.key for r in h.core.models.models.values() if r.name == "llama")
+    h.feed(ws[devices[0]], p.ModelEvent(key, p.ModelState.RESIDENT, 6 * GiB, 2.0))
+    h.feed(ws[devices[1]], p.ModelEvent(key, p.ModelState.LOAD_FAILED, 0, 0.5, "RuntimeError",
+                                        "no weights"))
+    for r in _runs(h, inv):
+        dev = devices[r.meta.gang["rank"]]
+        h.feed(ws[dev], p.Result(inv, False, "", "loader failed",
+                                 p.ResultMeta(dispatch_token=h.token(inv))))
+    assert not h.results()[inv].ok
+    h.tick(0.1)
+    evicts = [s for s in h.sent if isinstance(s.msg, p.EvictModel) and s.msg.model == key]
+    assert [s.peer for s in evicts] == [ws[devices[0]]], "the partial shard stayed"
+    _settle_models(h, ws)
+    loads = len([s for s in h.sent if isinstance(s.msg, p.LoadModel)])
+    again = h.submit(fid)
+    assert _runs(h, again)
+    assert len([s for s in h.sent if isinstance(s.msg, p.LoadModel)]) == loads + 2
+
+
+def test_the_largest_shard_plans_the_gang() -> None:
+    for sizes in ((6 * GiB, 4 * GiB), (4 * GiB, 6 * GiB)):
+        h, ws = _harness(devices=2)
+        inv = h.submit(_register(h, "gen", "llama"))
+        devices = tuple(_runs(h, inv)[0].meta.gang["devices"])
+        key = next(r.key for r in h.core.models.models.values() if r.name == "llama")
+        for dev, nbytes in zip(devices, sizes, strict=True):  # rank 0 first
+            h.feed(ws[dev], p.ModelEvent(key, p.ModelState.RESIDENT, nbytes, 1.0))
+        assert h.core.models.models[key].size == 6 * GiB, sizes

@@ -41,6 +41,15 @@ class Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
+        "fingerprint-ignores-list-contents", "gpufn/wire/fingerprint.py",
+        "            return (list, self.ident(obj), tuple(self.value(x) for x in obj))\n",
+        "            return (list, self.ident(obj))\n",
+        ("tests/unit/test_fingerprint.py::test_a_global_list_mutated_in_place_is_pickled_again",
+         "tests/integration/test_call_path.py::"
+         "test_a_global_list_mutated_in_place_reaches_the_worker"),
+        "a global list mutated in place keeps the stale pickled code",
+    ),
+    Mutation(
         "executor-no-interrupt", "worker/executor.py",
         "                n = ctypes.pythonapi.PyThreadState_SetAsyncExc(\n"
         "                    ctypes.c_ulong(entry[0]), ctypes.py_object(Cancelled))\n",

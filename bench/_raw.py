@@ -3,6 +3,16 @@
 A forwarding process with one ROUTER (clients and echo workers both connect, as with
 gpufn's scheduler) relays each request to an echo worker and the reply back:
 client -> forwarder -> worker -> forwarder -> client, no Python logic besides routing.
+
+The fastest honest floor for those four hops: small messages are sent and received with
+`copy=True` (a `zmq.Frame` per part costs more than copying a few bytes: about 14 µs per
+round trip here), large payloads with `copy=False` (`large=True`). Where the processes run
+matters more than anything else in it: on 2 cores the same round trip reads ~120 µs
+with all three processes on one core, ~170 µs with the client on one core and the
+forwarder and worker on the other, and anywhere between when the OS chooses (other load
+moves them). That, and `copy=False` on tiny frames, is why the floor read 172-182 µs
+inside bench/overhead.py and ~95 µs driven alone on a quiet machine: compare the two
+systems measured in the same run, back to back, never a floor taken at another time.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from typing import Any
 import zmq
 
 
-def forwarder(addr_q: Any, transport: str) -> None:
+def forwarder(addr_q: Any, transport: str, copy: bool = True) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -31,17 +41,17 @@ def forwarder(addr_q: Any, transport: str) -> None:
     workers: list[bytes] = []
     rr = 0
     while True:
-        frames = sock.recv_multipart(copy=False)
-        sender = frames[0].bytes
-        kind = frames[1].bytes
+        frames = sock.recv_multipart(copy=copy)
+        sender = frames[0] if copy else frames[0].bytes
+        kind = frames[1] if copy else frames[1].bytes
         if kind == b"W":  # worker hello
             workers.append(sender)
         elif kind == b"Q":  # client request: [client, Q, payload...]
             w = workers[rr % len(workers)]
             rr += 1
-            sock.send_multipart([w, sender, *frames[2:]], copy=False)
+            sock.send_multipart([w, sender, *frames[2:]], copy=copy)
         elif kind == b"R":  # worker reply: [worker, R, client, payload...]
-            sock.send_multipart([frames[2], *frames[3:]], copy=False)
+            sock.send_multipart([frames[2], *frames[3:]], copy=copy)
         elif kind == b"X":
             break
     sock.close(0)
@@ -50,29 +60,31 @@ def forwarder(addr_q: Any, transport: str) -> None:
         os.unlink(addr.removeprefix("ipc://"))
 
 
-def echo_worker(addr: str, small_reply: bool) -> None:
+def echo_worker(addr: str, small_reply: bool, copy: bool = True) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(addr)
     sock.send_multipart([b"W"])
     while True:
-        frames = sock.recv_multipart(copy=False)
+        frames = sock.recv_multipart(copy=copy)
         client = frames[0]
-        if frames[1].bytes == b"stop":
+        if (frames[1] if copy else frames[1].bytes) == b"stop":
             break
         sock.send_multipart([b"R", client, b"ok"] if small_reply else [b"R", client, *frames[1:]],
-                            copy=False)
+                            copy=copy)
 
 
 class RawPath:
-    def __init__(self, n_workers: int = 1, small_reply: bool = False, transport: str = "tcp") -> None:
+    def __init__(self, n_workers: int = 1, small_reply: bool = False, transport: str = "tcp",
+                 large: bool = False) -> None:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        self.fwd = ctx.Process(target=forwarder, args=(q, transport), daemon=True)
+        self.copy = not large  # zero-copy frames only pay off for large payloads
+        self.fwd = ctx.Process(target=forwarder, args=(q, transport, self.copy), daemon=True)
         self.fwd.start()
         self.addr = q.get(timeout=30)
-        self.workers = [ctx.Process(target=echo_worker, args=(self.addr, small_reply), daemon=True)
-                        for _ in range(n_workers)]
+        self.workers = [ctx.Process(target=echo_worker, args=(self.addr, small_reply, self.copy),
+                                    daemon=True) for _ in range(n_workers)]
         for w in self.workers:
             w.start()
         self.ctx = zmq.Context()
@@ -84,17 +96,17 @@ class RawPath:
         self.roundtrip(b"warm")
 
     def roundtrip(self, payload: Any) -> None:
-        self.sock.send_multipart([b"Q", payload], copy=False)
-        self.sock.recv_multipart(copy=False)
+        self.sock.send_multipart([b"Q", payload], copy=self.copy)
+        self.sock.recv_multipart(copy=self.copy)
 
     def pipelined(self, payloads: list[Any], window: int = 256) -> None:
         sent = recv = 0
         n = len(payloads)
         while recv < n:
             while sent < n and sent - recv < window:
-                self.sock.send_multipart([b"Q", payloads[sent]], copy=False)
+                self.sock.send_multipart([b"Q", payloads[sent]], copy=self.copy)
                 sent += 1
-            self.sock.recv_multipart(copy=False)
+            self.sock.recv_multipart(copy=self.copy)
             recv += 1
 
     def close(self) -> None:
@@ -108,3 +120,16 @@ class RawPath:
                 p.kill()
         self.sock.close(0)
         self.ctx.term()
+
+
+def best_roundtrip_us(path: RawPath, n: int, payload: bytes = b"x") -> float:
+    """p50 of `n` round trips (after 200 to warm up), in µs."""
+    for _ in range(200):
+        path.roundtrip(payload)
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        path.roundtrip(payload)
+        lat.append(time.perf_counter() - t)
+    lat.sort()
+    return lat[len(lat) // 2] * 1e6

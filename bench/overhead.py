@@ -170,6 +170,8 @@ def main() -> None:
         before = descendants(os.getpid())
         raw = {t: RawPath(transport=t) for t in ("tcp", "ipc")}
         raw_small = RawPath(small_reply=True, transport=a.transport, n_workers=a.devices)
+        raw_large = RawPath(small_reply=True, transport=a.transport, n_workers=a.devices,
+                            large=True)
         try:
             for t, path in raw.items():
                 p50, p99 = roundtrips(functools.partial(path.roundtrip, b"x"), a.n_latency)
@@ -177,10 +179,10 @@ def main() -> None:
                 add(f"raw {t} p99 us", p99 * 1e6)
             dt = timed(lambda: raw_small.pipelined([b"x"] * a.n_map))
             add("raw map msgs/s", a.n_map / dt)
-            dt = timed(lambda: raw_small.pipelined([payload] * a.n_large, window=64))
+            dt = timed(lambda: raw_large.pipelined([payload] * a.n_large, window=64))
             add("raw 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
         finally:
-            for path in [*raw.values(), raw_small]:
+            for path in [*raw.values(), raw_small, raw_large]:
                 path.close()
             leftover.update(wait_gone(descendants(os.getpid()) - before))
 

@@ -510,7 +510,7 @@ class SchedulerCore:
             self.tx.finish_batch(inv, msg, now)
             return
         result = p.Result(inv.id, msg.ok, msg.error_kind, msg.message,
-                          self.tx.meta(inv, now, msg.meta), msg.frames)
+                          self.tx.meta(inv, now, msg.meta, owned=True), msg.frames)
         self.tx.retry_or_fail(inv, now, result)  # a Retries(on=...) match queues it again
 
     def _on_rank_result(self, inv: Invocation, d: Device, msg: p.Result, now: float) -> None:

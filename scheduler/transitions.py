@@ -231,9 +231,11 @@ class Transitions:
         for o in self.observers:
             o.call_ended(inv, result)
 
-    def meta(self, inv: Invocation, now: float, base: p.ResultMeta | None = None) -> p.ResultMeta:
-        """The caller's result meta: what the worker reported plus where and when it ran."""
-        meta = replace(base) if base is not None else p.ResultMeta()
+    def meta(self, inv: Invocation, now: float, base: p.ResultMeta | None = None,
+             owned: bool = False) -> p.ResultMeta:
+        """The caller's result meta: what the worker reported plus where and when it ran
+        (`owned`: `base` is this call's alone, decoded for it, and is filled in place)."""
+        meta = (base if owned else replace(base)) if base is not None else p.ResultMeta()
         meta.devices = list(inv.devices)
         meta.attempts = inv.attempts
         meta.queued_s = (inv.started or now) - inv.submitted

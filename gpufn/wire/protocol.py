@@ -176,6 +176,13 @@ def _checks(cls: type[Any]) -> tuple[tuple[str, tuple[type, ...] | None], ...]:
 def _check_fields(cls: type[Any], values: Any) -> None:
     """Refuse a header whose values do not have the field types of `cls` (a peer may
     send anything; a handler must never see a number where it expects a string)."""
+    check = _CHECKERS.get(cls)
+    if check is None:
+        check = _CHECKERS[cls] = _compile_check(cls)
+    check(values)
+
+
+def _check_slowly(cls: type[Any], values: Any) -> None:
     if type(values) is not list:
         raise TypeError(f"the header must be a list of fields, got {type(values).__name__}")
     checks = _checks(cls)
@@ -185,6 +192,34 @@ def _check_fields(cls: type[Any], values: Any) -> None:
         if kinds is not None and not isinstance(value, kinds):
             raise TypeError(f"field {name!r} is a {type(value).__name__}, expected "
                             + " or ".join(k.__name__ for k in kinds))
+
+
+# A checker per message class, compiled once from its field types: a header with every
+# field present (what `encode` sends) is checked by one expression; anything else, and
+# every refusal, goes the slow way, which also says what is wrong.
+_CHECKERS: dict[type[Any], Callable[[Any], None]] = {}
+
+
+def _compile_check(cls: type[Any]) -> Callable[[Any], None]:
+    checks = _checks(cls)
+    env: dict[str, Any] = {"slow": _check_slowly, "cls": cls, "list": list}
+    names = [f"v{i}" for i in range(len(checks))]
+    tests = []
+    for i, (_, kinds) in enumerate(checks):
+        if kinds is not None:
+            env[f"k{i}"] = kinds[0] if len(kinds) == 1 else kinds
+            tests.append(f"isinstance(v{i}, k{i})")
+    if not checks:
+        body = "    if type(values) is not list or values:\n        slow(cls, values)\n"
+    else:
+        body = (f"    if type(values) is not list or len(values) != {len(checks)}:\n"
+                "        slow(cls, values)\n        return\n"
+                f"    {', '.join(names)}, = values\n")
+        if tests:
+            body += f"    if not ({' and '.join(tests)}):\n        slow(cls, values)\n"
+    exec(f"def check(values):\n{body}", env)  # noqa: S102 - built from our own field types
+    check: Callable[[Any], None] = env["check"]
+    return check
 
 
 BATCH_TAG = b"\x00"

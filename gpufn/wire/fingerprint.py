@@ -139,11 +139,12 @@ def fingerprint(target: Any) -> Fingerprint | None:
         return None
     fn = getattr(target, "__gpufn_target__", None)
     w = _Walk()
+    extra: tuple[Any, ...] = ()
     try:
         if fn is not None:  # WithCallOptions: the options are plain values
             extra = (w.value(target.autocast), w.value(target.device_args))
         else:
-            fn, extra = target, ()
+            fn = target
         if type(fn) is not types.FunctionType:
             return None
         key = (byvalue.generation(), extra, w.function(fn))

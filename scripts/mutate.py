@@ -41,6 +41,27 @@ class Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
+        "shm-arguments-never-released", "gpufn/client/client.py",
+        "        if entry:\n            shm.release(entry[0])\n",
+        "        if entry:\n            pass\n",
+        ("tests/integration/test_shm.py::test_a_call_cancelled_before_it_ran_frees_its_arguments",),
+        "a call cancelled before a worker read its shared-memory arguments leaks the file",
+    ),
+    Mutation(
+        "shm-no-sweep", "worker/supervisor.py",
+        "                    shm.sweep()\n",
+        "                    pass\n",
+        ("tests/integration/test_shm.py::test_files_of_a_caller_that_died_are_removed",),
+        "the shared-memory files of a caller that died are never removed",
+    ),
+    Mutation(
+        "shm-receiver-keeps-file", "gpufn/wire/shm.py",
+        "        try:\n            os.unlink(path)\n        except FileNotFoundError:\n            pass\n    return mm\n",
+        "    return mm\n",
+        ("tests/integration/test_shm.py::test_big_tensors_go_through_shared_memory_and_are_freed",),
+        "a received shared-memory payload's file stays after the call",
+    ),
+    Mutation(
         "fingerprint-ignores-list-contents", "gpufn/wire/fingerprint.py",
         "            return (list, self.ident(obj), tuple(self.value(x) for x in obj))\n",
         "            return (list, self.ident(obj))\n",

@@ -21,6 +21,7 @@ from gpufn.exceptions import InvalidSpec
 from gpufn.runtime.context import current as current_context
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
+from gpufn.wire import shm
 from gpufn.wire.byvalue import register_main_locals
 from gpufn.wire.fingerprint import Fingerprint, fingerprint
 from gpufn.wire.spec import OPTION_NAMES, GpuSpec, Retries, make_spec
@@ -273,12 +274,17 @@ class Function(Generic[P, R]):
     def _submit_message(self, client: Client, args: tuple[Any, ...], kwargs: dict[str, Any],
                         target: tuple[p.Register | None, str, dict[str, Any]] | None = None,
                         keep: bool = False) -> p.Submit:
-        frames = ser.dump_args(self.name, args, kwargs)
+        out = None if self.spec.cache else client.shm_outgoing()  # cached: keyed by its frames
+        frames = ser.dump_args(self.name, args, kwargs, out)
         reg, fid, options = target or self._prepare(client)
         if reg is not None:
             client.ensure_registered(reg)
         # keep: the scheduler keeps the Result a while, for FunctionCall.from_id
-        return p.Submit(client.new_id(), fid, options, keep, tuple(frames))
+        sub = p.Submit(client.new_id(), fid, options, keep,
+                       shm=client.shm_results and not self.spec.cache, frames=tuple(frames))
+        if out is not None and out.names:
+            client.track_shm(sub.invocation_id, out)
+        return sub
 
     # ------------------------------------------------------------------ calls
 
@@ -314,10 +320,17 @@ class Function(Generic[P, R]):
         if self.spec.cache:
             return self.spawn(*args, **kwargs).get()
         client = get_client()
-        frames = ser.dump_args(self.name, args, kwargs)
+        out = client.shm_outgoing()
+        frames = ser.dump_args(self.name, args, kwargs, out)
         reg, fid, options = self._prepare(client)
-        sub = p.Submit(client.new_id(), fid, options, frames=tuple(frames))
-        return decode_result(client.call(reg, sub, self.name), self.name)
+        sub = p.Submit(client.new_id(), fid, options, shm=client.shm_results,
+                       frames=tuple(frames))
+        if out is None or not out.names:
+            return decode_result(client.call(reg, sub, self.name), self.name)
+        try:  # the argument files go when the call ends, read by a worker or not
+            return decode_result(client.call(reg, sub, self.name), self.name)
+        finally:
+            shm.release(out.names)
 
     async def _remote_aio(self, *args: Any, **kwargs: Any) -> R:
         call = self.spawn(*args, **kwargs)

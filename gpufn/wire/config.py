@@ -241,6 +241,15 @@ def map_window() -> int:
     return env_positive_int("GPUFN_MAP_WINDOW", 4096)
 
 
+def shm_threshold() -> int | None:
+    """GPUFN_SHM_THRESHOLD: tensors and bytes at least this large travel through shared
+    memory (/dev/shm) when caller and worker share a host and user (default 64MiB;
+    0 turns it off, and every payload goes through the sockets)."""
+    raw = env_str("GPUFN_SHM_THRESHOLD", "64MiB")
+    n = parse_memory(raw, "GPUFN_SHM_THRESHOLD")
+    return n if n > 0 else None
+
+
 KEY_PARAM = "?key="
 _Z85_KEY_LEN = 40
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 Frame = Any  # bytes | memoryview | zmq.Frame: whatever zmq can send without a copy
 
@@ -283,6 +283,7 @@ class HelloInfo:
     incarnation: int = 0  # worker: its generation (counted by its supervisor)
     channel: str = ""  # worker: "work" or "control"
     ran: list[str] = field(default_factory=list)  # worker: calls it ran lately (recovery)
+    host: str = ""  # client, supervisor: who shares its /dev/shm (gpufn.wire.shm.host_id)
 
 
 @message(1, structs={"info": HelloInfo})
@@ -309,6 +310,7 @@ class WelcomeInfo:
     runtimes: list[dict[str, Any]] = field(default_factory=list)  # the workers' versions
     user: str = ""  # a client: the user its token belongs to (the scheduler decides)
     admin: bool = False  # a client: whether that is the cluster's (admin) token
+    hosts: list[str] = field(default_factory=list)  # the device hosts' shm ids (HelloInfo.host)
 
 
 @message(2, structs={"info": WelcomeInfo})
@@ -384,6 +386,7 @@ class Submit(Message):
     function_id: str
     options: dict[str, Any]
     keep: bool = False  # keep the Result a while after the call ends (`FunctionCall.from_id`)
+    shm: bool = False  # big values may travel through shared memory (gpufn.wire.shm) both ways
     frames: tuple[Frame, ...] = ()
 
 
@@ -426,8 +429,9 @@ class ResultMeta:
     first_item_s: float | None = None  # a generator: seconds from its start to its first value
     items_per_s: float | None = None  # a generator: values per second over its run
     retryable: bool = False  # the raised exception matches the call's Retries(on=...)
+    shm: list[str] | None = None  # shared-memory files the value's frames name
 
-    _PRIVATE = ("dispatch_token", "batch_items", "retryable")
+    _PRIVATE = ("dispatch_token", "batch_items", "retryable", "shm")
 
     def to_dict(self) -> dict[str, Any]:
         """What the caller sees: every field that is set, less the wire-only ones."""
@@ -504,6 +508,7 @@ class RunMeta:
     app: str = ""  # a deployed function's app and version: nested calls keep the version
     version: int = 0
     retry_on: list[str] | None = None  # Retries(on=...): "module.qualname" of each class
+    shm_owner: int = 0  # the caller's pid if big results go to it through shared memory
 
 
 @message(21, structs={"meta": RunMeta})

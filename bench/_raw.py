@@ -39,6 +39,7 @@ def forwarder(addr_q: Any, transport: str, copy: bool = True) -> None:
         addr = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
     addr_q.put(addr)
     workers: list[bytes] = []
+    early: list[list[Any]] = []  # requests that came before any worker (a slow start)
     rr = 0
     while True:
         frames = sock.recv_multipart(copy=copy)
@@ -46,6 +47,11 @@ def forwarder(addr_q: Any, transport: str, copy: bool = True) -> None:
         kind = frames[1] if copy else frames[1].bytes
         if kind == b"W":  # worker hello
             workers.append(sender)
+            for f in early:
+                sock.send_multipart([sender, *f], copy=copy)
+            early.clear()
+        elif kind == b"Q" and not workers:
+            early.append([sender, *frames[2:]])
         elif kind == b"Q":  # client request: [client, Q, payload...]
             w = workers[rr % len(workers)]
             rr += 1
@@ -72,6 +78,69 @@ def echo_worker(addr: str, small_reply: bool, copy: bool = True) -> None:
             break
         sock.send_multipart([b"R", client, b"ok"] if small_reply else [b"R", client, *frames[1:]],
                             copy=copy)
+
+
+def stream_worker(addr: str) -> None:
+    """Answers [client, n] with n pickled ints, then b"end" (a raw generator's stream)."""
+    import pickle
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.connect(addr)
+    sock.send_multipart([b"W"])
+    while True:
+        client, req = sock.recv_multipart()
+        if req == b"stop":
+            break
+        for i in range(int(req)):
+            sock.send_multipart([b"R", client, pickle.dumps(i, protocol=5)])
+        sock.send_multipart([b"R", client, b"end"])
+
+
+class RawStream:
+    """A client -> forwarder -> stream worker path: items flow back through the forwarder."""
+
+    def __init__(self, transport: str = "ipc") -> None:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.fwd = ctx.Process(target=forwarder, args=(q, transport, True), daemon=True)
+        self.fwd.start()
+        self.addr = q.get(timeout=30)
+        self.worker = ctx.Process(target=stream_worker, args=(self.addr,), daemon=True)
+        self.worker.start()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.connect(self.addr)
+        time.sleep(0.5)
+        self.run(1)
+
+    def run(self, n: int) -> tuple[float, float]:
+        """(seconds to the first item, seconds to the end) for a stream of n items."""
+        import pickle
+
+        t0 = time.perf_counter()
+        self.sock.send_multipart([b"Q", str(n).encode()])
+        first = 0.0
+        while True:
+            (frame,) = self.sock.recv_multipart()
+            if frame == b"end":
+                return first, time.perf_counter() - t0
+            if not first:
+                first = time.perf_counter() - t0
+            pickle.loads(frame)
+
+    def close(self) -> None:
+        self.sock.send_multipart([b"Q", b"stop"])
+        self.sock.send_multipart([b"X"])
+        time.sleep(0.2)
+        for p in (self.fwd, self.worker):
+            p.join(2)
+            if p.is_alive():
+                p.kill()
+        self.sock.close(0)
+        self.ctx.term()
 
 
 class RawPath:

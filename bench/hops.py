@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -111,6 +112,13 @@ def main() -> None:
         wcore.done(res)  # type: ignore[arg-type]
         st["res_frames"] = p.encode_batch([res])
 
+    sent: deque[tuple[float, str]] = deque(maxlen=10_000)
+
+    def worker_recovery() -> None:
+        # What head-restart recovery costs per call on the worker: remembering that the
+        # call ran (worker/process.py `_sent`), so a new head can be told after a restart.
+        sent.append((time.monotonic(), "i"))
+
     def sched_result() -> None:
         out = []
         for m in p.decode_all(st["res_frames"]):
@@ -131,6 +139,7 @@ def main() -> None:
         ("scheduler: encode Run", sched_encode_run),
         ("worker: decode Run (with field checks)", worker_decode),
         ("worker: core + inline executor + encode Result", worker_run),
+        ("worker: remember the call for head-restart recovery", worker_recovery),
         ("scheduler: decode Result, core, encode for client", sched_result),
         ("client: decode Result, unpickle the value", client_result),
     ]

@@ -31,6 +31,7 @@ from gpufn.exceptions import (
     from_wire,
     kind_of,
 )
+from gpufn.net import sockets
 from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
 from gpufn.net.discovery import Target
 from gpufn.wire import config, shm
@@ -406,7 +407,7 @@ class Client:
                             parts.append(self._outbox.popleft())
                         frames = p.batch_frames(parts)
                     try:
-                        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                        sockets.send(sock, frames, zmq.NOBLOCK)
                         pending_send = None
                     except zmq.Again:
                         pending_send = frames
@@ -577,7 +578,7 @@ class _SyncChannel:
             raise
 
     def _send(self, msg: p.Message) -> None:
-        self.sock.send_multipart(p.encode(msg), copy=False)
+        sockets.send(self.sock, p.encode(msg))
 
     def _hello(self) -> None:
         self.registered.clear()

@@ -701,8 +701,7 @@ class AppReply(Message):
 # `allowed` starts at STREAM_WINDOW and each `Credit` (client -> scheduler -> worker)
 # raises it as the consumer reads.
 
-STREAM_WINDOW = 64  # items a producer may send before the consumer has read any (16 held a
-# burst to 0.18x a raw zmq stream: a credit round trip per 4 items)
+STREAM_WINDOW = 16  # items a producer may send before the consumer has read any
 
 
 @message(100)

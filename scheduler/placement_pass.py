@@ -100,6 +100,8 @@ class PlacementPass:
         self._unreserved_for: tuple[list[Device], Reservation, list[Device]] | None = None
         self._placed_on: tuple[Device, ...] = ()  # the devices of the last dispatch
         self._drains: dict[str, float] = {}
+        self._backfill_checked: Reservation | None = None  # _only_backfill_left's answer for
+        self._backfill_possible = False
 
     def run(self, now: float, rendezvous_port: int | None) -> Iterator[Decision]:
         if not len(self.queue):
@@ -116,6 +118,7 @@ class PlacementPass:
         self._open = [d for d in self.devices.values() if _open(d, slots)]
         self._preemptible = None  # computed when first needed
         self._drains = {}  # drain_seconds per device at this `now` (see rank_devices)
+        self._backfill_checked = None
         if self._full():
             return
         reservation: Reservation | None = None
@@ -139,6 +142,9 @@ class PlacementPass:
             else:
                 placed = yield from self._single(inv, now, reservation)
             if not placed:
+                if reservation is not None and self._only_backfill_left(reservation):
+                    order.close()
+                    return  # every open device is the gang's and nothing may backfill
                 continue  # this function is blocked for the rest of the pass
             if capped and self.caps is not None:
                 self.caps.took(inv)
@@ -156,6 +162,24 @@ class PlacementPass:
         assert self.caps is not None
         for user in self.queue.held_users():
             self.queue.unhold(user, self.caps.room(user))
+
+    def _only_backfill_left(self, r: Reservation) -> bool:
+        """Whether nothing else can start in this pass: every open device is reserved for
+        the gang, nothing is preemptible, and no queued function's measured run time fits
+        before the gang could start (then visiting each blocked function is wasted)."""
+        if self._unreserved(r) or self._any_preemptible():
+            return False
+        if self._backfill_checked is r:
+            return not self._backfill_possible
+        possible = False
+        for fid in self.queue.functions():
+            head = self.queue.head(fid)
+            if head is not None and head.spec.count == 1 and can_backfill(
+                    head.function.runtime_ewma, r.start_eta):
+                possible = True
+                break
+        self._backfill_checked, self._backfill_possible = r, possible
+        return not possible
 
     def _unreserved(self, r: Reservation) -> list[Device]:
         """This pass's open devices outside the reservation (kept until either changes)."""

@@ -41,6 +41,21 @@ class Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
+        "placement-stops-before-backfill", "scheduler/placement_pass.py",
+        "        self._backfill_checked, self._backfill_possible = r, possible\n        return not possible\n",
+        "        self._backfill_checked, self._backfill_possible = r, possible\n        return True\n",
+        ("tests/unit/test_scheduler_gangs.py::"
+         "test_head_gang_reserves_draining_devices_and_only_short_calls_backfill",),
+        "a pass ends at a gang's reservation although a short call could backfill",
+    ),
+    Mutation(
+        "header-check-skips-a-field", "gpufn/wire/protocol.py",
+        "            tests.append(f\"isinstance(v{i}, k{i})\")\n",
+        "            tests.append(\"True\") if i == len(checks) - 1 else tests.append(f\"isinstance(v{i}, k{i})\")\n",
+        ("tests/unit/test_protocol.py::test_every_field_of_the_wrong_type_is_refused",),
+        "the compiled header check lets an ill-typed last field through to the handlers",
+    ),
+    Mutation(
         "shm-arguments-never-released", "gpufn/client/client.py",
         "        if entry:\n            shm.release(entry[0])\n",
         "        if entry:\n            pass\n",

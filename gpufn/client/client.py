@@ -570,7 +570,6 @@ class _SyncChannel:
         self.sock = self.conn.sock
         self.registered: set[str] = set()
         self.last_heard = 0.0
-        self.rcvtimeo = -1  # the socket's receive timeout (ms) as last set
         try:
             self._hello()
         except BaseException:
@@ -594,32 +593,32 @@ class _SyncChannel:
         self._send(submit)
         inv = submit.invocation_id
         timeout = self.client.connection_timeout
-        sock = self.sock
-        wait_ms = int(self.client.ping_seconds * 1000)
-        if wait_ms != self.rcvtimeo:  # a blocking receive that wakes to ping: no poll per call
-            sock.setsockopt(zmq.RCVTIMEO, wait_ms)
-            self.rcvtimeo = wait_ms
         try:
             while True:
-                try:
-                    frames = sock.recv_multipart(copy=False)
-                except zmq.Again:
+                # poll, then read without blocking: a blocking recv on a socket that another
+                # thread closes at interpreter exit can abort inside libzmq
+                if not self.sock.poll(int(self.client.ping_seconds * 1000)):
                     if time.monotonic() - self.last_heard > timeout:
                         raise ConnectionLost(
                             f"the scheduler at {self.client.address} has not answered for "
-                            f"{timeout:.0f}s while {name} call {inv} was outstanding") from None
+                            f"{timeout:.0f}s while {name} call {inv} was outstanding")
                     self._send(p.Ping(0))
                     continue
                 self.last_heard = time.monotonic()
-                try:
-                    msgs = p.decode_all(frames)
-                except p.DecodeError as e:
-                    log.warning("undecodable message from the scheduler: %s", e)
-                    continue
-                for msg in msgs:
-                    if isinstance(msg, p.Result) and msg.invocation_id == inv:
-                        return msg
-                    self._other(msg, register, submit, name)
+                while True:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        msgs = p.decode_all(frames)
+                    except p.DecodeError as e:
+                        log.warning("undecodable message from the scheduler: %s", e)
+                        continue
+                    for msg in msgs:
+                        if isinstance(msg, p.Result) and msg.invocation_id == inv:
+                            return msg
+                        self._other(msg, register, submit, name)
         except KeyboardInterrupt:
             self._send(p.Cancel(inv, "interrupted by the caller"))
             raise

@@ -7,6 +7,8 @@ Prints, for this machine, side by side:
     (calls see globals as they are when made; unchanged code is not resent);
   * `.map()` throughput over 10,000 no-op inputs;
   * 1,000 inputs of a 4 MiB tensor each (MB/s) vs raw zmq moving the same bytes;
+  * a 256 MiB tensor sent to a worker and back (shared memory, gpufn/wire/shm.py) vs
+    raw zmq echoing the same bytes over the same four hops;
   * the same no-op round trip and 10k-task throughput with Ray when `ray` is importable;
   * with --curve: the cost of CURVE encryption, the same three measurements on an
     embedded cluster over TCP loopback, plaintext against CURVE (GPUFN_CURVE=1).
@@ -17,7 +19,7 @@ processes, then Ray's (`ray.init` .. `ray.shutdown`); the order rotates from rou
 round so no system always goes first. Each measurement is repeated (--repeats) and
 reported as min / median.
 
-    python bench/overhead.py [--repeats 5] [--transport ipc|tcp] [--no-ray] [--curve]
+    python bench/overhead.py [--repeats 5] [--transport ipc|tcp] [--no-ray] [--curve] [--big-mib 256]
     python bench/overhead.py --quick       # a short smoke run
 """
 
@@ -87,6 +89,9 @@ def main() -> None:
     ap.add_argument("--n-latency", type=int, default=2000)
     ap.add_argument("--n-map", type=int, default=10_000)
     ap.add_argument("--n-large", type=int, default=1000)
+    ap.add_argument("--big-mib", type=int, default=256,
+                    help="MiB of the tensor sent there and back (shared memory when >= 64)")
+    ap.add_argument("--n-big", type=int, default=5)
     ap.add_argument("--transport", choices=["ipc", "tcp"], default="ipc",
                     help="embedded cluster transport (ipc is its default)")
     ap.add_argument("--devices", type=int, default=2)
@@ -96,7 +101,7 @@ def main() -> None:
                     help="also measure TCP loopback plaintext against CURVE-encrypted")
     a = ap.parse_args()
     if a.quick:
-        a.repeats, a.n_latency, a.n_map, a.n_large = 2, 200, 1000, 50
+        a.repeats, a.n_latency, a.n_map, a.n_large, a.n_big = 2, 200, 1000, 50, 2
     os.environ["GPUFN_EMBEDDED_TRANSPORT"] = a.transport
     os.environ["GPUFN_CPU_DEVICES"] = str(a.devices)
     os.environ.setdefault("GPUFN_PROGRESS", "0")
@@ -114,8 +119,15 @@ def main() -> None:
     def noop1(x: Any) -> None:
         return None
 
+    @gpufn.gpu
+    def echo(x: Any) -> Any:
+        return x
+
     tensor = torch.zeros(MiB, dtype=torch.float32)  # 4 MiB
     payload = tensor.numpy().tobytes()
+    big_mib = a.big_mib
+    big = torch.ones(big_mib * MiB // 4, dtype=torch.float32)  # over GPUFN_SHM_THRESHOLD
+    big_payload = big.numpy().tobytes()
     rows: dict[str, list[float]] = {}
     leftover: set[int] = set()  # slow to exit after a phase; checked again at the end
 
@@ -158,6 +170,9 @@ def main() -> None:
             add(f"{prefix} map calls/s", a.n_map / dt)
             dt = timed(lambda: list(noop1.map([tensor] * a.n_large)))
             add(f"{prefix} 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
+            echo.remote(big)  # warm
+            dt = timed(lambda: [echo.remote(big) for _ in range(a.n_big)])
+            add(f"{prefix} big MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)  # there and back
         finally:
             mine = descendants(os.getpid()) - before
             gclient._shutdown_default()
@@ -170,6 +185,9 @@ def main() -> None:
         before = descendants(os.getpid())
         raw = {t: RawPath(transport=t) for t in ("tcp", "ipc")}
         raw_small = RawPath(small_reply=True, transport=a.transport, n_workers=a.devices)
+        raw_large = RawPath(small_reply=True, transport=a.transport, n_workers=a.devices,
+                            large=True)
+        echo_large = RawPath(transport=a.transport, large=True)  # echoes the payload back
         try:
             for t, path in raw.items():
                 p50, p99 = roundtrips(functools.partial(path.roundtrip, b"x"), a.n_latency)
@@ -177,10 +195,13 @@ def main() -> None:
                 add(f"raw {t} p99 us", p99 * 1e6)
             dt = timed(lambda: raw_small.pipelined([b"x"] * a.n_map))
             add("raw map msgs/s", a.n_map / dt)
-            dt = timed(lambda: raw_small.pipelined([payload] * a.n_large, window=64))
+            dt = timed(lambda: raw_large.pipelined([payload] * a.n_large, window=64))
             add("raw 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
+            echo_large.roundtrip(big_payload)  # warm
+            dt = timed(lambda: [echo_large.roundtrip(big_payload) for _ in range(a.n_big)])
+            add("raw big MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)
         finally:
-            for path in [*raw.values(), raw_small]:
+            for path in [*raw.values(), raw_small, raw_large, echo_large]:
                 path.close()
             leftover.update(wait_gone(descendants(os.getpid()) - before))
 
@@ -269,6 +290,9 @@ def main() -> None:
     t.add_row(f".map() {a.n_large:,} x 4 MiB tensors (MB/s)", summarize(rows["gpufn 4MiB MB/s"]),
               f"raw {summarize(rows['raw 4MiB MB/s'])}",
               f"{med['gpufn 4MiB MB/s'] / med['raw 4MiB MB/s']:.2f}x raw")
+    t.add_row(f".remote() of a {big_mib} MiB tensor, there and back (MB/s)",
+              summarize(rows["gpufn big MB/s"]), f"raw {summarize(rows['raw big MB/s'])}",
+              f"{med['gpufn big MB/s'] / med['raw big MB/s']:.2f}x raw")
     if ray_rows:
         t.add_row("Ray task no-op p50 (us)", "", summarize(ray_rows["ray task p50 us"]),
                   f"gpufn {med['ray task p50 us'] / med['gpufn p50 us']:.2f}x faster")

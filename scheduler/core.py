@@ -272,7 +272,9 @@ class SchedulerCore:
     def _cluster_info(self, who: Identity | None = None) -> p.WelcomeInfo:
         return p.WelcomeInfo(p.PROTOCOL_VERSION, len(self.devices), self.config.client_timeout,
                              self.instance, handshake.runtimes(self.peers.values()),
-                             who.user if who else "", who.admin if who else False)
+                             who.user if who else "", who.admin if who else False,
+                             sorted({i.info.host for i in self.peers.values()
+                                     if i.role == p.Role.SUPERVISOR}))
 
     def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
         infos = [DeviceInfo.from_wire(d) for d in msg.info.devices]
@@ -443,6 +445,7 @@ class SchedulerCore:
         self._seq += 1
         inv = Invocation(msg.invocation_id, fn, peer, spec, tuple(msg.frames), now, self._seq)
         inv.user = self.peers[peer].user  # from its token, never the client's claim
+        inv.shm = msg.shm
         inv.history.append(("queued", now))
         if spec.deadline is not None:
             inv.deadline = now + spec.deadline
@@ -510,7 +513,7 @@ class SchedulerCore:
             self.tx.finish_batch(inv, msg, now)
             return
         result = p.Result(inv.id, msg.ok, msg.error_kind, msg.message,
-                          self.tx.meta(inv, now, msg.meta), msg.frames)
+                          self.tx.meta(inv, now, msg.meta, owned=True), msg.frames)
         self.tx.retry_or_fail(inv, now, result)  # a Retries(on=...) match queues it again
 
     def _on_rank_result(self, inv: Invocation, d: Device, msg: p.Result, now: float) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable
@@ -18,6 +19,7 @@ def _tokens(s: str) -> list[str]:
     return _TOKEN.findall(s.lower())
 
 
+@functools.lru_cache(maxsize=4096)  # asked per device per placement: a few types, a few names
 def type_rank(types: tuple[str, ...], device_name: str) -> int | None:
     """Index of the first acceptable type the device matches (lower is preferred), or None.
 
@@ -105,6 +107,7 @@ def drain_seconds(d: Device, now: float) -> float:
 def rank_devices(
     spec: GpuSpec, fn: FunctionRecord, devices: Iterable[Device], slots: int,
     pipeline_depth: int = 0, check_memory: bool = True, now: float = 0.0,
+    drains: dict[str, float] | None = None, shared_only: bool = False,
 ) -> list[Device]:
     """Devices that can start one rank of this function now, best first.
 
@@ -112,22 +115,32 @@ def rank_devices(
     (for short calls, so the worker never idles through a scheduler round trip). A device
     running a rank of a multi-device call is that call's alone: one slow neighbour would
     slow every rank.
+    `drains`, when given, caches `drain_seconds` per device key for this `now`;
+    `shared_only`: the caller passes no device that runs a multi-device call.
     Preference: the earliest acceptable type, then the earliest expected finish (what
     runs there, drained by measured run times, plus this call's run time measured on
     that device: faster devices get more calls), then fewer calls, then free memory.
     """
     scored = []
+    code, limit, types, memory = fn.code_id, spec.concurrency + pipeline_depth, spec.type, spec.memory
     for d in devices:
-        if not d.takes_work or len(d.running) >= slots:
+        running = d.running
+        if len(running) >= slots or not d.takes_work:
             continue
-        if d.running_by_fn[fn.code_id] >= spec.concurrency + pipeline_depth:
+        if running and (d.running_by_fn.get(code, 0) >= limit or (not shared_only and any(
+                other.shape.multi_device for other in running.values()))):
             continue
-        if any(other.shape.multi_device for other in d.running.values()):
+        rank = type_rank(types, d.info.name) if types else 0
+        if rank is None or (check_memory and d.ledger.free < memory):
             continue
-        rank = type_rank(spec.type, d.info.name)
-        if rank is None or (check_memory and d.ledger.free < spec.memory):
-            continue
-        finish = drain_seconds(d, now) + (fn.estimate(d.key) or 0.0)
+        drain = 0.0
+        if running:
+            if drains is None:
+                drain = drain_seconds(d, now)
+            else:  # the caller's cache for this `now` (it drops what it changed)
+                got = drains.get(d.info.key)
+                drain = drains[d.info.key] = drain_seconds(d, now) if got is None else got
+        finish = drain + (fn.estimate(d.key) or 0.0)
         scored.append((rank, finish, len(d.running), -d.ledger.free, d.key, d))
     scored.sort(key=lambda s: s[:5])
     return [s[-1] for s in scored]

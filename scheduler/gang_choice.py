@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gpufn.memory_pool.probe import TOPO_SYSTEM, DeviceInfo
 
@@ -97,8 +97,32 @@ def _key(devs: Sequence[DeviceInfo]) -> tuple[GangDistance, list[tuple[str, int]
     return (gang_distance(devs), [_order(d) for d in devs])
 
 
+# Results of `_best_on_node` by the identities of its inputs: a node's free devices change
+# only when a call starts or ends there, so with many hosts most nodes answer from here
+# (a gang's choice costs O(hosts) lookups, not O(hosts) searches). The inputs are kept
+# with their answer, so an id is never reused while its entry lives.
+_NODE_MEMO: dict[tuple[int, ...], tuple[tuple[DeviceInfo, ...], list[DeviceInfo] | None, Any]] = {}
+_NODE_MEMO_MAX = 8192
+
+
 def _best_on_node(devs: Sequence[DeviceInfo], count: int) -> list[DeviceInfo] | None:
     """The closest `count` devices among one node's (sorted, distinct) devices."""
+    return _best_with_key(devs, count)[0]
+
+
+def _best_with_key(devs: Sequence[DeviceInfo], count: int) -> tuple[list[DeviceInfo] | None, Any]:
+    """`_best_on_node` and the `_key` of its answer, remembered (see `_NODE_MEMO`)."""
+    memo = (count, *map(id, devs))
+    hit = _NODE_MEMO.get(memo)
+    if hit is None or not all(a is b for a, b in zip(hit[0], devs, strict=True)):
+        best = _search_node(devs, count)
+        if len(_NODE_MEMO) >= _NODE_MEMO_MAX:
+            _NODE_MEMO.clear()
+        hit = _NODE_MEMO[memo] = (tuple(devs), best, _key(best) if best is not None else None)
+    return (list(hit[1]) if hit[1] is not None else None), hit[2]
+
+
+def _search_node(devs: Sequence[DeviceInfo], count: int) -> list[DeviceInfo] | None:
     n = len(devs)
     if count > n:
         return None
@@ -159,9 +183,10 @@ def choose_gang(
         nodes.setdefault(d.node, []).append(d)
 
     # One node can hold the whole gang: the closest set over all such nodes.
-    options = [g for ds in nodes.values() if (g := _best_on_node(ds, count)) is not None]
+    options = [(k, g) for ds in nodes.values() for g, k in (_best_with_key(ds, count),)
+               if g is not None]
     if options:
-        return min(options, key=_key)
+        return min(options, key=lambda o: o[0])[1]
 
     # Span nodes: as few as possible (largest free counts first), closest set on each.
     order = sorted(nodes, key=lambda n: (-len(nodes[n]), n))

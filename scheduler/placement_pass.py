@@ -79,6 +79,14 @@ Decision = Dispatch | Preempt | Unplaceable | WakeAt | NeedRendezvous
 # --------------------------------------------------------------------------- the pass
 
 
+def _open(d: Device, slots: int) -> bool:
+    """Whether the device could start something now: a worker, a free slot, and no rank
+    of a multi-device call (such a device is that call's alone)."""
+    running = d.running
+    return len(running) < slots and d.takes_work and not (
+        running and any(i.shape.multi_device for i in running.values()))
+
+
 class PlacementPass:
     def __init__(self, config: SchedulerConfig, devices: dict[str, Device], queue: ReadyQueue,
                  models: ModelBook) -> None:
@@ -87,6 +95,13 @@ class PlacementPass:
         self.queue = queue
         self.models = models
         self.caps: DeviceCaps | None = None  # per-user device caps (set by the core)
+        self._open: list[Device] = []  # this pass's devices with a free slot
+        self._preemptible: bool | None = None
+        self._unreserved_for: tuple[list[Device], Reservation, list[Device]] | None = None
+        self._placed_on: tuple[Device, ...] = ()  # the devices of the last dispatch
+        self._drains: dict[str, float] = {}
+        self._backfill_checked: Reservation | None = None  # _only_backfill_left's answer for
+        self._backfill_possible = False
 
     def run(self, now: float, rendezvous_port: int | None) -> Iterator[Decision]:
         if not len(self.queue):
@@ -97,6 +112,13 @@ class PlacementPass:
         capped = self.caps is not None and self.caps.begin(self.devices.values())
         if self.caps is not None and self.queue.held_users():
             self._unhold()  # with no cap left (changed, or the user revoked) all go back
+        # The devices with a free slot, once per pass (O(devices)); every choice below
+        # looks only at these, and a device leaves the list as it fills.
+        slots = self.config.slots_per_device
+        self._open = [d for d in self.devices.values() if _open(d, slots)]
+        self._preemptible = None  # computed when first needed
+        self._drains = {}  # drain_seconds per device at this `now` (see rank_devices)
+        self._backfill_checked = None
         if self._full():
             return
         reservation: Reservation | None = None
@@ -120,9 +142,17 @@ class PlacementPass:
             else:
                 placed = yield from self._single(inv, now, reservation)
             if not placed:
+                if reservation is not None and self._only_backfill_left(reservation):
+                    order.close()
+                    return  # every open device is the gang's and nothing may backfill
                 continue  # this function is blocked for the rest of the pass
             if capped and self.caps is not None:
                 self.caps.took(inv)
+            for d in self._placed_on:
+                self._drains.pop(d.key, None)
+            full = [d for d in self._placed_on if not _open(d, slots)]
+            if full:  # only the devices it just used can have filled
+                self._open = [d for d in self._open if d not in full]
             if self._full():
                 order.close()
                 return  # the rest of the queue cannot start now: a pass costs O(placed)
@@ -133,12 +163,43 @@ class PlacementPass:
         for user in self.queue.held_users():
             self.queue.unhold(user, self.caps.room(user))
 
+    def _only_backfill_left(self, r: Reservation) -> bool:
+        """Whether nothing else can start in this pass: every open device is reserved for
+        the gang, nothing is preemptible, and no queued function's measured run time fits
+        before the gang could start (then visiting each blocked function is wasted)."""
+        if self._unreserved(r) or self._any_preemptible():
+            return False
+        if self._backfill_checked is r:
+            return not self._backfill_possible
+        possible = False
+        for fid in self.queue.functions():
+            head = self.queue.head(fid)
+            if head is not None and head.spec.count == 1 and can_backfill(
+                    head.function.runtime_ewma, r.start_eta):
+                possible = True
+                break
+        self._backfill_checked, self._backfill_possible = r, possible
+        return not possible
+
+    def _unreserved(self, r: Reservation) -> list[Device]:
+        """This pass's open devices outside the reservation (kept until either changes)."""
+        cached = self._unreserved_for
+        if cached is not None and cached[0] is self._open and cached[1] is r:
+            return cached[2]
+        out = [d for d in self._open if d.key not in r.devices]
+        self._unreserved_for = (self._open, r, out)
+        return out
+
     def _full(self) -> bool:
         """Every device is full and nothing could be preempted: no call can start."""
-        slots = self.config.slots_per_device
-        return not any(d.takes_work and len(d.running) < slots
-                       for d in self.devices.values()) and not any(
-                           i.spec.preemptible for d in self.devices.values() for i in d.running.values())
+        return not self._open and not self._any_preemptible()
+
+    def _any_preemptible(self) -> bool:
+        """Whether a preemptible call runs anywhere (once per pass: O(running))."""
+        if self._preemptible is None:
+            self._preemptible = any(i.spec.preemptible for d in self.devices.values()
+                                    for i in d.running.values())
+        return self._preemptible
 
     # ------------------------------------------------------------------ single device
 
@@ -153,8 +214,18 @@ class PlacementPass:
         short = is_short(inv, self.config.short_call_seconds)
         depth = self.config.pipeline_depth if short else 0
         with_models = bool(fn.model_keys)
-        ranked = rank_devices(spec, fn, self.devices.values(), self.config.slots_per_device,
-                              depth, check_memory=not with_models, now=now)
+        candidates = self._open
+        if r is not None and not can_backfill(fn.runtime_ewma, r.start_eta):
+            # It may not use the gang's reserved devices: rank only the others (a blocked
+            # function then costs O(1) here, not a ranking of every open device).
+            candidates = self._unreserved(r)
+            if not candidates and not self._any_preemptible():
+                return False
+            if not candidates:
+                candidates = self._open  # the full path decides about preemption
+        ranked = rank_devices(spec, fn, candidates, self.config.slots_per_device,
+                              depth, check_memory=not with_models, now=now, drains=self._drains,
+                              shared_only=True)
         if not ranked:  # no device could take it now at all: make room if that is allowed
             preempt = self._preemption(inv, now)
             if preempt is not None:
@@ -168,6 +239,7 @@ class PlacementPass:
             if best is None:
                 reason = self.models.never_fits(fn, spec.memory, self.devices.values())
                 if reason is not None:
+                    self._placed_on = ()
                     yield Unplaceable(inv, reason)
                     return True  # finished: the next call of the function may go
                 return False  # waiting by choice (a resident device frees soon) or for room
@@ -176,6 +248,7 @@ class PlacementPass:
             return False
         if inv.lost_on:  # a retry: another device than the one it was lost on, if one is free
             usable.sort(key=lambda d: d.key in inv.lost_on)
+        self._placed_on = (usable[0],)
         yield Dispatch(inv, (usable[0],), plans, batch=spec.batch_size is not None)
         return True
 
@@ -187,8 +260,9 @@ class PlacementPass:
         if inv.preempt_asked is not None and now - inv.preempt_asked < self.config.stop_grace_seconds:
             return None  # a call preempted for it is still stopping
         spec = inv.spec
-        if not any(i.spec.preemptible and i.spec.priority < spec.priority
-                   for d in self.devices.values() for i in d.running.values()):
+        if not self._any_preemptible() or not any(
+                i.spec.preemptible and i.spec.priority < spec.priority
+                for d in self.devices.values() for i in d.running.values()):
             return None
         best: tuple[tuple[Any, ...], Device, Invocation] | None = None
         for d in self.devices.values():
@@ -229,7 +303,8 @@ class PlacementPass:
         if shape.needs_rendezvous and rendezvous_port is None:
             yield NeedRendezvous()  # the shell starts the store, then schedules again
             return False
-        idle = [d for d in self._gang_capable(inv) if not d.running and d.key not in reserved
+        idle = [d for d in self._open if not d.running and d.key not in reserved
+                and could_ever_run(spec, d)
                 and (fn.model_keys or d.ledger.free >= spec.memory)]  # models: planned below
         fresh = [d for d in idle if d.key not in inv.lost_on]
         if inv.lost_on and len(fresh) >= spec.count:  # a retry: away from where it was lost
@@ -251,6 +326,7 @@ class PlacementPass:
             if found is None:
                 return False
             plans = found
+        self._placed_on = devices
         yield Dispatch(inv, devices, plans)
         return True
 

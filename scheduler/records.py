@@ -98,6 +98,7 @@ class Invocation:
     # prefers devices other than the ones its last attempt was lost on.
     not_before: float = 0.0
     lost_on: tuple[str, ...] = ()
+    shm: bool = False  # its caller takes big values through shared memory (Submit.shm)
 
     @property
     def reporters(self) -> int:

@@ -185,7 +185,7 @@ class SchedulerServer:
     def _send_now(self, peer: bytes, frames: list[Any]) -> bool:
         """True if sent; False if the peer is full. Unknown peers become events."""
         try:
-            self.sock.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
+            sockets.send(self.sock, [peer, *frames], zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False

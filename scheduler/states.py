@@ -14,6 +14,10 @@ class IllegalTransition(RuntimeError):
 
 
 class InvState(Enum):
+    # Members are compared by identity: hash them so too (Enum's own hash runs Python
+    # code, and the transition tables hash states several times per call).
+    __hash__ = object.__hash__
+
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -35,6 +39,8 @@ INV_TRANSITIONS: dict[InvState, frozenset[InvState]] = {
 
 class DeviceState(Enum):
     """A device's worker, as the scheduler sees it."""
+
+    __hash__ = object.__hash__
 
     STARTING = "starting"      # announced by its supervisor, worker not connected yet
     READY = "ready"            # worker connected and taking work

@@ -148,7 +148,8 @@ class Transitions:
                          concurrency=spec.concurrency,
                          inline=is_short(inv, self.config.short_call_seconds),
                          app=inv.function.app, version=inv.function.version,
-                         retry_on=list(spec.retry_on) or None)
+                         retry_on=list(spec.retry_on) or None,
+                         shm_owner=self._shm_owner(inv, devices[0]))
         if inv.shape is Shape.BATCH:
             base.batch = [len(m.frames) for m in inv.members]
             base.members = [m.id for m in inv.members]
@@ -168,6 +169,16 @@ class Transitions:
             multi = [{"key": d.key, "uuid": d.info.uuid, "kind": d.info.kind} for d in devices]
             return [replace(base, multi=multi)] + [None] * (len(devices) - 1)
         return [base]
+
+    def _shm_owner(self, inv: Invocation, d: Device) -> int:
+        """The caller's pid when its big results may go through shared memory: it asked,
+        and it shares the device's host and user (see gpufn/wire/shm.py); else 0."""
+        if not inv.shm:
+            return 0
+        caller, sup = self.peers.get(inv.client), self.peers.get(d.supervisor)
+        if caller is None or sup is None or not caller.info.host or caller.info.host != sup.info.host:
+            return 0
+        return caller.pid
 
     def _requeue(self, inv: Invocation, now: float, why: str, retry: bool,
                  not_before: float | None) -> None:
@@ -231,9 +242,11 @@ class Transitions:
         for o in self.observers:
             o.call_ended(inv, result)
 
-    def meta(self, inv: Invocation, now: float, base: p.ResultMeta | None = None) -> p.ResultMeta:
-        """The caller's result meta: what the worker reported plus where and when it ran."""
-        meta = replace(base) if base is not None else p.ResultMeta()
+    def meta(self, inv: Invocation, now: float, base: p.ResultMeta | None = None,
+             owned: bool = False) -> p.ResultMeta:
+        """The caller's result meta: what the worker reported plus where and when it ran
+        (`owned`: `base` is this call's alone, decoded for it, and is filled in place)."""
+        meta = (base if owned else replace(base)) if base is not None else p.ResultMeta()
         meta.devices = list(inv.devices)
         meta.attempts = inv.attempts
         meta.queued_s = (inv.started or now) - inv.submitted

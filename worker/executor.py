@@ -26,9 +26,10 @@ from gpufn.exceptions import (
     kind_of,
 )
 from gpufn.runtime import context as ctxmod
-from gpufn.wire import jsonwire
+from gpufn.wire import config, jsonwire
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
+from gpufn.wire import shm as shmem
 from gpufn.worker.groups import is_comm_error
 from gpufn.worker.output import OutputRouter, set_current
 from gpufn.worker.streaming import Driver, needs_driving
@@ -57,6 +58,7 @@ class Call:
     # pass through untouched (spmd=False's device-set helper); replaces `fn`.
     relay: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
     json: bool = False  # its arguments came as JSON: its value and items go back as JSON
+    shm_owner: int = 0  # the caller's pid: big results go to it through shared memory
 
 
 class Executor:
@@ -207,9 +209,11 @@ class Executor:
             return self._raised(call, e, t0)
         if call.batch is not None:
             return _batch_result(call, value, t0)
+        threshold = config.shm_threshold() if call.shm_owner else None
+        out = shmem.Outgoing(call.shm_owner, threshold) if threshold else None
         try:
             frames = (jsonwire.dump_value(value, f"the value returned by {call.name}") if call.json
-                      else ser.dumps(value))
+                      else ser.dumps(value, out))
         except NotJSONSerializable as e:
             return _gpufn_failure(inv, e, t0)
         except Exception as e:
@@ -219,11 +223,14 @@ class Executor:
             )
             return _gpufn_failure(inv, err, t0)
         try:
-            ser.check_payload(frames, f"the value returned by {call.name}")
+            ser.check_payload(frames, f"the value returned by {call.name}", out.nbytes if out else 0)
         except PayloadTooLarge as e:
+            if out is not None:
+                shmem.release(out.names)
             return _gpufn_failure(inv, e, t0)
-        return p.Result(inv, True, "", "", p.ResultMeta(duration=time.perf_counter() - t0),
-                        tuple(frames))
+        return p.Result(inv, True, "", "", p.ResultMeta(
+            duration=time.perf_counter() - t0, shm=out.names if out and out.names else None),
+            tuple(frames))
 
     def _relayed(self, call: Call, relay: Callable[[tuple[Any, ...]], tuple[Any, ...]],
                  t0: float) -> p.Result:

@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from gpufn.exceptions import Cancelled, kind_of
-from gpufn.net import processes
+from gpufn.net import processes, sockets
 from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
 from gpufn.wire import config
 from gpufn.wire import protocol as p
@@ -133,7 +133,7 @@ class WorkerProcess:
             self._outgoing.extend(self.router.drain())
         if self._outgoing:
             msgs, self._outgoing = self._outgoing, []
-            self.sock.send_multipart(p.encode_batch(msgs), copy=False)
+            sockets.send(self.sock, p.encode_batch(msgs))
 
     def _act(self, actions: list[Action]) -> None:
         for a in actions:

@@ -23,13 +23,14 @@ from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.net import interfaces as netif
 from gpufn.net import processes
 from gpufn.net.connection import Backoff, Connection, ConnectionConfig
-from gpufn.wire import config
+from gpufn.wire import config, shm
 from gpufn.wire import protocol as p
 from gpufn.worker.joining import JoinLog, refusal_reason
 
 log = logging.getLogger("gpufn.supervisor")
 
 PING_SECONDS = 2.0
+SHM_SWEEP_SECONDS = 10.0  # how often this host's orphaned shared-memory payloads go
 GIVE_UP_AFTER = 5  # failures to start in a row; then wait `config.give_up_retry_seconds()`
 GAVE_UP = p.GAVE_UP
 RESTART_BACKOFF = Backoff(initial=0.1, maximum=10.0)  # after a worker that failed to start
@@ -92,7 +93,7 @@ class Supervisor:
                           f"s/{self.node}/{os.getpid()}", p.Role.SUPERVISOR, p.HelloInfo(
                               node=self.node,
                               devices=[s.device.to_wire() for s in self.slots.values()],
-                              host_memory=_host_memory()))
+                              host_memory=_host_memory(), host=shm.host_id()))
 
     # ------------------------------------------------------------------ messages
 
@@ -263,7 +264,7 @@ class Supervisor:
     def serve(self) -> None:
         for slot in self.slots.values():
             self._spawn(slot)
-        next_ping = 0.0
+        next_ping = next_sweep = 0.0
         try:
             while self._running:
                 if self._early or self.sock.poll(100):
@@ -291,6 +292,9 @@ class Supervisor:
                 if now >= next_ping:
                     self._send(p.Ping(int(now)))
                     next_ping = now + PING_SECONDS
+                if now >= next_sweep:  # big payloads whose caller died (gpufn/wire/shm.py)
+                    shm.sweep()
+                    next_sweep = now + SHM_SWEEP_SECONDS
         finally:
             self.shutdown_workers()
             try:

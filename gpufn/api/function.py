@@ -21,6 +21,9 @@ from gpufn.exceptions import InvalidSpec
 from gpufn.runtime.context import current as current_context
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
+from gpufn.wire import shm
+from gpufn.wire.byvalue import register_main_locals
+from gpufn.wire.fingerprint import Fingerprint, fingerprint
 from gpufn.wire.spec import OPTION_NAMES, GpuSpec, Retries, make_spec
 
 if TYPE_CHECKING:
@@ -126,11 +129,12 @@ class _StarmapAttr:
 class _CodeCache:
     """Pickled code shared by a function and its with_options() copies."""
 
-    __slots__ = ("code_id", "frames", "lock")
+    __slots__ = ("code_id", "fingerprint", "frames", "lock")
 
     def __init__(self) -> None:
         self.code_id: str | None = None
         self.frames: list[Any] = []
+        self.fingerprint: Fingerprint | None = None  # what the frames were pickled from
         self.lock = threading.Lock()
 
 
@@ -198,16 +202,25 @@ class Function(Generic[P, R]):
     # ------------------------------------------------------------------ wire
 
     def _code_frames(self) -> tuple[str, list[Any]]:
-        """The function's code pickled now, so a call sees its globals as they are when it
-        is made (like `.local()`); unchanged code keeps its id and is not sent again."""
+        """The function's code as it is now, so a call sees its globals as they are when it
+        is made (like `.local()`): pickled again only when the fingerprint of the code and
+        the globals it reads changed; unchanged code keeps its id and is not sent again."""
         from gpufn.runtime.call_options import wrap
 
         target = wrap(self._fn, self.spec.autocast, self.spec.device_args)
-        code_id, frames = ser.dump_code(target, self.name)
+        if getattr(self._fn, "__module__", None) == "__main__":
+            register_main_locals()  # newly imported local modules change what is by value
+        fp = fingerprint(target)
         c = self._code
+        if fp is not None:
+            with c.lock:
+                if c.fingerprint is not None and c.code_id is not None and c.fingerprint.key == fp.key:
+                    return c.code_id, c.frames
+        code_id, frames = ser.dump_code(target, self.name)
         with c.lock:
             if c.code_id != code_id:
                 c.code_id, c.frames = code_id, frames
+            c.fingerprint = fp
             return c.code_id, c.frames
 
     def register_message(self) -> p.Register:
@@ -261,12 +274,17 @@ class Function(Generic[P, R]):
     def _submit_message(self, client: Client, args: tuple[Any, ...], kwargs: dict[str, Any],
                         target: tuple[p.Register | None, str, dict[str, Any]] | None = None,
                         keep: bool = False) -> p.Submit:
-        frames = ser.dump_args(self.name, args, kwargs)
+        out = None if self.spec.cache else client.shm_outgoing()  # cached: keyed by its frames
+        frames = ser.dump_args(self.name, args, kwargs, out)
         reg, fid, options = target or self._prepare(client)
         if reg is not None:
             client.ensure_registered(reg)
         # keep: the scheduler keeps the Result a while, for FunctionCall.from_id
-        return p.Submit(client.new_id(), fid, options, keep, tuple(frames))
+        sub = p.Submit(client.new_id(), fid, options, keep,
+                       shm=client.shm_results and not self.spec.cache, frames=tuple(frames))
+        if out is not None and out.names:
+            client.track_shm(sub.invocation_id, out)
+        return sub
 
     # ------------------------------------------------------------------ calls
 
@@ -302,10 +320,17 @@ class Function(Generic[P, R]):
         if self.spec.cache:
             return self.spawn(*args, **kwargs).get()
         client = get_client()
-        frames = ser.dump_args(self.name, args, kwargs)
+        out = client.shm_outgoing()
+        frames = ser.dump_args(self.name, args, kwargs, out)
         reg, fid, options = self._prepare(client)
-        sub = p.Submit(client.new_id(), fid, options, frames=tuple(frames))
-        return decode_result(client.call(reg, sub, self.name), self.name)
+        sub = p.Submit(client.new_id(), fid, options, shm=client.shm_results,
+                       frames=tuple(frames))
+        if out is None or not out.names:
+            return decode_result(client.call(reg, sub, self.name), self.name)
+        try:  # the argument files go when the call ends, read by a worker or not
+            return decode_result(client.call(reg, sub, self.name), self.name)
+        finally:
+            shm.release(out.names)
 
     async def _remote_aio(self, *args: Any, **kwargs: Any) -> R:
         call = self.spawn(*args, **kwargs)

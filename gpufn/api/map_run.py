@@ -112,7 +112,7 @@ class _MapRun:
                 self.target = self.fn._prepare(client)
             sub = self.fn._submit_message(client, args, kwargs, self.target)
             size = sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
-                       for f in sub.frames)
+                       for f in sub.frames) + client.shm_bytes(sub.invocation_id)
             self.sizes[idx] = size
             self.inflight_bytes += size
             batch.append((idx, sub))

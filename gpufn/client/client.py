@@ -31,9 +31,10 @@ from gpufn.exceptions import (
     from_wire,
     kind_of,
 )
+from gpufn.net import sockets
 from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
 from gpufn.net.discovery import Target
-from gpufn.wire import config
+from gpufn.wire import config, shm
 from gpufn.wire import protocol as p
 from gpufn.wire.versions import runtime_info, skew
 
@@ -83,6 +84,7 @@ class Client:
         self._channel_ids = itertools.count(1)
         self._channels: list[_SyncChannel] = []
         self.idle_rehello = config.env_float("GPUFN_CLIENT_TIMEOUT", 120.0) / 2
+        self._shm_files: dict[str, tuple[list[str], int]] = {}  # call id -> its argument files, bytes
         self._closed = threading.Event()
         self._io_done = threading.Event()
         self._last_heard = time.monotonic()
@@ -99,6 +101,16 @@ class Client:
             self._closed.set()
             raise
         self.info = welcome.info
+        # Big values through shared memory (gpufn/wire/shm.py): results whenever this
+        # host has /dev/shm; arguments only when every device host is this one (and user).
+        threshold = config.shm_threshold()
+        host = shm.host_id()
+        self.shm_results = bool(threshold and host)
+        # (The embedded cluster's devices are this host's by construction; its supervisor
+        # may not have announced them yet when we are welcomed.)
+        local = cluster is not None or (welcome.info.hosts and all(
+            h == host for h in welcome.info.hosts))
+        self._shm_args = threshold if threshold and host and local else None
 
     # ------------------------------------------------------------------ public
 
@@ -106,6 +118,32 @@ class Client:
     def closed(self) -> bool:
         """Closed (by `close()`, or its I/O thread failed): a new Client is needed."""
         return self._closed.is_set()
+
+    def shm_outgoing(self) -> shm.Outgoing | None:
+        """Where a call's big arguments go: shared-memory files owned by this process, or
+        None to send them through the socket."""
+        if self._shm_args is None:
+            return None
+        return shm.Outgoing(os.getpid(), self._shm_args)
+
+    def track_shm(self, invocation_id: str, out: shm.Outgoing) -> None:
+        """The call's argument files: removed when it ends, whether a worker read them or not."""
+        with self._lock:
+            self._shm_files[invocation_id] = (out.names, out.nbytes)
+
+    def shm_bytes(self, invocation_id: str) -> int:
+        """Bytes of the call's arguments that travel through shared memory."""
+        entry = self._shm_files.get(invocation_id)
+        return entry[1] if entry else 0
+
+    def _release_shm(self, invocation_id: str, meta: p.ResultMeta | None, taken: bool) -> None:
+        """The call ended: its argument files go; so do its result's if nobody reads them."""
+        with self._lock:
+            entry = self._shm_files.pop(invocation_id, None)
+        if entry:
+            shm.release(entry[0])
+        if meta is not None and meta.shm and not taken:
+            shm.release(shm.owned(meta.shm))
 
     def new_id(self) -> str:
         return f"{self._prefix}{next(self._counter):08x}"
@@ -282,6 +320,9 @@ class Client:
         with self._lock:
             calls, self._calls = self._calls, {}
             self._streams.clear()  # their queues end with their calls' futures
+            files, self._shm_files = self._shm_files, {}
+        for names, _ in files.values():
+            shm.release(names)
         for pend in calls.values():
             if not pend.future.done():
                 pend.future.set_exception(exc)
@@ -297,7 +338,7 @@ class Client:
         return f"<gpufn.Client {self.address}{origin}{state}>"
 
     def _connection(self, identity: str, channel: str = "") -> Connection:
-        info = p.HelloInfo(user=_os_user(), channel=channel)
+        info = p.HelloInfo(user=_os_user(), channel=channel, host=shm.host_id())
         hint = self.target.unreachable_hint() if self.target is not None else ""
         return Connection(self._ctx, ConnectionConfig(self.address, self.token, hint), identity,
                           p.Role.CLIENT, info)
@@ -366,7 +407,7 @@ class Client:
                             parts.append(self._outbox.popleft())
                         frames = p.batch_frames(parts)
                     try:
-                        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                        sockets.send(sock, frames, zmq.NOBLOCK)
                         pending_send = None
                     except zmq.Again:
                         pending_send = frames
@@ -420,6 +461,9 @@ class Client:
             with self._lock:
                 pend = self._calls.pop(msg.invocation_id, None)
                 self._streams.pop(msg.invocation_id, None)
+            waiting = pend is not None and not pend.future.done()
+            if self._shm_files or msg.meta.shm:
+                self._release_shm(msg.invocation_id, msg.meta, taken=waiting)
             if pend is not None and not pend.future.done():
                 pend.future.set_result(msg)
         elif isinstance(msg, p.Output):
@@ -533,7 +577,7 @@ class _SyncChannel:
             raise
 
     def _send(self, msg: p.Message) -> None:
-        self.sock.send_multipart(p.encode(msg), copy=False)
+        sockets.send(self.sock, p.encode(msg))
 
     def _hello(self) -> None:
         self.registered.clear()
@@ -551,6 +595,8 @@ class _SyncChannel:
         timeout = self.client.connection_timeout
         try:
             while True:
+                # poll, then read without blocking: a blocking recv on a socket that another
+                # thread closes at interpreter exit can abort inside libzmq
                 if not self.sock.poll(int(self.client.ping_seconds * 1000)):
                     if time.monotonic() - self.last_heard > timeout:
                         raise ConnectionLost(
@@ -561,9 +607,14 @@ class _SyncChannel:
                 self.last_heard = time.monotonic()
                 while True:
                     try:
-                        msgs = p.decode_all(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    try:
+                        msgs = p.decode_all(frames)
+                    except p.DecodeError as e:
+                        log.warning("undecodable message from the scheduler: %s", e)
+                        continue
                     for msg in msgs:
                         if isinstance(msg, p.Result) and msg.invocation_id == inv:
                             return msg

@@ -11,6 +11,7 @@ import threading
 from gpufn.client.client import Client
 from gpufn.exceptions import ConnectionLost
 from gpufn.net.discovery import Source, Target, announce, resolve
+from gpufn.wire import shm
 
 _default: Client | None = None
 _default_lock = threading.RLock()
@@ -134,6 +135,7 @@ def _at_exit() -> None:
     global _exiting
     _exiting = True
     _shutdown_default()
+    shm.sweep(owner=os.getpid())  # results this process never read (gpufn/wire/shm.py)
 
 
 atexit.register(_at_exit)

@@ -29,3 +29,17 @@ def configure(sock: zmq.Socket[Any], *, router: bool = False) -> None:
         # Reconnect to a scheduler that went away with bounded exponential backoff.
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+
+
+# Frames below this go by copy: a zero-copy send makes a zmq.Frame per part (and asks
+# pyzmq's garbage thread to track it), which costs more than copying a few bytes.
+ZERO_COPY_MIN = 64 * 1024
+
+
+def send(sock: zmq.Socket[Any], frames: list[Any], flags: int = 0) -> None:
+    """`send_multipart`, zero-copy only when some frame is large enough to pay for it."""
+    for f in frames:
+        if (f.nbytes if isinstance(f, memoryview) else len(f)) >= ZERO_COPY_MIN:
+            sock.send_multipart(frames, flags, copy=False)
+            return
+    sock.send_multipart(frames, flags, copy=True)

@@ -21,6 +21,13 @@ import cloudpickle
 
 _lock = threading.Lock()
 _main_seen: tuple[int, str] = (-1, "")
+_generation = 0  # bumped whenever the set of modules pickled by value changes
+
+
+def generation() -> int:
+    """Changes whenever a module starts or stops being pickled by value (the same code
+    then pickles differently)."""
+    return _generation
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,6 +65,7 @@ def local_modules(root: str) -> list[ModuleType]:
 
 
 def _register(modules: Iterable[ModuleType]) -> list[ModuleType]:
+    global _generation
     added = []
     for mod in modules:
         if mod.__name__ not in cloudpickle.list_registry_pickle_by_value():
@@ -66,12 +74,15 @@ def _register(modules: Iterable[ModuleType]) -> list[ModuleType]:
             except ValueError:  # not in sys.modules under its name
                 continue
             added.append(mod)
+    if added:
+        _generation += 1
     return added
 
 
 @contextlib.contextmanager
 def by_value(modules: Iterable[ModuleType]) -> Iterator[None]:
     """Pickle these modules' functions and classes by value within the block."""
+    global _generation
     with _lock:
         added = _register(modules)
     try:
@@ -80,15 +91,22 @@ def by_value(modules: Iterable[ModuleType]) -> Iterator[None]:
         with _lock:
             for mod in added:
                 cloudpickle.unregister_pickle_by_value(mod)
+            _generation += 1
+
+
+_folder_of: tuple[str, str] = ("", "")  # (__main__.__file__, its folder)
 
 
 def main_folder() -> str:
     """The folder of `__main__`: the script's, or the working directory of a notebook
     or an interactive session."""
+    global _folder_of
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path and "ipykernel" not in sys.modules:
-        return os.path.dirname(os.path.abspath(path))
+        if _folder_of[0] != path:  # abspath reads the working directory: once per script
+            _folder_of = (path, os.path.dirname(os.path.abspath(path)))
+        return _folder_of[1]
     return os.getcwd()
 
 

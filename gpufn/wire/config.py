@@ -103,12 +103,20 @@ def high_water_mark() -> int:
     return env_int("GPUFN_HWM", 100_000)
 
 
+_max_payload: tuple[str | None, int] = ("", 0)  # (the setting, its value): read per call
+
+
 def max_payload() -> int:
     """GPUFN_MAX_PAYLOAD: the largest argument or result payload a call may carry, and the
     largest message the scheduler accepts (default 2GiB; e.g. 512MiB)."""
-    n = parse_memory(env_str("GPUFN_MAX_PAYLOAD", "2GiB"), "GPUFN_MAX_PAYLOAD")
+    global _max_payload
+    raw = env_str("GPUFN_MAX_PAYLOAD", "2GiB")
+    if raw == _max_payload[0]:
+        return _max_payload[1]
+    n = parse_memory(raw, "GPUFN_MAX_PAYLOAD")
     if n < 1:
         raise InvalidSpec(f"GPUFN_MAX_PAYLOAD={n} must be at least 1 byte.")
+    _max_payload = (raw, n)
     return n
 
 
@@ -231,6 +239,15 @@ def progress_enabled() -> bool:
 def map_window() -> int:
     """GPUFN_MAP_WINDOW: calls one `.map()` keeps in flight (default 4096)."""
     return env_positive_int("GPUFN_MAP_WINDOW", 4096)
+
+
+def shm_threshold() -> int | None:
+    """GPUFN_SHM_THRESHOLD: tensors and bytes at least this large travel through shared
+    memory (/dev/shm) when caller and worker share a host and user (default 64MiB;
+    0 turns it off, and every payload goes through the sockets)."""
+    raw = env_str("GPUFN_SHM_THRESHOLD", "64MiB")
+    n = parse_memory(raw, "GPUFN_SHM_THRESHOLD")
+    return n if n > 0 else None
 
 
 KEY_PARAM = "?key="

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 Frame = Any  # bytes | memoryview | zmq.Frame: whatever zmq can send without a copy
 
@@ -176,6 +176,13 @@ def _checks(cls: type[Any]) -> tuple[tuple[str, tuple[type, ...] | None], ...]:
 def _check_fields(cls: type[Any], values: Any) -> None:
     """Refuse a header whose values do not have the field types of `cls` (a peer may
     send anything; a handler must never see a number where it expects a string)."""
+    check = _CHECKERS.get(cls)
+    if check is None:
+        check = _CHECKERS[cls] = _compile_check(cls)
+    check(values)
+
+
+def _check_slowly(cls: type[Any], values: Any) -> None:
     if type(values) is not list:
         raise TypeError(f"the header must be a list of fields, got {type(values).__name__}")
     checks = _checks(cls)
@@ -185,6 +192,34 @@ def _check_fields(cls: type[Any], values: Any) -> None:
         if kinds is not None and not isinstance(value, kinds):
             raise TypeError(f"field {name!r} is a {type(value).__name__}, expected "
                             + " or ".join(k.__name__ for k in kinds))
+
+
+# A checker per message class, compiled once from its field types: a header with every
+# field present (what `encode` sends) is checked by one expression; anything else, and
+# every refusal, goes the slow way, which also says what is wrong.
+_CHECKERS: dict[type[Any], Callable[[Any], None]] = {}
+
+
+def _compile_check(cls: type[Any]) -> Callable[[Any], None]:
+    checks = _checks(cls)
+    env: dict[str, Any] = {"slow": _check_slowly, "cls": cls, "list": list}
+    names = [f"v{i}" for i in range(len(checks))]
+    tests = []
+    for i, (_, kinds) in enumerate(checks):
+        if kinds is not None:
+            env[f"k{i}"] = kinds[0] if len(kinds) == 1 else kinds
+            tests.append(f"isinstance(v{i}, k{i})")
+    if not checks:
+        body = "    if type(values) is not list or values:\n        slow(cls, values)\n"
+    else:
+        body = (f"    if type(values) is not list or len(values) != {len(checks)}:\n"
+                "        slow(cls, values)\n        return\n"
+                f"    {', '.join(names)}, = values\n")
+        if tests:
+            body += f"    if not ({' and '.join(tests)}):\n        slow(cls, values)\n"
+    exec(f"def check(values):\n{body}", env)  # built from our own field types, never input
+    check: Callable[[Any], None] = env["check"]
+    return check
 
 
 BATCH_TAG = b"\x00"
@@ -248,6 +283,7 @@ class HelloInfo:
     incarnation: int = 0  # worker: its generation (counted by its supervisor)
     channel: str = ""  # worker: "work" or "control"
     ran: list[str] = field(default_factory=list)  # worker: calls it ran lately (recovery)
+    host: str = ""  # client, supervisor: who shares its /dev/shm (gpufn.wire.shm.host_id)
 
 
 @message(1, structs={"info": HelloInfo})
@@ -274,6 +310,7 @@ class WelcomeInfo:
     runtimes: list[dict[str, Any]] = field(default_factory=list)  # the workers' versions
     user: str = ""  # a client: the user its token belongs to (the scheduler decides)
     admin: bool = False  # a client: whether that is the cluster's (admin) token
+    hosts: list[str] = field(default_factory=list)  # the device hosts' shm ids (HelloInfo.host)
 
 
 @message(2, structs={"info": WelcomeInfo})
@@ -349,6 +386,7 @@ class Submit(Message):
     function_id: str
     options: dict[str, Any]
     keep: bool = False  # keep the Result a while after the call ends (`FunctionCall.from_id`)
+    shm: bool = False  # big values may travel through shared memory (gpufn.wire.shm) both ways
     frames: tuple[Frame, ...] = ()
 
 
@@ -391,8 +429,9 @@ class ResultMeta:
     first_item_s: float | None = None  # a generator: seconds from its start to its first value
     items_per_s: float | None = None  # a generator: values per second over its run
     retryable: bool = False  # the raised exception matches the call's Retries(on=...)
+    shm: list[str] | None = None  # shared-memory files the value's frames name
 
-    _PRIVATE = ("dispatch_token", "batch_items", "retryable")
+    _PRIVATE = ("dispatch_token", "batch_items", "retryable", "shm")
 
     def to_dict(self) -> dict[str, Any]:
         """What the caller sees: every field that is set, less the wire-only ones."""
@@ -469,6 +508,7 @@ class RunMeta:
     app: str = ""  # a deployed function's app and version: nested calls keep the version
     version: int = 0
     retry_on: list[str] | None = None  # Retries(on=...): "module.qualname" of each class
+    shm_owner: int = 0  # the caller's pid if big results go to it through shared memory
 
 
 @message(21, structs={"meta": RunMeta})

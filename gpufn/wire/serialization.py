@@ -22,6 +22,7 @@ import cloudpickle
 
 from gpufn.exceptions import PayloadTooLarge, RemoteError, RemoteTraceback, SerializationError
 from gpufn.wire import config
+from gpufn.wire import shm as shmem
 
 # Buffers below this size stay inside the pickle stream (a frame costs more than a copy).
 OOB_THRESHOLD = 64 * 1024
@@ -44,22 +45,53 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+def _rebuild_shm_bytes(name: str, nbytes: int, mutable: bool) -> bytes | bytearray:
+    mm = shmem.take(name, nbytes)
+    try:
+        return bytearray(mm) if mutable else bytes(mm)
+    finally:
+        mm.close()
+
+
+def _rebuild_shm_tensor(name: str, nbytes: int, dtype: str, shape: tuple[int, ...],
+                        requires_grad: bool) -> Any:
+    """A tensor that is a view of the shared-memory file's mapping (no copy); the file is
+    unlinked, so the memory goes back when the tensor is freed."""
+    import torch
+
+    flat = torch.frombuffer(shmem.take(name, nbytes), dtype=torch.uint8)
+    t = flat.view(getattr(torch, dtype)).reshape(shape)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle plus out-of-band buffers for torch tensors and large bytes.
+    """cloudpickle plus out-of-band buffers for torch tensors and large bytes, and with
+    `shm` set, shared-memory files for the largest (see gpufn/wire/shm.py).
 
     Tensors arrive on the CPU: a result never pulls a CUDA context into the caller.
     """
 
+    shm: shmem.Outgoing | None = None
+
     def reducer_override(self, obj: Any) -> Any:
         t = type(obj)
+        shm = self.shm
+        if t is _OOBBytes and shm is not None and len(obj.data) >= shm.threshold:
+            obj, t = obj.data, type(obj.data)
         if (t is bytes or t is bytearray) and len(obj) >= OOB_THRESHOLD:
+            if shm is not None and len(obj) >= shm.threshold:
+                return _rebuild_shm_bytes, (shm.put(memoryview(obj)), len(obj), t is bytearray)
             return _rebuild_bytes, (pickle.PickleBuffer(obj), t is bytearray)
         torch = sys.modules.get("torch")
         if (torch is not None and t is torch.Tensor and obj.layout is torch.strided
                 and not obj.is_quantized and obj.nbytes >= OOB_THRESHOLD):
             c = obj.detach().to("cpu").contiguous()
             raw = c.reshape(-1).view(torch.uint8).numpy()
-            return _rebuild_tensor, (pickle.PickleBuffer(raw), str(c.dtype).removeprefix("torch."),
+            dtype = str(c.dtype).removeprefix("torch.")
+            if shm is not None and obj.nbytes >= shm.threshold:
+                return _rebuild_shm_tensor, (shm.put(memoryview(raw)), int(raw.nbytes), dtype,
+                                             tuple(c.shape), obj.requires_grad)
+            return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype,
                                      tuple(c.shape), obj.requires_grad)
         return super().reducer_override(obj)
 
@@ -114,8 +146,10 @@ def _plain(obj: Any, depth: int = 3) -> bool:
     return False
 
 
-def dumps(obj: Any) -> list[Any]:
-    """Frames for obj: the pickle stream then each large out-of-band buffer."""
+def dumps(obj: Any, shm: shmem.Outgoing | None = None) -> list[Any]:
+    """Frames for obj: the pickle stream then each large out-of-band buffer. With `shm`,
+    buffers of at least `shm.threshold` bytes go into shared-memory files instead (their
+    names in the stream); on failure the files made so far are removed."""
     if _plain(obj):
         return [pickle.dumps(obj, protocol=5)]
     obj = _wrap_bytes(obj)
@@ -128,7 +162,15 @@ def dumps(obj: Any) -> list[Any]:
         return False
 
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=keep).dump(obj)
+    pickler = _Pickler(out, protocol=5, buffer_callback=keep)
+    pickler.shm = shm
+    try:
+        pickler.dump(obj)
+    except BaseException:
+        if shm is not None:
+            shmem.release(shm.names)
+            shm.names.clear()
+        raise
     return [out.getvalue(), *(b.raw() for b in buffers)]
 
 
@@ -205,10 +247,11 @@ def payload_bytes(frames: Sequence[Any]) -> int:
     return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
 
 
-def check_payload(frames: Sequence[Any], what: str) -> None:
-    """Refuse a payload over GPUFN_MAX_PAYLOAD before it is sent anywhere."""
+def check_payload(frames: Sequence[Any], what: str, extra: int = 0) -> None:
+    """Refuse a payload over GPUFN_MAX_PAYLOAD before it is sent anywhere (`extra`: the
+    bytes it put in shared memory, which count too)."""
     limit = config.max_payload()
-    size = payload_bytes(frames)
+    size = payload_bytes(frames) + extra
     if size > limit:
         raise PayloadTooLarge(
             f"{what} is {size} bytes, over the limit of {limit} bytes (GPUFN_MAX_PAYLOAD); "
@@ -216,11 +259,12 @@ def check_payload(frames: Sequence[Any], what: str) -> None:
             "work, or raise GPUFN_MAX_PAYLOAD on the scheduler, workers and clients alike.")
 
 
-def dump_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+def dump_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              shm: shmem.Outgoing | None = None) -> list[Any]:
     """Frames for a call's arguments; on failure name the argument that cannot be pickled.
     Arguments over GPUFN_MAX_PAYLOAD raise PayloadTooLarge here, at the call site."""
     try:
-        frames = dumps((args, kwargs))
+        frames = dumps((args, kwargs), shm)
     except Exception as e:
         culprit = "the arguments"
         for i, a in enumerate(args):
@@ -240,7 +284,12 @@ def dump_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[
             f"cannot send {culprit} of {name}(): {e}. Nothing was sent. Pass data that can be "
             "pickled (tensors, arrays, plain Python values), or build the object inside the function."
         ) from None
-    check_payload(frames, f"the arguments of {name}()")
+    try:
+        check_payload(frames, f"the arguments of {name}()", shm.nbytes if shm else 0)
+    except PayloadTooLarge:
+        if shm is not None:
+            shmem.release(shm.names)
+        raise
     return frames
 
 

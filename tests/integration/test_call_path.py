@@ -47,6 +47,28 @@ def test_functions_defined_in_the_test_body_pickle_by_value(cluster: gpufn.Clien
     assert add.remote(1) == 6
 
 
+GLOBAL_LIST = [1]
+
+
+def test_a_global_list_mutated_in_place_reaches_the_worker(cluster: gpufn.Client) -> None:
+    """Code is not pickled again while nothing it reads changed, but a global mutated in
+    place between two calls is seen by the second (as with .local())."""
+
+    @gpufn.gpu
+    def read_list() -> list[int]:
+        return list(GLOBAL_LIST)
+
+    assert read_list.remote() == [1]
+    GLOBAL_LIST.append(2)
+    try:
+        assert read_list.remote() == [1, 2] == read_list.local()
+        GLOBAL_LIST[0] = 5
+        assert read_list.remote() == [5, 2]
+    finally:
+        GLOBAL_LIST[:] = [1]
+    assert read_list.remote() == [1]
+
+
 def test_exception_keeps_type_and_remote_traceback(cluster: gpufn.Client) -> None:
     with pytest.raises(ValueError, match="bad input 3") as e:
         fail.remote(3)

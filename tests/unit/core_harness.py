@@ -72,7 +72,7 @@ class Harness:
     def submit(self, fid: str, client: bytes = b"cli", keep: bool = False, **options: Any) -> str:
         self.n += 1
         inv = f"inv{self.n}"
-        self.feed(client, p.Submit(inv, fid, options, keep, (b"args",)))
+        self.feed(client, p.Submit(inv, fid, options, keep, frames=(b"args",)))
         return inv
 
     def token(self, inv: str) -> int:

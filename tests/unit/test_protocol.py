@@ -114,3 +114,23 @@ def test_states_are_enums_that_travel_as_strings() -> None:
     assert msgpack.unpackb(p.encode(p.GroupOp(p.GroupOpKind.ABORT, {}))[1]) == ["abort", {}]
     with pytest.raises(p.DecodeError):
         p.decode([p.encode(p.Ping(1))[0][:0] + bytes([27]), msgpack.packb(["m", "melted", 1, 0.0])])
+
+
+_WRONG = [{"bad": 1}, [1], "s", 1.5, None, b"b"]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_field_of_the_wrong_type_is_refused(msg: p.Message) -> None:
+    """A header with all its fields present (the compiled fast path) but one of the wrong
+    type never decodes: no handler sees a number where it expects a string."""
+    frames = p.encode(msg)
+    header = msgpack.unpackb(frames[1])
+    checks = p._checks(type(msg))
+    assert len(header) == len(checks)
+    for i, (name, kinds) in enumerate(checks):
+        if kinds is None:
+            continue
+        wrong = next(w for w in _WRONG if not isinstance(w, kinds))
+        bad = [*header[:i], wrong, *header[i + 1:]]
+        with pytest.raises(p.DecodeError, match=name):
+            p.decode([frames[0], msgpack.packb(bad), *frames[2:]])

@@ -1,0 +1,136 @@
+"""Same-host big payloads through shared memory (gpufn/wire/shm.py): arguments and results
+over GPUFN_SHM_THRESHOLD travel as files in /dev/shm, the worker's argument is a view of
+the mapping, and every file is gone when the call ends, when it is cancelled before a
+worker read it, and when its caller dies."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import gpufn
+from gpufn.wire import shm
+
+from ._waits import wait_for
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not shm.host_id(), reason="no writable /dev/shm here")]
+MiB = 2**20
+
+
+def files_of(pid: int) -> list[str]:
+    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"{shm.PREFIX}{pid}-")]
+
+
+@gpufn.gpu
+def mapped_and_doubled(t: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+    """Which shared-memory files this worker has mapped (its argument's), and 2*t."""
+    with open("/proc/self/maps") as f:
+        maps = sorted({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                       for line in f if f"/{shm.PREFIX}" in line})
+    return [os.path.basename(m) for m in maps], t * 2
+
+
+@gpufn.gpu
+def hold(t: Any, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@gpufn.gpu
+def size_of(t: torch.Tensor) -> int:
+    return t.numel()
+
+
+def test_big_tensors_go_through_shared_memory_and_are_freed(
+        fresh_cluster: Callable[..., gpufn.Client]) -> None:
+    fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)
+    x = torch.arange(2 * MiB, dtype=torch.float32)  # 8 MiB
+    call = mapped_and_doubled.spawn(x)
+    mapped, doubled = call.get(timeout=60)
+    assert torch.equal(doubled, x * 2)
+    assert any(n.startswith(f"{shm.PREFIX}{os.getpid()}-") for n in mapped), mapped
+    meta: Any = call._future.result().meta
+    assert meta.shm and all(n.startswith(f"{shm.PREFIX}{os.getpid()}-") for n in meta.shm)
+    assert files_of(os.getpid()) == []  # both ways: taken and unlinked, nothing left
+    # the blocking path too, and small values still go through the socket
+    mapped, doubled = mapped_and_doubled.remote(x)
+    assert torch.equal(doubled, x * 2) and files_of(os.getpid()) == []
+    assert size_of.remote(torch.ones(10)) == 10
+    # a .map whose arguments exceed its in-flight byte window: one output per input, in order
+    from gpufn.api import map_run
+
+    old = map_run.MAP_WINDOW_BYTES
+    map_run.MAP_WINDOW_BYTES = 4 * MiB
+    try:
+        ins = [torch.full((2 * MiB,), float(i)) for i in range(5)]  # 8 MiB each
+        outs = list(mapped_and_doubled.map(ins))
+    finally:
+        map_run.MAP_WINDOW_BYTES = old
+    assert [float(o[1][0]) for o in outs] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert files_of(os.getpid()) == []
+
+
+def test_a_call_cancelled_before_it_ran_frees_its_arguments(
+        fresh_cluster: Callable[..., gpufn.Client]) -> None:
+    fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)
+    blocker = hold.spawn(None, 30)  # concurrency 1: the next call of hold waits
+    wait_for(lambda: any(d["running"] for d in gpufn.connect().status()["devices"]), 30,
+             "the blocker to run")
+    queued = hold.spawn(torch.zeros(2 * MiB), 0)
+    assert len(files_of(os.getpid())) == 1  # written, waiting in the queue
+    queued.cancel()
+    with pytest.raises(gpufn.Cancelled):
+        queued.get(timeout=30)
+    wait_for(lambda: files_of(os.getpid()) == [], 10, "the argument file to go")
+    blocker.cancel()
+
+
+CHILD = textwrap.dedent("""
+    import os, sys, threading, time
+    import torch, gpufn
+    gpufn.connect(sys.argv[1], token=sys.argv[2])
+
+    @gpufn.gpu
+    def slow_big(t):
+        time.sleep(2)
+        return t + 1
+
+    threading.Thread(target=slow_big.remote, args=(torch.zeros(2**21),), daemon=True).start()
+    time.sleep(1.0)
+    os._exit(0)  # dies with its call running: no goodbye, no cleanup
+""")
+
+
+def test_files_of_a_caller_that_died_are_removed(
+        fresh_cluster: Callable[..., gpufn.Client], tmp_path: Any) -> None:
+    c = fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    child = subprocess.Popen([sys.executable, str(script), c.address, c.token],
+                             env={**os.environ, "GPUFN_SHM_THRESHOLD": "1MiB"})
+    try:
+        assert child.wait(60) == 0
+        # Its call ends after it died: the result is written for it (seen once the call no
+        # longer runs), and then the host's supervisor removes it.
+        seen = False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            busy = any(d["running"] for d in c.status()["devices"])
+            files = files_of(child.pid)
+            seen = seen or (not busy and bool(files))
+            if seen and not files:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"the dead caller's result file was {'not removed' if seen else 'never seen'}")
+    finally:
+        child.kill()
+        child.wait(10)

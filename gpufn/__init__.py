@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         Cancelled,
         ConnectionLost,
         GpufnError,
+        HostOutOfMemory,
         InvalidSpec,
         ModelLoadError,
         NotFound,
@@ -49,7 +50,7 @@ __version__ = "0.1.0"
 
 _EXCEPTIONS = (
     "AppStopped", "AuthenticationError", "Cancelled", "ConnectionLost", "GpufnError",
-    "InvalidSpec", "ModelLoadError", "NotFound", "OutOfMemory", "PayloadTooLarge",
+    "HostOutOfMemory", "InvalidSpec", "ModelLoadError", "NotFound", "OutOfMemory", "PayloadTooLarge",
     "ProtocolMismatch", "QueueFull", "RemoteError", "SerializationError", "Timeout",
     "Unschedulable", "WorkerLost",
 )
@@ -72,8 +73,8 @@ _PUBLIC: dict[str, str] = {
 __all__ = [  # the same names as _PUBLIC (a test holds it)
     "AppStopped", "AuthenticationError", "CallContext", "CallStream", "Cancelled", "Client",
     "ConnectionLost", "DeployError", "DeployedFunction", "Deployment", "Function",
-    "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
-    "NotFound", "OutOfMemory", "PayloadTooLarge", "ProtocolMismatch", "QueueFull",
+    "FunctionCall", "GpuSpec", "GpufnError", "HostOutOfMemory", "InvalidSpec", "Model",
+    "ModelLoadError", "NotFound", "OutOfMemory", "PayloadTooLarge", "ProtocolMismatch", "QueueFull",
     "RemoteError", "Retries", "SerializationError", "Timeout", "Unschedulable", "WorkerLost",
     "connect", "context", "current_device", "deploy", "gather", "gpu", "lookup", "model",
 ]

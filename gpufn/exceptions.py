@@ -43,6 +43,11 @@ class OutOfMemory(GpufnError, MemoryError):
     """The call (or a model load) ran out of device memory."""
 
 
+class HostOutOfMemory(OutOfMemory):
+    """The call's worker went over its host-memory (RAM) limit and was stopped; the
+    message names the limit and how to raise it."""
+
+
 class Cancelled(GpufnError):
     """The call was cancelled before it produced a result."""
 
@@ -99,8 +104,8 @@ _BY_NAME: dict[str, type[GpufnError]] = {
     cls.__name__: cls
     for cls in (
         GpufnError, InvalidSpec, Unschedulable, SerializationError, Timeout, WorkerLost,
-        QueueFull, PayloadTooLarge, OutOfMemory, Cancelled, AuthenticationError, ProtocolMismatch,
-        ConnectionLost, ModelLoadError, NotFound, AppStopped,
+        QueueFull, PayloadTooLarge, OutOfMemory, HostOutOfMemory, Cancelled, AuthenticationError,
+        ProtocolMismatch, ConnectionLost, ModelLoadError, NotFound, AppStopped,
     )
 }
 

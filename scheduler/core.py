@@ -22,6 +22,7 @@ from gpufn.exceptions import (
     AuthenticationError,
     Cancelled,
     GpufnError,
+    HostOutOfMemory,
     Timeout,
     Unschedulable,
     kind_of,
@@ -531,6 +532,9 @@ class SchedulerCore:
         if d is None or d.supervisor != peer or fencing.stale_exit(d, msg):
             return  # not its device, or about an older generation: never applied to it
         d.last_error = msg.reason
+        if msg.returncode == p.OUT_OF_HOST_MEMORY:  # its calls fail: a retry would grow again
+            self._lose_worker(d, now, "worker over its host-memory limit", oom=msg.reason)
+            return
         self._lose_worker(d, now, f"worker process exited ({msg.reason})")
         if msg.returncode == p.GAVE_UP:  # the supervisor retries it after a longer wait
             if d.state is not DeviceState.FAILED:
@@ -539,10 +543,16 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ failures
 
-    def _lose_worker(self, d: Device, now: float, reason: str, restart: bool = True) -> None:
-        """The device's worker is gone: retry or fail what ran there, reset the device."""
+    def _lose_worker(self, d: Device, now: float, reason: str, restart: bool = True,
+                     oom: str = "") -> None:
+        """The device's worker is gone: retry or fail what ran there, reset the device.
+        With `oom` (its supervisor's words) it was stopped over its host-memory limit:
+        what ran there fails with HostOutOfMemory."""
         for inv in list(d.running.values()):
-            if inv.state is InvState.RUNNING and d.key in inv.devices:
+            if inv.state is InvState.RUNNING and d.key in inv.devices and oom:
+                self.tx.failed_with_worker(inv, d, now, HostOutOfMemory(
+                    f"{inv.function.name} call {inv.id} on device {d.key}: {oom}"))
+            elif inv.state is InvState.RUNNING and d.key in inv.devices:
                 self.tx.lost_with_worker(inv, d, now,
                                          f"the worker for device {d.key} was lost ({reason})")
             else:

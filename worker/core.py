@@ -198,7 +198,7 @@ class WorkerCore:
         )
         call = Call(msg.invocation_id, msg.name, fn, msg.frames, context,
                     dispatch_token=msg.dispatch_token, batch=meta.batch, models=meta.models,
-                    retry_on=meta.retry_on)
+                    retry_on=meta.retry_on, host_memory=meta.host_memory)
         actions: list[Action] = []
         if meta.gang is not None:
             actions.append(self._as_gang_rank(call, GangSpec.from_wire(meta.gang), meta.gather))

@@ -50,6 +50,7 @@ def serve(
     allow_keys: str | None = typer.Option(None, "--allow-keys", help="Also admit only CURVE clients whose public key (*.key) is in this folder."),
     curve: bool = typer.Option(False, "--curve", envvar="GPUFN_CURVE", help="Encrypt with CURVE on loopback too (always on off loopback)."),
     as_json: bool = typer.Option(False, "--json", help="Print the address and where the token is as JSON."),
+    worker_host_memory: str | None = typer.Option(None, help="Host memory each worker may use, e.g. 32GiB; over it a worker is replaced and its calls fail with HostOutOfMemory (0: unwatched) [GPUFN_WORKER_HOST_MEMORY, 80% of RAM split between workers]."),
 ) -> None:
     """Run the scheduler and this host's workers (until Ctrl-C or `gpufn shutdown`).
 
@@ -69,6 +70,8 @@ def serve(
         os.environ["GPUFN_METRICS_PORT"] = str(metrics_port)  # read by the scheduler process
     if state_dir is not None:
         os.environ["GPUFN_STATE_DIR"] = str(state_dir.resolve())
+    if worker_host_memory is not None:
+        os.environ["GPUFN_WORKER_HOST_MEMORY"] = _size(worker_host_memory, "--worker-host-memory")
     if curve:
         os.environ["GPUFN_CURVE"] = "1"  # the scheduler process decides by it
     keys = security.keys_dir()
@@ -186,6 +189,16 @@ def forget_server(pid: int) -> None:
         (config.home() / "cluster.json").unlink(missing_ok=True)
 
 
+def _size(value: str, option: str) -> str:
+    """A size option checked here (exit 2 naming it), passed on as bytes."""
+    from gpufn.wire.units import parse_memory
+
+    try:
+        return str(parse_memory(value, option.lstrip("-")))
+    except GpufnError as e:
+        fail(str(e), 2)
+
+
 @app.command()
 def worker(
     address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler to join, tcp://host:port?key=<its public key>, as `gpufn serve` printed it."),
@@ -195,6 +208,7 @@ def worker(
     node: str | None = typer.Option(None, help="This host's name in device keys [hostname]."),
     address_file: Path | None = typer.Option(None, help="Wait for `gpufn serve --address-file` to write this file, and join that scheduler."),
     wait: float = typer.Option(0.0, help="With --address-file: give up after this many seconds (0: wait forever)."),
+    worker_host_memory: str | None = typer.Option(None, help="Host memory each worker may use, e.g. 32GiB; over it a worker is replaced and its calls fail with HostOutOfMemory (0: unwatched) [GPUFN_WORKER_HOST_MEMORY, 80% of RAM split between workers]."),
 ) -> None:
     """Join a cluster: start a supervisor and one worker per device of this host.
 
@@ -217,6 +231,8 @@ def worker(
         argv += ["--device-memory", device_memory]
     if node:
         argv += ["--node", node]
+    if worker_host_memory is not None:
+        argv += ["--worker-host-memory", _size(worker_host_memory, "--worker-host-memory")]
     if token:
         os.environ["GPUFN_TOKEN"] = token
     from gpufn.worker.supervisor import main as supervisor_main

@@ -464,6 +464,7 @@ class RunMeta:
     app: str = ""  # a deployed function's app and version: nested calls keep the version
     version: int = 0
     retry_on: list[str] | None = None  # Retries(on=...): "module.qualname" of each class
+    host_memory: int = 0  # @gpu(host_memory=): the worker's host-memory limit while it runs
 
 
 @message(21, structs={"meta": RunMeta})
@@ -492,6 +493,9 @@ class Heartbeat(Message):
 
 
 GAVE_UP = -999  # WorkerExited.returncode: the supervisor gave up restarting the worker
+# WorkerExited.returncode: the supervisor stopped the worker, over its host-memory limit
+# (the reason says by how much); its calls fail with HostOutOfMemory, never retried.
+OUT_OF_HOST_MEMORY = -998
 
 
 @message(23)

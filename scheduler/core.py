@@ -43,6 +43,7 @@ from gpufn.scheduler.events import (
 )
 from gpufn.scheduler.gang_book import GangBook
 from gpufn.scheduler.intake import Intake
+from gpufn.scheduler.kept_results import KeptResults
 from gpufn.scheduler.model_book import ModelBook
 from gpufn.scheduler.ops import OpsDesk
 from gpufn.scheduler.placement_pass import (
@@ -71,7 +72,8 @@ __all__ = ["Event", "Received", "RendezvousFailed", "RendezvousReady", "Schedule
 
 class SchedulerCore:
     def __init__(self, config: SchedulerConfig | None = None,
-                 deployments: DeploymentStore | None = None) -> None:
+                 deployments: DeploymentStore | None = None,
+                 results: KeptResults | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.wall_offset = 0.0  # wall clock minus the `now` the shell passes (set by the shell)
         self.peers: dict[bytes, Peer] = {}
@@ -98,7 +100,7 @@ class SchedulerCore:
         self._seq = 0
         self.apps = AppBook(self, deployments or DeploymentStore(":memory:"))
         self.ops = OpsDesk(self)  # logs, usage and drain
-        self.streams = StreamDesk(self)  # streamed values, from_id callers
+        self.streams = StreamDesk(self, results)  # streamed values, from_id callers, kept results
         self.tx.observers += [self.ops, self.streams]  # usage first, then attached callers
         own: dict[type, Any] = {
             p.Hello: self._on_hello, p.Ping: self._on_ping, p.Goodbye: self._on_goodbye,
@@ -365,6 +367,8 @@ class SchedulerCore:
             return
         if info.role == p.Role.CLIENT:
             for inv in [i for i in self.invocations.values() if i.client == peer]:
+                if self.streams.outlives(inv):
+                    continue  # spawned on a deployed function: it runs on, its Result is kept
                 if inv.state is InvState.QUEUED:
                     self.tx.finish(inv, now, InvState.CANCELLED, Cancelled("client left"))
                 elif inv.state is InvState.RUNNING:
@@ -399,6 +403,8 @@ class SchedulerCore:
     def _on_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
         if msg.invocation_id in self.invocations:
             return  # a duplicate submit is ignored, never run twice
+        if self.streams.answer_again(peer, msg.invocation_id):
+            return  # it ended already: its kept Result, not a second run
         draining = self.ops.refusal(msg)  # 1. nothing is admitted while the scheduler drains
         if draining is not None:
             self.send(peer, draining)
@@ -438,7 +444,7 @@ class SchedulerCore:
 
     def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:
         inv = self.invocations.get(msg.invocation_id)
-        if inv is None or inv.client != peer:
+        if inv is None or (inv.client != peer and not self.streams.may_cancel(peer, inv)):
             return
         if inv.state is InvState.QUEUED:
             self.tx.finish(inv, now, InvState.CANCELLED, Cancelled(
@@ -579,6 +585,7 @@ class SchedulerCore:
 
     def _on_tick(self, now: float) -> None:
         self.apps.tick(now)
+        self.streams.tick(now)
         if self._wakeup_at is not None and now >= self._wakeup_at:
             self._wakeup_at = None
             self.tx.dirty = True

@@ -34,7 +34,7 @@ from gpufn.worker import proc_table
 log = logging.getLogger("gpufn.supervisor")
 
 SAMPLE_S = 0.2  # how often each worker's resident bytes are read
-SCAN_S = 1.0  # how often the processes in each worker's session are found again
+SCAN_S = 2.0  # how often the processes in each worker's session are found again...
 DEFAULT_SHARE = 0.8  # of the host's memory, split between its workers by default
 HOST_CEILING = 0.95  # of the host's memory: no worker's limit, nor all of them together
 HOW_TO_RAISE = ("declare more with @gpu(host_memory=...), or give this host's workers more "
@@ -198,12 +198,14 @@ class MemoryWatch:
         return stops
 
     def _memory_fell(self) -> bool:
-        """Host memory fell by a twentieth of the host since the last scan: something
-        allocates fast, perhaps a child not found yet."""
+        """...and at once when the host's available memory fell by a quarter of a worker's
+        budget (or a twentieth of the host) since the last scan: something allocates fast,
+        perhaps a child not found yet."""
         if self._available_at_scan is None or not self.host_limit:
             return False
         now = proc_table.available_memory()
-        return now is not None and self._available_at_scan - now > self.host_limit / 20
+        drop = min(self.host_limit / 20, self.budget / 4)
+        return now is not None and self._available_at_scan - now > drop
 
     def _scan(self) -> None:
         """Find every worker's session members again (a new child, one that ended)."""

@@ -14,6 +14,7 @@ import pytest
 from gpufn.worker import proc_table
 from gpufn.worker.memory_watch import (
     HOST_CEILING,
+    SCAN_S,
     Budget,
     MemoryWatch,
     Reports,
@@ -94,7 +95,7 @@ def test_a_session_over_its_budget_is_found_through_its_child() -> None:
         stops = []
         t = time.monotonic()
         while not stops and time.monotonic() < deadline:
-            t += 1.1  # past every sampling and scanning interval
+            t += SCAN_S + 0.1  # past every sampling and scanning interval
             stops = watch.tick(t)
             time.sleep(0.05)
         assert [s.key for s in stops] == ["n:0"]

@@ -35,6 +35,8 @@ CASES: list[tuple[Callable[[], Any], str, Any, list[tuple[str, Any]], list[str]]
     (config.progress_enabled, "GPUFN_PROGRESS", True, [("0", False), ("1", True)], ["sometimes"]),
     (config.map_window, "GPUFN_MAP_WINDOW", 4096, [("16", 16)], ["0", "lots"]),
     (config.high_water_mark, "GPUFN_HWM", 100_000, [("10", 10)], ["many"]),
+    (config.worker_host_memory, "GPUFN_WORKER_HOST_MEMORY", None,
+     [("32GiB", 32 * 2**30), ("0", 0)], ["plenty", "-1GiB"]),
 ]
 
 

@@ -70,6 +70,8 @@ class Client:
         # While `_resubmit` is set the outbox is held (see `_send_again`).
         self._front: deque[list[Any]] = deque()
         self._wake_pipe = WakePipe()
+        # Closed once nothing can reach this client (not at exit: its thread may still poll).
+        weakref.finalize(self, self._wake_pipe.close).atexit = False
         self._connect_timeout = connect_timeout
         self._welcome: Future[p.Welcome] = Future()
         self._conn: Connection | None = None  # the I/O thread's, once it is welcomed
@@ -241,6 +243,13 @@ class Client:
             channels, self._channels = self._channels, []
         for ch in channels:
             ch.close()
+        # Its file descriptors go back (a process that connects many times ran out of
+        # them): the context once its sockets are closed, in a thread of its own so that a
+        # socket still open elsewhere cannot hang close(); the wake pipe once nothing can
+        # reach this client any more (a late wake-up must not write to a reused fd).
+        if self._io_done.is_set():  # else its I/O thread still uses its socket
+            threading.Thread(target=self._ctx.term, name="gpufn-client-term",
+                             daemon=True).start()
 
     # ------------------------------------------------------------------ I/O thread
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         Cancelled,
         ConnectionLost,
         GpufnError,
+        HostOutOfMemory,
         InvalidSpec,
         ModelLoadError,
         NotFound,
@@ -52,7 +53,7 @@ __version__ = "0.1.0"
 
 _EXCEPTIONS = (
     "AppStopped", "AuthenticationError", "Cancelled", "ConnectionLost", "GpufnError",
-    "InvalidSpec", "ModelLoadError", "NotFound", "NotJSONSerializable", "OutOfMemory",
+    "HostOutOfMemory", "InvalidSpec", "ModelLoadError", "NotFound", "NotJSONSerializable", "OutOfMemory",
     "PayloadTooLarge", "PermissionDenied", "ProtocolMismatch", "QueueFull", "RemoteError",
     "SerializationError", "Timeout", "Unschedulable", "WorkerLost",
 )
@@ -75,7 +76,7 @@ _PUBLIC: dict[str, str] = {
 __all__ = [  # the same names as _PUBLIC (a test holds it)
     "AppStopped", "AuthenticationError", "CallContext", "CallStream", "Cancelled", "Client",
     "ConnectionLost", "DeployError", "DeployedFunction", "Deployment", "Function",
-    "FunctionCall", "GpuSpec", "GpufnError", "InvalidSpec", "Model", "ModelLoadError",
+    "FunctionCall", "GpuSpec", "GpufnError", "HostOutOfMemory", "InvalidSpec", "Model", "ModelLoadError",
     "NotFound", "NotJSONSerializable", "OutOfMemory", "PayloadTooLarge", "PermissionDenied",
     "ProtocolMismatch", "QueueFull", "RemoteError", "Retries", "SerializationError", "Timeout",
     "Unschedulable", "WorkerLost", "chat_model", "connect", "context", "current_device",

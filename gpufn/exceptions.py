@@ -48,6 +48,11 @@ class OutOfMemory(GpufnError, MemoryError):
     """The call (or a model load) ran out of device memory."""
 
 
+class HostOutOfMemory(OutOfMemory):
+    """The call's worker went over its host-memory (RAM) limit and was stopped; the
+    message names the limit and how to raise it."""
+
+
 class Cancelled(GpufnError):
     """The call was cancelled before it produced a result."""
 
@@ -109,7 +114,7 @@ _BY_NAME: dict[str, type[GpufnError]] = {
     for cls in (
         GpufnError, InvalidSpec, Unschedulable, SerializationError, NotJSONSerializable,
         Timeout, WorkerLost,
-        QueueFull, PayloadTooLarge, OutOfMemory, Cancelled, AuthenticationError, ProtocolMismatch,
+        QueueFull, PayloadTooLarge, OutOfMemory, HostOutOfMemory, Cancelled, AuthenticationError, ProtocolMismatch,
         ConnectionLost, ModelLoadError, NotFound, AppStopped, PermissionDenied,
     )
 }

@@ -22,6 +22,7 @@ from gpufn.exceptions import (
     AuthenticationError,
     Cancelled,
     GpufnError,
+    HostOutOfMemory,
     Timeout,
     Unschedulable,
     kind_of,
@@ -42,6 +43,7 @@ from gpufn.scheduler.events import (
 )
 from gpufn.scheduler.gang_book import GangBook
 from gpufn.scheduler.intake import Intake
+from gpufn.scheduler.kept_results import KeptResults
 from gpufn.scheduler.model_book import ModelBook
 from gpufn.scheduler.ops import OpsDesk
 from gpufn.scheduler.placement_pass import (
@@ -73,7 +75,8 @@ __all__ = ["Event", "Received", "RendezvousFailed", "RendezvousReady", "Schedule
 class SchedulerCore:
     def __init__(self, config: SchedulerConfig | None = None,
                  deployments: DeploymentStore | None = None,
-                 users: UserStore | None = None) -> None:
+                 users: UserStore | None = None,
+                 results: KeptResults | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.wall_offset = 0.0  # wall clock minus the `now` the shell passes (set by the shell)
         self.peers: dict[bytes, Peer] = {}
@@ -100,7 +103,7 @@ class SchedulerCore:
         self._seq = 0
         self.apps = AppBook(self, deployments or DeploymentStore(":memory:"))
         self.ops = OpsDesk(self)  # logs, usage and drain
-        self.streams = StreamDesk(self)  # streamed values, from_id callers
+        self.streams = StreamDesk(self, results)  # streamed values, from_id callers, kept results
         self.tx.observers += [self.ops, self.streams]  # usage first, then attached callers
         self.users = UserDesk(self, UserStore() if users is None else users,  # tokens, limits
                               self._drop_peer)
@@ -380,6 +383,8 @@ class SchedulerCore:
             return
         if info.role == p.Role.CLIENT:
             for inv in [i for i in self.invocations.values() if i.client == peer]:
+                if self.streams.outlives(inv):
+                    continue  # spawned on a deployed function: it runs on, its Result is kept
                 if inv.state is InvState.QUEUED:
                     self.tx.finish(inv, now, InvState.CANCELLED, Cancelled("client left"))
                 elif inv.state is InvState.RUNNING:
@@ -414,6 +419,8 @@ class SchedulerCore:
     def _on_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
         if msg.invocation_id in self.invocations:
             return  # a duplicate submit is ignored, never run twice
+        if self.streams.answer_again(peer, msg.invocation_id):
+            return  # it ended already: its kept Result, not a second run
         draining = self.ops.refusal(msg)  # 1. nothing is admitted while the scheduler drains
         if draining is not None:
             self.send(peer, draining)
@@ -561,6 +568,9 @@ class SchedulerCore:
         if d is None or d.supervisor != peer or fencing.stale_exit(d, msg):
             return  # not its device, or about an older generation: never applied to it
         d.last_error = msg.reason
+        if msg.returncode == p.OUT_OF_HOST_MEMORY:  # its calls fail: a retry would grow again
+            self._lose_worker(d, now, "worker over its host-memory limit", oom=msg.reason)
+            return
         self._lose_worker(d, now, f"worker process exited ({msg.reason})")
         if msg.returncode == p.GAVE_UP:  # the supervisor retries it after a longer wait
             if d.state is not DeviceState.FAILED:
@@ -569,10 +579,16 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ failures
 
-    def _lose_worker(self, d: Device, now: float, reason: str, restart: bool = True) -> None:
-        """The device's worker is gone: retry or fail what ran there, reset the device."""
+    def _lose_worker(self, d: Device, now: float, reason: str, restart: bool = True,
+                     oom: str = "") -> None:
+        """The device's worker is gone: retry or fail what ran there, reset the device.
+        With `oom` (its supervisor's words) it was stopped over its host-memory limit:
+        what ran there fails with HostOutOfMemory."""
         for inv in list(d.running.values()):
-            if inv.state is InvState.RUNNING and d.key in inv.devices:
+            if inv.state is InvState.RUNNING and d.key in inv.devices and oom:
+                self.tx.failed_with_worker(inv, d, now, HostOutOfMemory(
+                    f"{inv.function.name} call {inv.id} on device {d.key}: {oom}"))
+            elif inv.state is InvState.RUNNING and d.key in inv.devices:
                 self.tx.lost_with_worker(inv, d, now,
                                          f"the worker for device {d.key} was lost ({reason})")
             else:
@@ -599,6 +615,7 @@ class SchedulerCore:
 
     def _on_tick(self, now: float) -> None:
         self.apps.tick(now)
+        self.streams.tick(now)
         if self._wakeup_at is not None and now >= self._wakeup_at:
             self._wakeup_at = None
             self.tx.dirty = True

@@ -1,7 +1,8 @@
 """The deployment store: apps, their versions, functions and code blobs, in sqlite (WAL)
 in the scheduler's state directory, so deployments survive a scheduler restart.
 
-It stores opaque pickled frames by content hash and never unpickles them.
+It stores opaque pickled frames by content hash and never unpickles them. The file (and
+sqlite's -wal and -shm files, which take its mode) is 0600 in a 0700 folder.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gpufn.net.private_files import private_dir, private_file
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS apps (
@@ -91,6 +94,17 @@ def deployed_function_id(app: str, version: int, base_id: str) -> str:
     return f"d{h}"
 
 
+def open_private(path: Path) -> None:
+    """Before sqlite opens `path`: its folder 0700, the file and its -wal/-shm 0600
+    (sqlite creates those with the main file's mode; older ones are tightened here)."""
+    private_dir(path.parent)
+    private_file(path)
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            private_file(side)
+
+
 class DeploymentStore:
     """The apps' versions in one sqlite file (":memory:" for none), opened on first use: a
     scheduler that deploys nothing creates no file."""
@@ -105,7 +119,7 @@ class DeploymentStore:
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
             if not self._memory:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                open_private(self.path)
             db = sqlite3.connect(":memory:" if self._memory else str(self.path),
                                  check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")

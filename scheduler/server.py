@@ -35,6 +35,7 @@ from gpufn.scheduler.core import (
     Unreachable,
 )
 from gpufn.scheduler.deployments import DeploymentStore
+from gpufn.scheduler.kept_results import KeptResults
 from gpufn.scheduler.users import UserStore
 from gpufn.wire import protocol as p
 from gpufn.wire.config import join_address
@@ -54,7 +55,10 @@ class SchedulerServer:
     ) -> None:
         config = config or SchedulerConfig()
         self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir),
-                                  UserStore.in_state_dir(config.state_dir))
+                                  UserStore.in_state_dir(config.state_dir),
+                                  KeptResults.in_state_dir(config.state_dir,
+                                                           config.result_retention_seconds,
+                                                           config.result_store_bytes))
         self.core.wall_offset = time.time() - time.monotonic()  # the core is passed monotonic time
         self.ctx = zmq.Context()
         # The ZAP allow-list must run before the first peer's handshake.
@@ -234,6 +238,7 @@ class SchedulerServer:
                 pass
 
     def close(self) -> None:
+        self.core.streams.close()  # kept results queued for the disk are written
         if self.metrics is not None:
             self.metrics.close()
         self.sock.close(1000)  # let the Shutdown messages out

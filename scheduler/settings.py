@@ -45,6 +45,10 @@ class SchedulerConfig:
     # After a restart, calls that forgotten clients resubmit wait this long, so workers
     # register first and say which of them they ran (see recovery.py).
     restart_grace_seconds: float = 5.0
+    # Spawned calls of deployed functions: their Results stay on disk this long after
+    # they ended, within this many bytes in all (see kept_results.py).
+    result_retention_seconds: float = 24 * 3600.0
+    result_store_bytes: int = 4 * 2**30
 
     def retry_delay(self, retry: int) -> float:
         """The wait before retry number `retry` (1-based)."""
@@ -59,7 +63,8 @@ class SchedulerConfig:
         GPUFN_CLIENT_TIMEOUT, GPUFN_MAX_QUEUE, GPUFN_MAX_QUEUE_PER_FUNCTION,
         GPUFN_STOP_GRACE_SECONDS, GPUFN_GANG_SETTLE_SECONDS, GPUFN_PIPELINE_DEPTH,
         GPUFN_EVICTION_POLICY (+ GPUFN_LRU_MAX_MODELS), GPUFN_HOST_OFFLOAD_MEMORY,
-        GPUFN_MAX_PAYLOAD, GPUFN_RETRY_BACKOFF, GPUFN_RETRY_BACKOFF_MAX, GPUFN_RESTART_GRACE."""
+        GPUFN_MAX_PAYLOAD, GPUFN_RETRY_BACKOFF, GPUFN_RETRY_BACKOFF_MAX, GPUFN_RESTART_GRACE,
+        GPUFN_RESULT_RETENTION, GPUFN_RESULT_STORE_MAX."""
         from gpufn.wire import config as c
 
         per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
@@ -87,6 +92,10 @@ class SchedulerConfig:
             retry_backoff_seconds=c.env_float("GPUFN_RETRY_BACKOFF", cls.retry_backoff_seconds),
             retry_backoff_max=c.env_float("GPUFN_RETRY_BACKOFF_MAX", cls.retry_backoff_max),
             restart_grace_seconds=c.env_float("GPUFN_RESTART_GRACE", cls.restart_grace_seconds),
+            result_retention_seconds=c.env_float("GPUFN_RESULT_RETENTION",
+                                                 cls.result_retention_seconds),
+            result_store_bytes=parse_memory(c.env_str("GPUFN_RESULT_STORE_MAX", "4GiB"),
+                                            "GPUFN_RESULT_STORE_MAX"),
         )
 
 

@@ -148,7 +148,7 @@ class Transitions:
                          concurrency=spec.concurrency,
                          inline=is_short(inv, self.config.short_call_seconds),
                          app=inv.function.app, version=inv.function.version,
-                         retry_on=list(spec.retry_on) or None,
+                         retry_on=list(spec.retry_on) or None, host_memory=spec.host_memory,
                          shm_owner=self._shm_owner(inv, devices[0]))
         if inv.shape is Shape.BATCH:
             base.batch = [len(m.frames) for m in inv.members]
@@ -380,6 +380,20 @@ class Transitions:
             return
         inv.lost_ranks[inv.devices.index(d.key)] = why
         self.gang_failing(inv, now, why)
+        self.settle(inv, now)
+
+    def failed_with_worker(self, inv: Invocation, d: Device, now: float, error: GpufnError) -> None:
+        """The worker of `d` was stopped for what ran there (over its host-memory limit):
+        the call fails with `error`, never retried; a gang's other ranks stop."""
+        self.counters.lost += 1
+        self.release_reporter(inv, d)
+        if not inv.shape.multi_device:
+            self.finish(inv, now, InvState.FAILED, error)  # a batch's calls all get it
+            return
+        rank = inv.devices.index(d.key)
+        inv.rank_results[rank] = p.Result(inv.id, False, kind_of(error), str(error),
+                                          p.ResultMeta(rank=rank))
+        self.gang_failing(inv, now, str(error))
         self.settle(inv, now)
 
     def lost_before_restart(self, inv: Invocation, now: float) -> None:

@@ -317,7 +317,7 @@ SCHEDULER: tuple[Mutation, ...] = (
     ),
     Mutation(
         'attach-live-not-watched', 'scheduler/streams.py',
-        '            self.watchers.setdefault(inv_id, set()).add(peer)\n',
+        '            self.watchers.setdefault(msg.invocation_id, set()).add(peer)\n',
         '            pass\n',
         (f"{USR}::test_attach_gets_a_live_call_result_and_a_kept_one",),
         why='FunctionCall.from_id on a live call never gets its Result',

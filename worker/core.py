@@ -198,7 +198,8 @@ class WorkerCore:
         )
         call = Call(msg.invocation_id, msg.name, fn, msg.frames, context,
                     dispatch_token=msg.dispatch_token, batch=meta.batch, models=meta.models,
-                    retry_on=meta.retry_on, shm_owner=meta.shm_owner)
+                    retry_on=meta.retry_on, shm_owner=meta.shm_owner,
+                    host_memory=meta.host_memory)
         actions: list[Action] = []
         if meta.gang is not None:
             actions.append(self._as_gang_rank(call, GangSpec.from_wire(meta.gang), meta.gather))

@@ -1,7 +1,8 @@
 """Runs user code in threads: unpickle arguments, call, pickle the result or exception.
 
 Each call runs with its `gpufn.context()` and output routing set for its thread; the
-finished `Result` goes to `on_done`, which the worker's I/O loop drains.
+finished `Result` goes to `on_done`, which the worker's I/O loop drains. Processes the
+call's thread started and left running are stopped after that (worker/children.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from gpufn.wire import config, jsonwire
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.wire import shm as shmem
+from gpufn.worker import children
 from gpufn.worker.groups import is_comm_error
+from gpufn.worker.memory_watch import Reports
 from gpufn.worker.output import OutputRouter, set_current
 from gpufn.worker.streaming import Driver, needs_driving
 
@@ -59,6 +62,7 @@ class Call:
     relay: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None
     json: bool = False  # its arguments came as JSON: its value and items go back as JSON
     shm_owner: int = 0  # the caller's pid: big results go to it through shared memory
+    host_memory: int = 0  # @gpu(host_memory=): the worker's host-memory limit while it runs
 
 
 class Executor:
@@ -70,6 +74,8 @@ class Executor:
         self._threads: dict[str, tuple[int, int]] = {}  # invocation -> (thread, dispatch token)
         self._cancelled: dict[str, tuple[int, float]] = {}  # invocation -> (dispatch token, when)
         self._lock = threading.Lock()
+        self._kids = children.ThreadChildren()
+        self.reports = Reports(-1)  # host-memory declarations, for the supervisor's watch
 
     def submit(self, call: Call) -> None:
         self.pool.submit(self._run, call)
@@ -129,6 +135,7 @@ class Executor:
         t0 = time.perf_counter()
         result: p.Result | None = None
         registered = False
+        before = self._kids.now()  # processes this thread started before the call
         try:
             with self._lock:
                 if self._take_cancelled_locked(inv, call.dispatch_token):
@@ -138,6 +145,8 @@ class Executor:
                     self._threads[inv] = (threading.get_ident(), call.dispatch_token)
                     registered = True
             if result is None:
+                if call.host_memory:
+                    self.reports.call_started(inv, call.host_memory)
                 self.router.started(inv)
                 set_current(inv)
                 ctxmod._set(call.context)
@@ -145,6 +154,8 @@ class Executor:
         except BaseException as e:  # an async Cancelled landing outside the user's code
             result = _failure(inv, e, t0, call.json)
         finally:
+            if call.host_memory:
+                self.reports.call_ended(inv)
             with self._lock:
                 if registered:
                     self._threads.pop(inv, None)
@@ -163,6 +174,9 @@ class Executor:
             if key in call.meta:
                 setattr(result.meta, key, call.meta[key])
         self.on_done(result)
+        left = self._kids.now() - before
+        if left:  # after the Result is on its way: stopping them may take a grace
+            children.stop(sorted(left))
 
     def _out_of_memory(self, call: Call, exc: BaseException, t0: float) -> p.Result:
         """The call alone fails with gpufn.OutOfMemory; its memory goes back to the pool

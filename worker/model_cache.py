@@ -29,11 +29,17 @@ from gpufn.worker.groups import is_comm_error
 log = logging.getLogger("gpufn.worker")
 
 class ModelManager:
-    def __init__(self, device: Any, capacity: int | None, emit: Callable[[p.Message], None]) -> None:
+    def __init__(self, device: Any, capacity: int | None, emit: Callable[[p.Message], None],
+                 host_bytes: Callable[[int], None] | None = None) -> None:
         from gpufn.memory_pool.allocator import ModelArena
 
         self.arena = ModelArena(device, capacity)
         self.emit = emit
+        # Told the bytes of models in host memory after each model order (the supervisor's
+        # memory watch adds them to the worker's limit): offloaded ones, and on a CPU
+        # device the resident ones too.
+        self.host_bytes = host_bytes
+        self._on_cpu = getattr(device, "type", str(device)) == "cpu"
         self.ops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpufn-models")
         self._lock = threading.Lock()
         self._ready: dict[str, threading.Event] = {}
@@ -67,6 +73,8 @@ class ModelManager:
               context: ctxmod.CallContext | None = None) -> None:
         restore = bool(spec.get("restore"))
         name = spec.get("name", key)
+        # A loader may build its model in host memory first: its estimate counts meanwhile.
+        self._report_host_bytes(int(spec.get("memory") or 0))
         ctxmod._set(context)  # a shard's loader asks gpufn.context() for its rank and group
         try:
             if key in self.arena.resident():  # already here (the ledger was reset): adopt it
@@ -98,17 +106,32 @@ class ModelManager:
             with self._lock:
                 self._errors[key] = err
             needed = int(getattr(err, "needed", 0) or 0)  # an under-estimated model's real size
+            self._report_host_bytes()
             self.emit(p.ModelEvent(key, ModelState.LOAD_FAILED, needed, 0.0, kind_of(err), str(err)))
             self._event(key).set()
             return
         ctxmod._set(None)
+        self._report_host_bytes()
         self.emit(p.ModelEvent(key, ModelState.RESIDENT, nbytes, seconds, "", "restored" if restore else ""))
         self._event(key).set()
+
+    def _report_host_bytes(self, loading: int = 0) -> None:
+        if self.host_bytes is not None:
+            held = sum(self.arena.offloaded().values()) + loading
+            if self._on_cpu:
+                held += sum(self.arena.resident().values())
+            self.host_bytes(held)
 
     def _evict(self, key: str, offload: bool) -> None:
         with self._lock:
             self._ready.pop(key, None)
             self._pending.pop(key, None)
+        try:
+            self._evict_or_offload(key, offload)
+        finally:
+            self._report_host_bytes()
+
+    def _evict_or_offload(self, key: str, offload: bool) -> None:
         try:
             if offload:
                 report = self.arena.offload(key)

@@ -44,6 +44,7 @@ from gpufn.worker.core import (
     control_actions,
 )
 from gpufn.worker.executor import Executor
+from gpufn.worker.memory_watch import Reports
 from gpufn.worker.output import OutputRouter
 
 log = logging.getLogger("gpufn.worker")
@@ -75,7 +76,7 @@ def _host_of(address: str) -> str:
 
 class WorkerProcess:
     def __init__(self, address: str, token: str, device_key: str, incarnation: int, kind: str,
-                 memory: int = 0) -> None:
+                 memory: int = 0, memory_fd: int = -1) -> None:
         self.address = address
         self.device_key = device_key
         self.incarnation = incarnation
@@ -86,12 +87,15 @@ class WorkerProcess:
         self._done: deque[p.Message] = deque()
         self._wake = WakePipe()
         self.executor = Executor(self.router, self._on_done)
+        # What this worker declares to its supervisor's memory watch (worker/memory_watch.py).
+        self.executor.reports = Reports(memory_fd)
         from gpufn.runtime.models import set_resolver
         from gpufn.worker.model_cache import ModelManager
 
         # Simulated devices enforce their configured size; real GPUs their real memory.
         capacity = memory if kind == "cpu" and memory > 0 else None
-        self.models = ModelManager(self.core.device, capacity, self._on_done)
+        self.models = ModelManager(self.core.device, capacity, self._on_done,
+                                   self.executor.reports.models)
         set_resolver(self.models.resolve)
         self.groups: Any = None  # GroupManager, made on the first gang call (imports torch.distributed)
         self.helper: Any = None  # DeviceSetHelper of the last spmd=False call
@@ -352,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--incarnation", type=int, default=1)
     ap.add_argument("--kind", default="cpu")
     ap.add_argument("--memory", type=int, default=0, help="device bytes (simulated devices)")
+    ap.add_argument("--memory-fd", type=int, default=-1,
+                    help="a pipe to the supervisor's host-memory watch")
     a = ap.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
@@ -361,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     glog.setLevel(config.log_level())
     glog.propagate = False
     token = config.token() or ""
-    worker = WorkerProcess(a.address, token, a.device, a.incarnation, a.kind, a.memory)
+    worker = WorkerProcess(a.address, token, a.device, a.incarnation, a.kind, a.memory,
+                           a.memory_fd)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     # Exit if our supervisor dies without taking us along (e.g. started by hand).
     processes.watch_parent(os.getppid(), lambda: os._exit(0))

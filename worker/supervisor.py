@@ -1,8 +1,11 @@
 """The per-host supervisor: probes devices, starts one worker per device, restarts a
-worker that dies, and kills one when the scheduler says so (hard timeouts, hung ranks).
+worker that dies, and kills one when the scheduler says so (hard timeouts, hung ranks)
+or when it goes over its host-memory limit (worker/memory_watch.py).
 
 Each worker's environment pins its device (`CUDA_VISIBLE_DEVICES` by UUID) before
 torch is imported; its stderr goes to a per-device log whose tail explains a crash.
+Each worker leads a session of its own: what its calls start stays in it, and is
+stopped with it when the worker ends.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.net import interfaces as netif
 from gpufn.net import processes
 from gpufn.net.connection import Backoff, Connection, ConnectionConfig
+from gpufn.net.private_files import open_private_append, private_dir
 from gpufn.wire import config, shm
 from gpufn.wire import protocol as p
+from gpufn.worker import proc_table
 from gpufn.worker.joining import JoinLog, refusal_reason
+from gpufn.worker.memory_watch import MemoryWatch, default_budget
 
 log = logging.getLogger("gpufn.supervisor")
 
@@ -45,9 +51,8 @@ def _host_memory() -> int:
 
 
 def log_dir() -> Path:
-    d = config.log_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    """The workers' log folder, owner-only (0700; each log is 0600)."""
+    return private_dir(config.log_dir())
 
 
 @dataclass
@@ -65,12 +70,13 @@ class _Slot:
     kill_reason: str = ""
     log_path: Path = field(default_factory=Path)
     log_offset: int = 0  # where this incarnation's output starts in the log
+    memory_kill: str = ""  # why the memory watch stopped this incarnation ("" if it did not)
 
 
 class Supervisor:
     def __init__(
         self, address: str, token: str, devices: list[DeviceInfo], node: str,
-        threads_per_worker: int | None = None,
+        threads_per_worker: int | None = None, host_budget: int | None = None,
     ) -> None:
         self.address = address
         self.token = token
@@ -87,6 +93,7 @@ class Supervisor:
         self._running = True
         self._early: list[p.Message] = []
         self.join_log = JoinLog(address)
+        self.memory = self._memory_watch(host_budget)
 
     def _connect(self) -> Connection:
         return Connection(self.ctx, ConnectionConfig(self.address, self.token),
@@ -148,12 +155,19 @@ class Supervisor:
         cmd = [sys.executable, "-m", "gpufn.worker", "--address", self.address, "--device", d.key,
                "--incarnation", str(slot.incarnation), "--kind", d.kind,
                "--memory", str(d.memory_total)]
-        with open(slot.log_path, "ab") as logf:
+        reports, pipe = self.memory.pipe() if self.memory.enabled else (-1, -1)
+        if pipe >= 0:
+            cmd += ["--memory-fd", str(pipe)]
+        with os.fdopen(open_private_append(slot.log_path), "ab") as logf:
             slot.log_offset = logf.tell()
             slot.proc = subprocess.Popen(
                 cmd, env=self._env(d), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                preexec_fn=processes.set_pdeathsig,
+                preexec_fn=processes.set_pdeathsig, start_new_session=True,
+                pass_fds=(pipe,) if pipe >= 0 else (),
             )
+        if pipe >= 0:
+            os.close(pipe)
+        self.memory.watch(d.key, slot.proc.pid, reports)
         slot.started = time.monotonic()
         log.info("started worker for %s (pid %d)", d.key, slot.proc.pid)
 
@@ -177,14 +191,17 @@ class Supervisor:
             if rc is None:
                 continue
             slot.proc = None
-            if slot.kill_reason:
+            self._stop_leftovers(key, proc.pid)
+            if slot.memory_kill:
+                reason, rc = slot.memory_kill, p.OUT_OF_HOST_MEMORY
+            elif slot.kill_reason:
                 reason = f"killed by the scheduler: {slot.kill_reason}"
             else:
                 reason = f"exit code {rc}" if rc >= 0 else f"killed by signal {-rc}"
                 tail = self._tail(slot)
                 if tail:
                     reason += f"; last output: {tail[-600:]}"
-            if slot.kill_reason or slot.served:  # it started fine: not a crash loop
+            if slot.kill_reason or slot.served or slot.memory_kill:  # started fine: no crash loop
                 slot.fast_failures = 0
                 slot.restart_at = now
             else:
@@ -193,7 +210,7 @@ class Supervisor:
             # A kill the scheduler ordered it has reported already (the caller got the
             # Timeout or the cancel): INFO, so it does not trail a script's own last line.
             level = logging.INFO if slot.kill_reason else logging.WARNING
-            slot.kill_reason, slot.served = "", False
+            slot.kill_reason, slot.served, slot.memory_kill = "", False, ""
             log.log(level, "worker for %s (pid %d) ended: %s", key, proc.pid, reason)
             if slot.fast_failures >= GIVE_UP_AFTER:
                 wait = config.give_up_retry_seconds()
@@ -244,6 +261,51 @@ class Supervisor:
     def stop(self, *_: object) -> None:
         self._running = False
 
+    # ------------------------------------------------------------------ memory and leftovers
+
+    def _memory_watch(self, host_budget: int | None) -> MemoryWatch:
+        """The watch over this host's workers: `host_budget` bytes each (0: not watched;
+        None: the default share of the host's memory)."""
+        limit = proc_table.host_memory_limit()
+        budget = default_budget(limit, len(self.slots)) if host_budget is None else host_budget
+        watch = MemoryWatch(budget, limit, self.node)
+        if watch.enabled:
+            log.info("host memory: %.1f GiB; each worker may use %.1f GiB", limit / 2**30,
+                     budget / 2**30)
+        return watch
+
+    def _watch_memory(self, now: float) -> None:
+        """Stop the workers over their host-memory limit, with all they started."""
+        for stop in self.memory.tick(now):
+            slot = self.slots.get(stop.key)
+            if slot is None or slot.proc is None:
+                continue
+            slot.memory_kill = stop.reason
+            log.warning("worker for %s (pid %d) is over its host-memory limit: %s", stop.key,
+                        slot.proc.pid, stop.reason)
+            self._kill_session(slot.proc.pid)
+
+    @staticmethod
+    def _kill_session(pid: int) -> None:
+        """SIGKILL a worker's session: its process group, and the members that left it."""
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc_table.signal_all([pid, *proc_table.in_session(pid)])
+
+    def _stop_leftovers(self, key: str, pid: int) -> None:
+        """A worker ended (and was reaped): what it, or its calls, started and left running
+        in its session ends too."""
+        self.memory.forget(key)
+        if proc_table.read(pid) is not None:
+            return  # the number is another process's now: its session is not the worker's
+        left = proc_table.in_session(pid)
+        if left:
+            log.warning("stopping %d process(es) the worker for %s left running: %s",
+                        len(left), key, left)
+            self._kill_session(pid)
+
     def shutdown_workers(self, grace: float = 2.0) -> None:
         procs = [s.proc for s in self.slots.values() if s.proc is not None]
         for proc in procs:
@@ -258,8 +320,11 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for s in self.slots.values():
+        for key, s in self.slots.items():
+            if s.proc is not None:
+                self._stop_leftovers(key, s.proc.pid)
             s.proc = None
+        self.memory.close()
 
     def serve(self) -> None:
         for slot in self.slots.values():
@@ -289,6 +354,7 @@ class Supervisor:
                 now = time.monotonic()
                 self._watch_scheduler(now)
                 self._reap(now)
+                self._watch_memory(now)
                 if now >= next_ping:
                     self._send(p.Ping(int(now)))
                     next_ping = now + PING_SECONDS
@@ -319,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--force-cpu", action="store_true")
     ap.add_argument("--node", default=None)
     ap.add_argument("--parent-pid", type=int, default=0)
+    ap.add_argument("--worker-host-memory", default=None,
+                    help="host memory each worker may use, e.g. 32GiB (0: unwatched)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-supervisor %(levelname)s %(message)s")
@@ -332,7 +400,9 @@ def main(argv: list[str] | None = None) -> None:
     threads = None
     if devices and devices[0].kind == "cpu":
         threads = max(1, (os.cpu_count() or 1) // len(devices))
-    sup = Supervisor(a.address, config.token() or "", devices, node, threads)
+    host_budget = (parse_memory(a.worker_host_memory, "--worker-host-memory")
+                   if a.worker_host_memory is not None else config.worker_host_memory())
+    sup = Supervisor(a.address, config.token() or "", devices, node, threads, host_budget)
     signal.signal(signal.SIGTERM, sup.stop)
     signal.signal(signal.SIGINT, sup.stop)
     processes.watch_parent(a.parent_pid, sup.stop)

@@ -7,9 +7,12 @@ safe across processes and hosts on a shared filesystem (NFS included): a result 
 to a temporary file and renamed into place (atomic), and a call about to be computed is
 *claimed* by creating `<key>.claim` with O_EXCL. Whoever holds the claim computes; every
 other caller of the same key, in any process on any host, waits for the result file.
-A claim is kept alive by its owner touching it; one whose owner died (same host: its pid
-is gone; other hosts: not touched for `LEASE_S`) is broken and the call is claimed anew,
-so a re-run after a kill computes exactly the results that are missing.
+A claim is kept alive by its owner touching it; one whose lease expired (not touched for
+`LEASE_S`, wherever its owner was) is broken and the call is claimed anew, and so is one
+whose owner on this host is gone (its pid is not running) at once. So a re-run after a
+kill computes exactly the results that are missing, and a claim whose pid was reused by
+an unrelated process (or came from another container with the same host name) holds no
+waiter longer than the lease.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from gpufn.net.processes import alive
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 
-LEASE_S = 30.0  # a claim not touched for this long, by an owner on another host, is stale
+LEASE_S = 30.0  # a claim not touched for this long is stale, wherever its owner is
 TOUCH_S = 5.0  # how often an owner touches its claims
 _MAGIC = b"GPUFNR1\n"
 _HOST = socket.gethostname()
@@ -204,10 +207,11 @@ class Store:
         except FileNotFoundError:
             return True
         owner = self._owner(path)
-        if owner.get("host") == _HOST and isinstance(owner.get("pid"), int):
-            stale = not alive(owner["pid"])
-        else:  # another host (or a claim still being written): by its lease
-            stale = age > LEASE_S if owner else age > LEASE_S / 3
+        # The lease holds everywhere: a live pid on this host may be another process that
+        # reused the number, or a process of another container with the same host name.
+        stale = age > LEASE_S if owner else age > LEASE_S / 3  # (still being written)
+        if not stale and owner.get("host") == _HOST and isinstance(owner.get("pid"), int):
+            stale = not alive(owner["pid"])  # gone from this host: no need to wait
         if not stale:
             return False
         # Rename first: of several breakers only one wins, and none removes a new claim.

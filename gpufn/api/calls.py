@@ -190,12 +190,15 @@ class FunctionCall(Generic[R]):
 
     @classmethod
     def from_id(cls, invocation_id: str) -> FunctionCall[Any]:
-        """A handle on a call spawned elsewhere (another process, `call.id`): `.get()`
-        waits for its result. It works while the call is queued or running (and its
-        spawner stays connected), and for the last few thousand finished spawned calls.
-        Only the user whose token made the call (or an admin) may attach: another user's
-        call id fails like an unknown one. Not for a generator's values, which only its
-        spawner streams."""
+        """A handle on a call spawned elsewhere (another process, `call.id`) by the same
+        user (the user whose token made it, or an admin; another user's id fails like an
+        unknown one): `.get()` waits for its result. A spawned call of a deployed function
+        (`gpufn.lookup(...).spawn()`) runs on when its spawner exits, and its result is kept
+        on disk for a day (GPUFN_RESULT_RETENTION), across scheduler restarts; `.cancel()`
+        here stops it once its spawner is gone. A spawned call of a function defined in
+        the spawner's process is cancelled when the spawner exits; while it lives, and
+        for the last 4,096 such calls after they ended, it is found too. Not for a
+        generator's values, which only its spawner streams."""
         client = get_client()
         call: FunctionCall[Any] = cls(invocation_id, client.attach(invocation_id), "call", client)
         call._attached = True

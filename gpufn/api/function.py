@@ -487,7 +487,7 @@ def gpu(
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
     batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
-    device_args: bool = False,
+    device_args: bool = False, host_memory: int | str | None = None,
 ) -> Function[P, R]: ...
 
 
@@ -498,7 +498,7 @@ def gpu(
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
     batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
-    device_args: bool = False,
+    device_args: bool = False, host_memory: int | str | None = None,
 ) -> _GpuDecorator: ...
 
 
@@ -508,7 +508,7 @@ def gpu(
     priority: int = 0, concurrency: int = 1, models: Iterable[Any] = (), gather: bool = False,
     spmd: bool = True, preemptible: bool = False, batch_size: int | None = None,
     batch_wait_ms: float | None = None, cache: bool | str = False, autocast: str | None = None,
-    device_args: bool = False, **unknown: Any,
+    device_args: bool = False, host_memory: int | str | None = None, **unknown: Any,
 ) -> Any:
     """Declare a function's GPU needs; it then runs remotely with .remote()/.map()/.spawn().
 
@@ -525,6 +525,7 @@ def gpu(
         priority=priority, concurrency=concurrency, models=tuple(m.name for m in model_objs),
         gather=gather, spmd=spmd, preemptible=preemptible, batch_size=batch_size,
         batch_wait_ms=batch_wait_ms, cache=cache, autocast=autocast, device_args=device_args,
+        host_memory=host_memory,
     )
 
     def wrap(fn: Callable[..., Any]) -> Function[Any, Any]:

@@ -56,6 +56,7 @@ def serve(
     http_host: str = typer.Option("127.0.0.1", help="Interface of the HTTP gateway (off loopback it needs --http-cert and --http-key)."),
     http_cert: Path | None = typer.Option(None, help="TLS certificate (PEM) for the HTTP gateway."),
     http_key: Path | None = typer.Option(None, help="TLS private key (PEM, mode 0600) for the HTTP gateway."),
+    worker_host_memory: str | None = typer.Option(None, help="Host memory each worker may use, e.g. 32GiB; over it a worker is replaced and its calls fail with HostOutOfMemory (0: unwatched) [GPUFN_WORKER_HOST_MEMORY, 80% of RAM split between workers]."),
 ) -> None:
     """Run the scheduler and this host's workers (until Ctrl-C or `gpufn shutdown`).
 
@@ -85,6 +86,8 @@ def serve(
             os.environ["GPUFN_HTTP_METRICS_DIR"] = str(metrics_dir)
     if state_dir is not None:
         os.environ["GPUFN_STATE_DIR"] = str(state_dir.resolve())
+    if worker_host_memory is not None:
+        os.environ["GPUFN_WORKER_HOST_MEMORY"] = _size(worker_host_memory, "--worker-host-memory")
     if curve:
         os.environ["GPUFN_CURVE"] = "1"  # the scheduler process decides by it
     keys = security.keys_dir()
@@ -242,6 +245,16 @@ def forget_server(pid: int) -> None:
         (config.home() / "cluster.json").unlink(missing_ok=True)
 
 
+def _size(value: str, option: str) -> str:
+    """A size option checked here (exit 2 naming it), passed on as bytes."""
+    from gpufn.wire.units import parse_memory
+
+    try:
+        return str(parse_memory(value, option.lstrip("-")))
+    except GpufnError as e:
+        fail(str(e), 2)
+
+
 @app.command()
 def worker(
     address: str | None = typer.Option(None, envvar="GPUFN_ADDRESS", help="Scheduler to join, tcp://host:port?key=<its public key>, as `gpufn serve` printed it."),
@@ -251,6 +264,7 @@ def worker(
     node: str | None = typer.Option(None, help="This host's name in device keys [hostname]."),
     address_file: Path | None = typer.Option(None, help="Wait for `gpufn serve --address-file` to write this file, and join that scheduler."),
     wait: float = typer.Option(0.0, help="With --address-file: give up after this many seconds (0: wait forever)."),
+    worker_host_memory: str | None = typer.Option(None, help="Host memory each worker may use, e.g. 32GiB; over it a worker is replaced and its calls fail with HostOutOfMemory (0: unwatched) [GPUFN_WORKER_HOST_MEMORY, 80% of RAM split between workers]."),
 ) -> None:
     """Join a cluster: start a supervisor and one worker per device of this host.
 
@@ -274,6 +288,8 @@ def worker(
         argv += ["--device-memory", device_memory]
     if node:
         argv += ["--node", node]
+    if worker_host_memory is not None:
+        argv += ["--worker-host-memory", _size(worker_host_memory, "--worker-host-memory")]
     if token:
         os.environ["GPUFN_TOKEN"] = token
     from gpufn.worker.supervisor import main as supervisor_main

@@ -73,10 +73,15 @@ class Client:
         self.ping_seconds = PING_SECONDS
         self._registered: set[str] = set()
         self._register_frames: dict[str, list[Any]] = {}
-        self._resubmit = False
+        self._resubmit = False  # forgotten: a new Hello is out, its Welcome not yet in
         self._lock = threading.Lock()
         self._outbox: deque[list[Any]] = deque()
+        # Sent before the outbox: the new Hello, then what the Welcome makes us send again.
+        # While `_resubmit` is set the outbox is held (see `_send_again`).
+        self._front: deque[list[Any]] = deque()
         self._wake_pipe = WakePipe()
+        # Closed once nothing can reach this client (not at exit: its thread may still poll).
+        weakref.finalize(self, self._wake_pipe.close).atexit = False
         self._connect_timeout = connect_timeout
         self._welcome: Future[p.Welcome] = Future()
         self._conn: Connection | None = None  # the I/O thread's, once it is welcomed
@@ -162,9 +167,10 @@ class Client:
             fut.set_exception(ConnectionLost("this gpufn client is closed; call gpufn.connect() again"))
             return fut
         frames = p.encode(submit)
-        with self._lock:
+        with self._lock:  # in `_calls` and the outbox together (see `_send_again`)
             self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, frames)
-        self._enqueue(frames)
+            self._outbox.append(frames)
+        self._wake()
         return fut
 
     def submit_stream(self, submit: p.Submit, name: str) -> tuple[Future[p.Result], ItemQueue]:
@@ -189,12 +195,14 @@ class Client:
             if mine is not None:  # made (or attached to) by this client: the same result
                 return mine.future
             self._calls[invocation_id] = _Pending(fut, name, "", frames)
-        self._enqueue(frames)
+            self._outbox.append(frames)
+        self._wake()
         return fut
 
     def submit_many(self, items: list[tuple[p.Submit, str]]) -> list[Future[p.Result]]:
         futs: list[Future[p.Result]] = []
         frames = []
+        closed = self._closed.is_set()
         with self._lock:
             for submit, name in items:
                 fut: Future[p.Result] = Future()
@@ -202,11 +210,12 @@ class Client:
                 self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, enc)
                 futs.append(fut)
                 frames.append(enc)
-        if self._closed.is_set():
+            if not closed:
+                self._outbox.extend(frames)
+        if closed:
             for f in futs:
                 f.set_exception(ConnectionLost("this gpufn client is closed"))
             return futs
-        self._outbox.extend(frames)
         self._wake()
         return futs
 
@@ -306,6 +315,13 @@ class Client:
             channels, self._channels = self._channels, []
         for ch in channels:
             ch.close()
+        # Its file descriptors go back (a process that connects many times ran out of
+        # them): the context once its sockets are closed, in a thread of its own so that a
+        # socket still open elsewhere cannot hang close(); the wake pipe once nothing can
+        # reach this client any more (a late wake-up must not write to a reused fd).
+        if self._io_done.is_set():  # else its I/O thread still uses its socket
+            threading.Thread(target=self._ctx.term, name="gpufn-client-term",
+                             daemon=True).start()
 
     # ------------------------------------------------------------------ I/O thread
 
@@ -387,9 +403,10 @@ class Client:
         poller.register(wake_fd, zmq.POLLIN)
         pending_send: list[Any] | None = None
         try:
-            next_ping = time.monotonic() + self.ping_seconds
+            last_ping = time.monotonic()
             while not self._closed.is_set():
                 now = time.monotonic()
+                next_ping = last_ping + self.ping_seconds  # ping_seconds may change
                 blocked = pending_send is not None
                 wait_ms = 5 if blocked else max(0, int((next_ping - now) * 1000))
                 ready = dict(poller.poll(wait_ms))
@@ -398,13 +415,16 @@ class Client:
                 if ready.get(sock):
                     self._receive(sock)
                 # Send what callers queued, batched; a full socket (HWM) keeps the rest here.
-                while pending_send is not None or self._outbox:
+                # While a new Hello is unanswered the outbox waits (see `_send_again`).
+                while pending_send is not None or self._front or (
+                        self._outbox and not self._resubmit):
                     if pending_send is not None:
                         frames = pending_send
                     else:
-                        parts = [self._outbox.popleft()]
-                        while self._outbox and len(parts) < BATCH_MAX:
-                            parts.append(self._outbox.popleft())
+                        queue = self._front or self._outbox
+                        parts = [queue.popleft()]
+                        while queue and len(parts) < BATCH_MAX:
+                            parts.append(queue.popleft())
                         frames = p.batch_frames(parts)
                     try:
                         sockets.send(sock, frames, zmq.NOBLOCK)
@@ -414,7 +434,7 @@ class Client:
                         break
                 now = time.monotonic()
                 if now >= next_ping:
-                    next_ping = now + self.ping_seconds
+                    last_ping = now
                     try:
                         sock.send_multipart(p.encode(p.Ping(int(now))), zmq.NOBLOCK)
                     except zmq.Again:
@@ -493,15 +513,17 @@ class Client:
                     log.warning("the scheduler forgot this client; reconnecting and sending "
                                 "%d outstanding call(s) again", len(self._calls))
                     self._resubmit = True
-                    # Through the outbox, behind what is queued: those are refused too and
-                    # sent again after the Welcome, so none reaches the scheduler twice.
+                    # Ahead of the outbox, which waits for the Welcome: a call sent between
+                    # this Hello and its Welcome would reach the scheduler before the
+                    # Register of its function (refused before the Hello) and fail.
                     if self._conn is not None:
                         # The scheduler holds our calls briefly so that workers can say
                         # which of them they ran (see scheduler/recovery.py).
                         self._conn.info.resubmit = len(self._calls)
                         self._conn.info.instance = self.info.instance
-                        self._enqueue(self._conn.hello_frames())
+                        self._front.append(self._conn.hello_frames())
                         self._conn.info.resubmit = 0
+                        self._wake()
             else:
                 log.warning("scheduler: %s", msg.message)
 
@@ -523,19 +545,23 @@ class Client:
         self._fail_all(error)
 
     def _send_again(self) -> None:
-        """Welcomed again after being forgotten: register and submit what is outstanding
-        (the scheduler dropped those calls with the connection, so none runs twice)."""
-        self._resubmit = False
-        with self._lock:
-            pending = [c for c in self._calls.values() if c.frames is not None]
+        """Welcomed again after being forgotten: register every function, then submit what
+        is outstanding (the scheduler dropped those calls with the connection), then what
+        waited in the outbox meanwhile, each once."""
+        with self._lock:  # callers add a call to `_calls` and the outbox under it
+            held = []
+            while self._outbox:
+                held.append(self._outbox.popleft())
             # Every function this client registered, not only those of pending calls: a
-            # call being submitted right now (its Register refused before the Welcome, its
-            # Submit not in `_calls` yet) needs its function known when the Submit arrives.
+            # call being submitted right now needs its function known when it arrives.
             self._registered = set(self._register_frames)
-            registers = list(self._register_frames.values())
-        self._outbox.extend(registers)
-        self._outbox.extend(c.frames for c in pending)  # type: ignore[misc]
-        self._outbox.extend(list(self._status_frames.values()))
+            again = list(self._register_frames.values())
+            again += [c.frames for c in self._calls.values() if c.frames is not None]
+            again += list(self._status_frames.values())
+            sent = {id(f) for f in again}
+            self._front.extend(again)
+            self._front.extend(f for f in held if id(f) not in sent)
+            self._resubmit = False
         self._wake()
 
     def _print_output(self, msg: p.Output, name: str | None = None) -> None:

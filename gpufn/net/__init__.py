@@ -9,4 +9,5 @@ In reading order:
 - `cluster_file`: where `gpufn serve` leaves its address and token for local clients;
   `address_file`: how a head tells worker hosts where it is, on a shared filesystem;
 - `processes`: is a pid alive, follow a parent's exit.
+- `private_files`: owner-only folders and files (state databases, worker logs).
 """

@@ -146,6 +146,15 @@ def runtime_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
 
 
+def worker_host_memory() -> int | None:
+    """GPUFN_WORKER_HOST_MEMORY: host memory (RAM) each worker of this host may use, its
+    children's included, e.g. 32GiB; over it the supervisor stops and replaces the worker
+    (0: not watched). Unset: 80% of the host's memory (or its cgroup's limit) split between
+    its workers. `gpufn serve/worker --worker-host-memory` sets it too."""
+    v = env_str("GPUFN_WORKER_HOST_MEMORY")
+    return None if v is None else parse_memory(v, "GPUFN_WORKER_HOST_MEMORY")
+
+
 def give_up_retry_seconds() -> float:
     """GPUFN_GIVE_UP_RETRY: seconds a supervisor waits before trying a device again after
     its worker failed to start several times in a row (default 60)."""

@@ -509,6 +509,7 @@ class RunMeta:
     version: int = 0
     retry_on: list[str] | None = None  # Retries(on=...): "module.qualname" of each class
     shm_owner: int = 0  # the caller's pid if big results go to it through shared memory
+    host_memory: int = 0  # @gpu(host_memory=): the worker's host-memory limit while it runs
 
 
 @message(21, structs={"meta": RunMeta})
@@ -537,6 +538,9 @@ class Heartbeat(Message):
 
 
 GAVE_UP = -999  # WorkerExited.returncode: the supervisor gave up restarting the worker
+# WorkerExited.returncode: the supervisor stopped the worker, over its host-memory limit
+# (the reason says by how much); its calls fail with HostOutOfMemory, never retried.
+OUT_OF_HOST_MEMORY = -998
 
 
 @message(23)

@@ -49,7 +49,9 @@ class Retries:
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or value < low):
                 raise InvalidSpec(f"Retries({name}={value!r}) must be a number of at least {low:g}.")
-        object.__setattr__(self, "max_retries", _int("max_retries", max_retries, minimum=0))
+        low, high = INT_BOUNDS["retries"]
+        object.__setattr__(self, "max_retries", _int("max_retries", max_retries, minimum=low,
+                                                     maximum=high))
         object.__setattr__(self, "backoff_coefficient", float(backoff_coefficient))
         object.__setattr__(self, "initial_delay", float(initial_delay))
         object.__setattr__(self, "max_delay", float(max_delay))
@@ -98,6 +100,10 @@ class GpuSpec:
     retry_backoff: float = 2.0
     retry_delay: float = 1.0
     retry_max_delay: float = 60.0
+    # The worker's host memory (its processes' resident bytes) may reach this while the
+    # call runs, instead of the host's per-worker budget (0: that budget); see
+    # worker/memory_watch.py.
+    host_memory: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -132,12 +138,31 @@ class GpuSpec:
 OPTION_NAMES = tuple(f.name for f in fields(GpuSpec))
 
 
-def _int(name: str, value: object, *, minimum: int | None = None) -> int:
+# The range of each integer option (inclusive): every value fits the wire's int64, and
+# none is so large that it can only be a mistake.
+INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "count": (1, 4096),
+    "retries": (0, 1000),
+    "priority": (-10**9, 10**9),
+    "concurrency": (1, 10_000),
+    "batch_size": (1, 1_000_000),
+}
+
+
+def _int(name: str, value: object, *, minimum: int | None = None,
+         maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidSpec(f"{name}={value!r} must be an integer.")
     if minimum is not None and value < minimum:
         raise InvalidSpec(f"{name}={value!r} must be at least {minimum}.")
+    if maximum is not None and value > maximum:
+        raise InvalidSpec(f"{name}={value!r} must be at most {maximum:,}.")
     return value
+
+
+def _bounded(name: str, value: object) -> int:
+    low, high = INT_BOUNDS[name]
+    return _int(name, value, minimum=low, maximum=high)
 
 
 def _seconds(name: str, value: object) -> float | None:
@@ -219,15 +244,15 @@ def _cache_dir(value: object) -> str:
 def normalize_option(name: str, value: object) -> object:
     """Validate one option and return its canonical value; raise InvalidSpec otherwise."""
     if name == "count":
-        return _int(name, value, minimum=1)
+        return _bounded(name, value)
     if name == "type":
         return _types(value)
-    if name == "memory":
-        return 0 if value is None else parse_memory(value, "memory")
+    if name in ("memory", "host_memory"):
+        return 0 if value is None else parse_memory(value, name)
     if name in ("timeout", "deadline"):
         return _seconds(name, value)
     if name == "retries":
-        return _int(name, value, minimum=0)
+        return _bounded(name, value)
     if name == "retry_on":
         if not isinstance(value, tuple) or not all(isinstance(c, str) and c for c in value):
             raise InvalidSpec(f"retry_on={value!r} must be a tuple of class names; "
@@ -238,10 +263,8 @@ def normalize_option(name: str, value: object) -> object:
                 or value < (1.0 if name == "retry_backoff" else 0.0):
             raise InvalidSpec(f"{name}={value!r} is out of range; use retries=gpufn.Retries(...)")
         return float(value)
-    if name == "priority":
-        return _int(name, value)
-    if name == "concurrency":
-        return _int(name, value, minimum=1)
+    if name in ("priority", "concurrency"):
+        return _bounded(name, value)
     if name == "cache":
         return _cache_dir(value)
     if name == "autocast":
@@ -254,7 +277,7 @@ def normalize_option(name: str, value: object) -> object:
     if name in ("gather", "spmd", "preemptible", "device_args"):
         return _bool(name, value)
     if name == "batch_size":
-        return None if value is None else _int(name, value, minimum=1)
+        return None if value is None else _bounded(name, value)
     if name == "batch_wait_ms":
         if value is None:
             return 0.0

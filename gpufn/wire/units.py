@@ -14,6 +14,7 @@ _UNITS = {
     # Docker-style single letters mean binary units.
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
+MAX_BYTES = 2**60  # 1 EiB: no size gpufn takes is larger (and it fits the wire's int64)
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -25,17 +26,24 @@ def parse_memory(value: object, option: str = "memory") -> int:
     if isinstance(value, int):
         if value < 0:
             raise InvalidSpec(f"{option}={value!r} is negative. {fix}")
-        return value
+        return _at_most_max(value, option, value)
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0:
             raise InvalidSpec(f"{option}={value!r} is not a valid size. {fix}")
-        return int(value)
+        return _at_most_max(int(value), option, value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if not m or m.group(2).lower() not in _UNITS:
             raise InvalidSpec(f"{option}={value!r} cannot be parsed as a size. {fix}")
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        return _at_most_max(int(float(m.group(1)) * _UNITS[m.group(2).lower()]), option, value)
     raise InvalidSpec(f"{option}={value!r} has type {type(value).__name__}, not a size. {fix}")
+
+
+def _at_most_max(n: int, option: str, value: object) -> int:
+    if n > MAX_BYTES:
+        raise InvalidSpec(f"{option}={value!r} is larger than 1 EiB ({MAX_BYTES:,} bytes), "
+                          "the largest size gpufn takes.")
+    return n
 
 
 def format_bytes(n: float) -> str:

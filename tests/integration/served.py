@@ -29,15 +29,17 @@ class Served:
     """`gpufn serve --port 0` with `devices` simulated devices; `restart()` keeps the
     state directory (deployments) and gets a new address."""
 
-    def __init__(self, home: Path, devices: int = 2, memory: str = "8GiB") -> None:
+    def __init__(self, home: Path, devices: int = 2, memory: str = "8GiB",
+                 **extra_env: str) -> None:
         self.home = home
         self.devices, self.memory = devices, memory
+        self.extra_env = extra_env  # GPUFN_* settings of the server's processes
         self.proc: subprocess.Popen[str] | None = None
         self.address = self.token = ""
         (home / "cwd").mkdir(parents=True, exist_ok=True)
 
     def env(self, **extra: str) -> dict[str, str]:
-        return serve_env(self.home, **extra)
+        return serve_env(self.home, **{**self.extra_env, **extra})
 
     def start(self) -> Served:
         (self.home / "cluster.json").unlink(missing_ok=True)

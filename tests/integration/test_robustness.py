@@ -72,10 +72,13 @@ def test_a_forgotten_client_reconnects_and_sends_its_calls_again(
         def forgotten() -> bool:
             return observer.status(10)["clients"] == 1  # only the observer is known
         assert square.remote(3) == 9
+        pings = client.ping_seconds
         client.ping_seconds = 3600.0  # from its next ping on, the client goes silent
         wait_for(forgotten, 20, "the scheduler to forget the silent client")
-        calls = [sleepy.spawn(0.05) for _ in range(5)]
+        calls = [sleepy.spawn(0.05) for _ in range(5)]  # refused: it says Hello again
+        client.ping_seconds = pings  # alive while they run, however slow the machine is
         assert [c.get(timeout=30) for c in calls] == [0.05] * 5
+        client.ping_seconds = 3600.0
         wait_for(forgotten, 20, "the scheduler to forget the client again")
         assert square.remote(4) == 16  # the blocking path re-announces itself too
         assert client.status()["counters"]["succeeded"] >= 7

@@ -477,3 +477,18 @@ def test_a_real_interface_bind_is_encrypted(veth: tuple[str, Callable[[list[str]
         r = subprocess.run(inside([sys.executable, "-c", code]), env=env, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode != 0 and "CURVE" in r.stderr, r.stderr
+
+
+def test_worker_logs_are_owner_only(fresh_cluster: Callable[..., gpufn.Client],
+                                    tmp_path: Path) -> None:
+    """What user code prints lands in the workers' logs: 0600 files in a 0700 folder, even
+    when the folder existed with a looser mode."""
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o755)
+    os.chmod(logs, 0o755)
+    fresh_cluster(GPUFN_CPU_DEVICES=1, GPUFN_LOG_DIR=str(logs))
+    files = sorted(logs.glob("worker-*.log"))
+    assert files
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f

@@ -122,3 +122,56 @@ def test_spec_cache_option(value: object) -> None:
 
     spec = make_spec(cache=value)
     assert bool(spec.cache) == bool(value)
+
+
+def test_a_claim_of_a_live_unrelated_pid_on_this_host_is_broken_after_its_lease(
+        tmp_path: Path) -> None:
+    """Pid reuse (or two containers with one host name): the claim names a pid that runs
+    here but is not its owner, so nobody touches it; its lease still expires."""
+    key = "fa" * 16
+    (tmp_path / "fa").mkdir()
+    claim = tmp_path / "fa" / f"{key}.claim"
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        claim.write_text(json.dumps({"host": cachemod._HOST, "pid": stranger.pid, "token": "t"}))
+        assert not Store(tmp_path).claim(key)  # touched just now: its owner may be alive
+        assert Store(tmp_path).claimed(key)
+        old = time.time() - cachemod.LEASE_S - 1
+        os.utime(claim, (old, old))
+        assert not Store(tmp_path).claimed(key)  # expired although the pid runs: broken
+        assert Store(tmp_path).claim(key)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_waiter_behind_an_expired_same_host_claim_computes(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waiter's own loop breaks the expired claim: it does not wait forever."""
+    monkeypatch.setattr(cachemod, "LEASE_S", 0.5)
+    key_cache = ResultCache(tmp_path, "code-lease")
+    key_cache.store = Store(tmp_path)
+    frames = ser.dumps(((5,), {}))
+    key = key_cache.key(frames)
+    (tmp_path / key[:2]).mkdir(exist_ok=True)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    submits: list[Future[p.Result]] = []
+
+    def submit() -> tuple[str, Future[p.Result]]:
+        fut: Future[p.Result] = Future()
+        submits.append(fut)
+        return "inv-1", fut
+
+    try:
+        (tmp_path / key[:2] / f"{key}.claim").write_text(
+            json.dumps({"host": cachemod._HOST, "pid": stranger.pid, "token": "t"}))
+        _, fut = key_cache.call(frames, submit)
+        deadline = time.monotonic() + 10
+        while not submits and time.monotonic() < deadline:
+            threading.Event().wait(0.02)
+        assert len(submits) == 1, "the waiter never took over the expired claim"
+        submits[0].set_result(_result(25))
+        assert ser.loads(fut.result(timeout=10).frames) == 25
+    finally:
+        stranger.kill()
+        stranger.wait()

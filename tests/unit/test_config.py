@@ -35,6 +35,8 @@ CASES: list[tuple[Callable[[], Any], str, Any, list[tuple[str, Any]], list[str]]
     (config.high_water_mark, "GPUFN_HWM", 100_000, [("10", 10)], ["many"]),
     (config.shm_threshold, "GPUFN_SHM_THRESHOLD", 64 * 2**20, [("1MiB", 2**20), ("0", None)],
      ["big"]),
+    (config.worker_host_memory, "GPUFN_WORKER_HOST_MEMORY", None,
+     [("32GiB", 32 * 2**30), ("0", 0)], ["plenty", "-1GiB"]),
 ]
 
 

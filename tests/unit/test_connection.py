@@ -6,6 +6,7 @@ import itertools
 import os
 import select
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -349,5 +350,60 @@ def test_a_refused_rehello_fails_every_pending_call_at_once() -> None:
         assert "3 outstanding call(s) failed" in str(e.value)
         assert len(hellos) >= 2
     finally:
+        client.close()
+        sched.close()
+
+
+def test_calls_made_while_saying_hello_again_wait_for_their_functions() -> None:
+    """The forgotten-client race: a call submitted after the client's new Hello but before
+    its Welcome used to reach the scheduler ahead of its function's Register (refused
+    before the Hello) and fail with "the scheduler does not know this function". Calls
+    made while the Hello is unanswered are held and sent after the Registers, once."""
+    known: set[bytes] = set()
+    functions: set[str] = set()
+    hellos: list[bytes] = []
+    forgotten = threading.Event()
+    hold_welcome = threading.Event()
+    release_welcome = threading.Event()
+
+    def answer(peer: bytes, msg: p.Message) -> list[p.Message]:
+        if isinstance(msg, p.Hello):
+            hellos.append(peer)
+            if len(hellos) > 1:  # the re-hello: answer once the test made more calls
+                hold_welcome.set()
+                release_welcome.wait(10)
+            known.add(peer)
+            return [p.Welcome(True, info=p.WelcomeInfo(client_timeout=120))]
+        if isinstance(msg, p.Register) and not forgotten.is_set():
+            forgotten.set()
+            known.clear()  # forgets the client: this Register is refused
+        if peer not in known:
+            return [p.Error("AuthenticationError", "this connection has not said Hello")]
+        if isinstance(msg, p.Register):
+            functions.add(msg.function_id)
+        elif isinstance(msg, p.Submit):
+            if msg.function_id not in functions:
+                return [p.Result(msg.invocation_id, False, "GpufnError",
+                                 "the scheduler does not know this function")]
+            return [p.Result(msg.invocation_id, True, "", "")]
+        return []
+
+    sched = TcpScheduler(answer)
+    client = Client(sched.address, "t", connect_timeout=5)
+    try:
+        reg = p.Register("f1", "c1", "f", {}, [])
+        client.ensure_registered(reg)
+        first = client.submit(p.Submit(client.new_id(), "f1", {}), "f")
+        assert hold_welcome.wait(10), "the client did not say Hello again"
+        later = [client.submit(p.Submit(client.new_id(), "f1", {}), "f") for _ in range(3)]
+        time.sleep(0.3)  # time for those to reach the wire, were they sent now
+        release_welcome.set()
+        for fut in [first, *later]:
+            res = fut.result(10)
+            assert res.ok, res.message
+        submits = [m.invocation_id for m in sched.seen if isinstance(m, p.Submit)]
+        assert submits.count(later[0].result().invocation_id) == 1  # held, sent once
+    finally:
+        release_welcome.set()
         client.close()
         sched.close()

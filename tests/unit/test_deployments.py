@@ -138,3 +138,28 @@ def test_lookup_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
         f.with_options(models=[])
     with pytest.raises(gpufn.InvalidSpec):
         gpufn.lookup("app", "fn", version=0)
+
+
+def test_the_store_and_its_wal_files_are_owner_only(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)  # an older folder, or a loose umask
+    old = state / "deployments.sqlite-wal"
+    s = DeploymentStore.in_state_dir(str(state))
+    s.add_version(Version("a", 1, 1.0, "h"), [StoredFunction("a", 1, "f", "d1", "c", {}, [], 1,
+                                                             (b"x",))])
+    files = sorted(f.name for f in state.iterdir())
+    assert files == ["deployments.sqlite", "deployments.sqlite-shm", "deployments.sqlite-wal"]
+    for name in files:
+        assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    s.close()
+    for f in state.iterdir():
+        os.chmod(f, 0o644)  # made by an older version: tightened when opened again
+    s = DeploymentStore.in_state_dir(str(state))
+    assert s.apps()
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in state.iterdir() if f.exists())
+    assert old.exists()
+    s.close()

@@ -217,3 +217,22 @@ def test_a_client_forgotten_by_the_same_scheduler_resubmits_without_waiting() ->
     h.hello(b"back", p.Role.CLIENT, info={"resubmit": 1, "instance": h.core.instance})
     inv = h.submit(f, b"back")
     assert [r.invocation_id for r in h.runs(w)] == [inv]
+
+
+def test_a_worker_stopped_over_its_host_memory_fails_its_calls_without_a_retry() -> None:
+    h = Harness(devices=1)
+    w = h.start_worker(0, pid=100)
+    f = h.register("f", retries=3, concurrency=2)
+    a, b = h.submit(f), h.submit(f)
+    assert {r.invocation_id for r in h.runs(w)} == {a, b}
+    why = "its worker on host n used 2.10 GiB of host memory, over its limit of 2.00 GiB"
+    h.feed(b"sup", p.WorkerExited("n:0", 100, p.OUT_OF_HOST_MEMORY, why, 1))
+    for inv in (a, b):
+        res = h.results()[inv]
+        assert res.error_kind == "HostOutOfMemory", res
+        assert f"f call {inv} on device n:0: {why}" == res.message
+    assert len(h.runs()) == 2  # nothing was queued again
+    w2 = h.start_worker(0, peer=b"w0b", pid=200)
+    c = h.submit(f)
+    assert [r.invocation_id for r in h.runs(w2)] == [c]  # the replacement serves
+    assert h.core.devices["n:0"].state is DeviceState.READY

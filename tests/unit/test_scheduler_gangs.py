@@ -158,3 +158,19 @@ def test_spmd_false_holds_all_devices_and_runs_once() -> None:
     assert all(inv in d.running for d in h.core.devices.values())
     h.finish(ws[0], inv)
     assert h.results()[inv].ok and all(not d.running for d in h.core.devices.values())
+
+
+def test_a_rank_over_its_host_memory_fails_the_gang_with_host_out_of_memory() -> None:
+    h, ws = _harness()
+    fid = h.register("g", count=2, retries=3)
+    inv = h.submit(fid)
+    keys = _gang_runs(h, inv)[0].meta.gang["devices"]
+    w = {f"n:{i}": ws[i] for i in range(4)}
+    h.feed(b"sup", p.WorkerExited(keys[1], 100, p.OUT_OF_HOST_MEMORY,
+                                  "its worker on host n used 9.00 GiB of host memory", 1))
+    assert inv not in h.results()  # rank 0 is told to stop first
+    h.feed(w[keys[0]], p.Result(inv, False, "Cancelled", "stopped",
+                                p.ResultMeta(dispatch_token=h.token(inv), rank=0)))
+    res = h.results()[inv]
+    assert res.error_kind == "HostOutOfMemory" and "9.00 GiB" in res.message
+    assert len(_gang_runs(h, inv)) == 2  # not retried, although retries=3

@@ -113,6 +113,55 @@ def test_make_spec_combination_rules() -> None:
         make_spec(count=2, batch_size=4)
 
 
+@pytest.mark.parametrize(
+    ("option", "low", "high"),
+    [("count", 1, 4096), ("retries", 0, 1000), ("priority", -10**9, 10**9),
+     ("concurrency", 1, 10_000), ("batch_size", 1, 1_000_000)],
+)
+def test_integer_options_are_bounded_everywhere(option: str, low: int, high: int) -> None:
+    """Out of range is InvalidSpec naming the range, at the decorator, in with_options, on
+    a deployed function and on the scheduler's side (from_wire); never msgpack's
+    OverflowError at submit. The bounds themselves encode."""
+    @gpufn.gpu
+    def f() -> None: ...
+
+    for bad in (high + 1, low - 1, 10**30, -(10**30)):
+        with pytest.raises(gpufn.InvalidSpec, match=f"{option}="):
+            gpufn.gpu(**{option: bad})  # type: ignore[arg-type]
+        with pytest.raises(gpufn.InvalidSpec, match=f"{option}="):
+            f.with_options(**{option: bad})
+        with pytest.raises(gpufn.InvalidSpec, match=f"{option}="):
+            gpufn.lookup("app", "fn").with_options(**{option: bad})
+        wire = {**GpuSpec().to_wire(), option: bad}
+        with pytest.raises(gpufn.InvalidSpec, match=f"{option}="):
+            GpuSpec.from_wire(wire)
+    edge = {option: high, **({"batch_size": None} if option == "count" else {})}
+    spec = make_spec(**edge)  # type: ignore[arg-type]
+    from gpufn.wire import protocol as p
+
+    reg = p.Register("f", "c", "f", spec.to_wire(), [])
+    assert p.decode(p.encode(reg)).spec[option] == high
+
+
+def test_priority_far_out_of_range_names_the_bound() -> None:
+    @gpufn.gpu
+    def f() -> None: ...
+
+    with pytest.raises(gpufn.InvalidSpec, match=r"priority=10+ must be at most 1,000,000,000"):
+        f.with_options(priority=10**30)
+    with pytest.raises(gpufn.InvalidSpec, match=r"max_retries=.* at most 1,000"):
+        gpufn.Retries(max_retries=10**6)
+
+
+@pytest.mark.parametrize("value", [2**61, "2097152TiB", float(2**62)])
+def test_sizes_larger_than_an_exbibyte_are_refused(value: object) -> None:
+    with pytest.raises(gpufn.InvalidSpec, match="larger than 1 EiB"):
+        parse_memory(value, "memory")
+    for option in ("memory", "host_memory"):
+        with pytest.raises(gpufn.InvalidSpec, match=option):
+            gpufn.gpu(**{option: value})  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------------------- issue 19
 
 

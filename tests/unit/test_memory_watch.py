@@ -1,0 +1,116 @@
+"""The host-memory watch: limits from the host's budget, a call's declaration and the
+models held in host memory; the host-wide ceiling; the worker's reports over a pipe; and
+sampling real processes (a session leader and its child) through /proc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpufn.worker import proc_table
+from gpufn.worker.memory_watch import (
+    HOST_CEILING,
+    SCAN_S,
+    Budget,
+    MemoryWatch,
+    Reports,
+    default_budget,
+    over_budget,
+)
+
+MiB = 2**20
+GiB = 2**30
+
+pytestmark = pytest.mark.skipif(not proc_table.HAS_PROC, reason="needs Linux /proc")
+
+
+def test_a_limit_is_the_budget_or_the_declaration_plus_models_under_the_ceiling() -> None:
+    assert Budget(8 * GiB).limit(100 * GiB) == 8 * GiB
+    assert Budget(8 * GiB, declared=2 * GiB).limit(100 * GiB) == 2 * GiB  # lower: stricter
+    assert Budget(8 * GiB, declared=20 * GiB).limit(100 * GiB) == 20 * GiB  # higher: allowed
+    assert Budget(8 * GiB, models=3 * GiB).limit(100 * GiB) == 11 * GiB  # offloaded models
+    assert Budget(8 * GiB, declared=200 * GiB).limit(100 * GiB) == 100 * GiB  # the ceiling
+    assert Budget(0).limit(100 * GiB) == 0  # unwatched
+    assert default_budget(64 * GiB, 4) == int(64 * GiB * 0.8 / 4)
+
+
+def test_over_budget_names_the_limit_and_the_fix() -> None:
+    budgets = {"n:0": Budget(GiB), "n:1": Budget(GiB, declared=4 * GiB)}
+    [stop] = over_budget({"n:0": 2 * GiB, "n:1": 3 * GiB}, budgets, 100 * GiB, "hostA")
+    assert stop.key == "n:0" and stop.limit == GiB
+    assert "host hostA used 2.00 GiB" in stop.reason and "limit of 1.00 GiB" in stop.reason
+    assert "--worker-host-memory" in stop.reason and "host_memory=" in stop.reason
+    [declared] = over_budget({"n:1": 5 * GiB}, budgets, 100 * GiB, "h")
+    assert "4.00 GiB its call declared" in declared.reason
+
+
+def test_the_workers_together_over_the_ceiling_stop_the_one_using_most_beside_models() -> None:
+    ceiling = int(10 * GiB * HOST_CEILING)
+    budgets = {"a": Budget(8 * GiB, models=5 * GiB), "b": Budget(8 * GiB)}
+    used = {"a": 6 * GiB, "b": 4 * GiB}  # each under its own limit, 10 GiB together
+    [stop] = over_budget(used, budgets, ceiling, "h")
+    assert stop.key == "b"  # a holds 5 GiB of models the scheduler placed there
+    assert "together used 10.00 GiB" in stop.reason
+    assert over_budget({"a": 6 * GiB, "b": 3 * GiB}, budgets, ceiling, "h") == []
+
+
+def test_the_worker_reports_its_declarations_over_a_pipe() -> None:
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    r, w = watch.pipe()
+    reports = Reports(w)
+    me = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                          start_new_session=True)
+    try:
+        watch.watch("n:0", me.pid, r)
+        reports.call_started("inv1", 3 * GiB)
+        reports.call_started("inv2", 2 * GiB)
+        reports.models(512 * MiB)
+        watch.tick(time.monotonic())
+        assert watch.limits() == {"n:0": 3 * GiB + 512 * MiB}
+        reports.call_ended("inv1")
+        reports.call_ended("inv2")
+        watch.tick(time.monotonic() + 1)
+        assert watch.limits() == {"n:0": GiB + 512 * MiB}
+    finally:
+        me.kill()
+        me.wait()
+        watch.close()
+        os.close(w)
+
+
+def test_a_session_over_its_budget_is_found_through_its_child() -> None:
+    """The leader stays small; its child allocates. Both count, by session."""
+    script = ("import subprocess, sys, time; "
+              "subprocess.Popen([sys.executable, '-c', "
+              "'import time; b = bytearray(400 * 2**20); time.sleep(60)']); time.sleep(60)")
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    watch = MemoryWatch(200 * MiB, 64 * GiB, "h")
+    try:
+        watch.watch("n:0", leader.pid)
+        deadline = time.monotonic() + 30
+        stops = []
+        t = time.monotonic()
+        while not stops and time.monotonic() < deadline:
+            t += SCAN_S + 0.1  # past every sampling and scanning interval
+            stops = watch.tick(t)
+            time.sleep(0.05)
+        assert [s.key for s in stops] == ["n:0"]
+        assert stops[0].used > 200 * MiB
+        assert proc_table.Resident(leader.pid).bytes() < 100 * MiB  # the child's bytes counted
+        members = proc_table.in_session(leader.pid)
+        assert len(members) == 2  # the leader and the child that allocated
+    finally:
+        proc_table.signal_all(proc_table.in_session(leader.pid))
+        leader.wait()
+        watch.close()
+
+
+def test_an_unwatched_host_reads_nothing() -> None:
+    watch = MemoryWatch(0, 64 * GiB, "h")
+    assert not watch.enabled
+    watch.watch("n:0", os.getpid())
+    assert watch.tick(time.monotonic()) == [] and watch.limits() == {}

@@ -13,6 +13,7 @@ import pytest
 from gpufn.scheduler import kept_results as kr
 from gpufn.scheduler.kept_results import KeptResult, KeptResults
 from gpufn.scheduler.states import InvState
+from gpufn.scheduler.users import UserStore
 from gpufn.wire import protocol as p
 
 from .core_harness import Harness
@@ -23,16 +24,24 @@ def _result(inv: str, payload: bytes = b"value") -> p.Result:
     return p.Result(inv, True, "", "", p.ResultMeta(duration=1.5), (b"head", payload))
 
 
+TOKENS: dict[str, str] = {}
+
+
 def _harness(tmp_path: Path | None = None, **cfg: object) -> tuple[Harness, bytes, str]:
-    """One worker, the app "evals" deployed; returns (harness, worker, alias of f)."""
-    h = Harness(devices=1, state_dir=str(tmp_path) if tmp_path else "", **cfg)
+    """One worker, the app "evals" deployed, users alice and mallory besides the admin;
+    returns (harness, worker, alias of f)."""
+    store = UserStore()
+    TOKENS.update({name: store.create(name, 0.0)[1] for name in ("alice", "mallory")})
+    h = Harness(devices=1, state_dir=str(tmp_path) if tmp_path else "", users=store, **cfg)
     w = h.start_worker(0)
     assert deploy(h, "evals", "c1").ok
     return h, w, p.app_alias("evals", "f")
 
 
 def _client(h: Harness, peer: bytes, user: str = "") -> None:
-    h.hello(peer, p.Role.CLIENT, info={"user": user})
+    """A client with `user`'s token (the admin's without one): the token says who it is."""
+    welcome = h.hello(peer, p.Role.CLIENT, token=TOKENS[user] if user else h.core.config.token or "")
+    assert isinstance(welcome, p.Welcome) and welcome.ok, welcome
 
 
 def test_a_spawned_call_of_a_deployed_function_outlives_its_spawner() -> None:

@@ -24,6 +24,8 @@ def main() -> None:
                     help="folder with the CURVE key pair (server.key_secret); required off loopback")
     ap.add_argument("--allow-keys", type=Path, default=None,
                     help="admit only CURVE clients whose public key (*.key) is in this folder")
+    ap.add_argument("--durable", action="store_true",
+                    help="keep usage, logs and the devices seen in the state dir (gpufn serve)")
     a = ap.parse_args()
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
@@ -38,7 +40,8 @@ def main() -> None:
         print(f"gpufn scheduler refused to start: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     cfg = SchedulerConfig.from_env(config.token())
-    run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, security, config.metrics_port())
+    raise SystemExit(run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, security,
+                         config.metrics_port(), a.durable))
 
 
 if __name__ == "__main__":

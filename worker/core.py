@@ -97,6 +97,27 @@ class Evict:
 @dataclass(frozen=True, slots=True)
 class Emit:
     msg: p.Message
+    run: RunRecord | None = None  # with a call's Result: what ran (kept for a restart)
+
+
+@dataclass(frozen=True, slots=True)
+class ResendHeld:
+    """Send again the Result of a call that this worker holds (after a restart)."""
+
+    invocation_id: str
+    dispatch_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """A call this worker runs, as a restarted scheduler needs to know it: a single-device
+    call can be taken over by the next scheduler (`adoptable`); a batch (its `members`),
+    a gang rank or a device-set call cannot, and counts as run."""
+
+    dispatch_token: int
+    attempt: int
+    members: tuple[str, ...] = ()
+    adoptable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +126,7 @@ class Exit:
 
 
 Action = (JoinGroup | RunInHelper | Execute | Interrupt | Grant | AbortGroup | StartLoad | Evict
-          | Emit | Exit)
+          | Emit | Exit | ResendHeld)
 
 
 def control_actions(msg: p.Message) -> list[Action]:
@@ -133,7 +154,7 @@ class WorkerCore:
     code: dict[str, Callable[..., Any]] = field(default_factory=dict)
     code_frames: dict[str, list[bytes]] = field(default_factory=dict)
     code_errors: dict[str, str] = field(default_factory=dict)
-    running: set[str] = field(default_factory=set)
+    running: dict[str, RunRecord] = field(default_factory=dict)
     completed: int = 0
 
     def handle(self, msg: p.Message) -> list[Action]:
@@ -148,21 +169,39 @@ class WorkerCore:
             return [StartLoad(msg.model, msg.spec, tuple(msg.frames))]
         if isinstance(msg, p.EvictModel):
             return [Evict(msg.model, msg.offload)]
+        if isinstance(msg, p.Resend):
+            return [ResendHeld(msg.invocation_id, msg.dispatch_token)]
         return control_actions(msg)
 
     def done(self, result: p.Result) -> list[Action]:
         """A call ended (or was refused at its start)."""
-        self.running.discard(result.invocation_id)
+        run = self.running.pop(result.invocation_id, None)
         self.completed += 1
-        return [Emit(result)]
+        return [Emit(result, run)]
 
     def failed(self, msg: p.Message, exc: Exception) -> list[Action]:
         """Carrying out `msg` raised in the shell: a Run fails alone, the worker lives on."""
         if not isinstance(msg, p.Run):
             return []
-        self.running.discard(msg.invocation_id)
-        return self._fail(msg.invocation_id, GpufnError(
+        run = self.running.pop(msg.invocation_id, None)
+        actions = self._fail(msg.invocation_id, GpufnError(
             f"worker {self.device_key} failed: {exc}"), msg.dispatch_token)
+        return [Emit(a.msg, run) if isinstance(a, Emit) else a for a in actions]
+
+    def restart_report(self) -> tuple[dict[str, list[int]], list[str], list[str]]:
+        """For a Hello to a restarted scheduler: (running: id -> [dispatch token,
+        attempt] of the calls it can take over, ran: ids of the others, which count as
+        run, stop: those of them to interrupt here, since no scheduler waits for them)."""
+        running: dict[str, list[int]] = {}
+        ran: list[str] = []
+        stop: list[str] = []
+        for inv, run in self.running.items():
+            if run.adoptable:
+                running[inv] = [run.dispatch_token, run.attempt]
+            else:
+                ran += run.members or [inv]
+                stop.append(inv)
+        return running, ran, stop
 
     def _load_code(self, msg: p.LoadCode) -> None:
         try:
@@ -191,7 +230,9 @@ class WorkerCore:
                 "defined in a module, that module must be importable on the worker (same code "
                 "and PYTHONPATH), or define it in __main__ / a notebook cell"), msg.dispatch_token)
         meta = msg.meta
-        self.running.add(msg.invocation_id)
+        single = meta.gang is None and meta.multi is None and not meta.members
+        self.running[msg.invocation_id] = RunRecord(
+            msg.dispatch_token, meta.attempt_number, tuple(meta.members or ()), single)
         context = ctxmod.CallContext(
             invocation_id=msg.invocation_id, function=msg.name, device=self.device,
             devices=[self.device], attempt=meta.attempt_number, app=meta.app, version=meta.version,

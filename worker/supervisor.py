@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from gpufn.net import processes
 from gpufn.net.connection import Backoff, Connection, ConnectionConfig
 from gpufn.wire import config
 from gpufn.wire import protocol as p
+from gpufn.worker.held import RunJournal
 from gpufn.worker.joining import JoinLog, refusal_reason
 
 log = logging.getLogger("gpufn.supervisor")
@@ -33,6 +35,7 @@ PING_SECONDS = 2.0
 GIVE_UP_AFTER = 5  # failures to start in a row; then wait `config.give_up_retry_seconds()`
 GAVE_UP = p.GAVE_UP
 RESTART_BACKOFF = Backoff(initial=0.1, maximum=10.0)  # after a worker that failed to start
+DEAD_RAN = 20_000  # ids of calls that workers which died had started, for a restarted scheduler
 
 
 def _host_memory() -> int:
@@ -65,11 +68,16 @@ class _Slot:
     log_path: Path = field(default_factory=Path)
     log_offset: int = 0  # where this incarnation's output starts in the log
 
+    @property
+    def journal_path(self) -> Path:
+        """The calls the worker started (worker/held.py), read if it dies."""
+        return self.log_path.with_suffix(".ran")
+
 
 class Supervisor:
     def __init__(
         self, address: str, token: str, devices: list[DeviceInfo], node: str,
-        threads_per_worker: int | None = None,
+        threads_per_worker: int | None = None, head_grace: float = 0.0,
     ) -> None:
         self.address = address
         self.token = token
@@ -85,6 +93,14 @@ class Supervisor:
         self._running = True
         self._early: list[p.Message] = []
         self.join_log = JoinLog(address)
+        # On the head's own host (`gpufn serve`): how long to keep the workers without a
+        # scheduler, for the next `gpufn serve` to adopt (0: forever, as worker hosts do).
+        self.head_grace = head_grace
+        # Calls started by workers that died, (ping seq sent after their exit notice, id):
+        # a restarted scheduler is told (it may not have heard of the deaths); dropped once
+        # a Pong shows the scheduler read the notice.
+        self._dead_ran: deque[tuple[int, str]] = deque(maxlen=DEAD_RAN)
+        self._ping_seq = 0
 
     def _connect(self) -> Connection:
         return Connection(self.ctx, ConnectionConfig(self.address, self.token),
@@ -143,9 +159,10 @@ class Supervisor:
     def _spawn(self, slot: _Slot) -> None:
         slot.incarnation += 1
         d = slot.device
+        RunJournal.clear(slot.journal_path)  # its predecessor's was read when it ended
         cmd = [sys.executable, "-m", "gpufn.worker", "--address", self.address, "--device", d.key,
                "--incarnation", str(slot.incarnation), "--kind", d.kind,
-               "--memory", str(d.memory_total)]
+               "--memory", str(d.memory_total), "--journal", str(slot.journal_path)]
         with open(slot.log_path, "ab") as logf:
             slot.log_offset = logf.tell()
             slot.proc = subprocess.Popen(
@@ -175,6 +192,8 @@ class Supervisor:
             if rc is None:
                 continue
             slot.proc = None
+            seq = self._ping_seq + 1  # the next Ping follows the exit notice sent below
+            self._dead_ran.extend((seq, inv) for inv in RunJournal.read(slot.journal_path))
             if slot.kill_reason:
                 reason = f"killed by the scheduler: {slot.kill_reason}"
             else:
@@ -221,19 +240,31 @@ class Supervisor:
     def _on_other(self, msg: p.Message) -> None:
         self.join_log.heard(time.monotonic())
         if isinstance(msg, p.Welcome):
+            self.conn.welcomed()
             if msg.ok:
                 self.join_log.joined()
             else:  # refused on a re-hello (e.g. restarted with another token): retry later
                 self.join_log.refused_again(refusal_reason(msg), time.monotonic())
-        elif self.conn.on_error(msg):  # forgotten: the scheduler restarted; Hello again
+        elif isinstance(msg, p.Pong):
+            while self._dead_ran and self._dead_ran[0][0] <= msg.seq:
+                self._dead_ran.popleft()  # the scheduler read the exit notices before it
+        elif self.conn.wants_hello(msg):  # forgotten: the scheduler restarted; Hello again
             self.join_log.rejoining()
+            self.conn.info.ran = [inv for _, inv in self._dead_ran]
+            self.conn.hello()
 
     def _watch_scheduler(self, now: float) -> None:
         """Log while the scheduler is silent, and say Hello again when a refusal's backoff
-        is over; ZeroMQ itself reconnects (with bounded backoff, see `_sockets`)."""
+        is over; ZeroMQ itself reconnects (with bounded backoff, see `_sockets`). On the
+        head's host, stop once the scheduler was away longer than the grace."""
         if self.join_log.hello_due(now):
             self.conn.hello()
         self.join_log.check_silence(now)
+        heard = self.join_log.last_heard
+        if self.head_grace and heard is not None and now - heard > self.head_grace:
+            log.warning("no scheduler at %s for %.0fs (the grace, GPUFN_HEAD_GRACE): "
+                        "stopping this host's workers", self.address, now - heard)
+            self._running = False
 
     def stop(self, *_: object) -> None:
         self._running = False
@@ -284,7 +315,8 @@ class Supervisor:
                 self._watch_scheduler(now)
                 self._reap(now)
                 if now >= next_ping:
-                    self._send(p.Ping(int(now)))
+                    self._ping_seq += 1
+                    self._send(p.Ping(self._ping_seq))
                     next_ping = now + PING_SECONDS
         finally:
             self.shutdown_workers()
@@ -310,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--force-cpu", action="store_true")
     ap.add_argument("--node", default=None)
     ap.add_argument("--parent-pid", type=int, default=0)
+    ap.add_argument("--head-grace", type=float, default=0.0,
+                    help="the head's own host: stop when no scheduler answered this long")
     a = ap.parse_args(argv)
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-supervisor %(levelname)s %(message)s")
@@ -323,13 +357,13 @@ def main(argv: list[str] | None = None) -> None:
     threads = None
     if devices and devices[0].kind == "cpu":
         threads = max(1, (os.cpu_count() or 1) // len(devices))
-    sup = Supervisor(a.address, config.token() or "", devices, node, threads)
+    sup = Supervisor(a.address, config.token() or "", devices, node, threads, a.head_grace)
     signal.signal(signal.SIGTERM, sup.stop)
     signal.signal(signal.SIGINT, sup.stop)
     processes.watch_parent(a.parent_pid, sup.stop)
     if a.parent_pid:  # started with a local scheduler: it must answer, or we fail
         sup.handshake()
-    elif not sup.join():  # a host joining a cluster: wait for the head as long as it takes
+    elif not sup.join(give_up_after=a.head_grace):  # joining: wait as long as it takes
         sup.conn.close()
         sup.ctx.term()
         return

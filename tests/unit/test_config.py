@@ -35,6 +35,9 @@ CASES: list[tuple[Callable[[], Any], str, Any, list[tuple[str, Any]], list[str]]
     (config.progress_enabled, "GPUFN_PROGRESS", True, [("0", False), ("1", True)], ["sometimes"]),
     (config.map_window, "GPUFN_MAP_WINDOW", 4096, [("16", 16)], ["0", "lots"]),
     (config.high_water_mark, "GPUFN_HWM", 100_000, [("10", 10)], ["many"]),
+    (config.head_grace, "GPUFN_HEAD_GRACE", 60.0, [("5", 5.0), ("0.5", 0.5)], ["0", "-1", "soon"]),
+    (config.held_result_bytes, "GPUFN_HELD_RESULTS", 64 * 2**20, [("1MiB", 2**20), ("0", 0)],
+     ["lots"]),
 ]
 
 

@@ -67,6 +67,26 @@ def _stop_pid(pid: int, started: int | None, sig: int, grace: float) -> None:
         time.sleep(0.05)
 
 
+def stop_recorded(state_dir: Path) -> bool:
+    """Stop, for good, the head recorded in `state_dir` when its scheduler does not
+    answer (`gpufn shutdown --force`): its `gpufn serve` (SIGINT: it stops the rest), or
+    the supervisor a dead one left waiting. True if there was one to stop."""
+    rec = read_record(state_dir)
+    if rec is None:
+        return False
+    found = False
+    for key, sig, grace in (("serve", signal.SIGINT, 30.0), ("supervisor", signal.SIGTERM, 10.0)):
+        if key == "serve":
+            pid, started = int(rec.get("serve") or 0), rec.get("serve_started")
+        else:
+            pid, started = (int(rec[key][0]), rec[key][1]) if rec.get(key) else (0, None)
+        if processes.same(pid, started):
+            found = True
+            _stop_pid(pid, started, sig, grace)
+    (state_dir / RECORD).unlink(missing_ok=True)
+    return found
+
+
 class Head:
     def __init__(self, cluster: LocalCluster, state_dir: Path) -> None:
         self.cluster = cluster

@@ -26,6 +26,8 @@ def main() -> None:
                     help="admit only CURVE clients whose public key (*.key) is in this folder")
     ap.add_argument("--durable", action="store_true",
                     help="keep usage, logs and the devices seen in the state dir (gpufn serve)")
+    ap.add_argument("--final-on-sigterm", action="store_true",
+                    help="SIGTERM stops for good (clients' calls fail), as SIGINT does")
     a = ap.parse_args()
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
@@ -41,7 +43,7 @@ def main() -> None:
         raise SystemExit(2) from None
     cfg = SchedulerConfig.from_env(config.token())
     raise SystemExit(run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, security,
-                         config.metrics_port(), a.durable))
+                         config.metrics_port(), a.durable, a.final_on_sigterm))
 
 
 if __name__ == "__main__":

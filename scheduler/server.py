@@ -306,13 +306,13 @@ def _announce(ready_fd: int, address: str) -> bool:
 def run(
     host: str, port: int, config: SchedulerConfig, ready_fd: int | None = None,
     parent_pid: int = 0, ipc_path: str | None = None, security: ServerSecurity | None = None,
-    metrics_port: int | None = None, durable: bool = False,
+    metrics_port: int | None = None, durable: bool = False, final_on_sigterm: bool = False,
 ) -> int:
     """Serve until stopped; returns the exit status (`EXIT_RESTART` unless final)."""
     server = SchedulerServer(host, port, config, ipc_path, security, durable)
     if metrics_port is not None:
         server.start_metrics(metrics_port)
-    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGTERM, server.stop_final if final_on_sigterm else server.stop)
     signal.signal(signal.SIGINT, server.stop_final)
     processes.watch_parent(parent_pid, server.stop)
     log.info("scheduler listening on %s%s", server.address,
@@ -320,7 +320,7 @@ def run(
     try:
         if ready_fd is not None and not _announce(ready_fd, server.public_address):
             log.info("the process that started the scheduler is gone; stopping")
-            return EXIT_RESTART
+            return 0  # nobody to restart it for
         server.serve_forever()
         return server.exit_code
     finally:

@@ -112,7 +112,7 @@ class ResendHeld:
 class RunRecord:
     """A call this worker runs, as a restarted scheduler needs to know it: a single-device
     call can be taken over by the next scheduler (`adoptable`); a batch (its `members`),
-    a gang rank or a device-set call cannot, and counts as run."""
+    a gang rank, a device-set call or a generator cannot, and counts as run."""
 
     dispatch_token: int
     attempt: int
@@ -141,6 +141,13 @@ def control_actions(msg: p.Message) -> list[Action]:
         return [AbortGroup(str(gang.get("reason", "aborted by the scheduler")),
                            gang.get("gang_id"), gang.get("generation"))]
     return []
+
+
+def _streams(fn: Any) -> bool:
+    import inspect
+
+    f = getattr(fn, "__wrapped__", fn)
+    return inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f)
 
 
 # --------------------------------------------------------------------------- core
@@ -230,7 +237,9 @@ class WorkerCore:
                 "defined in a module, that module must be importable on the worker (same code "
                 "and PYTHONPATH), or define it in __main__ / a notebook cell"), msg.dispatch_token)
         meta = msg.meta
-        single = meta.gang is None and meta.multi is None and not meta.members
+        # A streamed call cannot be taken over (the values sent meanwhile are gone).
+        single = (meta.gang is None and meta.multi is None and not meta.members
+                  and not _streams(fn))
         self.running[msg.invocation_id] = RunRecord(
             msg.dispatch_token, meta.attempt_number, tuple(meta.members or ()), single)
         context = ctxmod.CallContext(

@@ -44,22 +44,36 @@ class HeldResults:
         self.nbytes = 0
 
     def add(self, result: p.Result, attempt: int, output: list[p.Output] | None = None) -> None:
+        """A Result the worker sends (on every call's path: kept cheap)."""
         inv = result.invocation_id
-        size = _nbytes(result.frames)
+        size = 0
+        for f in result.frames:
+            size += len(f) if type(f) is bytes else _nbytes((f,))
         if output:
             self._output[inv] = output
             size += sum(len(o.text) for o in output)
-        self._calls[inv] = (result, attempt)
-        self._calls.move_to_end(inv)
-        self.nbytes -= self._with_payload.pop(inv, 0)
+        calls = self._calls
+        if inv in calls:  # sent again (a Resend): keep one entry
+            del calls[inv]
+            self.nbytes -= self._with_payload.pop(inv, 0)
+        calls[inv] = (result, attempt)
         self._with_payload[inv] = size
         self.nbytes += size
+        if self.nbytes > self.max_bytes:
+            self._let_go()
+        if len(calls) > self.max_ids:
+            self._forget()
+
+    def _let_go(self) -> None:
+        """Drop the oldest payloads until they fit (the newest is kept whatever its size)."""
         while self.nbytes > self.max_bytes and len(self._with_payload) > 1:
             gone, n = self._with_payload.popitem(last=False)
             self.nbytes -= n
             _, att = self._calls[gone]
             self._calls[gone] = (None, att)
             self._output.pop(gone, None)
+
+    def _forget(self) -> None:
         while len(self._calls) > self.max_ids:
             gone, _ = self._calls.popitem(last=False)
             self.nbytes -= self._with_payload.pop(gone, 0)
@@ -71,10 +85,7 @@ class HeldResults:
         for inv in ids:
             if inv not in self._calls:
                 self._calls[inv] = (None, 0)
-        while len(self._calls) > self.max_ids:
-            gone, _ = self._calls.popitem(last=False)
-            self.nbytes -= self._with_payload.pop(gone, 0)
-            self._output.pop(gone, None)
+        self._forget()
 
     def get(self, invocation_id: str) -> p.Result | None:
         entry = self._calls.get(invocation_id)
@@ -145,9 +156,13 @@ class RunJournal:
 
     @staticmethod
     def clear(path: Path | str) -> None:
-        """Empty the journal for a new worker process (its predecessor's was read)."""
+        """Empty the journal for a new worker process (its predecessor's was read). It is
+        zeroed, never truncated: a process that still maps it must not fault."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
             return
-        os.close(fd)
+        try:
+            os.pwrite(fd, bytes(JOURNAL_SLOTS * SLOT), 0)
+        finally:
+            os.close(fd)

@@ -70,8 +70,9 @@ class _Slot:
 
     @property
     def journal_path(self) -> Path:
-        """The calls the worker started (worker/held.py), read if it dies."""
-        return self.log_path.with_suffix(".ran")
+        """The calls the worker started (worker/held.py), read if it dies: this
+        supervisor's own (several clusters on one host share the log folder)."""
+        return self.log_path.with_name(f"{self.log_path.stem}-{os.getpid()}.ran")
 
 
 class Supervisor:
@@ -285,6 +286,7 @@ class Supervisor:
                 proc.wait()
         for s in self.slots.values():
             s.proc = None
+            s.journal_path.unlink(missing_ok=True)
 
     def serve(self) -> None:
         for slot in self.slots.values():

@@ -54,6 +54,7 @@ def serve(
     http_host: str = typer.Option("127.0.0.1", help="Interface of the HTTP gateway (off loopback it needs --http-cert and --http-key)."),
     http_cert: Path | None = typer.Option(None, help="TLS certificate (PEM) for the HTTP gateway."),
     http_key: Path | None = typer.Option(None, help="TLS private key (PEM, mode 0600) for the HTTP gateway."),
+    on_sigterm: str = typer.Option("restart", "--on-sigterm", help="restart: SIGTERM stops this server so that a new one takes over (clients and this host's workers wait for it, GPUFN_HEAD_GRACE); stop: SIGTERM stops everything, as Ctrl-C does (a batch job's end)."),
 ) -> None:
     """Run the scheduler and this host's workers (until Ctrl-C or `gpufn shutdown`).
 
@@ -66,6 +67,8 @@ def serve(
 
     if cpu_devices is not None and cpu_devices < 1:
         fail("--cpu-devices must be at least 1", 2)
+    if on_sigterm not in ("restart", "stop"):
+        fail(f"--on-sigterm must be restart or stop, not {on_sigterm!r}", 2)
     if metrics_port is not None:
         try:
             import prometheus_client  # noqa: F401
@@ -98,7 +101,7 @@ def serve(
     cluster = LocalCluster(cpu_devices, device_memory, islands, host=host, port=port,
                            token=tok, transport="tcp", workers=workers,
                            keys=keys, allow_keys=Path(allow_keys) if allow_keys else None,
-                           head_grace=config.head_grace())
+                           head_grace=config.head_grace(), final_on_sigterm=on_sigterm == "stop")
     head = Head(cluster, config.state_dir())
     try:
         address, tok = head.start()
@@ -144,7 +147,8 @@ def serve(
     sys.stdout.flush()
     # SIGTERM (a service manager's restart): stop so that a new `gpufn serve` takes over;
     # this host's workers keep running their calls meanwhile. Ctrl-C stops everything.
-    signal.signal(signal.SIGTERM, lambda *_: head.leave())
+    signal.signal(signal.SIGTERM, lambda *_: head.leave() if on_sigterm == "restart"
+                  else signal.default_int_handler(signal.SIGINT, None))
     final = True
     try:
         code = head.run()

@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from gpufn.client.items import ItemQueue
-from gpufn.exceptions import ConnectionLost, GpufnError, ProtocolMismatch, from_wire
+from gpufn.exceptions import ConnectionLost, GpufnError, ProtocolMismatch, WorkerLost, from_wire
 from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
 from gpufn.wire import config
 from gpufn.wire import protocol as p
@@ -451,7 +451,15 @@ class Client:
         """Welcomed again after being forgotten: register and submit what is outstanding
         (the scheduler dropped those calls with the connection, so none runs twice)."""
         self._resubmit = False
+        broken: list[_Pending] = []
         with self._lock:
+            # A generator call that streamed values cannot resume on the next scheduler
+            # (a run from the start would repeat them): it fails, the others go again.
+            for inv, items in list(self._streams.items()):
+                pend = self._calls.get(inv)
+                if pend is not None and items.received:
+                    broken.append(self._calls.pop(inv))
+                    del self._streams[inv]
             pending = [c for c in self._calls.values() if c.frames is not None]
             # Every function this client registered, not only those of pending calls: a
             # call being submitted right now (its Register refused before the Welcome, its
@@ -462,6 +470,11 @@ class Client:
         self._outbox.extend(c.frames for c in pending)  # type: ignore[misc]
         self._outbox.extend(list(self._status_frames.values()))
         self._wake()
+        for pend in broken:
+            if not pend.future.done():
+                pend.future.set_exception(WorkerLost(
+                    f"the scheduler restarted while {pend.name} streamed values; a generator "
+                    "call does not resume on the next scheduler. Call it again"))
 
     def _print_output(self, msg: p.Output, name: str | None = None) -> None:
         if name is None:

@@ -52,7 +52,7 @@ class LocalCluster:
         islands: int | None = None, extra_env: dict[str, str] | None = None, *,
         host: str = "127.0.0.1", port: int = 0, token: str | None = None,
         transport: str | None = None, workers: bool = True, keys: Path | None = None,
-        allow_keys: Path | None = None, head_grace: float = 0.0,
+        allow_keys: Path | None = None, head_grace: float = 0.0, final_on_sigterm: bool = False,
     ) -> None:
         self.cpu_devices = cpu_devices
         self.device_memory = device_memory
@@ -66,6 +66,7 @@ class LocalCluster:
         self.token = token or secrets.token_hex(16)
         self.keys, self.allow_keys = keys, allow_keys  # CURVE (see gpufn.net.curve)
         self.head_grace = head_grace  # >0: `gpufn serve`'s, whose workers outlive it
+        self.final_on_sigterm = final_on_sigterm  # SIGTERM ends the scheduler for good
         self._env_cache: dict[str, str] | None = None
 
     def _env(self) -> dict[str, str]:
@@ -117,6 +118,8 @@ class LocalCluster:
                *security_args]
         if self.head_grace:
             cmd.append("--durable")
+        if self.final_on_sigterm:
+            cmd.append("--final-on-sigterm")
         if self.transport == "ipc":
             sock_dir = Path(tempfile.gettempdir()) / f"gpufn-{os.getuid()}"
             sock_dir.mkdir(mode=0o700, exist_ok=True)

@@ -177,6 +177,28 @@ def test_retried_calls_wait_through_an_outage(head: Head, tmp_path: Path) -> Non
     head.shutdown()
 
 
+def test_a_call_on_a_worker_that_died_during_the_outage_counts_as_lost(
+        head: Head, tmp_path: Path) -> None:
+    """The worker's journal, read by its supervisor, tells the next scheduler what ran."""
+    head.start()
+    c = _connect(head)
+    logs = tmp_path / "once.log", tmp_path / "retried.log"
+    lost = once.spawn(str(logs[0]), 0, 30.0)
+    again = retried.spawn(str(logs[1]), 1, 30.0)
+    wait_for(lambda: all(p.exists() for p in logs), 60, "both calls to run")
+    head.kill(signal.SIGKILL)
+    for pid in children(head.supervisor()):  # both workers die while no scheduler watches
+        os.kill(pid, signal.SIGKILL)
+    head.start()
+    with pytest.raises(gpufn.WorkerLost, match="retries=N"):
+        lost.get(timeout=120)
+    wait_for(lambda: len(_runs(logs[1])) == 2, 120, "the retried call to run again")
+    assert _runs(logs[0]) == [(0, 1)] and _runs(logs[1]) == [(1, 1), (1, 2)]
+    again.cancel()
+    del c
+    head.shutdown()
+
+
 def test_an_expired_grace_fails_calls_and_stops_the_heads_workers(
         head: Head, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     head.extra["GPUFN_HEAD_GRACE"] = "4"

@@ -194,6 +194,8 @@ class SchedulerCore:
     # ------------------------------------------------------------------ scheduling
 
     def _schedule(self, now: float) -> None:
+        if self.recovery.suspects:  # the hold is over: before anything is placed
+            self._decide_suspects(now)
         self.tx.sweep_shards(now)  # stale shards of sharded models leave first
         for decision in self.placement.run(now, self.tx.rendezvous_port):
             self._apply(decision, now)
@@ -266,6 +268,8 @@ class SchedulerCore:
 
     def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
         infos = [DeviceInfo.from_wire(d) for d in msg.info.devices]
+        # The calls of its workers that died while no scheduler was there (their journals).
+        self._recovered(self.recovery.worker_report("", peer, msg.info, now), None, now)
         if peer in self.peers and all(
                 (d := self.devices.get(i.key)) is not None and d.supervisor == peer
                 and d.state is not DeviceState.GONE for i in infos):
@@ -275,7 +279,6 @@ class SchedulerCore:
             self.send(peer, p.Welcome(True, info=self._cluster_info()))
             return
         self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
-        self._recovered(self.recovery.worker_report("", peer, msg.info, now), None, now)
         for info in infos:
             d = self.devices.get(info.key)
             if d is not None:
@@ -371,6 +374,20 @@ class SchedulerCore:
                         inv_id, "placed again after the restart", True, claim.dispatch_token))
                 continue
             if not (isinstance(claim, Report) and self._adopt(inv, claim, now, queued=True)):
+                self._ran_before(inv, now)
+
+    def _ran_before(self, inv: Invocation, now: float) -> None:
+        """A resubmitted call ran on a worker that cannot hand it over: a lost attempt,
+        decided at the hold's end (another worker may still say it runs it)."""
+        if self.recovery.holding(now):
+            self.recovery.suspects.add(inv.id)
+        else:
+            self.tx.lost_before_restart(inv, now)
+
+    def _decide_suspects(self, now: float) -> None:
+        for inv_id in self.recovery.decided(now):
+            inv = self.invocations.get(inv_id)
+            if inv is not None:
                 self.tx.lost_before_restart(inv, now)
 
     def _adopt(self, inv: Invocation, report: Report, now: float, queued: bool) -> bool:
@@ -487,7 +504,7 @@ class SchedulerCore:
         inv.not_before = self.recovery.not_before(peer, now)
         self.queue.push(inv, now)
         if claim is not None:
-            self.tx.lost_before_restart(inv, now)
+            self._ran_before(inv, now)
         self.tx.dirty = True
 
     def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:

@@ -15,7 +15,9 @@ comes first.
 Calls resubmitted in the first `restart_grace_seconds` after the scheduler started wait
 (the hold) until every device seen before the restart has its worker back, at most that
 long, so that no call is placed before its worker could say it runs it; a client
-forgotten later (it fell silent) resubmits with no wait.
+forgotten later (it fell silent) resubmits with no wait. During the hold a call said to
+have run (`RAN`) is only a suspect: a worker may still report that it runs it (a retry
+the previous scheduler placed after the first worker died); the hold's end decides.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Recovery:
         self.expected: set[str] | None = set(expected) if expected is not None else None
         self.hold_over = self.expected is not None and not self.expected
         self._next_orphans = 0.0
+        self.suspects: set[str] = set()  # resubmitted, said to have run: decided at the hold's end
 
     @property
     def hold_until(self) -> float:
@@ -78,6 +81,17 @@ class Recovery:
             self._resubmit_until.pop(peer, None)
             return 0.0
         return until
+
+    def holding(self, now: float) -> bool:
+        """Whether the hold lasts (resubmitted calls wait; suspects are not decided)."""
+        return not self.hold_over and self.began is not None and now < self.hold_until
+
+    def decided(self, now: float) -> list[str]:
+        """The suspects to count as run now that the hold is over (each once)."""
+        if not self.suspects or self.holding(now):
+            return []
+        out, self.suspects = sorted(self.suspects), set()
+        return out
 
     def device_ready(self, key: str) -> bool:
         """A device has its worker (and its report) back; True if that ends the hold."""
@@ -119,6 +133,7 @@ class Recovery:
             report = self.reports.pop(invocation_id, None)
             if report is not None:
                 self.ran.pop(invocation_id, None)
+                self.suspects.discard(invocation_id)
                 return report
         if self.ran and self.ran.pop(invocation_id, None) is not None:
             return RAN

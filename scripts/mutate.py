@@ -164,6 +164,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a worker that dies while the head is away takes what it ran with it: calls run twice",
     ),
     Mutation(
+        "ran-decided-during-the-hold", "scheduler/core.py",
+        "        if self.recovery.holding(now):\n            self.recovery.suspects.add(inv.id)\n",
+        "        if False:\n            self.recovery.suspects.add(inv.id)\n",
+        (f"{U}::test_a_worker_that_runs_a_call_a_supervisor_said_ran_takes_it_over",),
+        "a call said to have run is failed before the worker running its retry could say so",
+    ),
+    Mutation(
         "hold-never-ends-early", "scheduler/core.py",
         "        if self.recovery.device_ready(key):  # every device seen before the restart is back\n",
         "        if False:\n",

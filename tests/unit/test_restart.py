@@ -114,6 +114,8 @@ def test_a_call_whose_worker_died_after_reporting_counts_as_a_lost_attempt() -> 
     _worker_back(h, 0, running={"a": [5, 1]})
     _worker_back(h, 0, peer=b"w0-new")  # the device's worker was replaced meanwhile
     h.feed(b"back", p.Submit("a", once, {}, frames=(b"x",)))
+    assert "a" not in h.results(b"back")  # decided when the hold ends
+    h.tick(3.5)
     res = h.results(b"back")["a"]
     assert res.error_kind == "WorkerLost" and "retries=N" in res.message
     assert not runs_of(h, "a")
@@ -121,12 +123,31 @@ def test_a_call_whose_worker_died_after_reporting_counts_as_a_lost_attempt() -> 
 
 def test_calls_of_a_worker_that_died_while_the_head_was_away_count_as_run() -> None:
     """Its supervisor read the dead worker's journal and says so in its Hello."""
-    h = Harness(devices=2, restart_grace_seconds=30.0)
+    h = Harness(devices=2, restart_grace_seconds=3.0)
     h.hello(b"sup2", p.Role.SUPERVISOR, info={"node": "m", "devices": [
         d.to_wire() for d in simulated_devices("m", 1, 8 * 2**30)], "ran": ["gone1"]})
     h.hello(b"back", p.Role.CLIENT, info={"resubmit": 1, "instance": "previous"})
     h.feed(b"back", p.Submit("gone1", h.register("f"), {}, frames=(b"x",)))
+    h.tick(3.5)
     assert h.results(b"back")["gone1"].error_kind == "WorkerLost"
+    assert not runs_of(h, "gone1")
+
+
+def test_a_worker_that_runs_a_call_a_supervisor_said_ran_takes_it_over() -> None:
+    """The previous scheduler retried a call whose first worker died; the dead worker's
+    supervisor says it ran, the worker running the retry says it runs it: whichever
+    Hello comes first, the call is taken over, not failed or run a third time."""
+    h = _restarted()
+    f = h.register("f", retries=0)
+    h.hello(b"sup-back", p.Role.SUPERVISOR, info={"node": "n", "devices": [
+        d.to_wire() for d in h.infos], "ran": ["r1"]})
+    h.feed(b"back", p.Submit("r1", f, {}, frames=(b"x",)))
+    w = _worker_back(h, 1, running={"r1": [42, 2]})
+    h.tick(3.5)
+    _result(h, w, "r1", 42, b"second")
+    res = h.results(b"back")["r1"]
+    assert res.ok and res.frames == (b"second",) and res.meta.attempts == 2
+    assert not runs_of(h, "r1")
 
 
 def test_a_second_hello_of_the_same_peers_keeps_what_was_taken_over() -> None:
@@ -156,6 +177,7 @@ def test_gang_calls_are_not_taken_over() -> None:
     g = h.register("g", count=2, retries=0)
     _worker_back(h, 0, running={"gc": [5, 1]})
     h.feed(b"back", p.Submit("gc", g, {}, frames=(b"x",)))
+    h.tick(3.5)
     assert h.results(b"back")["gc"].error_kind == "WorkerLost"
 
 

@@ -120,6 +120,7 @@ def test_a_head_restart_is_invisible_to_callers(head: Head, tmp_path: Path, kill
              "calls to finish, to be saved and to run")
     supervisor = head.supervisor()
     workers = children(supervisor)
+    saved = _saved_calls(head, "once")  # what the books on disk hold before the kill
     if what == "serve":
         head.kill(sig)
         assert all(_alive(p) for p in {supervisor, *workers})  # they outlived it
@@ -128,6 +129,7 @@ def test_a_head_restart_is_invisible_to_callers(head: Head, tmp_path: Path, kill
         assert head.supervisor() == supervisor  # not a second set of workers
     else:
         head.kill_scheduler(sig)
+    before = {i for i, f in enumerate(calls) if f.done()}  # answered by the old scheduler
     assert [f.get(timeout=120) for f in calls] == list(range(8))
     runs = _runs(log)
     assert sorted(runs) == [(i, 1) for i in range(8)], runs  # each once, as attempt 1
@@ -135,12 +137,16 @@ def test_a_head_restart_is_invisible_to_callers(head: Head, tmp_path: Path, kill
     assert call.get(timeout=60) == expected
     assert call.result_meta()["cold_start"] is False  # still resident
     assert (tmp_path / "loads.log").read_text().splitlines() == loads  # no loader ran
+    # The books kept what ran before: all of it after a SIGTERM (saved as it stopped);
+    # after a SIGKILL, at least what was saved (once a second) before it.
     usage = json.loads(head.gpufn("usage", "--json").stdout)
     rows = {r["function"]: r["calls"] for r in usage["rows"]}
-    assert rows.get("once") == 8 and rows.get("use_weights") == 2, usage
+    low = 8 if sig == signal.SIGTERM else saved + 8 - len(before)
+    assert low <= rows.get("once", 0) <= 8 and rows.get("use_weights") == 2, (low, usage)
     logs = head.gpufn("logs", "once", "--json")
-    done = sorted(ln["text"] for ln in json.loads(logs.stdout))
-    assert done == sorted(f"once {i} done" for i in range(8)), logs.stdout + logs.stderr
+    done = [ln["text"] for ln in json.loads(logs.stdout)]
+    assert len(set(done)) == len(done) >= low, logs.stdout + logs.stderr
+    assert {f"once {i} done" for i in range(8) if i not in before} <= set(done)
     assert c.status()["counters"]["lost"] == 0
     head.shutdown()  # everything stops, the adopted supervisor too
 

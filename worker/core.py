@@ -9,6 +9,7 @@ spmd=False helper, and carries the actions out. Only the shell's main thread cal
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,7 +109,7 @@ class ResendHeld:
     dispatch_token: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunRecord:
     """A call this worker runs, as a restarted scheduler needs to know it: a single-device
     call can be taken over by the next scheduler (`adoptable`); a batch (its `members`),
@@ -144,8 +145,6 @@ def control_actions(msg: p.Message) -> list[Action]:
 
 
 def _streams(fn: Any) -> bool:
-    import inspect
-
     f = getattr(fn, "__wrapped__", fn)
     return inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f)
 
@@ -161,6 +160,7 @@ class WorkerCore:
     code: dict[str, Callable[..., Any]] = field(default_factory=dict)
     code_frames: dict[str, list[bytes]] = field(default_factory=dict)
     code_errors: dict[str, str] = field(default_factory=dict)
+    streaming: set[str] = field(default_factory=set)  # code ids of generator functions
     running: dict[str, RunRecord] = field(default_factory=dict)
     completed: int = 0
 
@@ -214,8 +214,10 @@ class WorkerCore:
         try:
             self.code_frames[msg.code_id] = [bytes(memoryview(f.buffer if hasattr(f, "buffer") else f))
                                              for f in msg.frames]
-            self.code[msg.code_id] = ser.load_code(msg.frames)
+            fn = self.code[msg.code_id] = ser.load_code(msg.frames)
             self.code_errors.pop(msg.code_id, None)
+            if _streams(fn):
+                self.streaming.add(msg.code_id)
         except Exception as e:
             self.code_errors[msg.code_id] = f"{type(e).__name__}: {e}"
             log.warning("could not unpickle %s: %s", msg.name, e)
@@ -239,7 +241,7 @@ class WorkerCore:
         meta = msg.meta
         # A streamed call cannot be taken over (the values sent meanwhile are gone).
         single = (meta.gang is None and meta.multi is None and not meta.members
-                  and not _streams(fn))
+                  and msg.code_id not in self.streaming)
         self.running[msg.invocation_id] = RunRecord(
             msg.dispatch_token, meta.attempt_number, tuple(meta.members or ()), single)
         context = ctxmod.CallContext(

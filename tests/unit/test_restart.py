@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -348,6 +349,10 @@ def _one() -> int:
     return 1
 
 
+def _values() -> Iterator[int]:
+    yield 1
+
+
 def test_the_worker_core_reports_what_it_can_hand_over() -> None:
     core = wc.WorkerCore("n:0")
     _, code = ser.dump_code(_one, "one")
@@ -355,6 +360,9 @@ def test_the_worker_core_reports_what_it_can_hand_over() -> None:
     core.handle(p.Run("single", "f", "c", "f", 5, p.RunMeta(attempt_number=2), (b"a",)))
     core.handle(p.Run("batch", "f", "c", "f", 6, p.RunMeta(batch=[1, 1], members=["m1", "m2"]),
                       (b"a", b"b")))
+    _, gen = ser.dump_code(_values, "values")
+    core.handle(p.LoadCode("g", "values", tuple(gen)))
+    core.handle(p.Run("stream", "values", "g", "values", 7, p.RunMeta(), (b"a",)))
     running, ran, stop = core.restart_report()
-    assert running == {"single": [5, 2]}
-    assert sorted(ran) == ["m1", "m2"] and stop == ["batch"]
+    assert running == {"single": [5, 2]}  # a generator's values sent meanwhile are gone
+    assert sorted(ran) == ["m1", "m2", "stream"] and stop == ["batch", "stream"]

@@ -262,6 +262,21 @@ class DeviceLedger:
 
     # ----------------------------------------------------------- models
 
+    def adopt(self, name: str, nbytes: int, now: float) -> None:
+        """A model the device's worker already holds (it outlived a scheduler restart):
+        RESIDENT with its measured size. It may not be offloaded until a function that
+        names it says whether it may (`ModelNeed.offload`)."""
+        e = self.models.get(name)
+        if e is not None and e.state is not Residency.ABSENT:
+            return
+        if e is None:
+            e = self.models[name] = ModelEntry(name, nbytes)
+        e.offload_allowed = False
+        e.to(Residency.LOADING, now)
+        e.to(Residency.RESIDENT, now)
+        e.nbytes, e.measured = nbytes, True
+        self.version += 1
+
     def _entry(self, need: ModelNeed) -> ModelEntry:
         e = self.models.get(need.name)
         if e is None:

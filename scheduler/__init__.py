@@ -12,7 +12,8 @@ In reading order:
   `gang_verdict` (how a multi-device call ends);
 - `model_book`: shared models across devices' ledgers;
 - the desks, over the `surface` they may use: `app_book` (deployments, with the
-  `deployments` store), `ops` (logs, usage, drain; `logs`, `usage`), `streams` (items,
+  `deployments` store), `ops` (logs, usage, drain; `logs`, `usage`, kept on disk by
+  `ops_store`), `streams` (items,
   attached callers), `user_desk` (`gpufn token ...`, over `users`: the token store, who a
   token is, ownership and per-user limits); `handshake`: Hello checks and the one role
   table; `report`: the status report; `fencing`, `recovery`: generations and restarts;

@@ -25,6 +25,10 @@ def main() -> None:
                     help="folder with the CURVE key pair (server.key_secret); required off loopback")
     ap.add_argument("--allow-keys", type=Path, default=None,
                     help="admit only CURVE clients whose public key (*.key) is in this folder")
+    ap.add_argument("--durable", action="store_true",
+                    help="keep usage, logs and the devices seen in the state dir (gpufn serve)")
+    ap.add_argument("--final-on-sigterm", action="store_true",
+                    help="SIGTERM stops for good (clients' calls fail), as SIGINT does")
     a = ap.parse_args()
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-scheduler %(levelname)s %(message)s")
@@ -40,10 +44,12 @@ def main() -> None:
         raise SystemExit(2) from None
     cfg = SchedulerConfig.from_env(config.token())
     try:
-        run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, security, config.metrics_port())
+        status = run(a.host, a.port, cfg, a.ready_fd, a.parent_pid, a.ipc, security,
+                     config.metrics_port(), a.durable, a.final_on_sigterm)
     except UserStoreError as e:  # before it listens: nothing to clean up
         print(f"gpufn scheduler refused to start: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    raise SystemExit(status)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@ The core routes `Deploy`, `Lookup` and `AppCommand` here, and asks `resolve` abo
 submitted function id it does not know: an app alias (`app:APP/FN`, `app:APP/FN@N`),
 which binds the call to the version current when it is admitted, or the id of a
 deployed function (after a restart). Versions live in the `DeploymentStore`.
+
+A call keeps its version across a scheduler restart (its client resubmits the alias).
+The binding only needs the disk when the app's version changes (or it stops) while
+calls are in flight: then those calls' bindings are saved (`pins`), in the moment of the
+change, so nothing is written per call.
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ class AppBook:
         self._release: set[str] = set()  # model keys of stopped apps, evicted once idle
         self._evicting: set[tuple[str, str]] = set()  # (device, key) told to evict
         self._interfaces: dict[str, dict[str, Any]] = {}  # deployed function id -> interface
+        # invocation id -> (app, deployed function id): calls admitted before a version
+        # change under a previous scheduler, bound to the version that admitted them.
+        self._pins: dict[str, tuple[str, str]] = store.pins()
 
     def handlers(self) -> dict[type, Any]:
         return {p.Deploy: self.on_deploy, p.Lookup: self.on_lookup, p.AppCommand: self.on_command}
@@ -133,11 +141,19 @@ class AppBook:
                     str(meta.get("source", "")))
         return self._switch(v, functions, current.current if current else None, now)
 
+    def _pin_in_flight(self, app: str) -> None:
+        """Save the version binding of the app's calls in flight (see the module doc)."""
+        pins = {i: f for i, (a, f) in self._pins.items() if a == app}  # not resubmitted yet
+        pins.update({i.id: i.function.function_id for i in self.core.invocations.values()
+                     if i.function.app == app and not i.members})
+        self.store.set_pins(app, pins)
+
     def _switch(self, v: Version, functions: list[StoredFunction], old: int | None,
                 now: float) -> dict[str, Any]:
         notes = []
         if old is not None:
             notes += self._fit_note(v.app, old, functions)
+            self._pin_in_flight(v.app)
         self.store.add_version(v, functions)
         self._resolved.clear()
         self._keep_models(functions)
@@ -243,10 +259,19 @@ class AppBook:
             parts.append(f"{a.name} v{a.current} ({names})" + ("" if a.state == "active" else " stopped"))
         return "deployed: " + "; ".join(parts)
 
-    def resolve(self, function_id: str, now: float) -> FunctionRecord | GpufnError:
+    def resolve(self, function_id: str, now: float,
+                invocation_id: str = "") -> FunctionRecord | GpufnError:
         """A submitted function id the core does not know: an app alias or a deployed
-        function's id; else the error the call fails with."""
+        function's id; else the error the call fails with. A call resubmitted after a
+        restart keeps the version that admitted it (`pins`)."""
         if function_id.startswith(ALIAS):
+            pinned = self._pins.pop(invocation_id, None) if self._pins else None
+            if pinned is not None:
+                self.store.unpin(invocation_id)
+                try:
+                    return self._record_by_id(pinned[1])
+                except NotFound:
+                    pass  # its version is gone: bound as a new call
             app, fn, version = _parse_alias(function_id)
             rec = self._resolved.get((app, fn, version))
             if rec is None:
@@ -382,6 +407,7 @@ class AppBook:
 
     def _stop(self, args: dict[str, Any], now: float) -> dict[str, Any]:
         app = self._app(args)
+        self._pin_in_flight(app)  # its running calls finish, after a restart too
         self.store.set_state(app, "stopped")
         self._resolved.clear()
         n = self._stop_calls(app, now, f"app {app} was stopped", keep=None, cancel_running=False)

@@ -46,6 +46,7 @@ from gpufn.scheduler.intake import Intake
 from gpufn.scheduler.kept_results import KeptResults
 from gpufn.scheduler.model_book import ModelBook
 from gpufn.scheduler.ops import OpsDesk
+from gpufn.scheduler.ops_store import OpsStore
 from gpufn.scheduler.placement_pass import (
     Decision,
     Dispatch,
@@ -57,7 +58,7 @@ from gpufn.scheduler.placement_pass import (
 )
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, FunctionRecord, Invocation, Peer
-from gpufn.scheduler.recovery import Recovery
+from gpufn.scheduler.recovery import Recovery, Report
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import DeviceState, InvState
@@ -76,7 +77,8 @@ class SchedulerCore:
     def __init__(self, config: SchedulerConfig | None = None,
                  deployments: DeploymentStore | None = None,
                  users: UserStore | None = None,
-                 results: KeptResults | None = None) -> None:
+                 results: KeptResults | None = None,
+                 ops_store: OpsStore | None = None) -> None:
         self.config = config or SchedulerConfig()
         self.wall_offset = 0.0  # wall clock minus the `now` the shell passes (set by the shell)
         self.peers: dict[bytes, Peer] = {}
@@ -93,7 +95,9 @@ class SchedulerCore:
         self.intake = Intake(self.config, self.devices, self.queue, self.models)
         self.placement = PlacementPass(self.config, self.devices, self.queue, self.models)
         self.instance = secrets.token_hex(8)  # tells a client whether it was forgotten or we restarted
-        self.recovery = Recovery(self.config.restart_grace_seconds, self.instance)
+        ops_store = ops_store or OpsStore(":memory:")
+        self.recovery = Recovery(self.config.restart_grace_seconds, self.instance,
+                                 ops_store.expected_devices() if ops_store.durable else None)
         self.needs_rendezvous = False
         self._wakeup_at: float | None = None
         self._deadlines: list[tuple[float, int, Invocation]] = []
@@ -102,7 +106,7 @@ class SchedulerCore:
                               self.counters, self.gangs, self.models, self._out)
         self._seq = 0
         self.apps = AppBook(self, deployments or DeploymentStore(":memory:"))
-        self.ops = OpsDesk(self)  # logs, usage and drain
+        self.ops = OpsDesk(self, ops_store)  # logs, usage and drain
         self.streams = StreamDesk(self, results)  # streamed values, from_id callers, kept results
         self.tx.observers += [self.ops, self.streams]  # usage first, then attached callers
         self.users = UserDesk(self, UserStore() if users is None else users,  # tokens, limits
@@ -200,6 +204,8 @@ class SchedulerCore:
     # ------------------------------------------------------------------ scheduling
 
     def _schedule(self, now: float) -> None:
+        if self.recovery.suspects:  # the hold is over: before anything is placed
+            self._decide_suspects(now)
         self.tx.sweep_shards(now)  # stale shards of sharded models leave first
         for decision in self.placement.run(now, self.tx.rendezvous_port):
             self._apply(decision, now)
@@ -281,6 +287,16 @@ class SchedulerCore:
 
     def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
         infos = [DeviceInfo.from_wire(d) for d in msg.info.devices]
+        # The calls of its workers that died while no scheduler was there (their journals).
+        self._recovered(self.recovery.worker_report("", peer, msg.info, now), None, now)
+        if peer in self.peers and all(
+                (d := self.devices.get(i.key)) is not None and d.supervisor == peer
+                and d.state is not DeviceState.GONE for i in infos):
+            # A second Hello of a supervisor we know (it said Hello again before our
+            # Welcome arrived): its devices and their workers stay as they are.
+            self.peers[peer].last_seen = now
+            self.send(peer, p.Welcome(True, info=self._cluster_info()))
+            return
         self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
         for info in infos:
             d = self.devices.get(info.key)
@@ -332,26 +348,78 @@ class SchedulerCore:
             d.control, d.last_seen = peer, now
             self.send(peer, p.Welcome(True, info=self._cluster_info()))
             return
+        if d.worker == peer and peer in self.peers:  # a second Hello of a worker we know
+            d.last_seen = self.peers[peer].last_seen = now
+            self.send(peer, p.Welcome(True, info=self._cluster_info()))
+            return
         if d.worker is not None and d.worker != peer:
             self._lose_worker(d, now, "a new worker process registered for the device")
         self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
         self.worker_device[peer] = key
-        for inv_id in self.recovery.worker_ran(msg.info.ran, now):
-            if inv_id in self.invocations:  # its client resubmitted it already
-                self.tx.lost_before_restart(self.invocations[inv_id], now)
         d.last_seen = now
         d.worker, d.worker_pid = peer, msg.pid
         d.incarnation = incarnation or d.incarnation + 1
         d.code.clear()
         d.ledger.reset()
+        for model, nbytes in msg.info.models:  # they outlived the previous scheduler
+            d.ledger.adopt(str(model), int(nbytes), now)
         if d.state is not DeviceState.READY:
             d.to(DeviceState.READY, now)
         d.last_error = ""
         self._invalidate_feasibility()
+        self._recovered(self.recovery.worker_report(key, peer, msg.info, now), d, now)
+        if self.recovery.device_ready(key):  # every device seen before the restart is back
+            self.queue.expedite(self.recovery.hold_until, now)
         self.send(peer, p.Welcome(True, info=self._cluster_info()))
         if d.supervisor in self.peers:  # it started fine: not part of a crash loop
             self.send(d.supervisor, p.WorkerServing(key, msg.pid, d.incarnation))
         log.info("worker for %s ready (pid %d)", key, msg.pid)
+
+    def _recovered(self, ids: list[str], d: Device | None, now: float) -> None:
+        """A worker (or supervisor) reported calls after a restart: those already
+        resubmitted and waiting in the hold are taken over, or count as run."""
+        for inv_id in ids:
+            inv = self.invocations.get(inv_id)
+            if inv is None:
+                continue  # its caller resubmits it later (or never)
+            claim = self.recovery.claim(inv_id)
+            if inv.state is not InvState.QUEUED or inv.attempts:
+                if isinstance(claim, Report) and not claim.held and d is not None:
+                    # The hold ended before this worker was back, and the call was placed
+                    # again: the old run stops (it may have had an effect: said, not hidden).
+                    log.warning("[%s] %s was placed again before %s said it runs it; "
+                                "stopping that run", inv_id, inv.function.name, d.key)
+                    self.send(d.control or d.worker or b"", p.Cancel(
+                        inv_id, "placed again after the restart", True, claim.dispatch_token))
+                continue
+            if not (isinstance(claim, Report) and self._adopt(inv, claim, now, queued=True)):
+                self._ran_before(inv, now)
+
+    def _ran_before(self, inv: Invocation, now: float) -> None:
+        """A resubmitted call ran on a worker that cannot hand it over: a lost attempt,
+        decided at the hold's end (another worker may still say it runs it)."""
+        if self.recovery.holding(now):
+            self.recovery.suspects.add(inv.id)
+        else:
+            self.tx.lost_before_restart(inv, now)
+
+    def _decide_suspects(self, now: float) -> None:
+        for inv_id in self.recovery.decided(now):
+            inv = self.invocations.get(inv_id)
+            if inv is not None:
+                self.tx.lost_before_restart(inv, now)
+
+    def _adopt(self, inv: Invocation, report: Report, now: float, queued: bool) -> bool:
+        """Take over a resubmitted call its worker runs or holds the Result of; False if
+        that cannot be (the worker is gone, or the call spans devices): it counts as run."""
+        d = self.devices.get(report.device)
+        if (d is None or d.worker != report.worker or not d.takes_work
+                or inv.spec.count > 1):
+            return False
+        self.tx.adopt(inv, d, report.dispatch_token, report.attempt, now, queued)
+        if report.held:
+            self.send(d.worker, p.Resend(inv.id, report.dispatch_token))
+        return True
 
     def _on_ping(self, peer: bytes, msg: p.Ping, now: float) -> None:
         self.send(peer, p.Pong(msg.seq))
@@ -425,7 +493,8 @@ class SchedulerCore:
         if draining is not None:
             self.send(peer, draining)
             return
-        fn = self.functions.get(msg.function_id) or self.apps.resolve(msg.function_id, now)
+        fn = (self.functions.get(msg.function_id)
+              or self.apps.resolve(msg.function_id, now, msg.invocation_id))
         if isinstance(fn, GpufnError):  # unknown (a restart?), or a deployed app that is not
             self.send(peer, p.Result(msg.invocation_id, False, kind_of(fn), str(fn)))
             return
@@ -459,10 +528,13 @@ class SchedulerCore:
             heapq.heappush(self._deadlines, (inv.deadline, inv.seq, inv))
         self.invocations[inv.id] = inv
         self.streams.admitted(inv, msg.keep)  # 2. its Result kept for FunctionCall.from_id
+        claim = self.recovery.claim(inv.id)  # 3. after a restart: a worker runs or ran it
+        if isinstance(claim, Report) and self._adopt(inv, claim, now, queued=False):
+            return
         inv.not_before = self.recovery.not_before(peer, now)
         self.queue.push(inv, now)
-        if self.recovery.ran_before(inv.id):
-            self.tx.lost_before_restart(inv, now)
+        if claim is not None:
+            self._ran_before(inv, now)
         self.tx.dirty = True
 
     def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:
@@ -492,6 +564,8 @@ class SchedulerCore:
         inv = d.running.get(msg.invocation_id) if d is not None else None
         if d is None or inv is None:
             self.counters.stale_results += 1
+            if d is not None and self.recovery.reports:  # a reported call, not resubmitted yet
+                self.recovery.result_arrived(msg.invocation_id, d.key, msg.meta.dispatch_token)
             return  # late result of a call already settled (timed out, retried elsewhere)
         d.last_seen = now
         earlier = msg.meta.dispatch_token not in (0, inv.dispatch_token)
@@ -616,6 +690,13 @@ class SchedulerCore:
     def _on_tick(self, now: float) -> None:
         self.apps.tick(now)
         self.streams.tick(now)
+        self.ops.tick(now)  # usage and logs to disk
+        for inv_id, r in self.recovery.orphans(now):  # taken over by no caller: stopped
+            d = self.devices.get(r.device)
+            if d is not None and d.worker == r.worker:
+                self.send(d.control or d.worker, p.Cancel(
+                    inv_id, "no caller came back for it after the scheduler restarted", True,
+                    r.dispatch_token))
         if self._wakeup_at is not None and now >= self._wakeup_at:
             self._wakeup_at = None
             self.tx.dirty = True

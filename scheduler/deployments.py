@@ -34,6 +34,9 @@ CREATE TABLE IF NOT EXISTS functions (
 );
 CREATE INDEX IF NOT EXISTS functions_by_id ON functions (function_id);
 CREATE TABLE IF NOT EXISTS blobs (hash TEXT PRIMARY KEY, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS pins (
+    invocation_id TEXT PRIMARY KEY, app TEXT NOT NULL, function_id TEXT NOT NULL
+);
 """
 
 
@@ -235,6 +238,32 @@ class DeploymentStore:
             except BaseException:
                 cur.execute("ROLLBACK")
                 raise
+
+    def pins(self) -> dict[str, tuple[str, str]]:
+        """invocation id -> (app, deployed function id): the calls in flight when their
+        app's version changed (or it stopped), bound to the version that admitted them."""
+        if not self.exists():
+            return {}
+        rows = self._db.execute("SELECT invocation_id, app, function_id FROM pins").fetchall()
+        return {i: (a, f) for i, a, f in rows}
+
+    def set_pins(self, app: str, pins: dict[str, str]) -> None:
+        """The app's pinned calls are now exactly `pins` (the others ended)."""
+        with self._lock:
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                cur.execute("DELETE FROM pins WHERE app=?", (app,))
+                cur.executemany("INSERT OR REPLACE INTO pins (invocation_id, app, function_id) "
+                                "VALUES (?, ?, ?)", [(i, app, f) for i, f in pins.items()])
+                cur.execute("COMMIT")
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+
+    def unpin(self, invocation_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM pins WHERE invocation_id=?", (invocation_id,))
 
     def set_state(self, app: str, state: str) -> None:
         with self._lock:

@@ -1,8 +1,10 @@
 """Function output kept for `gpufn logs`: a ring buffer per (app, function), bounded by lines and
 bytes, and a bound on how many functions are remembered (the least recently written goes).
 
-Times are the scheduler's monotonic `now`; queries say "since N seconds ago" and lines carry
-their age, so the core stays clock-free and the CLI turns ages into wall-clock times.
+Times are wall-clock seconds the core derives from its `now` (`core.wall(now)`); queries
+say "since N seconds ago" and lines carry their age, which the CLI turns into times. With
+a durable `OpsStore` the new lines (and what the bounds let go) are handed to it
+(`take_new`) and read back at start (`load`), so `gpufn logs` outlives a restart.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufn.scheduler.ops_store import LogRow
+
 MAX_LINES = 5000  # per function
 MAX_BYTES = 2 * 2**20  # per function
 MAX_FUNCTIONS = 512
 MAX_LINE = 8192  # longer lines are cut (a progress bar without newlines)
+RETENTION_S = 7 * 86400.0  # lines older than this are not kept on disk
 
 
 @dataclass(slots=True)
@@ -49,6 +54,41 @@ class LogStore:
         self.max_lines, self.max_bytes, self.max_functions = max_lines, max_bytes, max_functions
         self._rings: OrderedDict[tuple[str, str], _Ring] = OrderedDict()
         self._seq = 0
+        self.track = False  # note new lines and what left, for `take_new` (a durable store)
+        self._new: list[LogRow] = []
+        self._touched: set[tuple[str, str]] = set()
+        self._dropped: list[tuple[str, str]] = []
+
+    def load(self, rows: list[LogRow]) -> None:
+        """The lines a previous scheduler saved, oldest first (before any of this one)."""
+        for r in rows:
+            key = (r.app, r.function)
+            ring = self._rings.get(key)
+            if ring is None:
+                ring = self._rings[key] = _Ring()
+            else:
+                self._rings.move_to_end(key)
+            ring.lines.append(Line(r.seq, r.at, r.invocation_id, r.stream, r.text, r.user))
+            ring.nbytes += len(r.text)
+            self._seq = max(self._seq, r.seq)
+        for ring in self._rings.values():
+            self._trim(ring)
+        while len(self._rings) > self.max_functions:
+            self._rings.popitem(last=False)
+
+    def take_new(self) -> tuple[list[LogRow], dict[tuple[str, str], int], list[tuple[str, str]]]:
+        """(lines added since the last call, the oldest seq each function touched keeps,
+        the functions no longer kept)."""
+        new, self._new = self._new, []
+        oldest = {k: r.lines[0].seq for k in self._touched
+                  if (r := self._rings.get(k)) is not None and r.lines}
+        dropped, self._dropped = self._dropped, []
+        self._touched.clear()
+        return new, oldest, dropped
+
+    def _trim(self, ring: _Ring) -> None:
+        while ring.lines and (len(ring.lines) > self.max_lines or ring.nbytes > self.max_bytes):
+            ring.nbytes -= len(ring.lines.popleft().text)
 
     def add(self, app: str, function: str, invocation_id: str, stream: str, text: str,
             now: float, user: str = "") -> None:
@@ -57,7 +97,9 @@ class LogStore:
         if ring is None:
             ring = self._rings[key] = _Ring()
             while len(self._rings) > self.max_functions:
-                self._rings.popitem(last=False)
+                gone, _ = self._rings.popitem(last=False)
+                if self.track:
+                    self._dropped.append(gone)
         else:
             self._rings.move_to_end(key)
         for part in text.rstrip("\n").split("\n"):
@@ -65,8 +107,12 @@ class LogStore:
             self._seq += 1
             ring.lines.append(Line(self._seq, now, invocation_id, stream, part, user))
             ring.nbytes += len(part)
-        while ring.lines and (len(ring.lines) > self.max_lines or ring.nbytes > self.max_bytes):
-            ring.nbytes -= len(ring.lines.popleft().text)
+            if self.track:
+                self._new.append(LogRow(self._seq, now, app, function, invocation_id, stream,
+                                        part, user))
+        if self.track:
+            self._touched.add(key)
+        self._trim(ring)
 
     def known(self) -> list[str]:
         """The names `gpufn logs` accepts for what is stored (for an unknown-target message)."""

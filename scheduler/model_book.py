@@ -309,10 +309,10 @@ class ModelBook:
                 d.ledger.drop_host_copy(name, now)
             elif action == "offload":
                 d.ledger.offload_started(name, now)
-                self.models[name].offloads += 1
+                self._count(name, "offloads")
             else:
                 d.ledger.evict_started(name, now)
-                self.models[name].evictions += 1
+                self._count(name, "evictions")
             if d.worker is not None:
                 orders.append((d, p.EvictModel(name, action == "offload")))
         return orders
@@ -372,10 +372,10 @@ class ModelBook:
             if other is not None and other.worker is not None:
                 orders.append((other, p.EvictModel(key, False)))
         for key in plan.offload:
-            self.models[key].offloads += 1
+            self._count(key, "offloads")
             orders.append((d, p.EvictModel(key, True)))
         for key in plan.evict:
-            self.models[key].evictions += 1
+            self._count(key, "evictions")
             orders.append((d, p.EvictModel(key, False)))
         for key in plan.restore:
             orders.append((d, p.LoadModel(key, {"restore": True, "name": self.models[key].name})))
@@ -391,6 +391,13 @@ class ModelBook:
                 else "waited" if plan.waiting else "")
         names = {self.models[k].name: k for k in inv.function.model_keys}
         return Admission(tuple(orders), names, cold)
+
+    def _count(self, key: str, what: str) -> None:
+        """A victim may be a model no function registered yet names (a resident model
+        that outlived a scheduler restart): it has no record to count on."""
+        rec = self.models.get(key)
+        if rec is not None:
+            setattr(rec, what, getattr(rec, what) + 1)
 
     # ------------------------------------------------------------------ worker reports
 

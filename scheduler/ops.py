@@ -2,7 +2,9 @@
 
 It answers `Query` and `Drain` (its own messages), and the core calls it where its steps
 belong: `refusal` before a Submit is admitted (nothing is admitted while draining),
-`output` for each line a call prints. As a `RunObserver` it meters every run that ends.
+`output` for each line a call prints, `tick` to save the books. As a `RunObserver` it
+meters every run that ends. Logs and usage are kept in wall-clock time and, with a
+durable `OpsStore`, saved once a second (and on a clean stop) and read back at start.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import logging
 from typing import Any
 
 from gpufn.exceptions import Cancelled, ConnectionLost, kind_of
+from gpufn.scheduler import logs as logbook
+from gpufn.scheduler import usage as meter
 from gpufn.scheduler.logs import LogStore, matches
+from gpufn.scheduler.ops_store import OpsStore
 from gpufn.scheduler.records import Invocation
 from gpufn.scheduler.states import InvState
 from gpufn.scheduler.surface import CoreView
@@ -23,11 +28,25 @@ from gpufn.wire import protocol as p
 log = logging.getLogger("gpufn.scheduler")
 
 
+SAVE_SECONDS = 1.0  # usage and logs reach the disk this often at most
+PRUNE_SECONDS = 3600.0  # and their retention is applied this often
+DEVICES_SECONDS = 30.0  # the devices seen are noted this often (and when they change)
+
+
 class OpsDesk(RunObserver):
-    def __init__(self, core: CoreView) -> None:
+    def __init__(self, core: CoreView, store: OpsStore | None = None) -> None:
         self.core = core
+        self.store = store or OpsStore(":memory:")
         self.logs = LogStore()
         self.usage = UsageMeter()
+        self._saved_at: float | None = None
+        self._pruned_at = -PRUNE_SECONDS
+        self._devices_at = -DEVICES_SECONDS
+        self._devices_saved: set[str] = set()
+        if self.store.durable:
+            self.logs.track = self.usage.track = True
+            self.usage.load(self.store.usage(0))  # what is on disk is within retention
+            self.logs.load(self.store.logs(0))
         self.draining = False
         self.drain_deadline: float | None = None
         self.drain_reason = ""
@@ -50,21 +69,49 @@ class OpsDesk(RunObserver):
         owners = {m.user for m in inv.members}
         user = inv.user or (owners.pop() if len(owners) == 1 else "")
         self.logs.add(inv.function.app, inv.function.name, msg.invocation_id, msg.stream,
-                      msg.text, now, user=user)
+                      msg.text, self.core.wall(now), user=user)
+
+    def tick(self, now: float, force: bool = False) -> None:
+        """Save what changed (once a second at most; `force`: now, a clean stop)."""
+        if not self.store.durable:
+            return
+        if not force and self._saved_at is not None and now - self._saved_at < SAVE_SECONDS:
+            return
+        self._saved_at = now
+        wall = self.core.wall(now)
+        prune = now - self._pruned_at >= PRUNE_SECONDS
+        if prune:
+            self._pruned_at = now
+        rows = self.usage.take_dirty()
+        if rows or prune:
+            self.store.save_usage(rows, (self.usage.oldest_minute(wall), meter.MAX_ROWS)
+                                  if prune else None)
+        lines, oldest, dropped = self.logs.take_new()
+        if lines or dropped or prune:
+            self.store.save_logs(lines, oldest, dropped,
+                                 wall - logbook.RETENTION_S if prune else None)
+        live = {k for k, d in self.core.devices.items() if d.state.schedulable_later}
+        if live != self._devices_saved or now - self._devices_at >= DEVICES_SECONDS:
+            # A device that left (its supervisor went, or it cannot start) is not waited for.
+            self.store.saw_devices(sorted(live), sorted(self._devices_saved - live), wall)
+            self._devices_saved, self._devices_at = live, now
 
     def run_ended(self, inv: Invocation, state: InvState, now: float) -> None:
         """A run ended (`state` QUEUED: it was requeued). Meter the devices it held and,
         for a caller's call that reached its end, the call itself."""
-        if inv.started is not None and inv.devices:
+        started = self.core.wall(inv.started) if inv.started is not None else None
+        now = self.core.wall(now)
+        if started is not None and inv.devices:
             held = len(inv.devices)
             if inv.members:  # a batch: its device time is shared by its calls
                 share = held / len(inv.members)
                 for m in inv.members:
-                    self.usage.record_devices(self._key(m), inv.started, now, share)
+                    self.usage.record_devices(self._key(m), started, now, share)
             elif inv.carrier is None:
-                self.usage.record_devices(self._key(inv), inv.started, now, held)
+                self.usage.record_devices(self._key(inv), started, now, held)
         if state is not InvState.QUEUED and not inv.members:
-            self.usage.record_call(self._key(inv), state.value, inv.submitted, inv.started, now)
+            self.usage.record_call(self._key(inv), state.value, self.core.wall(inv.submitted),
+                                   started, now)
 
     @staticmethod
     def _key(inv: Invocation) -> UsageKey:
@@ -85,6 +132,7 @@ class OpsDesk(RunObserver):
     def answer(self, kind: str, args: dict[str, Any], now: float,
                user: str | None = None) -> dict[str, Any]:
         """The answer to a Query; with `user`, only that user's lines and usage."""
+        now = self.core.wall(now)  # the books are kept in wall-clock time
         since = args.get("since")
         since = float(since) if since is not None else None
         if kind == p.QueryKind.LOGS:

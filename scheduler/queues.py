@@ -110,6 +110,17 @@ class ReadyQueue:
             heapq.heappop(later)
         return later[0][0] if later else None
 
+    def expedite(self, until: float, now: float) -> None:
+        """Calls waiting until `until` (a restart's hold, ended early) may start now."""
+        later = self._later
+        if not any(t == until for t, _, _ in later):
+            return
+        for i, (t, seq, inv) in enumerate(later):
+            if t == until:
+                inv.not_before = now
+                later[i] = (now, seq, inv)
+        heapq.heapify(later)
+
     def discard(self, inv: Invocation) -> None:
         """Account for an invocation that left QUEUED without being popped (cancel, expiry)."""
         q = self._by_fn[inv.function.function_id]

@@ -1,57 +1,163 @@
-"""After a scheduler restart: which resubmitted calls already ran under the old one.
+"""After a scheduler restart: which resubmitted calls its workers run or ran, and the
+hold that lets the workers say so before anything is placed.
 
-A client the scheduler does not know (it restarted) says so in its Hello and then
-resubmits every call it still waits for; the new scheduler cannot tell a call that was
-queued from one that was running. Workers that register again list the calls they ran
-lately (still running, or finished with a result that may have died with the old
-scheduler). A resubmitted call that a worker ran cannot be known to have completed, so
-it counts as an attempt lost with its worker: retried when `retries` allows, else it
-fails with `WorkerLost`. Calls resubmitted in the first `restart_grace_seconds` after the
-scheduler started wait until then, so that the workers can register (and say what they
-ran) first; a client forgotten later (it fell silent) resubmits with no wait.
+Clients hold their calls and workers hold what they ran (DESIGN principle 13). A client
+the scheduler does not know (it restarted) says so in its Hello and resubmits every call
+it still waits for. Workers that register again report the calls they run now (the new
+scheduler takes them over: they keep running, their one Result goes to the caller), the
+finished calls whose Results they still hold (asked for again with `Resend` when the
+caller resubmits), and the calls that ran there but whose Result is gone (those may have
+completed: a resubmit counts as an attempt lost with its worker, retried when `retries`
+allows, else `WorkerLost`). A supervisor reports, the same way, the calls of its workers
+that died while no scheduler was there. A resubmitted call matches a report whichever
+comes first.
+
+Calls resubmitted in the first `restart_grace_seconds` after the scheduler started wait
+(the hold) until every device seen before the restart has its worker back, at most that
+long, so that no call is placed before its worker could say it runs it; a client
+forgotten later (it fell silent) resubmits with no wait. During the hold a call said to
+have run (`RAN`) is only a suspect: a worker may still report that it runs it (a retry
+the previous scheduler placed after the first worker died); the hold's end decides.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
 
 from gpufn.wire import protocol as p
 
-RAN_MEMORY_SECONDS = 300.0  # how long a worker's report waits for its call's resubmit
+RAN_MEMORY_SECONDS = 300.0  # how long a report waits for its call's resubmit
+ORPHAN_SECONDS = 120.0  # a running call nobody resubmitted is stopped after this
+
+
+@dataclass(slots=True)
+class Report:
+    """A call a worker runs (or ran and holds the Result of), as it said in its Hello."""
+
+    device: str
+    worker: bytes
+    dispatch_token: int
+    attempt: int
+    held: bool  # finished; the worker holds its Result
+    at: float
+
+
+RAN = "ran"  # `claim`: the call ran on a worker and may have completed; nothing to take over
 
 
 class Recovery:
-    def __init__(self, grace: float, instance: str = "") -> None:
+    def __init__(self, grace: float, instance: str = "",
+                 expected: Iterable[str] | None = None) -> None:
         self.grace = grace
         self.instance = instance  # this scheduler's id: a client that knew it was not restarted
         self.ran: dict[str, float] = {}  # invocation id -> when a worker said it ran
+        self.reports: dict[str, Report] = {}  # invocation id -> running or held there
         self._resubmit_until: dict[bytes, float] = {}  # client -> end of its grace
         self.began: float | None = None  # when this scheduler handled its first event
+        # The devices seen before the restart (None: not known, the hold lasts its grace).
+        self.expected: set[str] | None = set(expected) if expected is not None else None
+        self.hold_over = self.expected is not None and not self.expected
+        self._next_orphans = 0.0
+        self.suspects: set[str] = set()  # resubmitted, said to have run: decided at the hold's end
+
+    @property
+    def hold_until(self) -> float:
+        return (self.began or 0.0) + self.grace
 
     def client_hello(self, peer: bytes, info: p.HelloInfo, now: float) -> None:
         if self.began is None:
             self.began = now
         same = bool(self.instance) and info.instance == self.instance  # only forgotten
-        if info.resubmit and not same and now < self.began + self.grace:  # restarted
-            self._resubmit_until[peer] = self.began + self.grace
+        if info.resubmit and not same and not self.hold_over and now < self.hold_until:
+            self._resubmit_until[peer] = self.hold_until
 
     def not_before(self, peer: bytes, now: float) -> float:
         """When a call this client submits may start (0: at once)."""
+        if not self._resubmit_until:
+            return 0.0
         until = self._resubmit_until.get(peer, 0.0)
-        if until <= now:
+        if until <= now or self.hold_over:
             self._resubmit_until.pop(peer, None)
             return 0.0
         return until
 
-    def worker_ran(self, ids: Iterable[Any], now: float) -> list[str]:
-        """Remember what a registering worker ran; returns the ids."""
+    def holding(self, now: float) -> bool:
+        """Whether the hold lasts (resubmitted calls wait; suspects are not decided)."""
+        return not self.hold_over and self.began is not None and now < self.hold_until
+
+    def decided(self, now: float) -> list[str]:
+        """The suspects to count as run now that the hold is over (each once)."""
+        if not self.suspects or self.holding(now):
+            return []
+        out, self.suspects = sorted(self.suspects), set()
+        return out
+
+    def device_ready(self, key: str) -> bool:
+        """A device has its worker (and its report) back; True if that ends the hold."""
+        if self.hold_over or self.expected is None:
+            return False
+        self.expected.discard(key)
+        if self.expected:
+            return False
+        self.hold_over = True
+        self._resubmit_until.clear()
+        return True
+
+    def worker_report(self, device: str, worker: bytes, info: p.HelloInfo,
+                      now: float) -> list[str]:
+        """Remember what a registering worker (or supervisor: `device` "") runs, holds
+        and ran; returns the ids it named."""
+        self._forget_old(now)
+        for inv_id, (token, attempt) in info.running.items():
+            self.reports[inv_id] = Report(device, worker, int(token), int(attempt), False, now)
+        for inv_id, (token, attempt) in info.held.items():
+            self.reports[inv_id] = Report(device, worker, int(token), int(attempt), True, now)
+        for inv_id in info.ran:
+            self.ran[str(inv_id)] = now
+        return [*info.running, *info.held, *map(str, info.ran)]
+
+    def _forget_old(self, now: float) -> None:
         if len(self.ran) > 100_000 or any(now - t > RAN_MEMORY_SECONDS for t in
                                           list(self.ran.values())[:1]):
             self.ran = {k: t for k, t in self.ran.items() if now - t <= RAN_MEMORY_SECONDS}
-        out = [str(i) for i in ids]
-        for inv_id in out:
-            self.ran[inv_id] = now
+        if len(self.reports) > 100_000 or any(now - r.at > RAN_MEMORY_SECONDS for r in
+                                              list(self.reports.values())[:1]):
+            self.reports = {k: r for k, r in self.reports.items()
+                            if now - r.at <= RAN_MEMORY_SECONDS}
+
+    def claim(self, invocation_id: str) -> Report | str | None:
+        """What the workers said of a (resubmitted) call: its Report, `RAN`, or None.
+        Each report is claimed once."""
+        if self.reports:
+            report = self.reports.pop(invocation_id, None)
+            if report is not None:
+                self.ran.pop(invocation_id, None)
+                self.suspects.discard(invocation_id)
+                return report
+        if self.ran and self.ran.pop(invocation_id, None) is not None:
+            return RAN
+        return None
+
+    def result_arrived(self, invocation_id: str, device: str, dispatch_token: int) -> None:
+        """A Result for a call reported running and not claimed yet: its worker holds it
+        now (it keeps what it sent), so a resubmit asks for it again."""
+        report = self.reports.get(invocation_id)
+        if report is not None and report.device == device and report.dispatch_token == dispatch_token:
+            report.held = True
+
+    def orphans(self, now: float) -> list[tuple[str, Report]]:
+        """Running calls reported longer than `ORPHAN_SECONDS` ago that no caller took
+        back: (id, report) each, forgotten here; their workers are told to stop them.
+        Looked at once a second."""
+        if not self.reports or now < self._next_orphans:
+            return []
+        self._next_orphans = now + 1.0
+        out: list[tuple[str, Report]] = []
+        for inv_id, r in list(self.reports.items()):
+            if not r.held and now - r.at > ORPHAN_SECONDS:
+                del self.reports[inv_id]
+                out.append((inv_id, r))
         return out
 
     def ran_before(self, invocation_id: str) -> bool:

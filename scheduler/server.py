@@ -36,6 +36,7 @@ from gpufn.scheduler.core import (
 )
 from gpufn.scheduler.deployments import DeploymentStore
 from gpufn.scheduler.kept_results import KeptResults
+from gpufn.scheduler.ops_store import OpsStore
 from gpufn.scheduler.users import UserStore
 from gpufn.wire import protocol as p
 from gpufn.wire.config import join_address
@@ -43,6 +44,9 @@ from gpufn.wire.config import join_address
 log = logging.getLogger("gpufn.scheduler")
 
 TICK_SECONDS = 0.05
+# The exit status of a scheduler that stopped to be restarted (SIGTERM, its parent gone):
+# `gpufn serve` starts it again; 0 means a final stop (`gpufn shutdown`, SIGINT).
+EXIT_RESTART = 75
 MAX_BATCH = 512
 # Room for a header frame above the largest payload frame allowed (headers are small).
 HEADER_SLACK = 64 * 1024
@@ -52,14 +56,20 @@ class SchedulerServer:
     def __init__(
         self, host: str = "127.0.0.1", port: int = 0, config: SchedulerConfig | None = None,
         ipc_path: str | None = None, security: ServerSecurity | None = None,
+        durable: bool = False,
     ) -> None:
         config = config or SchedulerConfig()
+        # `durable` (gpufn serve): usage, logs and the devices seen are kept on disk too.
+        ops = OpsStore.in_state_dir(config.state_dir if durable else "")
         self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir),
                                   UserStore.in_state_dir(config.state_dir),
                                   KeptResults.in_state_dir(config.state_dir,
                                                            config.result_retention_seconds,
-                                                           config.result_store_bytes))
+                                                           config.result_store_bytes), ops)
         self.core.wall_offset = time.time() - time.monotonic()  # the core is passed monotonic time
+        # Dispatch tokens start above any an earlier scheduler gave (its workers may still
+        # run those dispatches), so no late result matches a new dispatch by chance.
+        self.core.tx.tokens = int(time.time() * 1_000_000)
         self.ctx = zmq.Context()
         # The ZAP allow-list must run before the first peer's handshake.
         self._auth = security.start_auth(self.ctx) if security is not None else None
@@ -90,6 +100,9 @@ class SchedulerServer:
         # Only an operator's explicit shutdown stops other hosts' supervisors and workers;
         # a head that dies or is restarted leaves them reconnecting.
         self.stop_hosts = False
+        # A final stop (SIGINT, a drain) fails the clients' calls; any other (SIGTERM,
+        # the parent gone) is a restart: clients wait for the next scheduler.
+        self.final = False
         self._store: Any = None
         self._store_port: int | None = None
         self._store_error = ""
@@ -110,7 +123,17 @@ class SchedulerServer:
             log.error("cannot serve metrics on port %d: %s", port, e)
 
     def stop(self, *_: object) -> None:
+        """Stop to be restarted (clients and workers wait for the next scheduler)."""
         self._running = False
+
+    def stop_final(self, *_: object) -> None:
+        """Stop for good: clients' calls fail (workers of other hosts still wait)."""
+        self.final = True
+        self._running = False
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.final or self.core.ops.draining else EXIT_RESTART
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -164,6 +187,10 @@ class SchedulerServer:
         finally:
             self._flush_outboxes()  # results of calls that finished while draining
             self._shutdown_peers()
+            try:
+                self.core.ops.tick(time.monotonic(), force=True)  # usage and logs to disk
+            except Exception:
+                log.exception("could not save usage and logs")
 
     def _start_store(self) -> None:
         """Host the gang rendezvous TCPStore; importing torch takes a moment, so in a thread."""
@@ -224,16 +251,21 @@ class SchedulerServer:
                 del self._outbox[peer]
 
     def _shutdown_peers(self) -> None:
-        """Tell clients we stop. Workers and supervisors are told only after an explicit
-        `gpufn shutdown` (a drain) or when `stop_hosts` is set: otherwise they wait for the
+        """Tell clients we stop: for good (their calls fail), or to be restarted (their
+        calls wait). Workers and supervisors are told only after an explicit `gpufn
+        shutdown` (a drain) or when `stop_hosts` is set: otherwise they wait for the
         scheduler to come back."""
-        everyone = self.core.ops.draining or self.stop_hosts
+        ops = self.core.ops
+        everyone = ops.draining or self.stop_hosts
+        final = self.final or ops.draining
+        reason = (ops.drain_reason if ops.draining else "scheduler stopping" if final
+                  else "stopped to be restarted")
+        shutdown = p.encode(p.Shutdown(reason, final))
         for peer, info in list(self.core.peers.items()):
             if not everyone and info.role != p.Role.CLIENT:
                 continue
             try:
-                self.sock.send_multipart([peer, *p.encode(p.Shutdown("scheduler stopping"))],
-                                         zmq.NOBLOCK)
+                self.sock.send_multipart([peer, *shutdown], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 
@@ -295,26 +327,28 @@ def _refuse(ready_fd: int | None, reason: str) -> None:
 def run(
     host: str, port: int, config: SchedulerConfig, ready_fd: int | None = None,
     parent_pid: int = 0, ipc_path: str | None = None, security: ServerSecurity | None = None,
-    metrics_port: int | None = None,
-) -> None:
+    metrics_port: int | None = None, durable: bool = False, final_on_sigterm: bool = False,
+) -> int:
+    """Serve until stopped; returns the exit status (`EXIT_RESTART` unless final)."""
     try:
-        server = SchedulerServer(host, port, config, ipc_path, security)
+        server = SchedulerServer(host, port, config, ipc_path, security, durable)
     except zmq.ZMQError as e:  # the port is taken, or the interface does not exist
         where = f"ipc://{ipc_path}" if ipc_path else f"tcp://{host}:{port}"
         _refuse(ready_fd, f"cannot listen on {where}: {e.strerror}")
         raise SystemExit(2) from None
     if metrics_port is not None:
         server.start_metrics(metrics_port)
-    signal.signal(signal.SIGTERM, server.stop)
-    signal.signal(signal.SIGINT, server.stop)
+    signal.signal(signal.SIGTERM, server.stop_final if final_on_sigterm else server.stop)
+    signal.signal(signal.SIGINT, server.stop_final)
     processes.watch_parent(parent_pid, server.stop)
     log.info("scheduler listening on %s%s", server.address,
              " (CURVE)" if security is not None else "")
     try:
         if ready_fd is not None and not _announce(ready_fd, server.public_address):
             log.info("the process that started the scheduler is gone; stopping")
-            return
+            return 0  # nobody to restart it for
         server.serve_forever()
+        return server.exit_code
     finally:
         server.close()
         if ipc_path:

@@ -396,6 +396,28 @@ class Transitions:
         self.gang_failing(inv, now, str(error))
         self.settle(inv, now)
 
+    def adopt(self, inv: Invocation, d: Device, dispatch_token: int, attempt: int, now: float,
+              queued: bool) -> None:
+        """A resubmitted call that `d`'s worker runs (or ran, holding its Result) since the
+        previous scheduler (see `recovery.py`): it becomes RUNNING there as that dispatch,
+        without a Run; its Result is handled as any other. Not a placement, so not in
+        `TABLE`; the record's own move (`Invocation.start`) checks QUEUED -> RUNNING, and a
+        queued call leaves the queue here."""
+        inv.start(now, (d.key,), dispatch_token, Shape.SINGLE)
+        inv.attempts = max(1, attempt)
+        inv.run_started = now
+        if queued:
+            self.queue.discard(inv)
+        d.running[inv.id] = inv
+        d.running_by_fn[inv.function.code_id] += 1
+        d.ledger.reserve(inv.id, inv.spec.memory)
+        needs = self.models.request(inv).needs()
+        if needs and all(d.ledger.state(n.name) is Residency.RESIDENT for n in needs):
+            d.ledger.acquire(inv.id, needs, now, inv.function.name)  # not evicted under it
+        self.dirty = True
+        log.info("[%s] %s: taken over on %s from the previous scheduler (attempt %d)",
+                 inv.id, inv.function.name, d.key, inv.attempts)
+
     def lost_before_restart(self, inv: Invocation, now: float) -> None:
         """A resubmitted call that a worker ran under the previous scheduler (see
         `recovery.py`): that run counts as an attempt lost with its worker."""

@@ -3,8 +3,10 @@ for `gpufn usage` and the Prometheus counters; fed once per finished call.
 
 Device time is metered from dispatch to finish, per second, times the devices held (a gang
 of 4 counts 4), and spread over one-minute buckets so that `--since` cuts a long call at the
-window's edge. Buckets older than `retention` are dropped. Times are the core's monotonic
-`now` (queries say "since N seconds ago"), so the core stays clock-free.
+window's edge. Buckets older than `retention` are dropped. Times are wall-clock seconds
+the core derives from its `now` (`core.wall(now)`; queries say "since N seconds ago"),
+so buckets mean the same after a restart: the minutes changed since the last save are
+handed to the `OpsStore` (`take_dirty`) and read back at start (`load`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufn.scheduler.ops_store import UsageRow
+
 BUCKET_S = 60.0
 RETENTION_S = 35 * 86400.0
+MAX_ROWS = 500_000  # minute totals kept on disk at most (the oldest go first)
 # Histogram bounds for queue wait and call duration, 1 ms to 600 s (Prometheus `le`).
 BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
           25.0, 60.0, 120.0, 300.0, 600.0)
@@ -59,6 +64,30 @@ class UsageMeter:
         self.queue_wait: dict[tuple[str, str], Histogram] = {}
         self.duration: dict[tuple[str, str], Histogram] = {}
         self.device_seconds_total: dict[tuple[str, str], float] = {}
+        self.track = False  # note the cells written, for `take_dirty` (a durable store)
+        self._dirty: set[tuple[int, Key]] = set()
+
+    def load(self, rows: list[UsageRow]) -> None:
+        """The minutes a previous scheduler saved (before any call of this one)."""
+        for r in rows:
+            cells = self._buckets.setdefault(r.minute, {})
+            cells[Key(r.app, r.function, r.version, r.user)] = Cell(
+                r.calls, r.device_seconds, r.wait_seconds, dict(r.outcomes))
+        self._buckets = OrderedDict(sorted(self._buckets.items()))
+
+    def take_dirty(self) -> list[UsageRow]:
+        """The minute totals changed since the last call, whole."""
+        out = []
+        for b, k in self._dirty:
+            c = self._buckets.get(b, {}).get(k)
+            if c is not None:
+                out.append(UsageRow(b, k.app, k.function, k.version, k.user, c.calls,
+                                    c.device_seconds, c.wait_seconds, dict(c.outcomes)))
+        self._dirty.clear()
+        return out
+
+    def oldest_minute(self, now: float) -> int:
+        return int(now // BUCKET_S) - int(self.retention // BUCKET_S)
 
     def _cell(self, t: float, key: Key) -> Cell:
         b = int(t // BUCKET_S)
@@ -73,6 +102,8 @@ class UsageMeter:
         cell = cells.get(key)
         if cell is None:
             cell = cells[key] = Cell()
+        if self.track:
+            self._dirty.add((b, key))
         return cell
 
     def record_call(self, key: Key, outcome: str, submitted: float, started: float | None,

@@ -292,8 +292,8 @@ LISTED: tuple[Mutation, ...] = (
     ),
     Mutation(
         "usage-drops-lost-runs", "scheduler/ops.py",
-        "        if inv.started is not None and inv.devices:\n",
-        "        if inv.started is not None and inv.devices and state is not InvState.QUEUED:\n",
+        "        if started is not None and inv.devices:\n",
+        "        if started is not None and inv.devices and state is not InvState.QUEUED:\n",
         (f"{CG}::test_a_retried_call_counts_once_as_succeeded_with_both_runs_device_time",
          f"{CG}::test_a_preempted_call_counts_once_as_succeeded_with_both_runs_device_time"),
         "the device time of a run that was lost or preempted is not metered",

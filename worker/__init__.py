@@ -7,5 +7,7 @@ In reading order:
   `output`: routes what a call prints to its invocation;
 - `model_cache`: loads, offloads and evictions of the device's models;
 - `groups`: process groups for gangs; `multidevice`: the spmd=False device-set helper;
+- `held`: what a worker keeps for a restarted scheduler (its latest Results, a journal of
+  the calls it started);
 - `supervisor`: per host, starts and restarts workers; `joining`: its attempts to join.
 """

@@ -9,6 +9,7 @@ spmd=False helper, and carries the actions out. Only the shell's main thread cal
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,6 +98,27 @@ class Evict:
 @dataclass(frozen=True, slots=True)
 class Emit:
     msg: p.Message
+    run: RunRecord | None = None  # with a call's Result: what ran (kept for a restart)
+
+
+@dataclass(frozen=True, slots=True)
+class ResendHeld:
+    """Send again the Result of a call that this worker holds (after a restart)."""
+
+    invocation_id: str
+    dispatch_token: int
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """A call this worker runs, as a restarted scheduler needs to know it: a single-device
+    call can be taken over by the next scheduler (`adoptable`); a batch (its `members`),
+    a gang rank, a device-set call or a generator cannot, and counts as run."""
+
+    dispatch_token: int
+    attempt: int
+    members: tuple[str, ...] = ()
+    adoptable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +127,7 @@ class Exit:
 
 
 Action = (JoinGroup | RunInHelper | Execute | Interrupt | Grant | AbortGroup | StartLoad | Evict
-          | Emit | Exit)
+          | Emit | Exit | ResendHeld)
 
 
 def control_actions(msg: p.Message) -> list[Action]:
@@ -122,6 +144,11 @@ def control_actions(msg: p.Message) -> list[Action]:
     return []
 
 
+def _streams(fn: Any) -> bool:
+    f = getattr(fn, "__wrapped__", fn)
+    return inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f)
+
+
 # --------------------------------------------------------------------------- core
 
 
@@ -133,7 +160,8 @@ class WorkerCore:
     code: dict[str, Callable[..., Any]] = field(default_factory=dict)
     code_frames: dict[str, list[bytes]] = field(default_factory=dict)
     code_errors: dict[str, str] = field(default_factory=dict)
-    running: set[str] = field(default_factory=set)
+    streaming: set[str] = field(default_factory=set)  # code ids of generator functions
+    running: dict[str, RunRecord] = field(default_factory=dict)
     completed: int = 0
 
     def handle(self, msg: p.Message) -> list[Action]:
@@ -148,28 +176,48 @@ class WorkerCore:
             return [StartLoad(msg.model, msg.spec, tuple(msg.frames))]
         if isinstance(msg, p.EvictModel):
             return [Evict(msg.model, msg.offload)]
+        if isinstance(msg, p.Resend):
+            return [ResendHeld(msg.invocation_id, msg.dispatch_token)]
         return control_actions(msg)
 
     def done(self, result: p.Result) -> list[Action]:
         """A call ended (or was refused at its start)."""
-        self.running.discard(result.invocation_id)
+        run = self.running.pop(result.invocation_id, None)
         self.completed += 1
-        return [Emit(result)]
+        return [Emit(result, run)]
 
     def failed(self, msg: p.Message, exc: Exception) -> list[Action]:
         """Carrying out `msg` raised in the shell: a Run fails alone, the worker lives on."""
         if not isinstance(msg, p.Run):
             return []
-        self.running.discard(msg.invocation_id)
-        return self._fail(msg.invocation_id, GpufnError(
+        run = self.running.pop(msg.invocation_id, None)
+        actions = self._fail(msg.invocation_id, GpufnError(
             f"worker {self.device_key} failed: {exc}"), msg.dispatch_token)
+        return [Emit(a.msg, run) if isinstance(a, Emit) else a for a in actions]
+
+    def restart_report(self) -> tuple[dict[str, list[int]], list[str], list[str]]:
+        """For a Hello to a restarted scheduler: (running: id -> [dispatch token,
+        attempt] of the calls it can take over, ran: ids of the others, which count as
+        run, stop: those of them to interrupt here, since no scheduler waits for them)."""
+        running: dict[str, list[int]] = {}
+        ran: list[str] = []
+        stop: list[str] = []
+        for inv, run in self.running.items():
+            if run.adoptable:
+                running[inv] = [run.dispatch_token, run.attempt]
+            else:
+                ran += run.members or [inv]
+                stop.append(inv)
+        return running, ran, stop
 
     def _load_code(self, msg: p.LoadCode) -> None:
         try:
             self.code_frames[msg.code_id] = [bytes(memoryview(f.buffer if hasattr(f, "buffer") else f))
                                              for f in msg.frames]
-            self.code[msg.code_id] = ser.load_code(msg.frames)
+            fn = self.code[msg.code_id] = ser.load_code(msg.frames)
             self.code_errors.pop(msg.code_id, None)
+            if _streams(fn):
+                self.streaming.add(msg.code_id)
         except Exception as e:
             self.code_errors[msg.code_id] = f"{type(e).__name__}: {e}"
             log.warning("could not unpickle %s: %s", msg.name, e)
@@ -191,7 +239,11 @@ class WorkerCore:
                 "defined in a module, that module must be importable on the worker (same code "
                 "and PYTHONPATH), or define it in __main__ / a notebook cell"), msg.dispatch_token)
         meta = msg.meta
-        self.running.add(msg.invocation_id)
+        # A streamed call cannot be taken over (the values sent meanwhile are gone).
+        single = (meta.gang is None and meta.multi is None and not meta.members
+                  and msg.code_id not in self.streaming)
+        self.running[msg.invocation_id] = RunRecord(
+            msg.dispatch_token, meta.attempt_number, tuple(meta.members or ()), single)
         context = ctxmod.CallContext(
             invocation_id=msg.invocation_id, function=msg.name, device=self.device,
             devices=[self.device], attempt=meta.attempt_number, app=meta.app, version=meta.version,

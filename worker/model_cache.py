@@ -47,6 +47,7 @@ class ModelManager:
         self._comm: set[str] = set()  # keys whose loader failed because a peer rank went away
         # sharded loads waiting for their call to join the gang: key -> (spec, frames)
         self._pending: dict[str, tuple[dict[str, Any], tuple[Any, ...]]] = {}
+        self._sharded: set[str] = set()  # keys loaded as one rank's shard of a gang
 
     # ------------------------------------------------------------------ orders
 
@@ -57,6 +58,8 @@ class ModelManager:
             self._errors.pop(key, None)
             self._comm.discard(key)
             fresh = key not in self.arena.resident() and key not in self.arena.offloaded()
+            if spec.get("sharded"):
+                self._sharded.add(key)
             if spec.get("sharded") and not spec.get("restore") and fresh:
                 self._pending[key] = (spec, frames)  # run by `prepare`, inside the group
                 return
@@ -188,13 +191,17 @@ class ModelManager:
                 raise GangAborted(str(err))
             raise type(err)(str(err))
 
-    def forget_all(self) -> None:
-        """The scheduler lost track of this worker (it restarted): drop every model, so
-        the ledger it starts afresh is true."""
+    def keep_for_restart(self) -> list[list[Any]]:
+        """The scheduler restarted: the whole models resident here stay, reported as
+        [[key, bytes], ...] so its new ledger starts true. Host copies and shards (whose
+        gang's group went with the old scheduler) are dropped."""
         with self._lock:
             self._pending.clear()
-        for key in [*self.arena.resident(), *self.arena.offloaded()]:
+            sharded, self._sharded = self._sharded, set()
+        resident = self.arena.resident()
+        for key in [*self.arena.offloaded(), *(k for k in resident if k in sharded)]:
             self.ops.submit(self._evict, key, False)
+        return [[key, nbytes] for key, nbytes in resident.items() if key not in sharded]
 
     def resolve(self, name: str) -> Any:
         """`Model.get()` inside a call."""

@@ -23,7 +23,15 @@ from typing import Any
 
 import zmq
 
-from gpufn.exceptions import Cancelled, kind_of
+from gpufn.exceptions import (
+    AuthenticationError,
+    Cancelled,
+    ConnectionLost,
+    GpufnError,
+    ProtocolMismatch,
+    WorkerLost,
+    kind_of,
+)
 from gpufn.net import processes, sockets
 from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
 from gpufn.wire import config
@@ -38,20 +46,20 @@ from gpufn.worker.core import (
     Grant,
     Interrupt,
     JoinGroup,
+    ResendHeld,
     RunInHelper,
     StartLoad,
     WorkerCore,
     control_actions,
 )
 from gpufn.worker.executor import Executor
+from gpufn.worker.held import HeldResults, RunJournal
 from gpufn.worker.memory_watch import Reports
 from gpufn.worker.output import OutputRouter
 
 log = logging.getLogger("gpufn.worker")
 
 HEARTBEAT_SECONDS = 1.0
-RECENT_RESULTS = 10_000  # results remembered for a scheduler restart...
-RECENT_RESULT_SECONDS = 60.0  # ...sent at most this long ago
 OUTPUT_FLUSH_SECONDS = 0.05
 HANDSHAKE_SECONDS = 60.0
 CANCEL_MEMORY_SECONDS = 300.0
@@ -76,7 +84,7 @@ def _host_of(address: str) -> str:
 
 class WorkerProcess:
     def __init__(self, address: str, token: str, device_key: str, incarnation: int, kind: str,
-                 memory: int = 0, memory_fd: int = -1) -> None:
+                 memory: int = 0, memory_fd: int = -1, journal: str = "") -> None:
         self.address = address
         self.device_key = device_key
         self.incarnation = incarnation
@@ -109,9 +117,12 @@ class WorkerProcess:
         # call that had just ended must not drop the rest of a batch).
         self._inbox: deque[p.Message] = deque()
         self._rehello = threading.Event()  # the control channel learned we were forgotten
-        # Results sent lately: after a scheduler restart they may never have arrived, so
-        # the new scheduler is told (with what runs) which calls ran here (see recovery.py).
-        self._sent: deque[tuple[float, str]] = deque(maxlen=RECENT_RESULTS)
+        # Results sent lately: after a scheduler restart they may never have reached their
+        # callers, so the new scheduler is told (with what runs) which calls ran here and
+        # can ask for the Results again (see scheduler/recovery.py).
+        self.held = HeldResults(config.held_result_bytes())
+        # The calls started here, for the supervisor if this process dies meanwhile.
+        self.journal = RunJournal(journal) if journal else None
 
     # ------------------------------------------------------------------ main thread
 
@@ -121,8 +132,22 @@ class WorkerProcess:
                                                      incarnation=self.incarnation, channel=channel))
 
     def handshake(self) -> None:
-        # Work may follow the Welcome at once.
-        self._inbox.extend(self.conn.handshake_or_exit(HANDSHAKE_SECONDS, "worker"))
+        """Say Hello until welcomed (work may follow the Welcome at once). A refusal
+        because the device is not announced yet (a restarted scheduler that has not
+        heard from our supervisor) is tried again; others end the process."""
+        deadline = time.monotonic() + HANDSHAKE_SECONDS
+        while True:
+            try:
+                self._inbox.extend(self.conn.handshake(max(1.0, deadline - time.monotonic())))
+                return
+            except ConnectionLost as e:
+                raise SystemExit(str(e)) from None
+            except (AuthenticationError, ProtocolMismatch) as e:
+                raise SystemExit(f"scheduler refused this worker: {e}") from None
+            except GpufnError as e:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"scheduler refused this worker: {e}") from None
+                time.sleep(0.2)
 
     def _on_done(self, msg: p.Message) -> None:
         """From executor and model threads: a finished call (Result) or a model event."""
@@ -142,12 +167,24 @@ class WorkerProcess:
     def _act(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Execute):
+                if self.journal is not None:
+                    run = self.core.running.get(a.call.invocation_id)
+                    for inv in (run.members if run is not None and run.members
+                                else (a.call.invocation_id,)):
+                        self.journal.started(inv)
                 self._execute(a)
             elif isinstance(a, Emit):
                 if isinstance(a.msg, p.Result):  # its output first, then the result
-                    self._outgoing.extend(self.router.drain(a.msg.invocation_id))
-                    self._sent.append((time.monotonic(), a.msg.invocation_id))
+                    output = self.router.drain(a.msg.invocation_id)
+                    self._outgoing.extend(output)
+                    run = a.run
+                    if run is not None and run.adoptable:
+                        self.held.add(a.msg, run.attempt, output)
+                    elif run is not None:
+                        self.held.ran(list(run.members) or [a.msg.invocation_id])
                 self._queue(a.msg)
+            elif isinstance(a, ResendHeld):
+                self._resend(a)
             elif isinstance(a, JoinGroup):
                 self._join_group(a)
             elif isinstance(a, RunInHelper):
@@ -227,11 +264,31 @@ class WorkerProcess:
 
         call.relay = run_there
 
-    def _note_ran(self) -> None:
-        """Put the calls that run here or ended lately into the next Hello."""
-        since = time.monotonic() - RECENT_RESULT_SECONDS
-        recent = {inv for t, inv in self._sent if t >= since}
-        self.conn.info.ran = sorted(recent | self.core.running)
+    def _prepare_rehello(self) -> None:
+        """The scheduler restarted: put into the next Hello what runs here (the new
+        scheduler takes those calls over), the Results held (it asks for those its
+        callers still wait for), the calls that ran (they count as run) and the resident
+        models (they stay). Calls it cannot take over are stopped."""
+        running, ran, stop = self.core.restart_report()
+        for inv in stop:
+            self.executor.interrupt(inv)
+        if self.groups is not None:  # the gang store went with the old scheduler
+            self.groups.abort("the scheduler restarted")
+        held, gone = self.held.report()
+        info = self.conn.info
+        info.running, info.held, info.ran = running, held, gone + ran
+        info.models = self.models.keep_for_restart()
+
+    def _resend(self, a: ResendHeld) -> None:
+        result = self.held.get(a.invocation_id)
+        if result is not None and result.meta.dispatch_token == a.dispatch_token:
+            self._outgoing.extend(self.held.output(a.invocation_id))
+            self._queue(result)
+            return
+        # Let go of meanwhile: the run counts as an attempt lost (retried if it may be).
+        self._queue(p.Result(a.invocation_id, False, kind_of(WorkerLost), (
+            f"worker {self.device_key} ran call {a.invocation_id} but no longer holds its "
+            "result"), p.ResultMeta(dispatch_token=a.dispatch_token, retryable=True)))
 
     def _drain_done(self) -> None:
         while self._done:
@@ -250,8 +307,7 @@ class WorkerProcess:
             try:
                 if self._rehello.is_set():  # scheduler restarted: announce the work socket too
                     self._rehello.clear()
-                    self.models.forget_all()  # its new ledger starts empty
-                    self._note_ran()
+                    self._prepare_rehello()
                     self.conn.hello()
                 if self._inbox:
                     self._receive()
@@ -282,10 +338,15 @@ class WorkerProcess:
             while self._inbox and self._running:
                 msg = self._inbox.popleft()
                 if isinstance(msg, p.Error):
-                    log.warning("scheduler: %s", msg.message)
-                    self._note_ran()
-                    self.conn.on_error(msg)
+                    if self.conn.wants_hello(msg):
+                        log.warning("scheduler: %s", msg.message)
+                        self._prepare_rehello()
+                        self.conn.hello()
+                    elif not self.conn.needs_rehello(msg):
+                        log.warning("scheduler: %s", msg.message)
                     continue
+                if isinstance(msg, p.Welcome):
+                    self.conn.welcomed()
                 try:
                     self._act(self.core.handle(msg))
                 except Cancelled:
@@ -339,6 +400,8 @@ class WorkerProcess:
                 self._act_now(a)
         elif isinstance(msg, p.Shutdown):
             os._exit(0)
+        elif isinstance(msg, p.Welcome):
+            conn.welcomed()
         elif conn.on_error(msg):
             self._rehello.set()  # the main thread announces the work socket again
             self._wake.wake()
@@ -358,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--memory", type=int, default=0, help="device bytes (simulated devices)")
     ap.add_argument("--memory-fd", type=int, default=-1,
                     help="a pipe to the supervisor's host-memory watch")
+    ap.add_argument("--journal", default="", help="file where the calls started are noted")
     a = ap.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
@@ -368,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     glog.propagate = False
     token = config.token() or ""
     worker = WorkerProcess(a.address, token, a.device, a.incarnation, a.kind, a.memory,
-                           a.memory_fd)
+                           a.memory_fd, a.journal)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     # Exit if our supervisor dies without taking us along (e.g. started by hand).
     processes.watch_parent(os.getppid(), lambda: os._exit(0))

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from gpufn.net.private_files import open_private_append, private_dir
 from gpufn.wire import config, shm
 from gpufn.wire import protocol as p
 from gpufn.worker import proc_table
+from gpufn.worker.held import RunJournal
 from gpufn.worker.joining import JoinLog, refusal_reason
 from gpufn.worker.memory_watch import MemoryWatch, default_budget
 
@@ -40,6 +42,7 @@ SHM_SWEEP_SECONDS = 10.0  # how often this host's orphaned shared-memory payload
 GIVE_UP_AFTER = 5  # failures to start in a row; then wait `config.give_up_retry_seconds()`
 GAVE_UP = p.GAVE_UP
 RESTART_BACKOFF = Backoff(initial=0.1, maximum=10.0)  # after a worker that failed to start
+DEAD_RAN = 20_000  # ids of calls that workers which died had started, for a restarted scheduler
 
 
 def _host_memory() -> int:
@@ -72,11 +75,18 @@ class _Slot:
     log_offset: int = 0  # where this incarnation's output starts in the log
     memory_kill: str = ""  # why the memory watch stopped this incarnation ("" if it did not)
 
+    @property
+    def journal_path(self) -> Path:
+        """The calls the worker started (worker/held.py), read if it dies: this
+        supervisor's own (several clusters on one host share the log folder)."""
+        return self.log_path.with_name(f"{self.log_path.stem}-{os.getpid()}.ran")
+
 
 class Supervisor:
     def __init__(
         self, address: str, token: str, devices: list[DeviceInfo], node: str,
         threads_per_worker: int | None = None, host_budget: int | None = None,
+        head_grace: float = 0.0,
     ) -> None:
         self.address = address
         self.token = token
@@ -94,6 +104,14 @@ class Supervisor:
         self._early: list[p.Message] = []
         self.join_log = JoinLog(address)
         self.memory = self._memory_watch(host_budget)
+        # On the head's own host (`gpufn serve`): how long to keep the workers without a
+        # scheduler, for the next `gpufn serve` to adopt (0: forever, as worker hosts do).
+        self.head_grace = head_grace
+        # Calls started by workers that died, (ping seq sent after their exit notice, id):
+        # a restarted scheduler is told (it may not have heard of the deaths); dropped once
+        # a Pong shows the scheduler read the notice.
+        self._dead_ran: deque[tuple[int, str]] = deque(maxlen=DEAD_RAN)
+        self._ping_seq = 0
 
     def _connect(self) -> Connection:
         return Connection(self.ctx, ConnectionConfig(self.address, self.token),
@@ -152,9 +170,10 @@ class Supervisor:
     def _spawn(self, slot: _Slot) -> None:
         slot.incarnation += 1
         d = slot.device
+        RunJournal.clear(slot.journal_path)  # its predecessor's was read when it ended
         cmd = [sys.executable, "-m", "gpufn.worker", "--address", self.address, "--device", d.key,
                "--incarnation", str(slot.incarnation), "--kind", d.kind,
-               "--memory", str(d.memory_total)]
+               "--memory", str(d.memory_total), "--journal", str(slot.journal_path)]
         reports, pipe = self.memory.pipe() if self.memory.enabled else (-1, -1)
         if pipe >= 0:
             cmd += ["--memory-fd", str(pipe)]
@@ -192,6 +211,8 @@ class Supervisor:
                 continue
             slot.proc = None
             self._stop_leftovers(key, proc.pid)
+            seq = self._ping_seq + 1  # the next Ping follows the exit notice sent below
+            self._dead_ran.extend((seq, inv) for inv in RunJournal.read(slot.journal_path))
             if slot.memory_kill:
                 reason, rc = slot.memory_kill, p.OUT_OF_HOST_MEMORY
             elif slot.kill_reason:
@@ -243,20 +264,33 @@ class Supervisor:
     def _on_other(self, msg: p.Message) -> None:
         self.join_log.heard(time.monotonic())
         if isinstance(msg, p.Welcome):
+            self.conn.welcomed()
             if msg.ok:
                 self.join_log.joined()
             else:  # refused on a re-hello (e.g. restarted with another token): retry later
                 self.join_log.refused_again(refusal_reason(msg), time.monotonic())
-        elif self.join_log.next_hello is None and self.conn.on_error(msg):
-            self.join_log.rejoining()  # forgotten (the scheduler restarted): Hello again,
-            # unless refused lately: then the next Hello waits for its backoff
+        elif isinstance(msg, p.Pong):
+            while self._dead_ran and self._dead_ran[0][0] <= msg.seq:
+                self._dead_ran.popleft()  # the scheduler read the exit notices before it
+        elif self.join_log.next_hello is None and self.conn.wants_hello(msg):
+            # Forgotten (the scheduler restarted): Hello again, unless refused lately (then
+            # the next Hello waits for its backoff), with the calls dead workers ran.
+            self.join_log.rejoining()
+            self.conn.info.ran = [inv for _, inv in self._dead_ran]
+            self.conn.hello()
 
     def _watch_scheduler(self, now: float) -> None:
         """Log while the scheduler is silent, and say Hello again when a refusal's backoff
-        is over; ZeroMQ itself reconnects (with bounded backoff, see `_sockets`)."""
+        is over; ZeroMQ itself reconnects (with bounded backoff, see `_sockets`). On the
+        head's host, stop once the scheduler was away longer than the grace."""
         if self.join_log.hello_due(now):
             self.conn.hello()
         self.join_log.check_silence(now)
+        heard = self.join_log.last_heard
+        if self.head_grace and heard is not None and now - heard > self.head_grace:
+            log.warning("no scheduler at %s for %.0fs (the grace, GPUFN_HEAD_GRACE): "
+                        "stopping this host's workers", self.address, now - heard)
+            self._running = False
 
     def stop(self, *_: object) -> None:
         self._running = False
@@ -324,6 +358,7 @@ class Supervisor:
             if s.proc is not None:
                 self._stop_leftovers(key, s.proc.pid)
             s.proc = None
+            s.journal_path.unlink(missing_ok=True)
         self.memory.close()
 
     def serve(self) -> None:
@@ -356,7 +391,8 @@ class Supervisor:
                 self._reap(now)
                 self._watch_memory(now)
                 if now >= next_ping:
-                    self._send(p.Ping(int(now)))
+                    self._ping_seq += 1
+                    self._send(p.Ping(self._ping_seq))
                     next_ping = now + PING_SECONDS
                 if now >= next_sweep:  # big payloads whose caller died (gpufn/wire/shm.py)
                     shm.sweep()
@@ -387,6 +423,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--worker-host-memory", default=None,
                     help="host memory each worker may use, e.g. 32GiB (0: unwatched)")
+    ap.add_argument("--head-grace", type=float, default=0.0,
+                    help="the head's own host: stop when no scheduler answered this long")
     a = ap.parse_args(argv)
     logging.basicConfig(level=config.log_level(),
                         format="%(asctime)s gpufn-supervisor %(levelname)s %(message)s")
@@ -402,13 +440,14 @@ def main(argv: list[str] | None = None) -> None:
         threads = max(1, (os.cpu_count() or 1) // len(devices))
     host_budget = (parse_memory(a.worker_host_memory, "--worker-host-memory")
                    if a.worker_host_memory is not None else config.worker_host_memory())
-    sup = Supervisor(a.address, config.token() or "", devices, node, threads, host_budget)
+    sup = Supervisor(a.address, config.token() or "", devices, node, threads, host_budget,
+                     a.head_grace)
     signal.signal(signal.SIGTERM, sup.stop)
     signal.signal(signal.SIGINT, sup.stop)
     processes.watch_parent(a.parent_pid, sup.stop)
     if a.parent_pid:  # started with a local scheduler: it must answer, or we fail
         sup.handshake()
-    elif not sup.join():  # a host joining a cluster: wait for the head as long as it takes
+    elif not sup.join(give_up_after=a.head_grace):  # joining: wait as long as it takes
         sup.conn.close()
         sup.ctx.term()
         return

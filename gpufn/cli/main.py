@@ -57,6 +57,7 @@ def serve(
     http_cert: Path | None = typer.Option(None, help="TLS certificate (PEM) for the HTTP gateway."),
     http_key: Path | None = typer.Option(None, help="TLS private key (PEM, mode 0600) for the HTTP gateway."),
     worker_host_memory: str | None = typer.Option(None, help="Host memory each worker may use, e.g. 32GiB; over it a worker is replaced and its calls fail with HostOutOfMemory (0: unwatched) [GPUFN_WORKER_HOST_MEMORY, 80% of RAM split between workers]."),
+    on_sigterm: str = typer.Option("restart", "--on-sigterm", help="restart: SIGTERM stops this server so that a new one takes over (clients and this host's workers wait for it, GPUFN_HEAD_GRACE); stop: SIGTERM stops everything, as Ctrl-C does (a batch job's end)."),
 ) -> None:
     """Run the scheduler and this host's workers (until Ctrl-C or `gpufn shutdown`).
 
@@ -64,10 +65,13 @@ def serve(
     import signal
 
     from gpufn.client.embedded import LocalCluster
+    from gpufn.client.head import Head
     from gpufn.net import curve as security
 
     if cpu_devices is not None and cpu_devices < 1:
         fail("--cpu-devices must be at least 1", 2)
+    if on_sigterm not in ("restart", "stop"):
+        fail(f"--on-sigterm must be restart or stop, not {on_sigterm!r}", 2)
     if metrics_port is not None:
         try:
             import prometheus_client  # noqa: F401
@@ -109,9 +113,11 @@ def serve(
         return
     cluster = LocalCluster(cpu_devices, device_memory, islands, host=host, port=port,
                            token=tok, transport="tcp", workers=workers,
-                           keys=keys, allow_keys=Path(allow_keys) if allow_keys else None)
+                           keys=keys, allow_keys=Path(allow_keys) if allow_keys else None,
+                           head_grace=config.head_grace(), final_on_sigterm=on_sigterm == "stop")
+    head = Head(cluster, config.state_dir())
     try:
-        address, tok = cluster.start()
+        address, tok = head.start()
     except security.SecurityError as e:
         fail(f"the scheduler did not start: {e}")
     except GpufnError as e:
@@ -127,7 +133,7 @@ def serve(
         try:
             gateway.start()
         except GpufnError as e:
-            cluster.stop()
+            head.stop()
             fail(f"{e} (pick another --http-port, or 0 for any free one)")
     token_file = write_cluster_file(address, tok, gateway.url if gateway else None)
     if address_file is not None:
@@ -160,28 +166,38 @@ def serve(
             console.print(f"add workers with: GPUFN_TOKEN=<the token> gpufn worker --address "
                           f"'{address}'", soft_wrap=True, markup=False)
     sys.stdout.flush()
-    def stop(*_: object) -> None:
-        if cluster.scheduler is not None:
-            cluster.scheduler.terminate()
-
-    signal.signal(signal.SIGTERM, stop)
+    # SIGTERM (a service manager's restart): stop so that a new `gpufn serve` takes over;
+    # this host's workers keep running their calls meanwhile. Ctrl-C stops everything.
+    signal.signal(signal.SIGTERM, lambda *_: head.leave() if on_sigterm == "restart"
+                  else signal.default_int_handler(signal.SIGINT, None))
+    final = True
     try:
-        code = cluster.wait()
+        code = head.run()
+        final = not head.leaving
     except KeyboardInterrupt:
         code = 0
+        head.stop()
+    except BaseException:
+        head.stop()
+        raise
     finally:
         if gateway is not None:
             gateway.stop()
-        cluster.stop()
         if metrics_dir is not None:
             import shutil
 
             shutil.rmtree(metrics_dir, ignore_errors=True)
-        forget_server(os.getpid())
-        if address_file is not None:
-            addrfile.remove_if_ours(address_file)
+        if final:
+            forget_server(os.getpid())
+            if address_file is not None:
+                addrfile.remove_if_ours(address_file)
+        else:  # the address (and its key) stay for the clients and the next `gpufn serve`
+            head.wait_left()
+            if common.read_pid() == os.getpid():
+                common.pid_file().unlink(missing_ok=True)
     if not as_json:
-        console.print("gpufn scheduler stopped")
+        console.print("gpufn scheduler stopped" + ("" if final else
+                      "; this host's workers wait for the next `gpufn serve`"))
     raise typer.Exit(code if code and code > 0 else 0)
 
 

@@ -155,12 +155,18 @@ def shutdown(
         target = common.resolve(address, token)
         client = common.connect(address, token, timeout, target)
     except typer.Exit:
-        dpid = common.read_pid()
-        if not (force and dpid):
+        if not force:
             raise
         import os
 
-        os.kill(dpid, signal.SIGTERM)
+        from gpufn.client.head import stop_recorded
+        from gpufn.wire import config
+
+        dpid = common.read_pid()
+        if dpid:
+            os.kill(dpid, signal.SIGINT)  # for good: SIGTERM would leave the workers waiting
+        if not stop_recorded(config.state_dir()) and not dpid:
+            raise
         pid: Any = dpid
         ack: dict[str, Any] = {"forced": True}
         addr, tok = (str(target.address) if target else ""), None

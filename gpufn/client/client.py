@@ -1,8 +1,11 @@
 """The client: one I/O thread owns the DEALER socket; callers get futures.
 
 Calls are pickled in the caller's thread (so a bad argument fails at the call site),
-queued to the I/O thread, and matched to results by invocation id. The client pings
-the scheduler and fails every outstanding call with `ConnectionLost` if it goes silent.
+queued to the I/O thread, and matched to results by invocation id. The client holds its
+calls through a scheduler restart: ZeroMQ reconnects (with backoff), the new scheduler
+says it does not know us, and we say Hello again and resubmit what is outstanding. Only
+a final stop (`gpufn shutdown`) or a scheduler silent longer than the grace
+(`GPUFN_HEAD_GRACE`) fails the outstanding calls, with `ConnectionLost` saying which.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from gpufn.exceptions import (
     ConnectionLost,
     GpufnError,
     ProtocolMismatch,
+    WorkerLost,
     from_wire,
     kind_of,
 )
@@ -63,7 +67,7 @@ class Client:
         self.cluster = cluster
         self.target = target  # where the address came from (gpufn.net.discovery)
         self.pid = os.getpid()
-        self.connection_timeout = config.env_float("GPUFN_CONNECTION_TIMEOUT", 60.0)
+        self.head_grace = config.head_grace()  # a scheduler away longer fails our calls
         self._prefix = os.urandom(4).hex()
         self._counter = itertools.count(1)
         self._calls: dict[str, _Pending] = {}
@@ -439,10 +443,8 @@ class Client:
                         sock.send_multipart(p.encode(p.Ping(int(now))), zmq.NOBLOCK)
                     except zmq.Again:
                         pass
-                    if self._calls and now - self._last_heard > self.connection_timeout:
-                        self._fail_all(ConnectionLost(
-                            f"the scheduler at {self.address} has not answered for "
-                            f"{now - self._last_heard:.0f}s; outstanding calls were failed"))
+                    if self._calls and now - self._last_heard > self.head_grace:
+                        self._fail_all(ConnectionLost(self._grace_over(now - self._last_heard)))
             try:
                 sock.send_multipart(p.encode(p.Goodbye("client closing")), zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -455,6 +457,11 @@ class Client:
         finally:
             sock.close(100)
             self._io_done.set()
+
+    def _grace_over(self, silent: float) -> str:
+        return (f"the scheduler at {self.address} has not answered for {silent:.0f}s, longer "
+                f"than the grace for a restart ({self.head_grace:g}s, GPUFN_HEAD_GRACE); "
+                "outstanding calls were failed. Start it again (gpufn serve) and call again")
 
     def _receive(self, sock: zmq.Socket[Any]) -> None:
         while True:
@@ -492,6 +499,7 @@ class Client:
             if not msg.ok:
                 self._refused(msg)
             elif self._resubmit:
+                self.info = msg.info  # the scheduler we now talk to (a restart tells)
                 self._send_again()
         elif isinstance(msg, (p.StatusReply, p.QueryReply, p.AppReply)):
             fut = self._status.get(msg.request_id)
@@ -506,7 +514,13 @@ class Client:
             else:
                 fut.set_exception(from_wire(msg.error_kind, msg.message))
         elif isinstance(msg, p.Shutdown):
-            self._fail_all(ConnectionLost(f"the scheduler stopped ({msg.reason})"))
+            if msg.final:
+                self._fail_all(ConnectionLost(f"the scheduler stopped ({msg.reason}); "
+                                              "outstanding calls were failed"))
+            else:  # restarting: ZeroMQ reconnects, the next scheduler gets our calls
+                log.warning("the scheduler %s; %d outstanding call(s) wait for the next one "
+                            "up to %gs (GPUFN_HEAD_GRACE)", msg.reason, len(self._calls),
+                            self.head_grace)
         elif isinstance(msg, p.Error):
             if Connection.needs_rehello(msg):
                 if not self._resubmit:  # forgotten (restart, long silence): announce again
@@ -546,9 +560,17 @@ class Client:
 
     def _send_again(self) -> None:
         """Welcomed again after being forgotten: register every function, then submit what
-        is outstanding (the scheduler dropped those calls with the connection), then what
-        waited in the outbox meanwhile, each once."""
+        is outstanding (the scheduler dropped those calls with the connection, so none runs
+        twice), then what waited in the outbox meanwhile, each once."""
+        broken: list[_Pending] = []
         with self._lock:  # callers add a call to `_calls` and the outbox under it
+            # A generator call that streamed values cannot resume on the next scheduler
+            # (a run from the start would repeat them): it fails, the others go again.
+            for inv, items in list(self._streams.items()):
+                pend = self._calls.get(inv)
+                if pend is not None and items.received:
+                    broken.append(self._calls.pop(inv))
+                    del self._streams[inv]
             held = []
             while self._outbox:
                 held.append(self._outbox.popleft())
@@ -563,6 +585,11 @@ class Client:
             self._front.extend(f for f in held if id(f) not in sent)
             self._resubmit = False
         self._wake()
+        for pend in broken:
+            if not pend.future.done():
+                pend.future.set_exception(WorkerLost(
+                    f"the scheduler restarted while {pend.name} streamed values; a generator "
+                    "call does not resume on the next scheduler. Call it again"))
 
     def _print_output(self, msg: p.Output, name: str | None = None) -> None:
         if name is None:
@@ -618,16 +645,16 @@ class _SyncChannel:
             self.registered.add(register.function_id)
         self._send(submit)
         inv = submit.invocation_id
-        timeout = self.client.connection_timeout
+        grace = self.client.head_grace
         try:
             while True:
                 # poll, then read without blocking: a blocking recv on a socket that another
                 # thread closes at interpreter exit can abort inside libzmq
                 if not self.sock.poll(int(self.client.ping_seconds * 1000)):
-                    if time.monotonic() - self.last_heard > timeout:
-                        raise ConnectionLost(
-                            f"the scheduler at {self.client.address} has not answered for "
-                            f"{timeout:.0f}s while {name} call {inv} was outstanding")
+                    silent = time.monotonic() - self.last_heard
+                    if silent > grace:
+                        raise ConnectionLost(self.client._grace_over(silent)
+                                             + f" ({name} call {inv})")
                     self._send(p.Ping(0))
                     continue
                 self.last_heard = time.monotonic()
@@ -653,8 +680,9 @@ class _SyncChannel:
                name: str) -> None:
         if isinstance(msg, p.Output):
             self.client._print_output(msg, name)
-        elif isinstance(msg, p.Shutdown):
-            raise ConnectionLost(f"the scheduler stopped ({msg.reason})")
+        elif isinstance(msg, p.Shutdown) and msg.final:
+            raise ConnectionLost(f"the scheduler stopped ({msg.reason}); the {name} call "
+                                 "was failed")
         elif self.conn.needs_rehello(msg):
             self.conn.info.resubmit = 1  # it may have run (scheduler/recovery.py)
             self.conn.info.instance = self.client.info.instance

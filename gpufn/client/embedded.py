@@ -13,6 +13,7 @@ import os
 import secrets
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,9 @@ def _extra_pythonpath() -> list[str]:
 class LocalCluster:
     """A scheduler process and (optionally) a supervisor for this host's devices.
 
-    The embedded cluster uses it with a Unix socket; `gpufn serve` with a TCP address.
+    The embedded cluster uses it with a Unix socket; `gpufn serve` with a TCP address and
+    `head_grace` (see `gpufn.client.head`): then the scheduler keeps its books on disk
+    and the supervisor does not follow this process, so it outlives a restart.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class LocalCluster:
         host: str = "127.0.0.1", port: int = 0, token: str | None = None,
         transport: str | None = None, workers: bool = True, keys: Path | None = None,
         allow_keys: Path | None = None, private_state: bool = False,
+        head_grace: float = 0.0, final_on_sigterm: bool = False,
     ) -> None:
         self.cpu_devices = cpu_devices
         self.device_memory = device_memory
@@ -88,6 +92,9 @@ class LocalCluster:
         self.private_state = private_state
         self.state_dir: Path | None = None
         self.label = "the embedded gpufn scheduler" if private_state else "the gpufn scheduler"
+        self.head_grace = head_grace  # >0: `gpufn serve`'s, whose workers outlive it
+        self.final_on_sigterm = final_on_sigterm  # SIGTERM ends the scheduler for good
+        self._env_cache: dict[str, str] | None = None
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -115,16 +122,35 @@ class LocalCluster:
             args += ["--allow-keys", str(self.allow_keys)]
         return args
 
-    def start(self, timeout: float = 60.0) -> tuple[str, str]:
+    def start(self, timeout: float = 60.0, supervise: bool = True) -> tuple[str, str]:
+        """Start the scheduler and (with `workers`, unless `supervise` is False) the
+        supervisor; returns (address, token)."""
         if self.private_state and self.state_dir is None:
             self.state_dir = private_state_dir()
-        env = self._env()
+        env = self._env_cache = self._env()
         # Before the pipe: a refusal here leaves nothing to clean up.
         security_args = self._security_args(env)
+        self.address = self._start_scheduler(env, security_args, timeout)
+        if self.workers and supervise:
+            self.start_supervisor(env)
+        return self.address, self.token
+
+    def restart_scheduler(self, timeout: float = 60.0) -> str:
+        """Start the scheduler again (it died), on the same address."""
+        env = self._env_cache or self._env()
+        self.address = self._start_scheduler(env, self._security_args(env), timeout)
+        return self.address
+
+    def _start_scheduler(self, env: dict[str, str], security_args: list[str],
+                         timeout: float) -> str:
         r, w = os.pipe()
         cmd = [sys.executable, "-m", "gpufn.scheduler", "--host", self.host, "--port",
                str(self.port), "--ready-fd", str(w), "--parent-pid", str(os.getpid()),
                *security_args]
+        if self.head_grace:
+            cmd.append("--durable")
+        if self.final_on_sigterm:
+            cmd.append("--final-on-sigterm")
         if self.transport == "ipc":
             sock_dir = config.runtime_dir()
             sock_dir.mkdir(mode=0o700, exist_ok=True)
@@ -135,27 +161,36 @@ class LocalCluster:
         )
         os.close(w)
         try:
-            self.address = self._read_address(r, timeout)
+            return self._read_address(r, timeout)
         except BaseException:
             self._remove_state()
             raise
         finally:
             os.close(r)
-        if self.workers:
-            self.start_supervisor(env)
-        return self.address, self.token
 
-    def start_supervisor(self, env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", "gpufn.worker.supervisor", "--address", self.address,
-               "--parent-pid", str(os.getpid())]
+    def start_supervisor(self, env: dict[str, str] | None = None) -> None:
+        env = env or self._env_cache or self._env()
+        cmd = [sys.executable, "-m", "gpufn.worker.supervisor", "--address", self.address]
+        out = None
+        if self.head_grace:  # outlives us: its own log, no parent to follow
+            cmd += ["--head-grace", f"{self.head_grace:g}"]
+            logs = config.log_dir()
+            logs.mkdir(parents=True, exist_ok=True)
+            out = open(logs / f"supervisor-{config.node_id()}.log", "ab")  # noqa: SIM115
+        else:
+            cmd += ["--parent-pid", str(os.getpid())]
         if self.cpu_devices:
             cmd += ["--cpu-devices", str(self.cpu_devices)]
         if self.device_memory:
             cmd += ["--device-memory", str(self.device_memory)]
         if self.islands:
             cmd += ["--islands", str(self.islands)]
-        self.supervisor = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                           start_new_session=True)
+        try:
+            self.supervisor = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                               stdout=out, stderr=out, start_new_session=True)
+        finally:
+            if out is not None:
+                out.close()
 
     def wait(self) -> int:
         """Block until the scheduler exits (gpufn serve); returns its exit code."""
@@ -169,7 +204,9 @@ class LocalCluster:
             left = deadline - time.monotonic()
             assert self.scheduler is not None
             if left <= 0 or self.scheduler.poll() is not None:
-                self.stop()
+                if self.scheduler.poll() is None:
+                    self.scheduler.kill()
+                self.scheduler.wait()
                 raise ConnectionLost(
                     f"{self.label} did not start (see the output above); set "
                     "GPUFN_LOG_LEVEL=INFO for details")
@@ -198,10 +235,12 @@ class LocalCluster:
         raise ConnectionLost(f"no devices registered within {timeout:.0f}s")
 
     def stop(self, grace: float = 5.0) -> None:
-        for proc in (self.supervisor, self.scheduler):
+        """Stop both for good: the scheduler's SIGINT fails its clients' calls (SIGTERM
+        would have them wait for a restart)."""
+        for proc, sig in ((self.supervisor, signal.SIGTERM), (self.scheduler, signal.SIGINT)):
             if proc is not None and proc.poll() is None:
                 try:
-                    proc.terminate()
+                    proc.send_signal(sig)
                 except ProcessLookupError:
                     pass
         for proc in (self.supervisor, self.scheduler):

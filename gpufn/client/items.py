@@ -20,10 +20,12 @@ class ItemQueue:
         self._items: deque[p.Item] = deque()
         self._ended = False
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.received = 0  # items put so far (a stream cannot resume after a restart)
 
     def put(self, item: p.Item) -> None:
         with self._cond:
             self._items.append(item)
+            self.received += 1
             self._wake()
 
     def end(self, _fut: Any = None) -> None:

@@ -32,6 +32,9 @@ _FORGOTTEN = kind_of(AuthenticationError)
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+# After a restart every message queued while the scheduler was away is refused, each
+# with its own Error: one Hello answers them all, and another only if no Welcome came.
+HELLO_AGAIN_SECONDS = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,7 @@ class Connection:
         self.info = info or p.HelloInfo()
         self.welcome: p.Welcome | None = None
         self.backoff = Backoff()
+        self._hello_sent: float | None = None  # a Hello not answered yet (see `wants_hello`)
         self.sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
         sockets.configure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
@@ -204,6 +208,11 @@ class Connection:
 
     def hello(self) -> None:
         self.sock.send_multipart(self.hello_frames())
+        self._hello_sent = time.monotonic()
+
+    def welcomed(self) -> None:
+        """A Welcome (or a refusal) answered our Hello: the next Error may ask for another."""
+        self._hello_sent = None
 
     def handshake(self, timeout: float) -> list[p.Message]:
         """Send Hello and wait for the Welcome; return the messages batched after it
@@ -245,6 +254,7 @@ class Connection:
                 continue
             for i, msg in enumerate(msgs):
                 if isinstance(msg, p.Welcome):
+                    self._hello_sent = None
                     if not msg.ok:
                         raise from_wire(msg.error_kind, msg.message)
                     self.welcome = msg
@@ -258,10 +268,19 @@ class Connection:
         """Whether `msg` says the scheduler does not know this connection (any more)."""
         return isinstance(msg, p.Error) and msg.error_kind == _FORGOTTEN
 
-    def on_error(self, msg: p.Message) -> bool:
-        """Say Hello again if `msg` says we were forgotten; True if so, so the caller can
-        send its state again (the scheduler dropped it with the connection)."""
+    def wants_hello(self, msg: p.Message) -> bool:
+        """Whether `msg` says we were forgotten and no Hello of ours is on its way (the
+        refusals of what was queued while the scheduler was away all come at once)."""
         if not self.needs_rehello(msg):
+            return False
+        sent = self._hello_sent
+        return sent is None or time.monotonic() - sent > HELLO_AGAIN_SECONDS
+
+    def on_error(self, msg: p.Message) -> bool:
+        """Say Hello again if `msg` says we were forgotten (once for a burst of such
+        refusals); True if so, so the caller can send its state again (the scheduler
+        dropped it with the connection)."""
+        if not self.wants_hello(msg):
             return False
         self.hello()
         return True

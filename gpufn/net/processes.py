@@ -1,5 +1,5 @@
-"""Process plumbing: is a pid alive, follow a parent's exit (a watch thread, or Linux's
-parent-death signal)."""
+"""Process plumbing: is a pid alive (and still the same process), follow a parent's exit
+(a watch thread, or Linux's parent-death signal)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,24 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot; Linux), None if there is no such live
+    process: a pid and its start time name one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])  # field 22 of stat; the list starts at field 3
+
+
+def same(pid: int, started: int | None) -> bool:
+    """Whether `pid` is alive and is the process that started at `started`."""
+    return pid > 0 and started is not None and start_time(pid) == started
 
 
 def watch_parent(parent_pid: int, on_exit: Any) -> None:

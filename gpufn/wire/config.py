@@ -161,6 +161,24 @@ def give_up_retry_seconds() -> float:
     return env_float("GPUFN_GIVE_UP_RETRY", 60.0)
 
 
+def head_grace() -> float:
+    """GPUFN_HEAD_GRACE: seconds a head restart may take (default 60). Clients keep their
+    calls while the scheduler is away this long, then fail them with ConnectionLost; the
+    supervisor `gpufn serve` started keeps its workers this long for the next `gpufn
+    serve` to adopt. GPUFN_CONNECTION_TIMEOUT is the older name of the same setting."""
+    name = "GPUFN_HEAD_GRACE" if env_str("GPUFN_HEAD_GRACE") else "GPUFN_CONNECTION_TIMEOUT"
+    grace = env_float(name, 60.0)
+    if grace <= 0:
+        raise InvalidSpec(f"{name}={grace:g} must be a positive number of seconds.")
+    return grace
+
+
+def held_result_bytes() -> int:
+    """GPUFN_HELD_RESULTS: payload bytes of its latest Results a worker keeps to hand to
+    a restarted scheduler (default 64MiB; the ids of its last 10,000 calls are kept)."""
+    return parse_memory(env_str("GPUFN_HELD_RESULTS", "64MiB"), "GPUFN_HELD_RESULTS")
+
+
 def scheduler_log() -> Path | None:
     """GPUFN_SCHEDULER_LOG: a file the scheduler also writes its log to (default: none,
     stderr only)."""

@@ -282,7 +282,16 @@ class HelloInfo:
     device: str = ""  # worker: the device key it serves
     incarnation: int = 0  # worker: its generation (counted by its supervisor)
     channel: str = ""  # worker: "work" or "control"
-    ran: list[str] = field(default_factory=list)  # worker: calls it ran lately (recovery)
+    # After a scheduler restart (see scheduler/recovery.py). Worker or supervisor: calls
+    # that ran there lately and may have completed, with no Result left to hand over.
+    ran: list[str] = field(default_factory=list)
+    # Worker: calls running now, id -> [dispatch token, attempt]; their Results follow.
+    running: dict[str, list[int]] = field(default_factory=dict)
+    # Worker: finished calls whose Result it still holds, id -> [dispatch token, attempt];
+    # each is sent again when the scheduler asks (`Resend`).
+    held: dict[str, list[int]] = field(default_factory=dict)
+    # Worker: the models resident on its device, [[key, bytes], ...]; they stay.
+    models: list[list[Any]] = field(default_factory=list)
     host: str = ""  # client, supervisor: who shares its /dev/shm (gpufn.wire.shm.host_id)
 
 
@@ -347,9 +356,13 @@ class Goodbye(Message):
 @message(6)
 @dataclass(frozen=True, slots=True)
 class Shutdown(Message):
-    """Scheduler -> supervisor/worker: stop now."""
+    """Scheduler -> peers: stop now (supervisors, workers), or the scheduler stops.
+    To a client, `final` False says the scheduler is restarting: its calls wait for the
+    next one (up to the grace, `GPUFN_HEAD_GRACE`); True (a `gpufn shutdown`, Ctrl-C)
+    fails them."""
 
     reason: str = ""
+    final: bool = True
 
 
 @message(7)
@@ -785,6 +798,16 @@ class WorkerServing(Message):
     pid: int
     incarnation: int
 
+
+
+@message(110)
+@dataclass(frozen=True, slots=True)
+class Resend(Message):
+    """Scheduler -> worker, after a restart: send again the Result of this call, which
+    the worker said it holds (`HelloInfo.held`); its client asked for it again."""
+
+    invocation_id: str
+    dispatch_token: int
 
 
 # --------------------------------------------------------------------------- operations

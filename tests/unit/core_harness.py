@@ -8,6 +8,7 @@ from gpufn.memory_pool.probe import simulated_devices
 from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore, Send, Tick, Unreachable
 from gpufn.scheduler.deployments import DeploymentStore
 from gpufn.scheduler.kept_results import KeptResults
+from gpufn.scheduler.ops_store import OpsStore
 from gpufn.scheduler.users import UserStore
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec, make_spec
@@ -17,10 +18,11 @@ GiB = 2**30
 
 class Harness:
     def __init__(self, devices: int = 2, memory: int = 8 * GiB, islands: int = 1,
-                 users: UserStore | None = None, **cfg: Any) -> None:
+                 users: UserStore | None = None, ops: OpsStore | None = None,
+                 **cfg: Any) -> None:
         config = SchedulerConfig(**cfg)
         self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir), users,
-                                  KeptResults.in_state_dir(config.state_dir))
+                                  KeptResults.in_state_dir(config.state_dir), ops)
         self.now = 1000.0
         self.sent: list[Send] = []
         self.n = 0

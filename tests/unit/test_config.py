@@ -37,6 +37,9 @@ CASES: list[tuple[Callable[[], Any], str, Any, list[tuple[str, Any]], list[str]]
      ["big"]),
     (config.worker_host_memory, "GPUFN_WORKER_HOST_MEMORY", None,
      [("32GiB", 32 * 2**30), ("0", 0)], ["plenty", "-1GiB"]),
+    (config.head_grace, "GPUFN_HEAD_GRACE", 60.0, [("5", 5.0), ("0.5", 0.5)], ["0", "-1", "soon"]),
+    (config.held_result_bytes, "GPUFN_HELD_RESULTS", 64 * 2**20, [("1MiB", 2**20), ("0", 0)],
+     ["lots"]),
 ]
 
 

@@ -175,11 +175,12 @@ def test_a_resubmitted_call_a_worker_ran_fails_with_worker_lost_without_retries(
     # The workers register again (within the grace) and say what they ran.
     h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 4, "ran": [lost]})
     h.hello(b"w1", p.Role.WORKER, info={"device": "n:1", "incarnation": 2, "ran": [retried]})
+    assert not h.results(cli)  # decided when the hold ends (a worker may still run them)
+    assert not h.runs()  # held for the grace, so that every worker can report first
+    h.tick(3.1)
     res = h.results(cli)
     assert res[lost].error_kind == "WorkerLost" and "retries=N" in res[lost].message
     assert retried not in res and queued not in res
-    assert not h.runs()  # held for the grace, so that every worker can report first
-    h.tick(3.1)
     runs = {r.invocation_id: r.meta.attempt_number for r in h.runs()}
     assert runs == {retried: 2, queued: 1}
 
@@ -189,6 +190,7 @@ def test_a_worker_that_reports_before_the_resubmit_is_remembered() -> None:
     once = h.register("once")
     h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1, "ran": ["early"]})
     h.feed(cli, p.Submit("early", once, {}, frames=(b"args",)))
+    h.tick(3.1)
     assert h.results(cli)["early"].error_kind == "WorkerLost"
 
 

@@ -9,6 +9,8 @@ from gpufn.wire import protocol as p
 
 SAMPLES: list[p.Message] = [
     p.Hello(p.Role.CLIENT, p.PROTOCOL_VERSION, "tok", 42, p.HelloInfo(user="x", ran=["a"])),
+    p.Hello(p.Role.WORKER, p.PROTOCOL_VERSION, "tok", 43, p.HelloInfo(
+        device="n:0", running={"r1": [7, 1]}, held={"h1": [5, 2]}, models=[["m@abc", 1024]])),
     p.Welcome(True, "", "", p.WelcomeInfo(devices=2, user="bob", admin=False)),
     p.Welcome(False, "AuthenticationError", "wrong token"),
     p.Ping(1), p.Pong(1), p.Goodbye("bye"), p.Shutdown("stop"), p.Error("GpufnError", "bad"),
@@ -47,7 +49,8 @@ SAMPLES: list[p.Message] = [
     p.AppCommand(5, "rollback", {"app": "app", "version": 1}),
     p.AppReply(5, False, "NotFound", "no app", {}),
     p.AppReply(6, True, data={"app": "app", "version": 2}),
-    p.Item("i1", 3, 0, (b"value",)), p.Credit("i1", 0, 32), p.Attach("i1"),
+    p.Item("i1", 3, 0, (b"value",)), p.Credit("i1", 0, 32), p.Attach("i1"), p.Resend("i1", 7),
+    p.Shutdown("restarting", final=False),
     p.Result("i3", False, "", "raised", p.ResultMeta(items=3, first_item_s=0.1, items_per_s=30.0,
                                                      retryable=True), (b"exc",)),
     p.Run("i1", "f1", "c1", "f", 2, p.RunMeta(retry_on=["builtins.ConnectionError"]), (b"args",)),

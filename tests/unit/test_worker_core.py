@@ -54,7 +54,7 @@ def test_run_executes_with_its_context() -> None:
     assert call.models == {"m": "k1"}
     assert call.prepare is None and call.finish is None and call.on_error is None
     assert call.meta == {}  # the worker's own, not the Run's meta
-    assert core.running == {"i1"}
+    assert set(core.running) == {"i1"}
 
 
 def test_run_defaults_to_a_thread_and_the_first_attempt() -> None:
@@ -75,7 +75,7 @@ def test_unknown_code_fails_the_call() -> None:
     r = send.msg
     assert (r.invocation_id, r.ok, r.error_kind) == ("i1", False, kind_of(GpufnError))
     assert "has no code nope" in r.message and r.meta == p.ResultMeta(dispatch_token=7)
-    assert core.running == set()
+    assert not core.running
 
 
 def test_code_that_cannot_be_unpickled_names_the_fix() -> None:
@@ -156,10 +156,10 @@ def test_done_sends_the_result_and_counts() -> None:
     core = _core()
     core.handle(_run({}, inv="a"))
     core.handle(_run({}, inv="b"))
-    assert core.running == {"a", "b"}
+    assert set(core.running) == {"a", "b"}
     result = p.Result("a", True, "", "", p.ResultMeta(dispatch_token=7))
-    assert core.done(result) == [wc.Emit(result)]
-    assert core.running == {"b"} and core.completed == 1
+    assert [a.msg for a in core.done(result)] == [result]
+    assert set(core.running) == {"b"} and core.completed == 1
 
 
 def test_a_run_the_shell_failed_to_start_fails_alone() -> None:
@@ -170,7 +170,7 @@ def test_a_run_the_shell_failed_to_start_fails_alone() -> None:
     assert isinstance(send, wc.Emit) and isinstance(send.msg, p.Result)
     assert send.msg.error_kind == kind_of(GpufnError) and "no helper" in send.msg.message
     assert send.msg.meta == p.ResultMeta(dispatch_token=7)
-    assert core.running == set() and core.completed == 0
+    assert not core.running and core.completed == 0
     assert core.failed(p.LoadModel("k", {}), RuntimeError("x")) == []
 
 

@@ -1,0 +1,94 @@
+"""Mutations of a head restart (issue 18 items 1 and 3): workers that outlive `gpufn serve`,
+calls taken over rather than run again, held results, versions pinned at admission, and
+the operator's books kept on disk."""
+
+from __future__ import annotations
+
+from mutation_table import Mutation
+
+T = "tests/integration/test_restart.py"
+U = "tests/unit/test_restart.py"
+
+RESTART: tuple[Mutation, ...] = (
+    Mutation(
+        "restart-no-takeover", "scheduler/core.py",
+        "        if isinstance(claim, Report) and self._adopt(inv, claim, now, queued=False):\n",
+        "        if False:\n",
+        (f"{U}::test_a_running_call_is_taken_over_not_run_again[False]",
+         "tests/integration/test_faults.py::"
+         "test_a_restarted_scheduler_takes_over_running_calls_and_runs_queued_ones"),
+        "a resubmitted call a worker runs is not taken over (it counts as lost, or runs twice)",
+    ),
+    Mutation(
+        "restart-held-not-asked-for", "scheduler/core.py",
+        "        if report.held:\n",
+        "        if False:\n",
+        (f"{U}::test_a_result_the_worker_holds_is_asked_for_again",),
+        "a result a worker holds is never asked for again: its caller waits forever",
+    ),
+    Mutation(
+        "worker-holds-no-results", "worker/process.py",
+        "                        self.held.add(a.msg, run.attempt, output)\n",
+        "                        pass\n",
+        (f"{T}::test_a_head_restart_is_invisible_to_callers[serve-SIGKILL]",),
+        "a result sent while the head was away is lost: the call runs again",
+    ),
+    Mutation(
+        "worker-journals-nothing", "worker/process.py",
+        "                        self.journal.started(inv)\n",
+        "                        pass\n",
+        (f"{T}::test_a_call_on_a_worker_that_died_during_the_outage_counts_as_lost",),
+        "a worker that dies while the head is away takes what it ran with it: calls run twice",
+    ),
+    Mutation(
+        "ran-decided-during-the-hold", "scheduler/core.py",
+        "        if self.recovery.holding(now):\n            self.recovery.suspects.add(inv.id)\n",
+        "        if False:\n            self.recovery.suspects.add(inv.id)\n",
+        (f"{U}::test_a_worker_that_runs_a_call_a_supervisor_said_ran_takes_it_over",),
+        "a call said to have run is failed before the worker running its retry could say so",
+    ),
+    Mutation(
+        "hold-never-ends-early", "scheduler/core.py",
+        "        if self.recovery.device_ready(key):  # every device seen before the restart is back\n",
+        "        if False:\n",
+        (f"{U}::test_the_hold_ends_once_every_device_seen_before_is_back",),
+        "resubmitted calls always wait the whole GPUFN_RESTART_GRACE",
+    ),
+    Mutation(
+        "no-version-pins", "scheduler/app_book.py",
+        "            self._pin_in_flight(v.app)\n",
+        "            pass\n",
+        (f"{U}::test_a_call_keeps_the_version_that_admitted_it_across_a_restart",
+         f"{T}::test_a_call_keeps_its_deployment_version_across_a_restart"),
+        "a call in flight across a restart during a rolling update runs the new version",
+    ),
+    Mutation(
+        "client-fails-on-a-restart", "gpufn/client/client.py",
+        "            if msg.final:\n",
+        "            if True:\n",
+        (f"{T}::test_a_head_restart_is_invisible_to_callers[serve-SIGTERM]",
+         f"{T}::test_retried_calls_wait_through_an_outage"),
+        "a SIGTERMed head fails every outstanding call instead of letting it wait",
+    ),
+    Mutation(
+        "worker-reports-no-models", "worker/model_cache.py",
+        "        return [[key, nbytes] for key, nbytes in resident.items() if key not in sharded]\n",
+        "        return []\n",
+        (f"{T}::test_a_head_restart_is_invisible_to_callers[scheduler-SIGKILL]",),
+        "after a restart the ledger thinks resident models are absent",
+    ),
+    Mutation(
+        "usage-not-saved", "scheduler/ops.py",
+        "        rows = self.usage.take_dirty()\n",
+        "        rows = []\n",
+        (f"{U}::test_usage_and_logs_outlive_a_restart_in_a_0600_file",),
+        "usage is lost when the scheduler restarts",
+    ),
+    Mutation(
+        "supervisor-follows-serve", "gpufn/client/embedded.py",
+        '            cmd += ["--head-grace", f"{self.head_grace:g}"]\n',
+        '            cmd += ["--parent-pid", str(os.getpid())]\n',
+        (f"{T}::test_a_head_restart_is_invisible_to_callers[serve-SIGKILL]",),
+        "the head's workers die with gpufn serve",
+    ),
+)

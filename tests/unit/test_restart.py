@@ -1,0 +1,368 @@
+"""A head restart, without processes: a new scheduler core takes over the calls its
+workers run or ran (adopted, results asked for again, or counted as run), holds
+resubmitted calls until the workers seen before are back, keeps resident models,
+deployment versions, usage and logs; and the worker's side of it (held results, the run
+journal, what it reports)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufn.memory_pool.probe import simulated_devices
+from gpufn.scheduler.deployments import DeploymentStore
+from gpufn.scheduler.ops_store import OpsStore
+from gpufn.scheduler.recovery import ORPHAN_SECONDS
+from gpufn.wire import protocol as p
+from gpufn.wire import serialization as ser
+from gpufn.wire.spec import make_spec
+from gpufn.worker import core as wc
+from gpufn.worker.held import JOURNAL_SLOTS, HeldResults, RunJournal
+
+from .core_harness import Harness
+from .test_deployments import deploy, runs_of
+
+
+def _restarted(**cfg: object) -> Harness:
+    """A new scheduler that a client which knew the previous one says Hello to again."""
+    h = Harness(devices=2, restart_grace_seconds=3.0, **cfg)  # type: ignore[arg-type]
+    h.hello(b"back", p.Role.CLIENT, info={"resubmit": 3, "instance": "previous"})
+    return h
+
+
+def _worker_back(h: Harness, index: int, peer: bytes | None = None, **report: object) -> bytes:
+    peer = peer or f"w{index}".encode()
+    msg = h.hello(peer, p.Role.WORKER, info={"device": f"n:{index}", "incarnation": 3,
+                                             **report})
+    assert isinstance(msg, p.Welcome) and msg.ok, msg
+    return peer
+
+
+def _result(h: Harness, worker: bytes, inv: str, token: int, value: bytes = b"v") -> None:
+    h.feed(worker, p.Result(inv, True, "", "", p.ResultMeta(dispatch_token=token, duration=1.0),
+                            (value,)))
+
+
+# --------------------------------------------------------------------------- taken over
+
+
+@pytest.mark.parametrize("worker_first", [True, False])
+def test_a_running_call_is_taken_over_not_run_again(worker_first: bool) -> None:
+    h = _restarted()
+    f = h.register("f")  # retries=0: it must never run twice
+    if worker_first:
+        w = _worker_back(h, 0, running={"c1": [555, 1]})
+        h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    else:
+        h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+        w = _worker_back(h, 0, running={"c1": [555, 1]})
+    h.tick(3.5)  # past the hold: nothing is placed for it anyway
+    assert not runs_of(h, "c1")
+    st = h.core.status(h.now)
+    assert [r["id"] for d in st["devices"] for r in d["running"]] == ["c1"]
+    _result(h, w, "c1", 555, b"done")
+    res = h.results(b"back")["c1"]
+    assert res.ok and res.frames == (b"done",) and res.meta.attempts == 1
+    assert not runs_of(h, "c1")
+
+
+def test_a_result_the_worker_holds_is_asked_for_again() -> None:
+    h = _restarted()
+    f = h.register("f")
+    w = _worker_back(h, 0, held={"c1": [77, 1]})
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    [resend] = [s for s in h.of_type(p.Resend)]
+    assert resend.peer == w and resend.msg == p.Resend("c1", 77)
+    _result(h, w, "c1", 77, b"kept")
+    assert h.results(b"back")["c1"].frames == (b"kept",)
+    assert not runs_of(h, "c1")
+
+
+def test_a_result_that_comes_before_its_resubmit_is_kept_by_the_worker() -> None:
+    """Reported running, it finished before its caller came back: the scheduler drops
+    the Result (no one to give it to) but remembers the worker holds it."""
+    h = _restarted()
+    f = h.register("f")
+    w = _worker_back(h, 0, running={"c1": [9, 1]})
+    _result(h, w, "c1", 9)
+    assert "c1" not in h.results(b"back")
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    assert [s.msg for s in h.of_type(p.Resend)] == [p.Resend("c1", 9)]
+
+
+def test_a_result_the_worker_let_go_of_counts_as_a_lost_attempt() -> None:
+    h = _restarted()
+    once, twice = h.register("once"), h.register("twice", retries=1)
+    w = _worker_back(h, 0, held={"a": [5, 1], "b": [6, 1]})
+    h.feed(b"back", p.Submit("a", once, {}, frames=(b"x",)))
+    h.feed(b"back", p.Submit("b", twice, {}, frames=(b"x",)))
+    for inv, token in (("a", 5), ("b", 6)):  # what the worker answers a Resend it cannot
+        h.feed(w, p.Result(inv, False, "WorkerLost", "no longer holds its result",
+                           p.ResultMeta(dispatch_token=token, retryable=True)))
+    res = h.results(b"back")
+    assert res["a"].error_kind == "WorkerLost" and "b" not in res
+    h.tick(3.5)
+    assert [r.meta.attempt_number for r in runs_of(h, "b")] == [2]
+
+
+def test_a_call_whose_worker_died_after_reporting_counts_as_a_lost_attempt() -> None:
+    h = _restarted()
+    once = h.register("once")
+    _worker_back(h, 0, running={"a": [5, 1]})
+    _worker_back(h, 0, peer=b"w0-new")  # the device's worker was replaced meanwhile
+    h.feed(b"back", p.Submit("a", once, {}, frames=(b"x",)))
+    assert "a" not in h.results(b"back")  # decided when the hold ends
+    h.tick(3.5)
+    res = h.results(b"back")["a"]
+    assert res.error_kind == "WorkerLost" and "retries=N" in res.message
+    assert not runs_of(h, "a")
+
+
+def test_calls_of_a_worker_that_died_while_the_head_was_away_count_as_run() -> None:
+    """Its supervisor read the dead worker's journal and says so in its Hello."""
+    h = Harness(devices=2, restart_grace_seconds=3.0)
+    h.hello(b"sup2", p.Role.SUPERVISOR, info={"node": "m", "devices": [
+        d.to_wire() for d in simulated_devices("m", 1, 8 * 2**30)], "ran": ["gone1"]})
+    h.hello(b"back", p.Role.CLIENT, info={"resubmit": 1, "instance": "previous"})
+    h.feed(b"back", p.Submit("gone1", h.register("f"), {}, frames=(b"x",)))
+    h.tick(3.5)
+    assert h.results(b"back")["gone1"].error_kind == "WorkerLost"
+    assert not runs_of(h, "gone1")
+
+
+def test_a_worker_that_runs_a_call_a_supervisor_said_ran_takes_it_over() -> None:
+    """The previous scheduler retried a call whose first worker died; the dead worker's
+    supervisor says it ran, the worker running the retry says it runs it: whichever
+    Hello comes first, the call is taken over, not failed or run a third time."""
+    h = _restarted()
+    f = h.register("f", retries=0)
+    h.hello(b"sup-back", p.Role.SUPERVISOR, info={"node": "n", "devices": [
+        d.to_wire() for d in h.infos], "ran": ["r1"]})
+    h.feed(b"back", p.Submit("r1", f, {}, frames=(b"x",)))
+    w = _worker_back(h, 1, running={"r1": [42, 2]})
+    h.tick(3.5)
+    _result(h, w, "r1", 42, b"second")
+    res = h.results(b"back")["r1"]
+    assert res.ok and res.frames == (b"second",) and res.meta.attempts == 2
+    assert not runs_of(h, "r1")
+
+
+def test_a_second_hello_of_the_same_peers_keeps_what_was_taken_over() -> None:
+    h = _restarted()
+    f = h.register("f")
+    w = _worker_back(h, 0, running={"c1": [5, 1]})
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"x",)))
+    # Hellos queued while the scheduler was away arrive after the first was welcomed.
+    h.hello(b"sup", p.Role.SUPERVISOR, info={"node": "n", "devices": [
+        d.to_wire() for d in h.infos]})
+    _worker_back(h, 0, running={"c1": [5, 1]})
+    _result(h, w, "c1", 5, b"once")
+    assert h.results(b"back")["c1"].frames == (b"once",)
+    assert h.core.counters.lost == 0
+
+
+def test_an_orphan_run_is_stopped_when_no_caller_comes_back() -> None:
+    h = _restarted()
+    _worker_back(h, 0, running={"nobody": [5, 1]})
+    h.tick(ORPHAN_SECONDS + 1)
+    [cancel] = [s.msg for s in h.of_type(p.Cancel)]
+    assert (cancel.invocation_id, cancel.dispatch_token) == ("nobody", 5)
+
+
+def test_gang_calls_are_not_taken_over() -> None:
+    h = _restarted()
+    g = h.register("g", count=2, retries=0)
+    _worker_back(h, 0, running={"gc": [5, 1]})
+    h.feed(b"back", p.Submit("gc", g, {}, frames=(b"x",)))
+    h.tick(3.5)
+    assert h.results(b"back")["gc"].error_kind == "WorkerLost"
+
+
+# --------------------------------------------------------------------------- the hold
+
+
+def _seen_before(tmp_path: Path, keys: list[str]) -> OpsStore:
+    store = OpsStore(tmp_path / "ops.sqlite")
+    store.saw_devices(keys, [], 1000.0)
+    return store
+
+
+def test_the_hold_ends_once_every_device_seen_before_is_back(tmp_path: Path) -> None:
+    h = _restarted(ops=_seen_before(tmp_path, ["n:0", "n:1"]))
+    f = h.register("f")
+    h.feed(b"back", p.Submit("q1", f, {}, frames=(b"x",)))
+    _worker_back(h, 0)
+    h.tick(0.1)
+    assert not h.runs()  # n:1 may still say it runs q1
+    _worker_back(h, 1)
+    h.tick(0.1)  # long before the 3 s grace
+    assert [(r.invocation_id, r.meta.attempt_number) for r in h.runs()] == [("q1", 1)]
+
+
+def test_without_a_record_of_the_devices_the_hold_lasts_its_grace() -> None:
+    h = _restarted()
+    f = h.register("f")
+    h.feed(b"back", p.Submit("q1", f, {}, frames=(b"x",)))
+    _worker_back(h, 0)
+    _worker_back(h, 1)
+    h.tick(2.0)
+    assert not h.runs()
+    h.tick(1.5)
+    assert [r.invocation_id for r in h.runs()] == ["q1"]
+
+
+def test_the_ops_store_notes_the_live_devices(tmp_path: Path) -> None:
+    store = OpsStore(tmp_path / "ops.sqlite")
+    h = Harness(devices=2, ops=store)
+    h.start_worker(0)
+    h.tick(2.0)
+    assert OpsStore(tmp_path / "ops.sqlite").expected_devices() == {"n:0", "n:1"}
+
+
+# --------------------------------------------------------------------------- models
+
+
+def test_resident_models_outlive_the_restart() -> None:
+    h = _restarted()
+    model = {"name": "m", "code_id": "loader1", "memory": 2**20, "nframes": 1}
+    key = "m@loader1"
+    _worker_back(h, 0, models=[[key, 3 * 2**20]])
+    spec = make_spec()
+    h.feed(b"cli", p.Register("fm", "codefm", "fm", spec.to_wire(), [model],
+                              (b"code", b"loader")))
+    inv = h.submit("fm")
+    [run] = runs_of(h, inv)
+    assert run.meta.models == {"m": key}
+    assert not h.of_type(p.LoadModel)  # resident: no loader runs
+    d = h.core.devices["n:0"]
+    assert d.ledger.models[key].nbytes == 3 * 2**20 and d.ledger.models[key].measured
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def test_a_call_keeps_the_version_that_admitted_it_across_a_restart(tmp_path: Path) -> None:
+    h = Harness(devices=1, state_dir=str(tmp_path), slots_per_device=1)
+    h.start_worker(0)
+    deploy(h, "app", "v1")
+    running = h.submit(p.app_alias("app", "f"))
+    queued = h.submit(p.app_alias("app", "f"))  # one slot: it waits
+    deploy(h, "app", "v2")  # both were admitted on v1 (nothing is written per call)
+    after = h.submit(p.app_alias("app", "f"))
+    h.core.apps.store.close()
+    h2 = Harness(devices=1, state_dir=str(tmp_path), restart_grace_seconds=0.5)  # restarted
+    h2.hello(b"back", p.Role.CLIENT, info={"resubmit": 3, "instance": "previous"})
+    w2 = h2.start_worker(0)
+    for inv in (running, queued, after):
+        h2.feed(b"back", p.Submit(inv, p.app_alias("app", "f"), {}, frames=(b"x",)))
+    h2.tick(1.0)
+    for _ in range(3):  # one at a time (concurrency 1 per version's function)
+        for r in h2.runs():
+            if r.invocation_id not in h2.results(b"back"):
+                h2.feed(w2, p.Result(r.invocation_id, True, "", "",
+                                     p.ResultMeta(dispatch_token=r.dispatch_token), (b"v",)))
+    assert {inv: runs_of(h2, inv)[0].code_id for inv in (running, queued, after)} == {
+        running: "v1", queued: "v1", after: "v2"}
+    assert DeploymentStore.in_state_dir(str(tmp_path)).pins() == {}  # each used once
+
+
+# --------------------------------------------------------------------------- usage and logs
+
+
+def test_usage_and_logs_outlive_a_restart_in_a_0600_file(tmp_path: Path) -> None:
+    path = tmp_path / "ops.sqlite"
+    h = Harness(devices=1, ops=OpsStore(path))
+    w = h.start_worker(0)
+    inv = h.submit(h.register("billed"))
+    h.feed(w, p.Output(inv, "stdout", "hello from before\n"))
+    h.finish(w, inv, duration=2.0)
+    h.tick(1.5)  # saved within a second
+    h.core.ops.store.close()
+    for f in tmp_path.iterdir():
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+    h2 = Harness(devices=1, ops=OpsStore(path))  # a new scheduler on the same state dir
+    [row] = h2.core.ops.answer(p.QueryKind.USAGE, {}, h2.now)["rows"]
+    assert row["function"] == "billed" and row["calls"] == 1 and row["device_seconds"] > 1.9
+    lines = h2.core.ops.answer(p.QueryKind.LOGS, {"target": "billed"}, h2.now)["lines"]
+    assert [ln["text"] for ln in lines] == ["hello from before"]
+    w2 = h2.start_worker(0)
+    inv2 = h2.submit(h2.register("billed"))
+    h2.feed(w2, p.Output(inv2, "stdout", "and after\n"))
+    h2.finish(w2, inv2)
+    [row] = h2.core.ops.answer(p.QueryKind.USAGE, {}, h2.now)["rows"]
+    assert row["calls"] == 2
+    lines = h2.core.ops.answer(p.QueryKind.LOGS, {"target": "billed", "after": lines[0]["seq"]},
+                               h2.now)["lines"]
+    assert [ln["text"] for ln in lines] == ["and after"]
+
+
+def test_the_log_store_keeps_its_bounds_on_disk(tmp_path: Path) -> None:
+    path = tmp_path / "ops.sqlite"
+    h = Harness(devices=1, ops=OpsStore(path))
+    h.core.ops.logs.max_lines = 3
+    w = h.start_worker(0)
+    inv = h.submit(h.register("chatty"))
+    h.feed(w, p.Output(inv, "stdout", "".join(f"line {i}\n" for i in range(10))))
+    h.tick(1.5)
+    rows = OpsStore(path).logs(0)
+    assert [r.text for r in rows] == ["line 7", "line 8", "line 9"]
+
+
+# --------------------------------------------------------------------------- the worker's side
+
+
+def _res(inv: str, token: int, nbytes: int) -> p.Result:
+    return p.Result(inv, True, "", "", p.ResultMeta(dispatch_token=token), (b"x" * nbytes,))
+
+
+def test_held_results_keep_the_newest_payloads_within_their_bytes() -> None:
+    held = HeldResults(max_bytes=250, max_ids=4)
+    for i in range(5):
+        held.add(_res(f"c{i}", 10 + i, 100), attempt=1)
+    kept, ran = held.report()
+    assert kept == {"c3": [13, 1], "c4": [14, 1]}  # 200 of the 250 bytes
+    assert ran == ["c1", "c2"]  # c0 fell out of the ids too
+    assert held.get("c4") is not None and held.get("c2") is None
+    held.add(_res("big", 20, 1000), attempt=2)  # the newest is kept even over the bound
+    assert held.report()[0] == {"big": [20, 2]}
+
+
+def test_the_run_journal_survives_its_writer(tmp_path: Path) -> None:
+    path = tmp_path / "w.ran"
+    j = RunJournal(path)
+    for i in range(JOURNAL_SLOTS + 3):
+        j.started(f"inv{i}")
+    j.started("x" * 200)  # not an id gpufn makes: not noted
+    j.close()
+    ids = RunJournal.read(path)
+    assert len(ids) == JOURNAL_SLOTS and "inv0" not in ids and f"inv{JOURNAL_SLOTS + 2}" in ids
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    RunJournal.clear(path)
+    assert RunJournal.read(path) == []
+
+
+def _one() -> int:
+    return 1
+
+
+def _values() -> Iterator[int]:
+    yield 1
+
+
+def test_the_worker_core_reports_what_it_can_hand_over() -> None:
+    core = wc.WorkerCore("n:0")
+    _, code = ser.dump_code(_one, "one")
+    core.handle(p.LoadCode("c", "f", tuple(code)))
+    core.handle(p.Run("single", "f", "c", "f", 5, p.RunMeta(attempt_number=2), (b"a",)))
+    core.handle(p.Run("batch", "f", "c", "f", 6, p.RunMeta(batch=[1, 1], members=["m1", "m2"]),
+                      (b"a", b"b")))
+    _, gen = ser.dump_code(_values, "values")
+    core.handle(p.LoadCode("g", "values", tuple(gen)))
+    core.handle(p.Run("stream", "values", "g", "values", 7, p.RunMeta(), (b"a",)))
+    running, ran, stop = core.restart_report()
+    assert running == {"single": [5, 2]}  # a generator's values sent meanwhile are gone
+    assert sorted(ran) == ["m1", "m2", "stream"] and stop == ["batch", "stream"]

@@ -416,7 +416,8 @@ class SchedulerCore:
         if (d is None or d.worker != report.worker or not d.takes_work
                 or inv.spec.count > 1):
             return False
-        self.tx.adopt(inv, d, report.dispatch_token, report.attempt, now, queued)
+        self.tx.adopt(inv, d, report.dispatch_token, report.attempt, now, queued,
+                      report.ran_seconds)
         if report.held:
             self.send(d.worker, p.Resend(inv.id, report.dispatch_token))
         return True

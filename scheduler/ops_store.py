@@ -10,13 +10,14 @@ once a second at most, never on a call's path. Times are wall-clock seconds.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gpufn.net.private_files import private_dir, private_file
 
 FILE = "ops.sqlite"
 SCHEMA = """
@@ -81,9 +82,10 @@ class OpsStore:
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
             if self.durable:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                # Made 0600 before sqlite opens it; its -wal and -shm files take its mode.
-                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+                # Made (or tightened to) 0600 in a 0700 folder before sqlite opens it; its
+                # -wal and -shm files take its mode.
+                private_dir(self.path.parent)
+                private_file(self.path)
             db = sqlite3.connect(str(self.path) if self.durable else ":memory:",
                                  check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")

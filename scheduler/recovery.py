@@ -41,6 +41,7 @@ class Report:
     attempt: int
     held: bool  # finished; the worker holds its Result
     at: float
+    ran_seconds: float = 0.0  # how long it ran before this scheduler (billed, and its timeout's)
 
 
 RAN = "ran"  # `claim`: the call ran on a worker and may have completed; nothing to take over
@@ -109,10 +110,10 @@ class Recovery:
         """Remember what a registering worker (or supervisor: `device` "") runs, holds
         and ran; returns the ids it named."""
         self._forget_old(now)
-        for inv_id, (token, attempt) in info.running.items():
-            self.reports[inv_id] = Report(device, worker, int(token), int(attempt), False, now)
-        for inv_id, (token, attempt) in info.held.items():
-            self.reports[inv_id] = Report(device, worker, int(token), int(attempt), True, now)
+        for held, calls in ((False, info.running), (True, info.held)):
+            for inv_id, (token, attempt, *ran_ms) in calls.items():
+                self.reports[inv_id] = Report(device, worker, int(token), int(attempt), held,
+                                              now, float(ran_ms[0]) / 1000 if ran_ms else 0.0)
         for inv_id in info.ran:
             self.ran[str(inv_id)] = now
         return [*info.running, *info.held, *map(str, info.ran)]

@@ -44,7 +44,7 @@ class SchedulerConfig:
     retry_backoff_max: float = 5.0
     # After a restart, calls that forgotten clients resubmit wait this long, so workers
     # register first and say which of them they ran (see recovery.py).
-    restart_grace_seconds: float = 5.0
+    restart_grace_seconds: float = 30.0
     # Spawned calls of deployed functions: their Results stay on disk this long after
     # they ended, within this many bytes in all (see kept_results.py).
     result_retention_seconds: float = 24 * 3600.0

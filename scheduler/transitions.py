@@ -397,15 +397,16 @@ class Transitions:
         self.settle(inv, now)
 
     def adopt(self, inv: Invocation, d: Device, dispatch_token: int, attempt: int, now: float,
-              queued: bool) -> None:
+              queued: bool, ran_seconds: float = 0.0) -> None:
         """A resubmitted call that `d`'s worker runs (or ran, holding its Result) since the
         previous scheduler (see `recovery.py`): it becomes RUNNING there as that dispatch,
         without a Run; its Result is handled as any other. Not a placement, so not in
         `TABLE`; the record's own move (`Invocation.start`) checks QUEUED -> RUNNING, and a
-        queued call leaves the queue here."""
+        queued call leaves the queue here. Its run started `ran_seconds` ago, as its worker
+        says: its device time is billed from then and its timeout counts from then."""
         inv.start(now, (d.key,), dispatch_token, Shape.SINGLE)
         inv.attempts = max(1, attempt)
-        inv.run_started = now
+        inv.started = inv.run_started = now - max(0.0, ran_seconds)
         if queued:
             self.queue.discard(inv)
         d.running[inv.id] = inv

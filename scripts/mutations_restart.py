@@ -91,4 +91,25 @@ RESTART: tuple[Mutation, ...] = (
         (f"{T}::test_a_head_restart_is_invisible_to_callers[serve-SIGKILL]",),
         "the head's workers die with gpufn serve",
     ),
+    Mutation(
+        "client-hello-never-again", "gpufn/client/client.py",
+        "                if not self._resubmit or time.monotonic() - self._rehello_at > HELLO_AGAIN_SECONDS:\n",
+        "                if not self._resubmit:\n",
+        ("tests/unit/test_connection.py::test_a_hello_lost_with_a_dying_head_is_sent_again",),
+        "a client whose new Hello died with the head never says Hello again (its calls wait out the grace)",
+    ),
+    Mutation(
+        "logs-owner-not-saved", "scheduler/logs.py",
+        "            ring.lines.append(Line(r.seq, r.at, r.invocation_id, r.stream, r.text, r.user))\n",
+        "            ring.lines.append(Line(r.seq, r.at, r.invocation_id, r.stream, r.text))\n",
+        ("tests/unit/test_restart.py::test_log_lines_keep_their_owner_across_a_restart",),
+        "after a restart a user's log lines are no one's (only the admin reads them)",
+    ),
+    Mutation(
+        "takeover-forgets-its-start", "scheduler/transitions.py",
+        "        inv.started = inv.run_started = now - max(0.0, ran_seconds)\n",
+        "        inv.started = inv.run_started = now\n",
+        ("tests/unit/test_restart.py::test_a_taken_over_call_is_billed_and_timed_from_its_real_start",),
+        "a call taken over after a restart is billed and timed only from the restart",
+    ),
 )

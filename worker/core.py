@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +120,7 @@ class RunRecord:
     attempt: int
     members: tuple[str, ...] = ()
     adoptable: bool = True
+    started: float = 0.0  # time.monotonic() when it arrived here (a taken-over call is billed from it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,14 +199,17 @@ class WorkerCore:
 
     def restart_report(self) -> tuple[dict[str, list[int]], list[str], list[str]]:
         """For a Hello to a restarted scheduler: (running: id -> [dispatch token,
-        attempt] of the calls it can take over, ran: ids of the others, which count as
-        run, stop: those of them to interrupt here, since no scheduler waits for them)."""
+        attempt, milliseconds it has run] of the calls it can take over, ran: ids of the
+        others, which count as run, stop: those of them to interrupt here, since no
+        scheduler waits for them)."""
         running: dict[str, list[int]] = {}
         ran: list[str] = []
         stop: list[str] = []
+        now = time.monotonic()
         for inv, run in self.running.items():
             if run.adoptable:
-                running[inv] = [run.dispatch_token, run.attempt]
+                running[inv] = [run.dispatch_token, run.attempt,
+                                int(max(0.0, now - run.started) * 1000)]
             else:
                 ran += run.members or [inv]
                 stop.append(inv)
@@ -243,7 +248,8 @@ class WorkerCore:
         single = (meta.gang is None and meta.multi is None and not meta.members
                   and msg.code_id not in self.streaming)
         self.running[msg.invocation_id] = RunRecord(
-            msg.dispatch_token, meta.attempt_number, tuple(meta.members or ()), single)
+            msg.dispatch_token, meta.attempt_number, tuple(meta.members or ()), single,
+            time.monotonic())
         context = ctxmod.CallContext(
             invocation_id=msg.invocation_id, function=msg.name, device=self.device,
             devices=[self.device], attempt=meta.attempt_number, app=meta.app, version=meta.version,

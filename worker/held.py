@@ -96,13 +96,14 @@ class HeldResults:
         return self._output.get(invocation_id, [])
 
     def report(self) -> tuple[dict[str, list[int]], list[str]]:
-        """(held: id -> [dispatch token, attempt] of Results still kept, ran: ids of the
-        calls whose Result is gone), for a Hello to a restarted scheduler."""
+        """(held: id -> [dispatch token, attempt, ms the run took] of Results still kept,
+        ran: ids of the calls whose Result is gone), for a Hello to a restarted scheduler."""
         held: dict[str, list[int]] = {}
         ran: list[str] = []
         for inv, (result, attempt) in self._calls.items():
             if result is not None:
-                held[inv] = [result.meta.dispatch_token, attempt]
+                held[inv] = [result.meta.dispatch_token, attempt,
+                             int(max(0.0, result.meta.duration or 0.0) * 1000)]
             else:
                 ran.append(inv)
         return held, ran

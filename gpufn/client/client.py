@@ -36,7 +36,7 @@ from gpufn.exceptions import (
     kind_of,
 )
 from gpufn.net import sockets
-from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
+from gpufn.net.connection import HELLO_AGAIN_SECONDS, Connection, ConnectionConfig, WakePipe
 from gpufn.net.discovery import Target
 from gpufn.wire import config, shm
 from gpufn.wire import protocol as p
@@ -78,6 +78,7 @@ class Client:
         self._registered: set[str] = set()
         self._register_frames: dict[str, list[Any]] = {}
         self._resubmit = False  # forgotten: a new Hello is out, its Welcome not yet in
+        self._rehello_at = 0.0  # when that Hello went (one lost with a dying head is sent again)
         self._lock = threading.Lock()
         self._outbox: deque[list[Any]] = deque()
         # Sent before the outbox: the new Hello, then what the Welcome makes us send again.
@@ -523,10 +524,14 @@ class Client:
                             self.head_grace)
         elif isinstance(msg, p.Error):
             if Connection.needs_rehello(msg):
-                if not self._resubmit:  # forgotten (restart, long silence): announce again
-                    log.warning("the scheduler forgot this client; reconnecting and sending "
-                                "%d outstanding call(s) again", len(self._calls))
+                # Forgotten (restart, long silence): announce again; a Hello unanswered
+                # for a while went to a head that died before it answered: again.
+                if not self._resubmit or time.monotonic() - self._rehello_at > HELLO_AGAIN_SECONDS:
+                    if not self._resubmit:
+                        log.warning("the scheduler forgot this client; reconnecting and "
+                                    "sending %d outstanding call(s) again", len(self._calls))
                     self._resubmit = True
+                    self._rehello_at = time.monotonic()
                     # Ahead of the outbox, which waits for the Welcome: a call sent between
                     # this Hello and its Welcome would reach the scheduler before the
                     # Register of its function (refused before the Hello) and fail.

@@ -23,6 +23,7 @@ from typing import Any
 
 from gpufn.exceptions import ConnectionLost
 from gpufn.net.curve import LOCAL_KEY_NAME, ServerSecurity, ensure_keypair
+from gpufn.net.private_files import open_private_append, private_dir
 from gpufn.net.processes import alive
 from gpufn.wire import config
 
@@ -174,9 +175,8 @@ class LocalCluster:
         out = None
         if self.head_grace:  # outlives us: its own log, no parent to follow
             cmd += ["--head-grace", f"{self.head_grace:g}"]
-            logs = config.log_dir()
-            logs.mkdir(parents=True, exist_ok=True)
-            out = open(logs / f"supervisor-{config.node_id()}.log", "ab")  # noqa: SIM115
+            logs = private_dir(config.log_dir())
+            out = os.fdopen(open_private_append(logs / f"supervisor-{config.node_id()}.log"), "ab")
         else:
             cmd += ["--parent-pid", str(os.getpid())]
         if self.cpu_devices:

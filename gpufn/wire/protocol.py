@@ -285,9 +285,11 @@ class HelloInfo:
     # After a scheduler restart (see scheduler/recovery.py). Worker or supervisor: calls
     # that ran there lately and may have completed, with no Result left to hand over.
     ran: list[str] = field(default_factory=list)
-    # Worker: calls running now, id -> [dispatch token, attempt]; their Results follow.
+    # Worker: calls running now, id -> [dispatch token, attempt, ms run so far]; their
+    # Results follow.
     running: dict[str, list[int]] = field(default_factory=dict)
-    # Worker: finished calls whose Result it still holds, id -> [dispatch token, attempt];
+    # Worker: finished calls whose Result it still holds, id -> [dispatch token, attempt,
+    # ms the run took];
     # each is sent again when the scheduler asks (`Resend`).
     held: dict[str, list[int]] = field(default_factory=dict)
     # Worker: the models resident on its device, [[key, bytes], ...]; they stay.

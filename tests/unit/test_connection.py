@@ -407,3 +407,42 @@ def test_calls_made_while_saying_hello_again_wait_for_their_functions() -> None:
         release_welcome.set()
         client.close()
         sched.close()
+
+
+def test_a_hello_lost_with_a_dying_head_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head died after the client's new Hello reached it and before it answered: no
+    Welcome ever comes. The next refusal (here: of a Ping) after a few seconds sends the
+    Hello again, and the outstanding call is resubmitted and answered (it used to wait
+    until GPUFN_HEAD_GRACE ran out and fail)."""
+    import gpufn.client.client as client_module
+
+    monkeypatch.setattr(client_module, "HELLO_AGAIN_SECONDS", 0.3)
+    known: set[bytes] = set()
+    hellos: list[p.Hello] = []
+
+    def answer(peer: bytes, msg: p.Message) -> list[p.Message]:
+        if isinstance(msg, p.Hello):
+            hellos.append(msg)
+            if len(hellos) == 2:
+                return []  # the head that got it died
+            known.add(peer)
+            return [p.Welcome(True, info=p.WelcomeInfo(client_timeout=120))]
+        if isinstance(msg, p.Submit) and len(hellos) == 1:
+            known.clear()  # a restart: this Submit is refused, the client says Hello
+        if peer not in known:
+            return [p.Error("AuthenticationError", "this connection has not said Hello")]
+        if isinstance(msg, p.Submit):
+            return [p.Result(msg.invocation_id, True, "", "")]
+        return []
+
+    sched = TcpScheduler(answer)
+    client = Client(sched.address, "t", connect_timeout=5)
+    client.ping_seconds = 0.1
+    try:
+        fut = client.submit(p.Submit(client.new_id(), "f1", {}), "f")
+        res = fut.result(10)
+        assert res.ok, res.message
+        assert len(hellos) == 3
+    finally:
+        client.close()
+        sched.close()

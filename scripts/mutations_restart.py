@@ -112,4 +112,12 @@ RESTART: tuple[Mutation, ...] = (
         ("tests/unit/test_restart.py::test_a_taken_over_call_is_billed_and_timed_from_its_real_start",),
         "a call taken over after a restart is billed and timed only from the restart",
     ),
+    Mutation(
+        "adopts-workers-of-other-options", "gpufn/client/head.py",
+        '                    and old.get("workers") == self._worker_options()):\n',
+        "                    ):\n",
+        ("tests/integration/test_restart.py::"
+         "test_a_restart_with_other_device_options_replaces_the_workers",),
+        "gpufn serve adopts the previous workers although its device options changed",
+    ),
 )

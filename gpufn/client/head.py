@@ -114,12 +114,16 @@ class Head:
         address, token = self.cluster.start(supervise=False)
         sup = (old or {}).get("supervisor")
         if sup and processes.same(int(sup[0]), sup[1]):
-            if (self.cluster.workers and old is not None and old.get("address") == address
-                    and old.get("token") == _token_hash(token)):
+            assert old is not None
+            if (self.cluster.workers and old.get("address") == address
+                    and old.get("token") == _token_hash(token)
+                    and old.get("workers") == self._worker_options()):
                 self.supervisor, self.adopted = (int(sup[0]), sup[1]), True
                 log.warning("adopted the workers of the previous gpufn serve (supervisor "
                             "pid %d)", sup[0])
-            else:  # another address or token: its workers cannot rejoin; replaced
+            else:  # another address, token or device options: replaced (their calls are lost)
+                log.warning("the previous gpufn serve's workers (supervisor pid %d) are "
+                            "replaced: %s changed", sup[0], self._what_changed(old, address, token))
                 _stop_pid(int(sup[0]), sup[1], signal.SIGTERM, 10.0)
         if self.supervisor is None and self.cluster.workers:
             self.cluster.start_supervisor()
@@ -129,12 +133,35 @@ class Head:
         self._write(address, token)
         return address, token
 
+    def _worker_options(self) -> dict[str, Any]:
+        """What this host's workers were started with: a supervisor started otherwise
+        is replaced, not adopted (its devices would not be the ones asked for)."""
+        from gpufn.wire import config
+
+        c = self.cluster
+        return {"cpu_devices": c.cpu_devices, "device_memory": c.device_memory,
+                "islands": c.islands, "host_memory": config.worker_host_memory(),
+                "workers": c.workers}
+
+    def _what_changed(self, old: dict[str, Any], address: str, token: str) -> str:
+        if not self.cluster.workers:
+            return "--no-workers"
+        if old.get("address") != address:
+            return f"the address ({old.get('address')} -> {address})"
+        if old.get("token") != _token_hash(token):
+            return "the token"
+        before = old.get("workers") or {}
+        now = self._worker_options()
+        return ", ".join(f"{k} ({before.get(k)} -> {v})" for k, v in now.items()
+                         if before.get(k) != v) or "the device options"
+
     def _write(self, address: str, token: str) -> None:
         sched = self.cluster.scheduler
         record = {"address": address, "token": _token_hash(token), "serve": os.getpid(),
                   "serve_started": processes.start_time(os.getpid()),
                   "scheduler": [sched.pid, processes.start_time(sched.pid)] if sched else None,
-                  "supervisor": list(self.supervisor) if self.supervisor else None}
+                  "supervisor": list(self.supervisor) if self.supervisor else None,
+                  "workers": self._worker_options()}
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / RECORD
         tmp = path.with_suffix(".tmp")

@@ -235,3 +235,19 @@ def test_gpufn_shutdown_fails_calls_and_stops_adopted_workers(head: Head, tmp_pa
         call.get(timeout=30)
     assert head.proc is not None and head.proc.wait(60) == 0
     assert_all_gone(sorted(head.seen), timeout=30)
+
+
+def test_a_restart_with_other_device_options_replaces_the_workers(head: Head) -> None:
+    """`gpufn serve --cpu-devices 3` after one with 2: the waiting workers are not
+    adopted (they are not what was asked for); a new supervisor serves 3 devices."""
+    head.start()
+    _connect(head)
+    before = head.supervisor()
+    head.kill(signal.SIGKILL)
+    head.devices = 3
+    head.start()
+    assert head.supervisor() != before
+    assert "replaced: cpu_devices (2 -> 3)" in head.log()
+    c = client_mod.get_client()
+    wait_for(lambda: len(c.status()["devices"]) == 3, 60, "3 devices")
+    assert_all_gone([before], timeout=30)

@@ -50,7 +50,15 @@ def assert_all_gone(pids: list[int], timeout: float = 15.0) -> None:
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.05)
     left = [p for p in pids if _alive(p)]
-    assert not left, f"gpufn processes left behind: {left}"
+    assert not left, f"gpufn processes left behind: {[(p, _cmdline(p)) for p in left]}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return "?"
 
 
 def shutdown_default() -> None:

@@ -270,7 +270,9 @@ class SchedulerServer:
                 pass
 
     def close(self) -> None:
-        self.core.streams.close()  # kept results queued for the disk are written
+        # Kept results queued for the disk are written; after `gpufn shutdown` the
+        # spawned calls still running are not admitted again by a later scheduler.
+        self.core.streams.close(final=self.core.ops.draining)
         if self.metrics is not None:
             self.metrics.close()
         self.sock.close(1000)  # let the Shutdown messages out

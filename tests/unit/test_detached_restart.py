@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpufn.scheduler.kept_results import KeptResults
+from gpufn.scheduler.kept_results import DetachedCall, KeptResults
 from gpufn.scheduler.ops_store import OpsStore
 from gpufn.scheduler.states import InvState
 from gpufn.wire import protocol as p
@@ -21,10 +21,10 @@ from .test_deployments import runs_of
 ALIAS = p.app_alias("evals", "f")
 
 
-def _durable(tmp_path: Path, **cfg: object) -> Harness:
-    """A `gpufn serve` scheduler on `tmp_path` (one device): its books on disk."""
-    return Harness(devices=1, state_dir=str(tmp_path), ops=OpsStore(tmp_path / "ops.sqlite"),
-                   restart_grace_seconds=3.0, **cfg)  # type: ignore[arg-type]
+def _durable(tmp_path: Path, devices: int = 1) -> Harness:
+    """A `gpufn serve` scheduler on `tmp_path`: its books on disk."""
+    return Harness(devices=devices, state_dir=str(tmp_path),
+                   ops=OpsStore(tmp_path / "ops.sqlite"), restart_grace_seconds=3.0)
 
 
 def _deploy(h: Harness, retries: int = 0, code: str = "c1") -> None:
@@ -55,10 +55,11 @@ def _spawned_and_left(tmp_path: Path, n: int = 2, retries: int = 0) -> tuple[Har
     return h, ids
 
 
-def _back(h: Harness, **report: object) -> bytes:
-    msg = h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 3, **report})
+def _back(h: Harness, index: int = 0, **report: object) -> bytes:
+    peer = f"w{index}".encode()
+    msg = h.hello(peer, p.Role.WORKER, info={"device": f"n:{index}", "incarnation": 3, **report})
     assert isinstance(msg, p.Welcome) and msg.ok, msg
-    return b"w0"
+    return peer
 
 
 def _done(h: Harness, worker: bytes, inv: str, token: int, value: bytes = b"value") -> None:
@@ -103,6 +104,47 @@ def test_a_running_and_a_queued_call_are_admitted_again_and_run_once(tmp_path: P
     third = _durable(tmp_path)  # and nothing is admitted a second time
     assert not third.core.invocations and _found_later(third, queued).frames == (b"second",)
     _killed(third)
+
+
+def test_a_readmitted_call_waits_for_the_hold(tmp_path: Path) -> None:
+    """Another device's worker is back first: the call is not placed there, since its own
+    worker, not back yet, may say it runs it."""
+    first = _durable(tmp_path, devices=2)
+    first.start_worker(0)
+    first.start_worker(1)
+    _deploy(first)
+    inv = first.submit(ALIAS, keep=True)
+    [run] = first.runs()
+    index = int(first.core.invocations[inv].devices[0].split(":")[1])
+    first.feed(b"cli", p.Goodbye("closed"))
+    first.tick(1.5)
+    _killed(first)
+    h = _durable(tmp_path, devices=2)
+    _back(h, 1 - index)  # the idle device's worker
+    h.tick(0.5)
+    assert not runs_of(h, inv)  # the hold: not placed on it
+    w = _back(h, index, running={inv: [run.dispatch_token, 1]})
+    _done(h, w, inv, run.dispatch_token, b"once")
+    assert _found_later(h, inv).frames == (b"once",) and not runs_of(h, inv)
+    _killed(h)
+
+
+def test_a_noted_call_whose_result_is_kept_is_not_run_again(tmp_path: Path) -> None:
+    h = _durable(tmp_path)
+    w = h.start_worker(0)
+    _deploy(h)
+    inv = h.submit(ALIAS, keep=True)
+    fid = h.core.invocations[inv].function.function_id
+    h.finish(w, inv)
+    _killed(h)
+    book = KeptResults(tmp_path / "results.sqlite")  # noted after its Result (a torn order)
+    book.save_calls([DetachedCall(inv, fid, "", 0.0, make_spec().to_wire(), (b"args",))], [])
+    book.close()
+    h2 = _durable(tmp_path)
+    assert not h2.core.invocations and not runs_of(h2, inv)
+    assert _found_later(h2, inv).ok
+    _killed(h2)
+    assert _noted(tmp_path) == []
 
 
 def test_a_result_the_worker_holds_is_asked_for_and_kept(tmp_path: Path) -> None:

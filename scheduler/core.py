@@ -550,19 +550,16 @@ class SchedulerCore:
 
     def _readmit(self, now: float) -> None:
         """At start: the spawned calls of deployed functions the previous scheduler noted
-        (their spawner may be gone, so nobody resubmits them) are admitted again, on
-        their version, as if resubmitted: they wait for the hold, and a worker's report
-        of them is taken over or counts as a lost attempt."""
+        (nobody may resubmit them) are admitted again on their version, as if resubmitted
+        (they wait for the hold; a worker's report of them is taken over or counts)."""
         try:
             calls = self.streams.restored()
         except Exception:  # an unreadable book must not keep the scheduler from starting
             log.exception("could not read the calls to admit again after the restart")
             return
         for call in calls:
-            fn = self.apps.resolve(call.function_id, now, call.invocation_id)
             try:
-                if isinstance(fn, GpufnError):
-                    raise fn
+                fn = self.apps.noted_function(call.function_id, call.invocation_id)
                 spec = GpuSpec.from_wire(call.spec)
             except GpufnError as e:
                 self.streams.unadmittable(call, e, now)
@@ -572,8 +569,8 @@ class SchedulerCore:
                              call.submitted - self.wall_offset, self._seq)
             inv.user = call.owner
             self.counters.submitted += 1
-            self._admit(inv, True, self.recovery.hold_until if self.recovery.holding(now)
-                        else 0.0, now)
+            hold = self.recovery.hold_until if self.recovery.holding(now) else 0.0
+            self._admit(inv, True, hold, now)
         if calls:
             log.info("%d spawned call(s) whose spawner may be gone admitted again", len(calls))
 

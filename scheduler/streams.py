@@ -116,7 +116,8 @@ class StreamDesk(RunObserver):
         admitted again (once, at start)."""
         if not self.durable:
             return []
-        calls, ended = [], []
+        calls: list[DetachedCall] = []
+        ended: list[DetachedCall] = []
         for c in self.results.detached():
             (ended if c.invocation_id in self.results else calls).append(c)
         if ended:  # its Result is kept already: it is not run again
@@ -221,15 +222,16 @@ class StreamDesk(RunObserver):
 
     def close(self, final: bool = False) -> None:
         """The scheduler stops: the outliving calls are noted (a restart admits them
-        again); if it stops for good (`gpufn shutdown`), the ones still running end
-        with ConnectionLost as their kept Result instead, so none runs again later."""
+        again); if it stops for good (`gpufn shutdown`, Ctrl-C), the ones not ended end
+        with ConnectionLost as their kept Result instead, as its clients' calls fail."""
         if final:
             for inv_id in [*self._saved, *self._unsaved]:
                 inv = self.core.invocations.get(inv_id)
                 if inv is not None and inv.id in self.keep:
                     self.call_ended(inv, p.Result(inv.id, False, kind_of(ConnectionLost), (
                         f"{inv.function.name} call {inv.id} did not end before the scheduler "
-                        "was shut down (gpufn shutdown); call it again")))
+                        "stopped for good (gpufn shutdown, or Ctrl-C of gpufn serve); call "
+                        "it again")))
         if self._unsaved or self._forget:
             self._save_calls()
         self.results.close()

@@ -163,8 +163,7 @@ RESTART: tuple[Mutation, ...] = (
     ),
     Mutation(
         "detached-readmitted-without-hold", "scheduler/core.py",
-        "            self._admit(inv, True, self.recovery.hold_until if self.recovery.holding(now)\n"
-        "                        else 0.0, now)\n",
+        "            self._admit(inv, True, hold, now)\n",
         "            self._admit(inv, True, 0.0, now)\n",
         (f"{UD}::test_a_readmitted_call_waits_for_the_hold",),
         "a call admitted again is placed before its worker could say it runs it: it runs twice",
@@ -173,8 +172,8 @@ RESTART: tuple[Mutation, ...] = (
         "detached-shutdown-runs-again", "scheduler/streams.py",
         "        if final:\n            for inv_id in [*self._saved, *self._unsaved]:\n",
         "        if False:\n            for inv_id in [*self._saved, *self._unsaved]:\n",
-        (f"{UD}::test_after_gpufn_shutdown_a_call_still_running_is_not_admitted_again",),
-        "after gpufn shutdown a call that was running is admitted again and runs a second time",
+        (f"{UD}::test_after_a_final_stop_calls_not_ended_are_not_admitted_again",),
+        "after a final stop a call that was running is admitted again and runs a second time",
     ),
     Mutation(
         "detached-not-durable", "scheduler/streams.py",
@@ -190,5 +189,15 @@ RESTART: tuple[Mutation, ...] = (
         (f"{UD}::test_a_requeued_suspect_whose_worker_reports_it_late_is_taken_over",),
         "a call counted as lost and queued again has its live run stopped when its worker "
         "reports it late",
+    ),
+    Mutation(
+        "detached-pin-left", "scheduler/app_book.py",
+        "        if self._pins.pop(invocation_id, None) is not None:\n"
+        "            self.store.unpin(invocation_id)\n"
+        "        return self._record_by_id(function_id)\n",
+        "        return self._record_by_id(function_id)\n",
+        (f"{UD}::test_it_keeps_its_version_through_a_rolling_update_and_a_restart",),
+        "a call admitted again keeps its saved version binding forever (saved again at "
+        "each version change)",
     ),
 )

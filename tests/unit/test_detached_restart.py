@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpufn.scheduler.deployments import DeploymentStore
 from gpufn.scheduler.kept_results import DetachedCall, KeptResults
 from gpufn.scheduler.ops_store import OpsStore
 from gpufn.scheduler.states import InvState
@@ -160,7 +161,7 @@ def test_a_result_the_worker_holds_is_asked_for_and_kept(tmp_path: Path) -> None
 
 
 def test_a_call_said_to_have_run_counts_as_a_lost_attempt(tmp_path: Path) -> None:
-    first, (running, _queued) = _spawned_and_left(tmp_path)
+    _first, (running, _queued) = _spawned_and_left(tmp_path)
     h = _durable(tmp_path)
     _back(h, ran=[running])  # ran there; its Result is gone
     h.tick(3.5)  # decided at the hold's end
@@ -171,7 +172,7 @@ def test_a_call_said_to_have_run_counts_as_a_lost_attempt(tmp_path: Path) -> Non
 
 
 def test_with_retries_left_it_runs_again_as_its_next_attempt(tmp_path: Path) -> None:
-    first, (running,) = _spawned_and_left(tmp_path, n=1, retries=1)
+    _first, (running,) = _spawned_and_left(tmp_path, n=1, retries=1)
     h = _durable(tmp_path)
     w = _back(h, ran=[running])
     h.tick(3.5)
@@ -225,17 +226,20 @@ def test_a_scheduler_that_is_not_durable_notes_nothing(tmp_path: Path) -> None:
     assert _noted(tmp_path) == []
 
 
-def test_after_gpufn_shutdown_a_call_still_running_is_not_admitted_again(tmp_path: Path) -> None:
+def test_after_a_final_stop_calls_not_ended_are_not_admitted_again(tmp_path: Path) -> None:
     h = _durable(tmp_path)
     h.start_worker(0)
     _deploy(h)
     inv = h.submit(ALIAS, keep=True)
     h.tick(1.5)
+    queued = h.submit(ALIAS, keep=True)
+    h.tick(1.5)
     h.core.streams.close(final=True)  # the shell's close after a drain's grace ran out
     h2 = _durable(tmp_path)
     assert not h2.core.invocations
-    res = _found_later(h2, inv)
-    assert res.error_kind == "ConnectionLost" and "gpufn shutdown" in res.message
+    for call in (inv, queued):
+        res = _found_later(h2, call)
+        assert res.error_kind == "ConnectionLost" and "gpufn shutdown" in res.message
     _killed(h2)
 
 
@@ -258,3 +262,23 @@ def test_a_requeued_suspect_whose_worker_reports_it_late_is_taken_over() -> None
     _done(h, b"w0", "c1", 42, b"late")
     res = h.results(b"back")["c1"]
     assert res.ok and res.frames == (b"late",) and res.meta.attempts == 1
+
+
+def test_it_keeps_its_version_through_a_rolling_update_and_a_restart(tmp_path: Path) -> None:
+    h = _durable(tmp_path)
+    h.start_worker(0)
+    _deploy(h, code="c1")
+    running, queued = h.submit(ALIAS, keep=True), h.submit(ALIAS, keep=True)
+    _deploy(h, code="c2")  # v2: the calls in flight stay on v1 (their bindings are saved)
+    assert DeploymentStore.in_state_dir(str(tmp_path)).pins()
+    h.feed(b"cli", p.Goodbye("closed"))
+    h.tick(1.5)
+    token = h.token(running)
+    _killed(h)
+    h2 = _durable(tmp_path)
+    w = _back(h2, running={running: [token, 1]})
+    _done(h2, w, running, token)
+    [run] = runs_of(h2, queued)
+    assert run.code_id == "c1"
+    assert DeploymentStore.in_state_dir(str(tmp_path)).pins() == {}  # each binding done
+    _killed(h2)

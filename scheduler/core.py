@@ -570,7 +570,10 @@ class SchedulerCore:
             inv.user = call.owner
             self.counters.submitted += 1
             hold = self.recovery.hold_until if self.recovery.holding(now) else 0.0
-            self._admit(inv, True, hold, now)
+            try:
+                self._admit(inv, True, hold, now)
+            except Exception:  # one bad record must not keep the scheduler from starting
+                log.exception("[%s] could not admit it again", inv.id)
         if calls:
             log.info("%d spawned call(s) whose spawner may be gone admitted again", len(calls))
 

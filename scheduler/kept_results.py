@@ -105,7 +105,7 @@ class DetachedCall:
     owner: str  # its user
     submitted: float  # wall clock
     spec: dict[str, Any]  # as admitted (its options and its user's limits applied)
-    frames: tuple[bytes, ...]  # the Submit's payload (the pickled arguments)
+    frames: tuple[Any, ...]  # the Submit's payload (the pickled arguments), never unpickled
 
 
 @dataclass(frozen=True, slots=True)

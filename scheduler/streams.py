@@ -213,8 +213,7 @@ class StreamDesk(RunObserver):
     def _save_calls(self) -> None:
         wall = self.core.wall
         add = [DetachedCall(i.id, i.function.function_id, i.user, wall(i.submitted),
-                            i.spec.to_wire(), tuple(bytes(memoryview(getattr(f, "buffer", f)))
-                                                    for f in i.frames))
+                            i.spec.to_wire(), tuple(i.frames))  # copied by the writer thread
                for i in self._unsaved.values()]
         self.results.save_calls(add, self._forget)
         self._saved.update(self._unsaved)

@@ -290,6 +290,14 @@ class AppBook:
         except NotFound:
             return unknown
 
+    def noted_function(self, function_id: str, invocation_id: str) -> FunctionRecord:
+        """The deployed function (its own id: its version) of a call admitted again after a
+        restart without a resubmit (SchedulerCore._readmit); a binding saved for the call
+        is done. NotFound if that version is gone."""
+        if self._pins.pop(invocation_id, None) is not None:
+            self.store.unpin(invocation_id)
+        return self._record_by_id(function_id)
+
     def _count(self, app: str, fn: str, now: float) -> None:
         minute = int(now // 60)
         calls = self._calls.setdefault((app, fn), deque())

@@ -62,11 +62,12 @@ from gpufn.scheduler.recovery import Recovery, Report
 from gpufn.scheduler.settings import Counters, SchedulerConfig
 from gpufn.scheduler.shapes import Shape
 from gpufn.scheduler.states import DeviceState, InvState
-from gpufn.scheduler.streams import StreamDesk
+from gpufn.scheduler.streams import NO_CLIENT, StreamDesk
 from gpufn.scheduler.transitions import Transitions
 from gpufn.scheduler.user_desk import UserDesk
 from gpufn.scheduler.users import Identity, UserStore, sees
 from gpufn.wire import protocol as p
+from gpufn.wire.spec import GpuSpec
 
 log = logging.getLogger("gpufn.scheduler")
 
@@ -107,7 +108,8 @@ class SchedulerCore:
         self._seq = 0
         self.apps = AppBook(self, deployments or DeploymentStore(":memory:"))
         self.ops = OpsDesk(self, ops_store)  # logs, usage and drain
-        self.streams = StreamDesk(self, results)  # streamed values, from_id callers, kept results
+        self.streams = StreamDesk(self, results,  # streamed values, from_id callers, kept results
+                                  ops_store.durable)
         self.tx.observers += [self.ops, self.streams]  # usage first, then attached callers
         self.users = UserDesk(self, UserStore() if users is None else users,  # tokens, limits
                               self._drop_peer)
@@ -133,6 +135,7 @@ class SchedulerCore:
         self.tx.now = now
         if self.recovery.began is None:
             self.recovery.began = now
+            self._readmit(now)
         for ev in events:
             try:
                 self._on_event(ev, now)
@@ -383,6 +386,9 @@ class SchedulerCore:
             if inv is None:
                 continue  # its caller resubmits it later (or never)
             claim = self.recovery.claim(inv_id)
+            if (inv.state is InvState.QUEUED and inv.attempts and isinstance(claim, Report)
+                    and self._adopt(inv, claim, now, queued=True)):
+                continue  # counted as lost and queued again, not started yet: its run goes on
             if inv.state is not InvState.QUEUED or inv.attempts:
                 if isinstance(claim, Report) and not claim.held and d is not None:
                     # The hold ended before this worker was back, and the call was placed
@@ -486,8 +492,9 @@ class SchedulerCore:
         fn.model_keys = self.models.register(list(msg.models), tuple(msg.frames[ncode:]))
 
     def _on_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
-        if msg.invocation_id in self.invocations:
-            return  # a duplicate submit is ignored, never run twice
+        if msg.invocation_id in self.invocations:  # a duplicate: never run twice, but a
+            self.streams.resubmitted(peer, self.invocations[msg.invocation_id])  # caller again
+            return
         if self.streams.answer_again(peer, msg.invocation_id):
             return  # it ended already: its kept Result, not a second run
         draining = self.ops.refusal(msg)  # 1. nothing is admitted while the scheduler drains
@@ -523,20 +530,52 @@ class SchedulerCore:
         inv = Invocation(msg.invocation_id, fn, peer, spec, tuple(msg.frames), now, self._seq)
         inv.user = self.peers[peer].user  # from its token, never the client's claim
         inv.shm = msg.shm
+        self._admit(inv, msg.keep, self.recovery.not_before(peer, now), now)
+
+    def _admit(self, inv: Invocation, keep: bool, not_before: float, now: float) -> None:
         inv.history.append(("queued", now))
-        if spec.deadline is not None:
-            inv.deadline = now + spec.deadline
+        if inv.spec.deadline is not None:
+            inv.deadline = now + inv.spec.deadline
             heapq.heappush(self._deadlines, (inv.deadline, inv.seq, inv))
         self.invocations[inv.id] = inv
-        self.streams.admitted(inv, msg.keep)  # 2. its Result kept for FunctionCall.from_id
+        self.streams.admitted(inv, keep)  # 2. its Result kept for FunctionCall.from_id
         claim = self.recovery.claim(inv.id)  # 3. after a restart: a worker runs or ran it
         if isinstance(claim, Report) and self._adopt(inv, claim, now, queued=False):
             return
-        inv.not_before = self.recovery.not_before(peer, now)
+        inv.not_before = not_before
         self.queue.push(inv, now)
         if claim is not None:
             self._ran_before(inv, now)
         self.tx.dirty = True
+
+    def _readmit(self, now: float) -> None:
+        """At start: the spawned calls of deployed functions the previous scheduler noted
+        (nobody may resubmit them) are admitted again on their version, as if resubmitted
+        (they wait for the hold; a worker's report of them is taken over or counts)."""
+        try:
+            calls = self.streams.restored()
+        except Exception:  # an unreadable book must not keep the scheduler from starting
+            log.exception("could not read the calls to admit again after the restart")
+            return
+        for call in calls:
+            try:
+                fn = self.apps.noted_function(call.function_id, call.invocation_id)
+                spec = GpuSpec.from_wire(call.spec)
+            except GpufnError as e:
+                self.streams.unadmittable(call, e, now)
+                continue
+            self._seq += 1
+            inv = Invocation(call.invocation_id, fn, NO_CLIENT, spec, call.frames,
+                             call.submitted - self.wall_offset, self._seq)
+            inv.user = call.owner
+            self.counters.submitted += 1
+            hold = self.recovery.hold_until if self.recovery.holding(now) else 0.0
+            try:
+                self._admit(inv, True, hold, now)
+            except Exception:  # one bad record must not keep the scheduler from starting
+                log.exception("[%s] could not admit it again", inv.id)
+        if calls:
+            log.info("%d spawned call(s) whose spawner may be gone admitted again", len(calls))
 
     def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:
         inv = self.invocations.get(msg.invocation_id)

@@ -6,6 +6,10 @@ default, GPUFN_RESULT_RETENTION), and the book holds at most `max_results` resul
 `max_bytes` of payload (GPUFN_RESULT_STORE_MAX, 4 GiB by default); the oldest leave
 first. Each record names its owner (the caller's user), so that only that user reads it.
 
+It also holds the spawned calls of deployed functions that have not ended (`DetachedCall`:
+what admits one again), so that a restarted scheduler runs them to their end although no
+client resubmits them; a call's row leaves in the transaction that stores its Result.
+
 Writes go to a thread of their own (a large result must not stall the scheduler); until
 written, a record is served from memory. The file is sqlite (WAL), 0600 in a 0700 folder,
 opened on first use: a scheduler that keeps nothing creates no file. Payload frames are
@@ -14,6 +18,7 @@ stored opaque, in chunks (sqlite's blobs are bounded), and never unpickled here.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import sqlite3
@@ -43,7 +48,32 @@ CREATE TABLE IF NOT EXISTS frames (
     id TEXT NOT NULL, frame INTEGER NOT NULL, piece INTEGER NOT NULL, data BLOB NOT NULL,
     PRIMARY KEY (id, frame, piece)
 );
+CREATE TABLE IF NOT EXISTS calls (
+    id TEXT PRIMARY KEY, function_id TEXT NOT NULL, owner TEXT NOT NULL,
+    submitted REAL NOT NULL, spec TEXT NOT NULL, nframes INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS call_frames (
+    id TEXT NOT NULL, frame INTEGER NOT NULL, piece INTEGER NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (id, frame, piece)
+);
 """
+
+
+def _put_frames(cur: sqlite3.Cursor, table: str, rid: str, frames: Any) -> None:
+    for i, frame in enumerate(frames):
+        view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+        for piece, at in enumerate(range(0, max(1, view.nbytes), CHUNK)):
+            cur.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?)",
+                        (rid, i, piece, bytes(view[at:at + CHUNK])))
+
+
+def _get_frames(db: sqlite3.Connection, table: str, rid: str, nframes: int) -> list[bytes]:
+    pieces: list[list[bytes]] = [[] for _ in range(nframes)]
+    for frame, data in db.execute(
+            f"SELECT frame, data FROM {table} WHERE id=? ORDER BY frame, piece",
+            (rid,)):
+        pieces[frame].append(bytes(data))
+    return [b"".join(ps) for ps in pieces]
 
 
 def nbytes(frames: tuple[Any, ...]) -> int:
@@ -63,6 +93,19 @@ class KeptResult:
     @property
     def nbytes(self) -> int:
         return nbytes(self.result.frames)
+
+
+@dataclass(frozen=True, slots=True)
+class DetachedCall:
+    """A spawned call of a deployed function that has not ended, as it was admitted: what
+    a restarted scheduler needs to admit it again (its spawner may be gone)."""
+
+    invocation_id: str
+    function_id: str  # the deployed function's own id: the version that admitted it
+    owner: str  # its user
+    submitted: float  # wall clock
+    spec: dict[str, Any]  # as admitted (its options and its user's limits applied)
+    frames: tuple[Any, ...]  # the Submit's payload (the pickled arguments), never unpickled
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +184,13 @@ class KeptResults:
             try:
                 if kind == "put":
                     self._insert(db, arg)
+                elif kind == "calls":
+                    self._save_calls(db, *arg)
                 else:
                     self._delete(db, arg)
             except Exception:  # a full disk must not take the scheduler down
-                log.exception("could not %s kept results", "store" if kind == "put" else "drop")
+                log.exception("could not %s kept results", {"put": "store", "calls": "note the "
+                              "calls of"}.get(kind, "drop"))
             finally:
                 if kind == "put":
                     with self._lock:
@@ -162,11 +208,28 @@ class KeptResults:
                         (rid, rec.owner, rec.function, rec.ended, rec.nbytes, tag, header,
                          len(payload)))
             cur.execute("DELETE FROM frames WHERE id=?", (rid,))
-            for i, frame in enumerate(payload):
-                view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
-                for piece, at in enumerate(range(0, max(1, view.nbytes), CHUNK)):
-                    cur.execute("INSERT INTO frames VALUES (?, ?, ?, ?)",
-                                (rid, i, piece, bytes(view[at:at + CHUNK])))
+            _put_frames(cur, "frames", rid, payload)
+            # The call ended and its Result is kept: a restart must not admit it again.
+            cur.execute("DELETE FROM calls WHERE id=?", (rid,))
+            cur.execute("DELETE FROM call_frames WHERE id=?", (rid,))
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+
+    @staticmethod
+    def _save_calls(db: sqlite3.Connection, add: list[DetachedCall], drop: list[str]) -> None:
+        cur = db.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            for rid in [*drop, *(c.invocation_id for c in add)]:
+                cur.execute("DELETE FROM calls WHERE id=?", (rid,))
+                cur.execute("DELETE FROM call_frames WHERE id=?", (rid,))
+            for c in add:
+                cur.execute("INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?)",
+                            (c.invocation_id, c.function_id, c.owner, c.submitted,
+                             json.dumps(c.spec), len(c.frames)))
+                _put_frames(cur, "call_frames", c.invocation_id, c.frames)
             cur.execute("COMMIT")
         except BaseException:
             cur.execute("ROLLBACK")
@@ -180,6 +243,26 @@ class KeptResults:
             cur.execute("DELETE FROM results WHERE id=?", (rid,))
             cur.execute("DELETE FROM frames WHERE id=?", (rid,))
         cur.execute("COMMIT")
+
+    # ------------------------------------------------------------------ calls not ended
+
+    def save_calls(self, add: list[DetachedCall], drop: list[str]) -> None:
+        """Note calls to admit again after a restart, and forget calls that ended without
+        a kept Result; one transaction, written by the writer thread."""
+        if self.path is not None and (add or drop):
+            self._start_writer().put(("calls", (add, drop)))
+
+    def detached(self) -> list[DetachedCall]:
+        """The calls noted and not ended (what the previous scheduler left), oldest first."""
+        if self.path is None or not self.path.exists():
+            return []
+        out = []
+        rows = self._db.execute("SELECT id, function_id, owner, submitted, spec, nframes "
+                                "FROM calls ORDER BY submitted").fetchall()
+        for rid, fid, owner, submitted, spec, nframes in rows:
+            out.append(DetachedCall(rid, fid, owner, submitted, json.loads(spec),
+                                    tuple(_get_frames(self._db, "call_frames", rid, nframes))))
+        return out
 
     # ------------------------------------------------------------------ the book
 
@@ -230,11 +313,7 @@ class KeptResults:
         if row is None:
             return None
         owner, function, ended, tag, header, nframes = row
-        pieces: list[list[bytes]] = [[] for _ in range(nframes)]
-        for frame, data in self._db.execute(
-                "SELECT frame, data FROM frames WHERE id=? ORDER BY frame, piece", (rid,)):
-            pieces[frame].append(bytes(data))
-        frames = [tag, header, *(b"".join(ps) for ps in pieces)]
+        frames = [tag, header, *_get_frames(self._db, "frames", rid, nframes)]
         msg = p.decode(frames)
         if not isinstance(msg, p.Result):
             return None

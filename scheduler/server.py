@@ -270,7 +270,9 @@ class SchedulerServer:
                 pass
 
     def close(self) -> None:
-        self.core.streams.close()  # kept results queued for the disk are written
+        # Kept results queued for the disk are written; after a final stop the spawned
+        # calls not ended fail like the clients' calls (no later scheduler runs them).
+        self.core.streams.close(final=self.final or self.core.ops.draining)
         if self.metrics is not None:
             self.metrics.close()
         self.sock.close(1000)  # let the Shutdown messages out

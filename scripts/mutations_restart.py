@@ -1,6 +1,7 @@
 """Mutations of a head restart (issue 18 items 1 and 3): workers that outlive `gpufn serve`,
 calls taken over rather than run again, held results, versions pinned at admission, and
-the operator's books kept on disk."""
+the operator's books kept on disk; and the spawned calls of deployed functions whose
+spawner left, admitted again by the next scheduler."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from mutation_table import Mutation
 
 T = "tests/integration/test_restart.py"
 U = "tests/unit/test_restart.py"
+UD = "tests/unit/test_detached_restart.py"
 
 RESTART: tuple[Mutation, ...] = (
     Mutation(
@@ -119,5 +121,83 @@ RESTART: tuple[Mutation, ...] = (
         ("tests/integration/test_restart.py::"
          "test_a_restart_with_other_device_options_replaces_the_workers",),
         "gpufn serve adopts the previous workers although its device options changed",
+    ),
+    Mutation(
+        "detached-not-noted", "scheduler/streams.py",
+        "                self._unsaved[inv.id] = inv  # noted on disk at the next save\n",
+        "                pass\n",
+        (f"{UD}::test_a_running_and_a_queued_call_are_admitted_again_and_run_once",
+         f"{T}::test_a_spawned_call_whose_spawner_left_survives_a_head_restart"),
+        "a spawned call whose spawner left is kept only in memory: a restart loses it",
+    ),
+    Mutation(
+        "detached-not-readmitted", "scheduler/core.py",
+        "            self._readmit(now)\n",
+        "            pass\n",
+        (f"{UD}::test_a_running_and_a_queued_call_are_admitted_again_and_run_once",),
+        "the noted calls are never admitted again: queued ones vanish, running ones are orphans",
+    ),
+    Mutation(
+        "detached-row-outlives-its-result", "scheduler/kept_results.py",
+        '            cur.execute("DELETE FROM calls WHERE id=?", (rid,))\n'
+        '            cur.execute("DELETE FROM call_frames WHERE id=?", (rid,))\n'
+        '            cur.execute("COMMIT")\n',
+        '            cur.execute("COMMIT")\n',
+        (f"{UD}::test_a_running_and_a_queued_call_are_admitted_again_and_run_once",),
+        "a call whose Result is kept stays noted (the book grows; only the kept-result check "
+        "keeps it from running again)",
+    ),
+    Mutation(
+        "detached-ended-runs-again", "scheduler/streams.py",
+        "            (ended if c.invocation_id in self.results else calls).append(c)\n",
+        "            calls.append(c)\n",
+        (f"{UD}::test_a_noted_call_whose_result_is_kept_is_not_run_again",),
+        "a noted call whose Result was kept before its row left runs a second time",
+    ),
+    Mutation(
+        "detached-resubmit-not-rebound", "scheduler/streams.py",
+        "            inv.client = peer\n",
+        "            pass\n",
+        (f"{UD}::test_a_spawner_that_resubmits_it_too_gets_the_one_call",),
+        "a spawner that resubmits a call admitted again never gets its Result",
+    ),
+    Mutation(
+        "detached-readmitted-without-hold", "scheduler/core.py",
+        "            self._admit(inv, True, hold, now)\n",
+        "            self._admit(inv, True, 0.0, now)\n",
+        (f"{UD}::test_a_readmitted_call_waits_for_the_hold",),
+        "a call admitted again is placed before its worker could say it runs it: it runs twice",
+    ),
+    Mutation(
+        "detached-shutdown-runs-again", "scheduler/streams.py",
+        "        if final:\n            for inv_id in [*self._saved, *self._unsaved]:\n",
+        "        if False:\n            for inv_id in [*self._saved, *self._unsaved]:\n",
+        (f"{UD}::test_after_a_final_stop_calls_not_ended_are_not_admitted_again",),
+        "after a final stop a call that was running is admitted again and runs a second time",
+    ),
+    Mutation(
+        "detached-not-durable", "scheduler/streams.py",
+        "            if self.durable and inv.function.app:\n",
+        "            if inv.function.app:\n",
+        (f"{UD}::test_a_scheduler_that_is_not_durable_notes_nothing",),
+        "an embedded scheduler (whose workers die with it) notes calls a later one runs again",
+    ),
+    Mutation(
+        "requeued-suspect-cancelled", "scheduler/core.py",
+        "            if (inv.state is InvState.QUEUED and inv.attempts and isinstance(claim, Report)\n",
+        "            if (False and isinstance(claim, Report)\n",
+        (f"{UD}::test_a_requeued_suspect_whose_worker_reports_it_late_is_taken_over",),
+        "a call counted as lost and queued again has its live run stopped when its worker "
+        "reports it late",
+    ),
+    Mutation(
+        "detached-pin-left", "scheduler/app_book.py",
+        "        if self._pins.pop(invocation_id, None) is not None:\n"
+        "            self.store.unpin(invocation_id)\n"
+        "        return self._record_by_id(function_id)\n",
+        "        return self._record_by_id(function_id)\n",
+        (f"{UD}::test_it_keeps_its_version_through_a_rolling_update_and_a_restart",),
+        "a call admitted again keeps its saved version binding forever (saved again at "
+        "each version change)",
     ),
 )

@@ -3,8 +3,9 @@ signals: `gpufn serve` or only its scheduler, SIGKILL or SIGTERM. The calls runn
 finish where they ran and their one result arrives (a side-effect log shows each ran
 once, as its first attempt); queued calls run; resident models stay (no loader runs);
 usage and logs include what ran before; a call keeps its deployment version; retried
-calls wait through the outage; only `gpufn shutdown` or an expired grace fails calls,
-and every process of the head ends."""
+calls wait through the outage; spawned calls whose spawner left run to their end, once;
+only `gpufn shutdown` or an expired grace fails calls, and every process of the head
+ends."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import json
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -251,3 +255,86 @@ def test_a_restart_with_other_device_options_replaces_the_workers(head: Head) ->
     c = client_mod.get_client()
     wait_for(lambda: len(c.status()["devices"]) == 3, 60, "3 devices")
     assert_all_gone([before], timeout=30)
+
+
+EVALS = """
+import os
+import time
+
+import gpufn
+
+
+@gpufn.gpu
+def evaluate(log, i, seconds):
+    with open(log, "a") as f:
+        f.write(f"{i} {gpufn.context().attempt} {os.getpid()}\\n")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.02)
+    return i * 10
+"""
+
+SPAWN_AND_LEAVE = """
+import pathlib, sys, time
+import gpufn
+
+address, token, log = sys.argv[1:4]
+gpufn.connect(address, token=token)
+evaluate = gpufn.lookup("evals", "evaluate")
+calls = [evaluate.spawn(log, i, 4.0) for i in range(3)]  # 2 devices: two run, one waits
+print(" ".join(c.id for c in calls), flush=True)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and len(pathlib.Path(log).read_text().splitlines()
+                                          if pathlib.Path(log).exists() else []) < 2:
+    time.sleep(0.05)
+"""  # then it exits: nobody will resubmit them
+
+FROM_ID = """
+import json, sys
+import gpufn
+
+address, token, *ids = sys.argv[1:]
+gpufn.connect(address, token=token)
+print(json.dumps([gpufn.FunctionCall.from_id(i).get(timeout=120) for i in ids]))
+"""
+
+
+def _noted_calls(head: Head) -> int:
+    path = head.home / "state" / "results.sqlite"
+    try:
+        with sqlite3.connect(path) as db:
+            return int(db.execute("SELECT COUNT(*) FROM calls").fetchone()[0])
+    except sqlite3.Error:
+        return 0
+
+
+def _python(head: Head, script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", script, head.address, "restart-test-token",
+                           *args], capture_output=True, text=True, timeout=180,
+                          env=head.env(), cwd=head.home / "cwd")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("what", ["serve", "scheduler"])
+def test_a_spawned_call_whose_spawner_left_survives_a_head_restart(
+        head: Head, tmp_path: Path, what: str) -> None:
+    head.start()
+    _connect(head)
+    app = tmp_path / "app" / "evals.py"
+    app.parent.mkdir()
+    app.write_text(textwrap.dedent(EVALS))
+    gpufn.deploy(app)
+    log = tmp_path / "evals.log"
+    ids = _python(head, SPAWN_AND_LEAVE, str(log)).split()  # two run, one waits; it left
+    wait_for(lambda: _noted_calls(head) == 3, 60, "the calls to be noted on disk")
+    if what == "serve":
+        head.kill(signal.SIGKILL)
+        head.start()
+    else:
+        head.kill_scheduler(signal.SIGKILL)
+    values = json.loads(_python(head, FROM_ID, *ids))  # a new process, after the restart
+    assert values == [0, 10, 20]
+    assert sorted(_runs(log)) == [(0, 1), (1, 1), (2, 1)]  # each ran once, as attempt 1
+    wait_for(lambda: _noted_calls(head) == 0, 30, "the rows to leave with their results")
+    head.shutdown()

@@ -160,6 +160,3 @@ class Recovery:
                 del self.reports[inv_id]
                 out.append((inv_id, r))
         return out
-
-    def ran_before(self, invocation_id: str) -> bool:
-        return self.ran.pop(invocation_id, None) is not None

@@ -44,9 +44,7 @@ from gpufn.wire.config import join_address
 log = logging.getLogger("gpufn.scheduler")
 
 TICK_SECONDS = 0.05
-# The exit status of a scheduler that stopped to be restarted (SIGTERM, its parent gone):
-# `gpufn serve` starts it again; 0 means a final stop (`gpufn shutdown`, SIGINT).
-EXIT_RESTART = 75
+EXIT_RESTART = p.EXIT_RESTART
 MAX_BATCH = 512
 # Room for a header frame above the largest payload frame allowed (headers are small).
 HEADER_SLACK = 64 * 1024

@@ -231,6 +231,9 @@ LISTED: tuple[Mutation, ...] = (
         "        if inv.state is not InvState.QUEUED:\n",
         (f"{CG}::test_a_call_lost_here_is_not_charged_again_when_its_worker_re_registers_listing_it",),
         "a call lost and requeued here is charged again when its worker re-registers listing it",
+        equivalent="a second line: SchedulerCore._recovered makes the same check before the "
+                   "report reaches lost_before_restart, and a suspect decided at the hold's end "
+                   "was never placed (nothing is, during the hold)",
     ),
     Mutation(
         "unstarted-loss-uses-retry", "scheduler/transitions.py",

@@ -79,8 +79,8 @@ SCHEDULER: tuple[Mutation, ...] = (
     ),
     Mutation(
         'recovery-forgets-early-reports', 'scheduler/recovery.py',
-        '        return self.ran.pop(invocation_id, None) is not None\n',
-        '        return False\n',
+        '        if self.ran and self.ran.pop(invocation_id, None) is not None:\n            return RAN\n',
+        '        if False:\n            return RAN\n',
         (f"{UF}::test_a_worker_that_reports_before_the_resubmit_is_remembered",),
         why="a worker's report that came before the resubmit is forgotten (the call runs twice)",
     ),
@@ -88,7 +88,7 @@ SCHEDULER: tuple[Mutation, ...] = (
         'recovery-late-reports-ignored', 'scheduler/core.py',
         '        else:\n            self.tx.lost_before_restart(inv, now)\n',
         '        else:\n            pass\n',
-        (f"{UF}::test_a_resubmitted_call_a_worker_ran_fails_with_worker_lost_without_retries",),
+        (f"{UF}::test_a_report_after_the_hold_of_a_call_still_queued_counts_as_its_lost_attempt",),
         why='a worker reporting after the resubmit does not mark the call lost',
     ),
     Mutation(

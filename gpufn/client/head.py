@@ -26,11 +26,12 @@ from typing import Any
 from gpufn.client.embedded import LocalCluster
 from gpufn.exceptions import GpufnError
 from gpufn.net import processes
+from gpufn.wire import protocol
 
 log = logging.getLogger("gpufn.head")
 
 RECORD = "head.json"
-EXIT_RESTART = 75  # the scheduler stopped to be restarted (scheduler/server.py)
+EXIT_RESTART = protocol.EXIT_RESTART
 RESTARTS = 5  # scheduler restarts within RESTART_WINDOW_S before `gpufn serve` gives up
 RESTART_WINDOW_S = 60.0
 OLD_SCHEDULER_WAIT_S = 10.0  # for the scheduler of a dead `gpufn serve` to notice and go

@@ -552,6 +552,9 @@ class Heartbeat(Message):
     stats: dict[str, Any]
 
 
+# The exit status of a scheduler that stopped to be restarted (SIGTERM, its parent gone):
+# `gpufn serve` starts it again; 0 means a final stop (`gpufn shutdown`, SIGINT).
+EXIT_RESTART = 75
 GAVE_UP = -999  # WorkerExited.returncode: the supervisor gave up restarting the worker
 # WorkerExited.returncode: the supervisor stopped the worker, over its host-memory limit
 # (the reason says by how much); its calls fail with HostOutOfMemory, never retried.

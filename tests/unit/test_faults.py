@@ -185,6 +185,21 @@ def test_a_resubmitted_call_a_worker_ran_fails_with_worker_lost_without_retries(
     assert runs == {retried: 2, queued: 1}
 
 
+def test_a_report_after_the_hold_of_a_call_still_queued_counts_as_its_lost_attempt() -> None:
+    """The hold is over and a resubmitted call still waits for room; then a worker that
+    was late says it ran that call before the restart: its attempt is lost (WorkerLost
+    with retries=0), it is not run now."""
+    h, cli = _restarted()
+    f = h.register("f", memory="8GiB")  # one at a time per device
+    first, second = h.submit(f, cli), h.submit(f, cli)
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 2})
+    h.tick(3.1)  # the hold ends without n:1: the first runs, the second waits
+    assert [r.invocation_id for r in h.runs()] == [first]
+    h.hello(b"w1", p.Role.WORKER, info={"device": "n:1", "incarnation": 2, "ran": [second]})
+    assert h.results(cli)[second].error_kind == "WorkerLost"
+    assert [r.invocation_id for r in h.runs()] == [first]
+
+
 def test_a_worker_that_reports_before_the_resubmit_is_remembered() -> None:
     h, cli = _restarted()
     once = h.register("once")

@@ -68,6 +68,10 @@ def serve(
     from gpufn.client.head import Head
     from gpufn.net import curve as security
 
+    # SIGINT stops for good, also when this was started with SIGINT ignored (a shell's
+    # background job `gpufn serve &`, which Python would leave ignoring it): it is what
+    # Ctrl-C and `gpufn shutdown --force` send.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if cpu_devices is not None and cpu_devices < 1:
         fail("--cpu-devices must be at least 1", 2)
     if on_sigterm not in ("restart", "stop"):

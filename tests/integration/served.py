@@ -21,6 +21,10 @@ def serve_env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def gpufn_cmd() -> list[str]:
     return [sys.executable, "-m", "gpufn.cli.main"]
 
@@ -44,10 +48,12 @@ class Served:
     def start(self) -> Served:
         (self.home / "cluster.json").unlink(missing_ok=True)
         log = open(self.home / "serve.log", "a")  # noqa: SIM115 (the child keeps writing it)
+        # Started as a shell's background job is (SIGINT ignored): `stop` still stops it.
         self.proc = subprocess.Popen(
             [*gpufn_cmd(), "serve", "--port", "0", "--cpu-devices", str(self.devices),
              "--device-memory", self.memory],
-            env=self.env(), cwd=self.home / "cwd", stdout=log, stderr=subprocess.STDOUT, text=True)
+            env=self.env(), cwd=self.home / "cwd", stdout=log, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=_ignore_sigint)
         log.close()
         deadline = time.monotonic() + 90
         path = self.home / "cluster.json"

@@ -96,7 +96,7 @@ class ModelBook:
         self.gangs = gangs if gangs is not None else GangBook()
         self._joint: dict[str, GroupFit] = {}  # a gang call's joint plan, until admitted
         # device key -> (its ledger's version, request, fit): see `_fit`
-        self._fits: dict[str, tuple[tuple[int, int], Request, Fit | NeverFits | None]] = {}
+        self._fits: dict[tuple[str, Request], tuple[tuple[int, int], Fit | NeverFits | None]] = {}
 
     # ------------------------------------------------------------------ registry
 
@@ -163,9 +163,24 @@ class ModelBook:
         devmap = {x.key: x for x in every} if shards else {}
         joints: dict[str, GroupFit] = {}
         best: tuple[tuple[Any, ...], Device, Fit, float] | None = None
+        # Each missing model adds at least its own load (or restore) time to a device's
+        # cold start: a device whose drain plus that is already later than the best
+        # expected time is not planned at all.
+        terms = [(k, self._load_seconds(self.models[k]), self._restore_seconds(self.models[k]))
+                 for k in inv.function.model_keys]
         for drain, d in candidates:
-            if ordered and best is not None and drain > best[0][0]:
-                break
+            if best is not None:
+                if ordered and drain > best[0][0]:
+                    break
+                models = d.ledger.models
+                least = 0.0
+                for k, load_s, restore_s in terms:
+                    e = models.get(k)
+                    state = Residency.ABSENT if e is None else e.state
+                    t = load_s if state is Residency.ABSENT else restore_s if state is Residency.OFFLOADED else 0.0
+                    least = t if t > least else least
+                if drain + least > best[0][0]:
+                    continue
             if shards:  # a victim shard here takes its siblings on other devices along
                 joint = fit_group({k: x.ledger for k, x in devmap.items()}, (d.key,), req)
                 if not isinstance(joint, GroupFit):
@@ -201,11 +216,13 @@ class ModelBook:
         """`d.ledger.fit(req)`, remembered until the ledger (or its host's) changes: a
         device nothing happened on is not planned again for the same request."""
         version = d.ledger._version()
-        got = self._fits.get(d.key)
-        if got is not None and got[0] == version and got[1] == req:
-            return got[2]
+        got = self._fits.get((d.key, req))
+        if got is not None and got[0] == version:
+            return got[1]
         plan = d.ledger.fit(req)
-        self._fits[d.key] = (version, req, plan)
+        if len(self._fits) > 65536:  # stale versions pile up: start again
+            self._fits.clear()
+        self._fits[(d.key, req)] = (version, plan)
         return plan
 
     def gang_plans(self, inv: Invocation, devices: list[Device],
@@ -273,6 +290,9 @@ class ModelBook:
 
     def _load_seconds(self, r: ModelRecord) -> float:
         return r.load_seconds / r.loads if r.loads else 1.0 + r.size / LOAD_BANDWIDTH
+
+    def _restore_seconds(self, r: ModelRecord) -> float:
+        return r.restore_seconds / r.restores if r.restores else r.size / HOST_BANDWIDTH
 
     def _plan_joint(self, inv: Invocation, gang: tuple[str, ...], req: Request,
                     every: Mapping[str, Device]) -> GroupFit | None:

@@ -37,12 +37,10 @@ def estimate_bounds(fn: FunctionRecord, cache: dict[str, tuple[object, float, bo
     if got is not None and got[0] == stamp:
         return got[1], got[2]
     if ewma is None:  # nothing measured: every device's estimate is unknown (0)
-        lo, uniform = 0.0, not rbd
-        if rbd:
-            lo = min(0.0, *rbd.values())
+        lo, uniform = min(0.0, min(rbd.values(), default=0.0)), not rbd
     else:
-        lo, hi = min(ewma, *rbd.values()), max(ewma, *rbd.values())
-        uniform = lo == hi
+        lo = min(ewma, min(rbd.values(), default=ewma))
+        uniform = lo == max(ewma, max(rbd.values(), default=ewma))
     cache[fn.function_id] = (stamp, lo, uniform)
     return lo, uniform
 

@@ -15,7 +15,7 @@ and `sweep` removes them; a new formation loads it again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,8 @@ class ModelBook:
         self._replan: set[str] = set()  # calls whose model turned out larger than declared
         self.gangs = gangs if gangs is not None else GangBook()
         self._joint: dict[str, GroupFit] = {}  # a gang call's joint plan, until admitted
+        # device key -> (its ledger's version, request, fit): see `_fit`
+        self._fits: dict[tuple[str, Request], tuple[tuple[int, int], Fit | NeverFits | None]] = {}
 
     # ------------------------------------------------------------------ registry
 
@@ -143,14 +145,42 @@ class ModelBook:
         drain there plus what must load (resident, then on host, then least eviction).
         None means wait: nothing fits now, or a device that already holds the models
         frees up sooner than another could load them (no second copy for a short wait)."""
+        ids = {id(d) for d in candidates}
+        return self.best_plan_by_drain(
+            inv, ((drain_seconds(d, now), d) for d in candidates),
+            lambda d: id(d) in ids, every, now, ordered=False)
+
+    def best_plan_by_drain(self, inv: Invocation, candidates: Iterable[tuple[float, Device]],
+                           is_candidate: Callable[[Device], bool], every: Iterable[Device],
+                           now: float, ordered: bool = True) -> tuple[Device, Fit] | None:
+        """`best_plan` over (drain_seconds at `now`, device) pairs; `ordered`: in ascending
+        drain, so the search stops at the first device whose drain alone is later than
+        the best expected time found (a device's cold start only adds to its drain)."""
         req = self.request(inv)
         mine = set(inv.function.model_keys)
-        every = list(every)
-        devmap = {x.key: x for x in every}
-        shards = self._any_shards(devmap)
+        every = list(every) if not isinstance(every, list) else every
+        shards = self._any_shards_in(every)
+        devmap = {x.key: x for x in every} if shards else {}
         joints: dict[str, GroupFit] = {}
         best: tuple[tuple[Any, ...], Device, Fit, float] | None = None
-        for d in candidates:
+        # Each missing model adds at least its own load (or restore) time to a device's
+        # cold start: a device whose drain plus that is already later than the best
+        # expected time is not planned at all.
+        terms = [(k, self._load_seconds(self.models[k]), self._restore_seconds(self.models[k]))
+                 for k in inv.function.model_keys]
+        for drain, d in candidates:
+            if best is not None:
+                if ordered and drain > best[0][0]:
+                    break
+                models = d.ledger.models
+                least = 0.0
+                for k, load_s, restore_s in terms:
+                    e = models.get(k)
+                    state = Residency.ABSENT if e is None else e.state
+                    t = load_s if state is Residency.ABSENT else restore_s if state is Residency.OFFLOADED else 0.0
+                    least = t if t > least else least
+                if drain + least > best[0][0]:
+                    continue
             if shards:  # a victim shard here takes its siblings on other devices along
                 joint = fit_group({k: x.ledger for k, x in devmap.items()}, (d.key,), req)
                 if not isinstance(joint, GroupFit):
@@ -158,14 +188,14 @@ class ModelBook:
                 joints[d.key] = joint
                 plan = joint.plans[d.key]
             else:
-                plan = d.ledger.fit(req)
+                plan = self._fit(d, req)
             if not isinstance(plan, Fit):
                 continue
             swapping = any(e.state in _MOVING and e.name not in mine for e in d.ledger.models.values())
             if swapping and (plan.load or plan.restore or plan.victims):
                 continue  # one swap at a time per device: calls that hit go first (no thrash)
             cold = self.cold_seconds(plan)
-            key = (drain_seconds(d, now) + cold, plan.cost, len(d.running), -plan.free_after, d.key)
+            key = (drain + cold, plan.cost, len(d.running), -plan.free_after, d.key)
             if best is None or key < best[0]:
                 best = (key, d, plan, cold)
         if best is None:
@@ -173,7 +203,7 @@ class ModelBook:
         _, d, plan, cold = best
         if cold > 0 and not plan.waiting:
             for other in every:
-                if other is d or other in candidates or other.state is not DeviceState.READY:
+                if other is d or other.state is not DeviceState.READY or is_candidate(other):
                     continue
                 if all(other.ledger.state(k) is Residency.RESIDENT for k in mine) and \
                         drain_seconds(other, now) < cold:
@@ -181,6 +211,19 @@ class ModelBook:
         if d.key in joints:
             self._joint[inv.id] = joints[d.key]  # admitted with its sibling shards
         return d, plan
+
+    def _fit(self, d: Device, req: Request) -> Fit | NeverFits | None:
+        """`d.ledger.fit(req)`, remembered until the ledger (or its host's) changes: a
+        device nothing happened on is not planned again for the same request."""
+        version = d.ledger._version()
+        got = self._fits.get((d.key, req))
+        if got is not None and got[0] == version:
+            return got[1]
+        plan = d.ledger.fit(req)
+        if len(self._fits) > 65536:  # stale versions pile up: start again
+            self._fits.clear()
+        self._fits[(d.key, req)] = (version, plan)
+        return plan
 
     def gang_plans(self, inv: Invocation, devices: list[Device],
                    every: Mapping[str, Device] | None = None) -> dict[str, Fit] | None:
@@ -208,8 +251,11 @@ class ModelBook:
         return [r for k in keys if (r := self.models[k]).count > 1]
 
     def _any_shards(self, every: Mapping[str, Device]) -> bool:
+        return self._any_shards_in(every.values())
+
+    def _any_shards_in(self, every: Iterable[Device]) -> bool:
         return any(r.count > 1 and r.holder is not None for r in self.models.values()) or any(
-            e.shards for d in every.values() for e in d.ledger.models.values())
+            e.shards for d in every for e in d.ledger.models.values())
 
     def valid(self, rec: ModelRecord) -> bool:
         """Whether a sharded model's shards may serve: not partial, and every device of
@@ -244,6 +290,9 @@ class ModelBook:
 
     def _load_seconds(self, r: ModelRecord) -> float:
         return r.load_seconds / r.loads if r.loads else 1.0 + r.size / LOAD_BANDWIDTH
+
+    def _restore_seconds(self, r: ModelRecord) -> float:
+        return r.restore_seconds / r.restores if r.restores else r.size / HOST_BANDWIDTH
 
     def _plan_joint(self, inv: Invocation, gang: tuple[str, ...], req: Request,
                     every: Mapping[str, Device]) -> GroupFit | None:

@@ -12,8 +12,9 @@ drain soonest; other calls may use those only if they will finish before it coul
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from gpufn.scheduler import batches
 from gpufn.scheduler.device_fit import could_ever_run, is_short, rank_devices, type_rank
 from gpufn.scheduler.gang_choice import Reservation, can_backfill, choose_gang, reservation_for
 from gpufn.scheduler.model_book import ModelBook
+from gpufn.scheduler.open_index import OpenIndex, estimate_bounds
 from gpufn.scheduler.queues import ReadyQueue
 from gpufn.scheduler.records import Device, Invocation
 from gpufn.scheduler.settings import SchedulerConfig
@@ -95,9 +97,10 @@ class PlacementPass:
         self.queue = queue
         self.models = models
         self.caps: DeviceCaps | None = None  # per-user device caps (set by the core)
-        self._open: list[Device] = []  # this pass's devices with a free slot
+        self._open: dict[str, Device] = {}  # this pass's devices with a free slot
+        self._index: OpenIndex | None = None  # the same, ordered for single-device choice
+        self._estimates: dict[str, tuple[object, float, bool]] = {}  # see estimate_bounds
         self._preemptible: bool | None = None
-        self._unreserved_for: tuple[list[Device], Reservation, list[Device]] | None = None
         self._placed_on: tuple[Device, ...] = ()  # the devices of the last dispatch
         self._drains: dict[str, float] = {}
         self._backfill_checked: Reservation | None = None  # _only_backfill_left's answer for
@@ -115,7 +118,8 @@ class PlacementPass:
         # The devices with a free slot, once per pass (O(devices)); every choice below
         # looks only at these, and a device leaves the list as it fills.
         slots = self.config.slots_per_device
-        self._open = [d for d in self.devices.values() if _open(d, slots)]
+        self._open = {d.key: d for d in self.devices.values() if _open(d, slots)}
+        self._index = None  # built when first needed
         self._preemptible = None  # computed when first needed
         self._drains = {}  # drain_seconds per device at this `now` (see rank_devices)
         self._backfill_checked = None
@@ -148,11 +152,13 @@ class PlacementPass:
                 continue  # this function is blocked for the rest of the pass
             if capped and self.caps is not None:
                 self.caps.took(inv)
-            for d in self._placed_on:
+            for d in self._placed_on:  # only the devices it just used changed
                 self._drains.pop(d.key, None)
-            full = [d for d in self._placed_on if not _open(d, slots)]
-            if full:  # only the devices it just used can have filled
-                self._open = [d for d in self._open if d not in full]
+                still = _open(d, slots)
+                if not still:
+                    self._open.pop(d.key, None)
+                if self._index is not None:
+                    self._index.update(d, still)
             if self._full():
                 order.close()
                 return  # the rest of the queue cannot start now: a pass costs O(placed)
@@ -167,7 +173,7 @@ class PlacementPass:
         """Whether nothing else can start in this pass: every open device is reserved for
         the gang, nothing is preemptible, and no queued function's measured run time fits
         before the gang could start (then visiting each blocked function is wasted)."""
-        if self._unreserved(r) or self._any_preemptible():
+        if self._any_unreserved(r) or self._any_preemptible():
             return False
         if self._backfill_checked is r:
             return not self._backfill_possible
@@ -181,14 +187,14 @@ class PlacementPass:
         self._backfill_checked, self._backfill_possible = r, possible
         return not possible
 
-    def _unreserved(self, r: Reservation) -> list[Device]:
-        """This pass's open devices outside the reservation (kept until either changes)."""
-        cached = self._unreserved_for
-        if cached is not None and cached[0] is self._open and cached[1] is r:
-            return cached[2]
-        out = [d for d in self._open if d.key not in r.devices]
-        self._unreserved_for = (self._open, r, out)
-        return out
+    def _any_unreserved(self, r: Reservation) -> bool:
+        """Whether an open device lies outside the reservation (O(gang size))."""
+        return len(self._open) > sum(1 for k in set(r.devices) if k in self._open)
+
+    def _open_index(self, now: float) -> OpenIndex:
+        if self._index is None:
+            self._index = OpenIndex(list(self._open.values()), now, self._drains)
+        return self._index
 
     def _full(self) -> bool:
         """Every device is full and nothing could be preempted: no call can start."""
@@ -214,15 +220,77 @@ class PlacementPass:
         short = is_short(inv, self.config.short_call_seconds)
         depth = self.config.pipeline_depth if short else 0
         with_models = bool(fn.model_keys)
-        candidates = self._open
+        # It may use the gang's reserved devices only as backfill that ends in time.
+        kept_off: tuple[str, ...] = ()
         if r is not None and not can_backfill(fn.runtime_ewma, r.start_eta):
-            # It may not use the gang's reserved devices: rank only the others (a blocked
-            # function then costs O(1) here, not a ranking of every open device).
-            candidates = self._unreserved(r)
-            if not candidates and not self._any_preemptible():
+            kept_off = r.devices
+            if not self._any_unreserved(r) and not self._any_preemptible():
+                return False  # a blocked function costs O(1) here
+        if inv.lost_on:  # a retry: the full ranking (another device than where it was lost)
+            return (yield from self._single_ranked(inv, now, kept_off, depth))
+        # Where "no device at all could take it" (then: preempt) is decided: the devices
+        # outside the reservation, or all open ones when none is outside.
+        scope_off = kept_off if r is not None and kept_off and self._any_unreserved(r) else ()
+        index = self._open_index(now)
+        limit = spec.concurrency + depth
+        if kept_off:
+            off = set(kept_off)
+            usable: Callable[[Device], bool] = lambda d: inv.id not in d.running and d.key not in off  # noqa: E731
+        else:
+            usable = lambda d: inv.id not in d.running  # noqa: E731
+        plans: dict[str, Fit] = {}
+        if not with_models:
+            lo, uniform = estimate_bounds(fn, self._estimates)
+            chosen = index.best(fn, spec.type, limit, spec.memory, lo, uniform, usable)
+            if chosen is None:
+                yield from self._nothing_ranked(inv, now, index, limit, scope_off, memory=spec.memory)
                 return False
-            if not candidates:
-                candidates = self._open  # the full path decides about preemption
+        else:
+            walk = index.by_drain(spec.type, fn.code_id, limit, usable)
+            first = next(walk, None)
+            if first is None:
+                yield from self._nothing_ranked(inv, now, index, limit, scope_off, memory=0)
+                return False
+            code = fn.code_id
+
+            def is_candidate(d: Device) -> bool:
+                return d.key in index and usable(d) and index.ranks(d, spec.type, code, limit)
+
+            best = self.models.best_plan_by_drain(
+                inv, itertools.chain((first,), walk), is_candidate, self.devices.values(), now)
+            if best is None:
+                reason = self.models.never_fits(fn, spec.memory, self.devices.values())
+                if reason is not None:
+                    self._placed_on = ()
+                    yield Unplaceable(inv, reason)
+                    return True  # finished: the next call of the function may go
+                return False  # waiting by choice (a resident device frees soon) or for room
+            chosen, plans = best[0], {best[0].key: best[1]}
+        self._placed_on = (chosen,)
+        yield Dispatch(inv, (chosen,), plans, batch=spec.batch_size is not None)
+        return True
+
+    def _nothing_ranked(self, inv: Invocation, now: float, index: OpenIndex, limit: int,
+                        scope_off: tuple[str, ...], memory: int) -> Iterator[Decision]:
+        """No usable device: when none in scope could take it at all, make room if allowed."""
+        off = set(scope_off)
+        lo, uniform = estimate_bounds(inv.function, self._estimates)
+        if index.best(inv.function, inv.spec.type, limit, memory, lo, uniform,
+                      (lambda d: d.key not in off) if off else None) is None:
+            preempt = self._preemption(inv, now)
+            if preempt is not None:
+                yield preempt
+
+    def _single_ranked(self, inv: Invocation, now: float, kept_off: tuple[str, ...],
+                       depth: int) -> Generator[Decision, None, bool]:
+        """`_single` by a full ranking of the open devices (a retry's device order)."""
+        spec, fn = inv.spec, inv.function
+        with_models = bool(fn.model_keys)
+        candidates = list(self._open.values())
+        if kept_off:
+            unreserved = [d for d in candidates if d.key not in kept_off]
+            if unreserved:
+                candidates = unreserved  # else the full path decides about preemption
         ranked = rank_devices(spec, fn, candidates, self.config.slots_per_device,
                               depth, check_memory=not with_models, now=now, drains=self._drains,
                               shared_only=True)
@@ -231,8 +299,7 @@ class PlacementPass:
             if preempt is not None:
                 yield preempt
             return False
-        usable = [d for d in ranked if inv.id not in d.running and (
-            r is None or d.key not in r.devices or can_backfill(fn.runtime_ewma, r.start_eta))]
+        usable = [d for d in ranked if inv.id not in d.running and d.key not in kept_off]
         plans: dict[str, Fit] = {}
         if with_models and usable:
             best = self.models.best_plan(inv, usable, self.devices.values(), now)
@@ -246,8 +313,7 @@ class PlacementPass:
             usable, plans = [best[0]], {best[0].key: best[1]}
         if not usable:
             return False
-        if inv.lost_on:  # a retry: another device than the one it was lost on, if one is free
-            usable.sort(key=lambda d: d.key in inv.lost_on)
+        usable.sort(key=lambda d: d.key in inv.lost_on)
         self._placed_on = (usable[0],)
         yield Dispatch(inv, (usable[0],), plans, batch=spec.batch_size is not None)
         return True
@@ -303,7 +369,7 @@ class PlacementPass:
         if shape.needs_rendezvous and rendezvous_port is None:
             yield NeedRendezvous()  # the shell starts the store, then schedules again
             return False
-        idle = [d for d in self._open if not d.running and d.key not in reserved
+        idle = [d for d in self._open.values() if not d.running and d.key not in reserved
                 and could_ever_run(spec, d)
                 and (fn.model_keys or d.ledger.free >= spec.memory)]  # models: planned below
         fresh = [d for d in idle if d.key not in inv.lost_on]

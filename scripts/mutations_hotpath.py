@@ -1,5 +1,6 @@
 """Mutations of the hot path (issue 20): the placement pass's early end, the compiled
-header checks, same-host shared memory and the globals fingerprint."""
+header checks, same-host shared memory, the globals fingerprint, and the placement
+index of open devices and the model plan search (the scheduler at scale)."""
 
 from __future__ import annotations
 
@@ -50,5 +51,65 @@ HOTPATH: tuple[Mutation, ...] = (
          "tests/integration/test_call_path.py::"
          "test_a_global_list_mutated_in_place_reaches_the_worker"),
         "a global list mutated in place keeps the stale pickled code",
+    ),
+    Mutation(
+        "index-walk-stops-at-first-device", "scheduler/open_index.py",
+        "                if drain + lo > best[0]:\n",
+        "                if True:\n",
+        ("tests/unit/test_open_index.py::"
+         "test_the_index_chooses_what_the_full_ranking_chooses_after_random_load_changes",),
+        "single-device choice takes the first usable device by drain, ignoring run times",
+    ),
+    Mutation(
+        "index-skips-equal-drains-with-unequal-run-times", "scheduler/open_index.py",
+        "                if uniform and drain == best_drain:\n",
+        "                if drain == best_drain:\n",
+        ("tests/unit/test_open_index.py::"
+         "test_the_index_chooses_what_the_full_ranking_chooses_after_random_load_changes",),
+        "devices draining as soon as the best are skipped although this call runs faster there",
+    ),
+    Mutation(
+        "index-update-keeps-old-entry", "scheduler/open_index.py",
+        "            del lst[bisect.bisect_left(lst, old)]\n",
+        "            pass\n",
+        ("tests/unit/test_open_index.py::"
+         "test_the_index_chooses_what_the_full_ranking_chooses_after_random_load_changes",),
+        "a device moved in the index keeps its old place too (chosen by its old load)",
+    ),
+    Mutation(
+        "placement-index-not-moved-after-dispatch", "scheduler/placement_pass.py",
+        "                    self._index.update(d, still)\n",
+        "                    pass\n",
+        ("tests/unit/test_open_index.py::test_a_pass_places_by_the_load_its_own_dispatches_left",),
+        "a pass keeps choosing by the load devices had before its own dispatches",
+    ),
+    Mutation(
+        "estimate-bounds-never-refreshed", "scheduler/open_index.py",
+        "    if got is not None and got[0] == stamp:\n",
+        "    if got is not None:\n",
+        ("tests/unit/test_open_index.py::"
+         "test_the_index_chooses_what_the_full_ranking_chooses_after_random_load_changes",),
+        "the walk's lower bound is kept after the function's run times changed",
+    ),
+    Mutation(
+        "plan-search-stops-at-equal-drain", "scheduler/model_book.py",
+        "                if ordered and drain > best[0][0]:\n",
+        "                if ordered and drain >= best[0][0]:\n",
+        ("tests/unit/test_open_index.py::test_the_ordered_plan_search_finds_the_full_search_s_plan",),
+        "a model call's search stops before devices whose drain ties the best expected time",
+    ),
+    Mutation(
+        "plan-search-skips-every-cold-device", "scheduler/model_book.py",
+        "                if drain + least > best[0][0]:\n",
+        "                if least > 0:\n",
+        ("tests/unit/test_open_index.py::test_the_ordered_plan_search_finds_the_full_search_s_plan",),
+        "once a plan is found, devices that must load a model are never planned",
+    ),
+    Mutation(
+        "fit-cache-ignores-ledger-version", "scheduler/model_book.py",
+        "        if got is not None and got[0] == version:\n",
+        "        if got is not None:\n",
+        ("tests/unit/test_open_index.py::test_a_remembered_fit_is_not_used_once_the_ledger_changed",),
+        "a remembered fit is used after the device's ledger changed",
     ),
 )

@@ -156,8 +156,8 @@ SCHEDULER: tuple[Mutation, ...] = (
     ),
     Mutation(
         'retry-same-device-first', 'scheduler/placement_pass.py',
-        '            usable.sort(key=lambda d: d.key in inv.lost_on)\n',
-        '            pass\n',
+        '        usable.sort(key=lambda d: d.key in inv.lost_on)\n',
+        '        pass\n',
         (f"{UF}::test_retries_back_off_and_prefer_another_device",),
         why='a retry prefers the device it was lost on',
     ),

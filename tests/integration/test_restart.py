@@ -139,7 +139,7 @@ def test_a_head_restart_is_invisible_to_callers(head: Head, tmp_path: Path, kill
     assert sorted(runs) == [(i, 1) for i in range(8)], runs  # each once, as attempt 1
     call = use_weights.spawn()
     assert call.get(timeout=60) == expected
-    assert call.result_meta()["cold_start"] is False  # still resident
+    assert not call.result_meta()["cold_start"]  # still resident
     assert (tmp_path / "loads.log").read_text().splitlines() == loads  # no loader ran
     # The books kept what ran before: all of it after a SIGTERM (saved as it stopped);
     # after a SIGKILL, at least what was saved (once a second) before it.

@@ -200,4 +200,13 @@ RESTART: tuple[Mutation, ...] = (
         "a call admitted again keeps its saved version binding forever (saved again at "
         "each version change)",
     ),
+    Mutation(
+        "worker-refused-rehello-never-again", "worker/process.py",
+        "        self._hello_again_at = time.monotonic() + HELLO_RETRY_SECONDS\n",
+        "        pass\n",
+        ("tests/integration/test_worker_rehello.py::"
+         "test_a_worker_refused_on_its_hello_again_says_it_again",),
+        "a worker refused on its Hello to a restarted scheduler (its supervisor not back yet) "
+        "stays unregistered: the device is 'starting' for ever",
+    ),
 )

@@ -62,6 +62,7 @@ log = logging.getLogger("gpufn.worker")
 HEARTBEAT_SECONDS = 1.0
 OUTPUT_FLUSH_SECONDS = 0.05
 HANDSHAKE_SECONDS = 60.0
+HELLO_RETRY_SECONDS = 1.0  # a refused Hello again is said again after this
 CANCEL_MEMORY_SECONDS = 300.0
 
 
@@ -117,6 +118,9 @@ class WorkerProcess:
         # call that had just ended must not drop the rest of a batch).
         self._inbox: deque[p.Message] = deque()
         self._rehello = threading.Event()  # the control channel learned we were forgotten
+        # A refused Hello again (a restarted scheduler that has not heard from our
+        # supervisor yet): when to say it once more.
+        self._hello_again_at: float | None = None
         # Results sent lately: after a scheduler restart they may never have reached their
         # callers, so the new scheduler is told (with what runs) which calls ran here and
         # can ask for the Results again (see scheduler/recovery.py).
@@ -305,8 +309,10 @@ class WorkerProcess:
         poller.register(wake_fd, zmq.POLLIN)
         while self._running:
             try:
-                if self._rehello.is_set():  # scheduler restarted: announce the work socket too
+                again = self._hello_again_at is not None and time.monotonic() >= self._hello_again_at
+                if self._rehello.is_set() or again:  # scheduler restarted: announce the work socket
                     self._rehello.clear()
+                    self._hello_again_at = None
                     self._prepare_rehello()
                     self.conn.hello()
                 if self._inbox:
@@ -347,6 +353,9 @@ class WorkerProcess:
                     continue
                 if isinstance(msg, p.Welcome):
                     self.conn.welcomed()
+                    if not msg.ok:
+                        self._refused_again(msg)
+                        continue
                 try:
                     self._act(self.core.handle(msg))
                 except Cancelled:
@@ -354,6 +363,17 @@ class WorkerProcess:
                 except Exception as e:  # a bad message must not take the worker down
                     log.exception("failed to handle %s", type(msg).__name__)
                     self._act(self.core.failed(msg, e))
+
+    def _refused_again(self, msg: p.Welcome) -> None:
+        """Our Hello to a restarted scheduler was refused. A wrong token or version ends
+        the process (as at start); otherwise its supervisor has not registered again yet
+        (or this generation was replaced: the supervisor then stops us): say Hello again
+        in a second, keeping what runs and what is held for the scheduler to take over."""
+        if msg.error_kind in (kind_of(AuthenticationError), kind_of(ProtocolMismatch)):
+            raise SystemExit(f"scheduler refused this worker: {msg.message}")
+        log.info("scheduler refused this worker's Hello (%s); saying it again in %gs",
+                 msg.message, HELLO_RETRY_SECONDS)
+        self._hello_again_at = time.monotonic() + HELLO_RETRY_SECONDS
 
     # ------------------------------------------------------------------ control thread
 

@@ -11,6 +11,7 @@ mutations live in `mutation_table.py` (the first releases' and issue 23's list),
 
     python scripts/mutate.py            # every mutation
     python scripts/mutate.py -k aging   # those whose name contains "aging"
+    python scripts/mutate.py --table restart,holes   # one area's tables
     python scripts/mutate.py --list
 """
 
@@ -34,7 +35,11 @@ from mutations_restart import RESTART  # noqa: E402
 from mutations_scheduler import SCHEDULER  # noqa: E402
 from mutations_users import USERS  # noqa: E402
 
-MUTATIONS: tuple[Mutation, ...] = LISTED + SCHEDULER + EDGES + USERS + HOTPATH + HOLES + RESTART
+TABLES: dict[str, tuple[Mutation, ...]] = {
+    "listed": LISTED, "scheduler": SCHEDULER, "edges": EDGES, "users": USERS,
+    "hotpath": HOTPATH, "holes": HOLES, "restart": RESTART,
+}
+MUTATIONS: tuple[Mutation, ...] = tuple(m for table in TABLES.values() for m in table)
 
 
 def run_one(m: Mutation, timeout: float, python: str) -> tuple[str, float, str]:
@@ -72,9 +77,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-k", default="", help="run only mutations whose name contains this")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutation's tests")
+    ap.add_argument("--table", default="", help="only these tables, comma-separated: "
+                    + ", ".join(TABLES))
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
-    chosen = [m for m in MUTATIONS if args.k in m.name]
+    tables = [t for t in args.table.split(",") if t]
+    unknown = [t for t in tables if t not in TABLES]
+    if unknown:
+        ap.error(f"unknown table(s) {', '.join(unknown)}; the tables are {', '.join(TABLES)}")
+    pool = [m for t in tables for m in TABLES[t]] if tables else list(MUTATIONS)
+    chosen = [m for m in pool if args.k in m.name]
     if args.list:
         for m in chosen:
             print(f"{m.name:30} {m.file:28} {m.why}")

@@ -2,7 +2,8 @@
 
 Pure functions over an invocation's `rank_results` and `lost_ranks`. The caller sees
 the root cause: a lost rank (WorkerLost, or a retry), else a rank whose error is not a
-consequence of a peer failing (a communication error), else the first failure.
+consequence of a peer failing (a communication error, or `Cancelled` because the failing
+call's other ranks were stopped), else the first failure.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gpufn.exceptions import Cancelled, kind_of
 from gpufn.scheduler.records import Invocation
 from gpufn.wire import protocol as p
+
+CANCELLED = kind_of(Cancelled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +65,10 @@ def verdict(inv: Invocation, force: bool = False) -> Verdict | None:
     fails = [(r, m) for r, m in inv.rank_results.items() if not m.ok]  # in report order
     if not fails:  # told to stop, and nothing went wrong on any rank that answered
         return Lost(0, "its ranks were stopped")
-    root = [f for f in fails if not f[1].meta.comm_error] or fails
+    own = [f for f in fails if not f[1].meta.comm_error]
+    # A rank stopped because another failed reports Cancelled, maybe before that one's
+    # own error arrives: it is a consequence too.
+    root = [f for f in own if f[1].error_kind != CANCELLED] or own or fails
     return Failed(*root[0])
 
 

@@ -295,4 +295,12 @@ EDGES: tuple[Mutation, ...] = (
         "gpufn serve started as a background job ignores SIGINT (Ctrl-C, gpufn shutdown --force): "
         "its workers outlive it",
     ),
+    Mutation(
+        "gang-cancelled-rank-is-root", "scheduler/gang_verdict.py",
+        "    root = [f for f in own if f[1].error_kind != CANCELLED] or own or fails\n",
+        "    root = own or fails\n",
+        ("tests/unit/test_scheduler_pieces.py::test_gang_verdicts",),
+        "a gang whose rank raised reports Cancelled (a rank stopped because of it) when that "
+        "rank's report came first",
+    ),
 )

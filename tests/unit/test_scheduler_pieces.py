@@ -173,6 +173,14 @@ def test_gang_verdicts() -> None:
     v = gang_verdict.verdict(inv)
     assert isinstance(v, gang_verdict.Failed) and v.rank == 1  # the root cause, not the first
 
+    inv = _gang()  # a rank stopped because the other failed may report before it
+    inv.failing_since = 1.0
+    inv.rank_results[1] = p.Result(inv.id, False, "Cancelled", "stopped: rank 0 failed",
+                                   p.ResultMeta())
+    inv.rank_results[0] = p.Result(inv.id, False, "RuntimeError", "break", p.ResultMeta())
+    v = gang_verdict.verdict(inv)
+    assert isinstance(v, gang_verdict.Failed) and v.rank == 0  # its own error, not Cancelled
+
     inv.lost_ranks[1] = "worker died"
     v = gang_verdict.verdict(inv)
     assert isinstance(v, gang_verdict.Lost) and (v.rank, v.why) == (1, "worker died")

@@ -105,8 +105,8 @@ LISTED: tuple[Mutation, ...] = (
     ),
     Mutation(
         "gang-root-cause-inverted", "scheduler/gang_verdict.py",
-        '    root = [f for f in fails if not f[1].meta.comm_error] or fails\n',
-        '    root = [f for f in fails if f[1].meta.comm_error] or fails\n',
+        '    own = [f for f in fails if not f[1].meta.comm_error]\n',
+        '    own = [f for f in fails if f[1].meta.comm_error]\n',
         ("tests/integration/test_gangs.py::test_failing_rank_fails_the_call_and_survivors_serve_on",),
         "a gang's caller sees a peer's communication error instead of the failing rank's",
     ),

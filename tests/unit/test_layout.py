@@ -180,3 +180,11 @@ def test_the_http_gateway_is_imported_by_nothing_else() -> None:
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        timeout=100, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_no_bench_or_example_script_shadows_a_standard_module() -> None:
+    """`python bench/x.py` puts bench/ first on sys.path: a bench/http.py stood in for the
+    standard library's `http` there, and `import torch` failed in every other bench."""
+    for folder in ("bench", "examples", "scripts"):
+        for path in (ROOT / folder).glob("*.py"):
+            assert path.stem not in sys.stdlib_module_names, f"{path} shadows the stdlib {path.stem!r}"

@@ -1,6 +1,6 @@
 """What the HTTP gateway adds to a call, measured in one run against its floor.
 
-    python bench/http.py [--quick]
+    python bench/http_gateway.py [--quick]
 
 Starts `gpufn serve --http-port 0` (2 simulated devices) in a temporary home, deploys a
 no-op, and interleaves, round by round:
@@ -18,11 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-
-# Run as `python bench/http.py`, this file's folder comes first on sys.path, where this
-# file would stand in for the standard library's `http` package (httpx imports it).
-if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
-    sys.path.pop(0)
 
 import argparse
 import asyncio

@@ -16,15 +16,14 @@ no-op, and interleaves, round by round:
 
 from __future__ import annotations
 
-import os
-import sys
-
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time

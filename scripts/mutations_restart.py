@@ -16,7 +16,7 @@ RESTART: tuple[Mutation, ...] = (
         "restart-no-takeover", "scheduler/core.py",
         "        if isinstance(claim, Report) and self._adopt(inv, claim, now, queued=False):\n",
         "        if False:\n",
-        (f"{U}::test_a_running_call_is_taken_over_not_run_again[False]",
+        (f"{U}::test_a_running_call_is_taken_over_not_run_again[True]",
          "tests/integration/test_faults.py::"
          "test_a_restarted_scheduler_takes_over_running_calls_and_runs_queued_ones"),
         "a resubmitted call a worker runs is not taken over (it counts as lost, or runs twice)",

@@ -53,9 +53,15 @@ def run_one(m: Mutation, timeout: float, python: str) -> tuple[str, float, str]:
         return "stale", 0.0, f"snippet found {count} times in {m.file}"
     if m.equivalent:
         return "equivalent", 0.0, m.equivalent
+    mutated = source.replace(m.snippet, m.replacement)
+    if m.file.endswith(".py"):
+        try:  # a mutation that does not parse would be "killed" by any test: it is stale
+            compile(mutated, m.file, "exec")
+        except SyntaxError as e:
+            return "stale", 0.0, f"the mutated {m.file} does not parse: {e}"
     t0 = time.monotonic()
     try:
-        path.write_text(source.replace(m.snippet, m.replacement))
+        path.write_text(mutated)
         cmd = [python, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
                *m.tests]
         try:

@@ -325,7 +325,7 @@ SCHEDULER: tuple[Mutation, ...] = (
     Mutation(
         'keep-every-result', 'scheduler/streams.py',
         '        if keep:\n            self.keep.add(inv.id)\n',
-        '        self.keep.add(inv.id)\n',
+        '        if True:\n            self.keep.add(inv.id)\n',
         (f"{USR}::test_attach_gets_a_live_call_result_and_a_kept_one",),
         why="every call's Result is kept, not only spawned calls'",
     ),
@@ -416,7 +416,7 @@ SCHEDULER: tuple[Mutation, ...] = (
     Mutation(
         'logs-not-kept', 'scheduler/ops.py',
         '        self.logs.add(inv.function.app, inv.function.name, msg.invocation_id, msg.stream,\n',
-        '        (inv.function.app, inv.function.name, msg.invocation_id, msg.stream,\n',
+        '        (lambda *a, **k: None)(inv.function.app, inv.function.name, msg.invocation_id, msg.stream,\n',
         (f"{UOPS}::test_ops_desk_keeps_output_meters_calls_by_user_and_drains",),
         why='what calls print is not kept for `gpufn logs`',
     ),

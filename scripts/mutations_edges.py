@@ -289,8 +289,8 @@ EDGES: tuple[Mutation, ...] = (
     ),
     Mutation(
         "serve-keeps-sigint-ignored", "gpufn/cli/main.py",
-        "    signal.signal(signal.SIGINT, signal.default_int_handler)\n",
-        "    pass\n",
+        "        signal.signal(signal.SIGINT, signal.default_int_handler)\n",
+        "        pass\n",
         ("tests/integration/test_deploy.py::test_version_skew_is_reported_at_connect",),
         "gpufn serve started as a background job ignores SIGINT (Ctrl-C, gpufn shutdown --force): "
         "its workers outlive it",

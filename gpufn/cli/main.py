@@ -70,8 +70,10 @@ def serve(
 
     # SIGINT stops for good, also when this was started with SIGINT ignored (a shell's
     # background job `gpufn serve &`, which Python would leave ignoring it): it is what
-    # Ctrl-C and `gpufn shutdown --force` send.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Ctrl-C and `gpufn shutdown --force` send. Until the head runs it is only noted, so
+    # that one arriving while the head starts still stops everything it started.
+    interrupted: list[int] = []
+    signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
     if cpu_devices is not None and cpu_devices < 1:
         fail("--cpu-devices must be at least 1", 2)
     if on_sigterm not in ("restart", "stop"):
@@ -176,6 +178,9 @@ def serve(
                   else signal.default_int_handler(signal.SIGINT, None))
     final = True
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if interrupted:
+            raise KeyboardInterrupt
         code = head.run()
         final = not head.leaving
     except KeyboardInterrupt:

@@ -209,6 +209,17 @@ class PlacementPass:
 
     # ------------------------------------------------------------------ single device
 
+    def _no_plan(self, inv: Invocation, fn: Any, spec: Any) -> Generator[Decision, None, bool]:
+        """No device may take the call with its models now: Unplaceable if none ever can
+        (True: finished, the next call of the function may go), else it waits (False: by
+        choice, a resident device frees soon, or for room)."""
+        reason = self.models.never_fits(fn, spec.memory, self.devices.values())
+        if reason is None:
+            return False
+        self._placed_on = ()
+        yield Unplaceable(inv, reason)
+        return True
+
     def _single(self, inv: Invocation, now: float,
                 r: Reservation | None) -> Generator[Decision, None, bool]:
         spec, fn = inv.spec, inv.function
@@ -259,12 +270,7 @@ class PlacementPass:
             best = self.models.best_plan_by_drain(
                 inv, itertools.chain((first,), walk), is_candidate, self.devices.values(), now)
             if best is None:
-                reason = self.models.never_fits(fn, spec.memory, self.devices.values())
-                if reason is not None:
-                    self._placed_on = ()
-                    yield Unplaceable(inv, reason)
-                    return True  # finished: the next call of the function may go
-                return False  # waiting by choice (a resident device frees soon) or for room
+                return (yield from self._no_plan(inv, fn, spec))
             chosen, plans = best[0], {best[0].key: best[1]}
         self._placed_on = (chosen,)
         yield Dispatch(inv, (chosen,), plans, batch=spec.batch_size is not None)
@@ -304,12 +310,7 @@ class PlacementPass:
         if with_models and usable:
             best = self.models.best_plan(inv, usable, self.devices.values(), now)
             if best is None:
-                reason = self.models.never_fits(fn, spec.memory, self.devices.values())
-                if reason is not None:
-                    self._placed_on = ()
-                    yield Unplaceable(inv, reason)
-                    return True  # finished: the next call of the function may go
-                return False  # waiting by choice (a resident device frees soon) or for room
+                return (yield from self._no_plan(inv, fn, spec))
             usable, plans = [best[0]], {best[0].key: best[1]}
         if not usable:
             return False

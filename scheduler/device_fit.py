@@ -146,6 +146,18 @@ def rank_devices(
     return [s[-1] for s in scored]
 
 
+MIN_PIPELINE_DEPTH = 2
+
+
+def pipeline_depth(fn: FunctionRecord, seconds: float, most: int) -> int:
+    """How many more of a short function's calls may wait at a worker beyond its
+    concurrency: as many as run in `seconds` by its measured time, at least 2 (one
+    round trip hidden), at most `most`."""
+    ewma = fn.runtime_ewma or 0.0
+    fits = int(seconds / ewma) if ewma > 0 else most
+    return min(most, max(MIN_PIPELINE_DEPTH, fits))
+
+
 def is_short(inv: Invocation, threshold: float) -> bool:
     """A call measured shorter than `threshold`: it may run inline on the worker's main
     thread and be pipelined behind another (single-device, concurrency 1 only)."""

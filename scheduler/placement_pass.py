@@ -21,7 +21,13 @@ from typing import Any
 from gpufn.memory_pool.ledger import Fit
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler import batches
-from gpufn.scheduler.device_fit import could_ever_run, is_short, rank_devices, type_rank
+from gpufn.scheduler.device_fit import (
+    could_ever_run,
+    is_short,
+    pipeline_depth,
+    rank_devices,
+    type_rank,
+)
 from gpufn.scheduler.gang_choice import Reservation, can_backfill, choose_gang, reservation_for
 from gpufn.scheduler.model_book import ModelBook
 from gpufn.scheduler.open_index import OpenIndex, estimate_bounds
@@ -229,7 +235,8 @@ class PlacementPass:
                 yield WakeAt(when)
                 return False
         short = is_short(inv, self.config.short_call_seconds)
-        depth = self.config.pipeline_depth if short else 0
+        depth = (pipeline_depth(fn, self.config.pipeline_seconds, self.config.pipeline_depth)
+                 if short else 0)
         with_models = bool(fn.model_keys)
         # It may use the gang's reserved devices only as backfill that ends in time.
         kept_off: tuple[str, ...] = ()

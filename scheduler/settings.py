@@ -24,10 +24,13 @@ class SchedulerConfig:
     # After a gang rank fails, wait this long at most for the others to report, so the
     # root cause (a dead rank, or a non-communication error) is what the caller sees.
     gang_settle_seconds: float = 3.0
-    # Calls measured shorter than this run inline on the worker's main thread, and up
-    # to `pipeline_depth` more of them may wait at a worker (hiding the round trip).
+    # Calls measured shorter than this run inline on the worker's main thread, and
+    # more of them may wait at a worker (hiding the round trip): 2, or as many as run
+    # in `pipeline_seconds` (so a call that comes later waits at most about that long
+    # behind them), at most `pipeline_depth`.
     short_call_seconds: float = 0.005
-    pipeline_depth: int = 2
+    pipeline_depth: int = 7  # with the running call: a device's 8 slots
+    pipeline_seconds: float = 0.002
     # The memory pool: eviction policy ("cost" or "lru-count") and its options, and the
     # host memory per node that offloaded models may use (0: half the node's RAM).
     eviction_policy: str = "cost"
@@ -84,6 +87,7 @@ class SchedulerConfig:
             stop_grace_seconds=c.env_float("GPUFN_STOP_GRACE_SECONDS", cls.stop_grace_seconds),
             gang_settle_seconds=c.env_float("GPUFN_GANG_SETTLE_SECONDS", cls.gang_settle_seconds),
             pipeline_depth=c.env_int("GPUFN_PIPELINE_DEPTH", cls.pipeline_depth),
+            pipeline_seconds=c.env_float("GPUFN_PIPELINE_SECONDS", cls.pipeline_seconds),
             eviction_policy=policy,
             eviction_options=options,
             host_offload_bytes=parse_memory(host, "GPUFN_HOST_OFFLOAD_MEMORY") if host else 0,

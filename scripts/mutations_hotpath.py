@@ -16,6 +16,14 @@ HOTPATH: tuple[Mutation, ...] = (
         "a pass ends at a gang's reservation although a short call could backfill",
     ),
     Mutation(
+        "pipeline-depth-ignores-runtime", "scheduler/device_fit.py",
+        "    return min(most, max(MIN_PIPELINE_DEPTH, fits))\n",
+        "    return MIN_PIPELINE_DEPTH\n",
+        ("tests/unit/test_scheduler_policies.py::"
+         "test_short_calls_pipeline_about_two_ms_of_work_at_a_worker",),
+        "very short calls queue only two deep at a worker, so a map waits on round trips",
+    ),
+    Mutation(
         "header-check-skips-a-field", "gpufn/wire/protocol.py",
         "            tests.append(f\"isinstance(v{i}, k{i})\")\n",
         "            tests.append(\"True\") if i == len(checks) - 1 else tests.append(f\"isinstance(v{i}, k{i})\")\n",

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from gpufn.scheduler.states import InvState
 from gpufn.wire import protocol as p
 
@@ -123,3 +125,18 @@ def test_a_lost_batch_fails_each_member_or_retries_it() -> None:
     assert h.core.invocations[a].state is InvState.QUEUED  # retried on their own
     assert h.core.invocations[b].state is InvState.QUEUED
     assert h.core.counters.retried == 2
+
+
+@pytest.mark.parametrize("duration, queued", [(1e-5, 7), (5e-4, 4), (2e-3, 2), (0.1, 0)])
+def test_short_calls_pipeline_about_two_ms_of_work_at_a_worker(duration: float, queued: int) -> None:
+    """Beyond its one running call, a worker holds as many short calls as run in about
+    2 ms (at least 2, at most 7); calls not measured short are not pipelined."""
+    h = Harness(devices=1)
+    w0 = h.start_worker(0)
+    fid = h.register()
+    for _ in range(3):  # measure the function
+        h.finish(w0, h.submit(fid), duration=duration)
+    before = len(h.runs(w0))
+    for _ in range(20):
+        h.submit(fid)
+    assert len(h.runs(w0)) - before == 1 + queued

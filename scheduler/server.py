@@ -151,7 +151,7 @@ class SchedulerServer:
                 if ready.get(sock):
                     for _ in range(MAX_BATCH):
                         try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                            frames = sockets.recv(sock, zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         peer = frames[0].bytes

@@ -333,7 +333,7 @@ class WorkerProcess:
         while self._running:
             if not self._inbox:
                 try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = sockets.recv(self.sock, zmq.NOBLOCK)
                 except zmq.Again:
                     return
                 try:

@@ -467,7 +467,7 @@ class Client:
     def _receive(self, sock: zmq.Socket[Any]) -> None:
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sockets.recv(sock, zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -665,7 +665,7 @@ class _SyncChannel:
                 self.last_heard = time.monotonic()
                 while True:
                     try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = sockets.recv(self.sock, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     try:

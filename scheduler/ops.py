@@ -99,18 +99,24 @@ class OpsDesk(RunObserver):
     def run_ended(self, inv: Invocation, state: InvState, now: float) -> None:
         """A run ended (`state` QUEUED: it was requeued). Meter the devices it held and,
         for a caller's call that reached its end, the call itself."""
-        started = self.core.wall(inv.started) if inv.started is not None else None
-        now = self.core.wall(now)
+        offset = self.core.wall(0.0)  # wall-clock time is `now` plus this
+        started = inv.started + offset if inv.started is not None else None
+        now += offset
         if started is not None and inv.devices:
             held = len(inv.devices)
             if inv.members:  # a batch: its device time is shared by its calls
                 share = held / len(inv.members)
                 for m in inv.members:
                     self.usage.record_devices(self._key(m), started, now, share)
-            elif inv.carrier is None:
-                self.usage.record_devices(self._key(inv), started, now, held)
+                return
+            if inv.carrier is None:
+                key = self._key(inv)
+                self.usage.record_devices(key, started, now, held)
+                if state is not InvState.QUEUED:
+                    self.usage.record_call(key, state.value, inv.submitted + offset, started, now)
+                return
         if state is not InvState.QUEUED and not inv.members:
-            self.usage.record_call(self._key(inv), state.value, self.core.wall(inv.submitted),
+            self.usage.record_call(self._key(inv), state.value, inv.submitted + offset,
                                    started, now)
 
     @staticmethod

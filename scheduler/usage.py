@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufn.scheduler.ops_store import UsageRow
 
@@ -27,8 +27,7 @@ BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
 BY = ("app", "function", "user")
 
 
-@dataclass(slots=True, frozen=True)
-class Key:
+class Key(NamedTuple):  # a tuple: made and hashed once per finished call, in C
     app: str
     function: str
     version: int

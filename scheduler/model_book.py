@@ -164,22 +164,30 @@ class ModelBook:
         joints: dict[str, GroupFit] = {}
         best: tuple[tuple[Any, ...], Device, Fit, float] | None = None
         # Each missing model adds at least its own load (or restore) time to a device's
-        # cold start: a device whose drain plus that is already later than the best
-        # expected time is not planned at all.
-        terms = [(k, self._load_seconds(self.models[k]), self._restore_seconds(self.models[k]))
-                 for k in inv.function.model_keys]
+        # cold start, and its bytes to the plan's cost: a device whose key, so bounded,
+        # is already worse than the best one found is not planned at all.
+        terms = [(k, self._load_seconds(self.models[k]), self._restore_seconds(self.models[k]),
+                  self.models[k].size) for k in inv.function.model_keys]
+        workspace = req.workspace
         for drain, d in candidates:
             if best is not None:
                 if ordered and drain > best[0][0]:
                     break
                 models = d.ledger.models
-                least = 0.0
-                for k, load_s, restore_s in terms:
+                least, load_b, restore_b, waiting = 0.0, 0, 0, 0
+                for k, load_s, restore_s, size in terms:
                     e = models.get(k)
-                    state = Residency.ABSENT if e is None else e.state
-                    t = load_s if state is Residency.ABSENT else restore_s if state is Residency.OFFLOADED else 0.0
+                    if e is None or e.state is Residency.ABSENT:
+                        t, load_b = load_s, load_b + size
+                    elif e.state is Residency.OFFLOADED:
+                        t, restore_b = restore_s, restore_b + (e.nbytes if e.measured else size)
+                    else:
+                        t, waiting = 0.0, waiting + (e.state is Residency.LOADING)
                     least = t if t > least else least
-                if drain + least > best[0][0]:
+                # The least key a plan here can have (`Fit.cost` with no victim: then the
+                # free bytes lose the call's workspace and what loads or comes back).
+                if (drain + least, (load_b, restore_b, waiting, 0.0, 0), len(d.running),
+                        workspace + load_b + restore_b - d.ledger.free, d.key) > best[0]:
                     continue
             if shards:  # a victim shard here takes its siblings on other devices along
                 joint = fit_group({k: x.ledger for k, x in devmap.items()}, (d.key,), req)
@@ -254,7 +262,10 @@ class ModelBook:
         return self._any_shards_in(every.values())
 
     def _any_shards_in(self, every: Iterable[Device]) -> bool:
-        return any(r.count > 1 and r.holder is not None for r in self.models.values()) or any(
+        sharded = [r for r in self.models.values() if r.count > 1]
+        if not sharded:  # shards are only made of such models (see `admit`): O(1) per call
+            return False
+        return any(r.holder is not None for r in sharded) or any(
             e.shards for d in every for e in d.ledger.models.values())
 
     def valid(self, rec: ModelRecord) -> bool:

@@ -24,6 +24,22 @@ HOTPATH: tuple[Mutation, ...] = (
         "very short calls queue only two deep at a worker, so a map waits on round trips",
     ),
     Mutation(
+        "plan-bound-counts-resident-models-as-loads", "scheduler/model_book.py",
+        "                        t, waiting = 0.0, waiting + (e.state is Residency.LOADING)\n",
+        "                        t, waiting = load_s, waiting + (e.state is Residency.LOADING)\n",
+        ("tests/unit/test_open_index.py::"
+         "test_the_plan_search_s_bound_skips_only_devices_that_cannot_win",),
+        "the plan search skips a device that holds the models, loading a second copy elsewhere",
+    ),
+    Mutation(
+        "plan-bound-off", "scheduler/model_book.py",
+        "                        workspace + load_b + restore_b - d.ledger.free, d.key) > best[0]:\n",
+        "                        workspace + load_b + restore_b - d.ledger.free, d.key) > best[0] and False:\n",
+        ("tests/unit/test_open_index.py::"
+         "test_a_model_call_among_equal_devices_fits_one_ledger_not_all",),
+        "every candidate is fitted: 1,000 ledger fits per model call at 1,024 devices",
+    ),
+    Mutation(
         "header-check-skips-a-field", "gpufn/wire/protocol.py",
         "            tests.append(f\"isinstance(v{i}, k{i})\")\n",
         "            tests.append(\"True\") if i == len(checks) - 1 else tests.append(f\"isinstance(v{i}, k{i})\")\n",

@@ -162,6 +162,70 @@ def test_the_ordered_plan_search_finds_the_full_search_s_plan() -> None:
             (want and (want[0].key, want[1].load, want[1].restore)), seed
 
 
+def test_the_plan_search_s_bound_skips_only_devices_that_cannot_win() -> None:
+    """Against fitting every candidate: the bound on a device's key (its drain, its
+    missing models' load time and bytes) never skips the device with the best key,
+    also among many equal devices (where it skips nearly all)."""
+    for seed in range(60):
+        rng = random.Random(1000 + seed)
+        book, keys = _model_book()
+        devs = _devices(rng, rng.randrange(1, 30))
+        now = 5.0
+        filler = _fn(99, memory="1GiB")
+        filler.observe_runtime(rng.choice((0.001, 3.0)))
+        alike = rng.random() < 0.5  # identical idle devices: ties everywhere
+        for d in devs:
+            for k in keys:
+                r = rng.random()
+                if r < (0.0 if alike else 0.3):
+                    d.ledger.adopt(k, book.models[k].size, now)
+                elif r < (0.0 if alike else 0.4) and d.ledger.state(k) is Residency.ABSENT:
+                    d.ledger.adopt(k, book.models[k].size, now)
+                    d.ledger.models[k].offload_allowed = True
+                    d.ledger.offload_started(k, now)
+                    d.ledger.offload_done(k, now)
+            for _ in range(0 if alike else rng.randrange(0, 3)):
+                _start(d, filler, now - rng.random() * rng.choice((0, 1, 10)))
+        fn = _fn(7, memory="1GiB")
+        fn.model_keys = tuple(rng.sample(keys, rng.randrange(1, 3)))
+        global _seq
+        _seq += 1
+        inv = Invocation(f"q{_seq}", fn, b"c", fn.spec, (), now, _seq)
+        req = book.request(inv)
+        keyed = []
+        for d in devs:
+            plan = d.ledger.fit(req)
+            if isinstance(plan, Fit):
+                keyed.append(((drain_seconds(d, now) + book.cold_seconds(plan), plan.cost,
+                               len(d.running), -plan.free_after, d.key), d))
+        want = min(keyed, key=lambda t: t[0])[1] if keyed else None
+        ordered = sorted(((drain_seconds(d, now), d) for d in devs),
+                         key=lambda t: (t[0], len(t[1].running), -t[1].ledger.free, t[1].key))
+        got = book.best_plan_by_drain(inv, ordered, lambda d: True, devs, now)
+        assert (got[0] if got else None) is want, seed
+
+
+def test_a_model_call_among_equal_devices_fits_one_ledger_not_all() -> None:
+    """The bound is what keeps a model call's search O(1) fits at scale: among 64 equal
+    idle devices (none holds the model) one is fitted, not 64."""
+    book, keys = _model_book()
+    devs = _devices(random.Random(3), 64)
+    for d in devs:
+        d.info = DeviceInfo(d.info.node, d.info.index, NAMES[0], d.info.uuid, 80 * GiB, 80 * GiB, "cpu")
+        d.ledger = DeviceLedger(80 * GiB, host=HostLedger(64 * GiB), key=d.key)
+    fn = _fn(7, memory="1GiB")
+    fn.model_keys = (keys[0],)
+    inv = Invocation("q-equal", fn, b"c", fn.spec, (), 0.0, 1)
+    fitted: list[str] = []
+    for d in devs:
+        real = d.ledger.fit
+        d.ledger.fit = (lambda req, *a, _r=real, _k=d.key, **k: fitted.append(_k) or _r(req, *a, **k))  # type: ignore[method-assign]
+    ordered = sorted(((0.0, d) for d in devs), key=lambda t: t[1].key)
+    got = book.best_plan_by_drain(inv, ordered, lambda d: True, devs, 0.0)
+    assert got is not None and got[0] is ordered[0][1]
+    assert len(fitted) == 1, fitted
+
+
 def test_a_remembered_fit_is_not_used_once_the_ledger_changed() -> None:
     book, keys = _model_book()
     (d,) = _devices(random.Random(1), 1)

@@ -95,6 +95,7 @@ class WorkerProcess:
         self.core = WorkerCore(device_key, _torch_device(kind), _host_of(address))
         self._done: deque[p.Message] = deque()
         self._wake = WakePipe()
+        self._inline = False  # the main thread runs a call inline (see `_on_done`)
         self.executor = Executor(self.router, self._on_done)
         # What this worker declares to its supervisor's memory watch (worker/memory_watch.py).
         self.executor.reports = Reports(memory_fd)
@@ -156,7 +157,8 @@ class WorkerProcess:
     def _on_done(self, msg: p.Message) -> None:
         """From executor and model threads: a finished call (Result) or a model event."""
         self._done.append(msg)
-        self._wake.wake()
+        if not self._inline:  # else the main thread drains `_done` as the inline call ends
+            self._wake.wake()
 
     def _queue(self, msg: p.Message) -> None:
         self._outgoing.append(msg)
@@ -228,7 +230,11 @@ class WorkerProcess:
 
         call.prepare = prepare
         if a.inline:
-            self.executor.run_inline(call)
+            self._inline = True
+            try:
+                self.executor.run_inline(call)
+            finally:
+                self._inline = False  # before the drain: a thread's later Result wakes us
             self._drain_done()
         else:
             self.executor.submit(call)

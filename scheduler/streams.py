@@ -76,7 +76,7 @@ class StreamDesk(RunObserver):
         if (inv is None or d is None or inv.state is not InvState.RUNNING or not inv.devices
                 or msg.dispatch_token != inv.dispatch_token or inv.devices[0] != d.key):
             return  # a stopped run's late value, or not rank 0's
-        inv.items += 1
+        inv.items += msg.values()  # a burst's values come (and are relayed) as one Item
         if inv.client in core.peers:
             core.send(inv.client, msg)
 

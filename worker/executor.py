@@ -66,10 +66,13 @@ class Call:
 
 
 class Executor:
-    def __init__(self, router: OutputRouter, on_done: Callable[[p.Message], None]) -> None:
+    def __init__(self, router: OutputRouter, on_done: Callable[[p.Message], None],
+                 on_items: Callable[[], None] | None = None) -> None:
         self.router = router
         self.on_done = on_done
-        self.driver = Driver(on_done)  # generators, coroutines, async generators
+        # Generators, coroutines, async generators; with `on_items`, streamed values wait
+        # in `driver.items` for the main loop (told by `on_items`) instead of `on_done`.
+        self.driver = Driver(on_done, on_items)
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gpufn-call")
         self._threads: dict[str, tuple[int, int]] = {}  # invocation -> (thread, dispatch token)
         self._cancelled: dict[str, tuple[int, float]] = {}  # invocation -> (dispatch token, when)

@@ -96,7 +96,8 @@ class WorkerProcess:
         self._done: deque[p.Message] = deque()
         self._wake = WakePipe()
         self._inline = False  # the main thread runs a call inline (see `_on_done`)
-        self.executor = Executor(self.router, self._on_done)
+        self.executor = Executor(self.router, self._on_done, self._wake.wake)
+        self._items = self.executor.driver.items  # streamed values, sent at each flush
         # What this worker declares to its supervisor's memory watch (worker/memory_watch.py).
         self.executor.reports = Reports(memory_fd)
         from gpufn.runtime.models import set_resolver
@@ -164,6 +165,9 @@ class WorkerProcess:
         self._outgoing.append(msg)
 
     def _flush(self) -> None:
+        items = self._items.drain()
+        if items:
+            self._outgoing.extend(items)
         if self.router.pending():
             self._outgoing.extend(self.router.drain())
         if self._outgoing:
@@ -180,7 +184,8 @@ class WorkerProcess:
                         self.journal.started(inv)
                 self._execute(a)
             elif isinstance(a, Emit):
-                if isinstance(a.msg, p.Result):  # its output first, then the result
+                if isinstance(a.msg, p.Result):  # its values and output first, then the result
+                    self._outgoing.extend(self._items.drain(a.msg.invocation_id))
                     output = self.router.drain(a.msg.invocation_id)
                     self._outgoing.extend(output)
                     run = a.run

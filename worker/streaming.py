@@ -1,6 +1,10 @@
 """Runs what a plain call cannot: generators (their values streamed as `Item`s under a
 credit window), coroutines and async generators (on the worker's one event loop).
 
+A generator's values wait in the `ItemOutbox` for the main loop's next send, which takes
+all those a call yielded since the last one as one `Item`: a burst costs a message per
+send, not per value, and the first value after a send wakes the main loop at once.
+
 The executor thread of the call drives it: it steps a generator itself, and waits on
 the event loop for each step of a coroutine or async generator, so k calls with
 concurrency=k interleave on the one loop while each keeps its own executor thread.
@@ -15,7 +19,8 @@ import concurrent.futures
 import inspect
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from gpufn.exceptions import Cancelled
@@ -49,12 +54,25 @@ class _Flow:
         self.step: concurrent.futures.Future[Any] | None = None  # the loop step it waits on
         self.is_async = False
         self.cond = threading.Condition()
+        # The values sent and not read yet: their sizes from value `read` on, and the sum.
+        self.unread: deque[int] = deque()
+        self.unread_bytes = 0
+        self.read = 0  # the consumer read this many (it grants what it read + the window)
 
     def grant(self, allowed: int) -> None:
         with self.cond:
             if allowed > self.allowed:
                 self.allowed = allowed
+                read = allowed - p.STREAM_WINDOW
+                while self.read < read and self.unread:
+                    self.unread_bytes -= self.unread.popleft()
+                    self.read += 1
                 self.cond.notify_all()
+
+    def sent(self, nbytes: int) -> None:
+        with self.cond:
+            self.unread.append(nbytes)
+            self.unread_bytes += nbytes
 
     def cancel(self) -> None:
         with self.cond:
@@ -69,6 +87,8 @@ class _Flow:
         with self.cond:
             while not self.cancelled and seq >= self.allowed:
                 self.cond.wait(0.5)
+            while not self.cancelled and self.unread_bytes >= p.STREAM_BYTES and self.unread:
+                self.cond.wait(0.5)  # big values: a few in flight, not a window of them
             if self.cancelled:
                 raise Cancelled("the stream was closed by its consumer")
 
@@ -90,11 +110,93 @@ class EventLoop:
             return self._loop
 
 
-class Driver:
-    """Drives generator and async calls for the executor; thread-safe."""
+PACK_MAX = 64 * 1024  # a one-frame value under this joins its call's burst (one frame)
+ITEM_BYTES = 1 << 20  # and a burst stops growing at this size
 
-    def __init__(self, send: Callable[[p.Message], None]) -> None:
+
+class _Batch:
+    """Values of one call waiting for the main loop, consecutive from `seq`: a burst of
+    small one-frame values (packed into one frame when sent), or a single value."""
+
+    __slots__ = ("dispatch_token", "frames", "invocation_id", "nbytes", "seq", "sizes")
+
+    def __init__(self, invocation_id: str, dispatch_token: int, seq: int) -> None:
+        self.invocation_id = invocation_id
+        self.dispatch_token = dispatch_token
+        self.seq = seq
+        self.sizes: list[int] = []  # of the packed values
+        self.frames: list[Any] = []
+        self.nbytes = 0
+
+    def item(self) -> p.Item:
+        if len(self.sizes) < 2:  # a value alone goes as it is
+            return p.Item(self.invocation_id, self.dispatch_token, self.seq, [],
+                          tuple(self.frames))
+        return p.Item(self.invocation_id, self.dispatch_token, self.seq, self.sizes,
+                      (b"".join(self.frames),))
+
+
+class ItemOutbox:
+    """Values yielded by the calls' threads, taken by the main loop as few `Item`s, in
+    order per call. `ready` is called once when the outbox fills after a full `drain`
+    (the main loop then sends whatever has come by then, never waiting to fill a batch)."""
+
+    def __init__(self, ready: Callable[[], None]) -> None:
+        self._ready = ready
+        self._lock = threading.Lock()
+        self._batches: list[_Batch] = []  # in the order they were opened
+        self._open: dict[tuple[str, int], _Batch] = {}  # the burst a call's next value joins
+        self._told = False  # `ready` was called and no full drain followed yet
+
+    def add(self, invocation_id: str, dispatch_token: int, seq: int,
+            frames: Sequence[Any], nbytes: int) -> None:
+        key = (invocation_id, dispatch_token)
+        packs = len(frames) == 1 and nbytes < PACK_MAX
+        with self._lock:
+            b = self._open.get(key) if packs else None
+            if b is None or b.nbytes + nbytes > ITEM_BYTES:
+                b = _Batch(invocation_id, dispatch_token, seq)
+                self._batches.append(b)
+                if packs:
+                    self._open[key] = b
+                else:  # a big or many-frame value goes alone; the next small one starts anew
+                    self._open.pop(key, None)
+            if packs:
+                b.sizes.append(nbytes)
+            b.frames.extend(frames)
+            b.nbytes += nbytes
+            tell, self._told = not self._told, True
+        if tell:
+            self._ready()
+
+    def drain(self, invocation_id: str | None = None) -> list[p.Item]:
+        """The Items waiting (of one call, or of all), oldest first."""
+        with self._lock:
+            if invocation_id is None:
+                self._told = False  # the next value tells again
+                if not self._batches:
+                    return []
+                batches, self._batches = self._batches, []
+                self._open.clear()
+            else:  # before that call's Result; the others go at the next full drain
+                batches = [b for b in self._batches if b.invocation_id == invocation_id]
+                if not batches:
+                    return []
+                self._batches = [b for b in self._batches if b.invocation_id != invocation_id]
+                for b in batches:
+                    self._open.pop((b.invocation_id, b.dispatch_token), None)
+        return [b.item() for b in batches]
+
+
+class Driver:
+    """Drives generator and async calls for the executor; thread-safe. With `ready`, a
+    stream's values wait in `items` for the caller (the worker's main loop) to drain;
+    without, each is sent at once as its own Item."""
+
+    def __init__(self, send: Callable[[p.Message], None],
+                 ready: Callable[[], None] | None = None) -> None:
         self.send = send
+        self.items = ItemOutbox(ready if ready is not None else self._send_now)
         self.events = EventLoop()
         self._flows: dict[str, _Flow] = {}
         self._lock = threading.Lock()
@@ -104,6 +206,10 @@ class Driver:
             flow = self._flows.get(invocation_id)
         if flow is not None and dispatch_token in (0, flow.dispatch_token):
             flow.grant(allowed)
+
+    def _send_now(self) -> None:
+        for item in self.items.drain():
+            self.send(item)
 
     def is_async(self, invocation_id: str) -> bool:
         with self._lock:
@@ -178,7 +284,9 @@ class Driver:
                     frames = (jsonwire.dump_value(value, f"a value yielded by {call.name}")
                               if call.json else ser.dumps(value))
                     ser.check_payload(frames, f"a value yielded by {call.name}")
-                    self.send(p.Item(call.invocation_id, call.dispatch_token, n, tuple(frames)))
+                    nbytes = ser.payload_bytes(frames)
+                    flow.sent(nbytes)
+                    self.items.add(call.invocation_id, call.dispatch_token, n, frames, nbytes)
                 n += 1
         finally:
             try:

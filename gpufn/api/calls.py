@@ -2,10 +2,11 @@
 `gpufn.gather`) and `CallStream`, the caller's end of a streamed call (`for v in
 f.remote_gen(...)`, `async for v in f.remote_gen.aio(...)`, `f.spawn(...).stream()`).
 
-The client's I/O thread puts each `Item` into the call's `ItemQueue` and ends it when the
-Result arrives (always after the last item). The consumer unpickles values as it takes
-them and grants the producer more room (`Credit`) every few items, so at most
-`STREAM_WINDOW` values are in flight or waiting here: a slow consumer slows the producer.
+The client's I/O thread puts each `Item` (one value, or a burst of them) into the call's
+`ItemQueue` and ends it when the Result arrives (always after the last item). The consumer
+unpickles values as it takes them and grants the producer more room (`Credit`) once it
+read a burst (or half the window), so at most `STREAM_WINDOW` values are in flight or
+waiting here: a slow consumer slows the producer.
 Closing the stream early (break, `close()`, garbage collection) cancels the call.
 """
 
@@ -19,7 +20,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from gpufn.client.client import Client
 from gpufn.client.default import get_client
-from gpufn.client.items import ItemQueue
+from gpufn.client.items import ItemQueue, Value
 from gpufn.exceptions import GpufnError, InvalidSpec, Timeout, from_wire
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
@@ -28,7 +29,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 R2 = TypeVar("R2")
 
-CREDIT_EVERY = max(1, p.STREAM_WINDOW // 4)  # items read between two Credits
+CREDIT_EVERY = max(1, p.STREAM_WINDOW // 4)  # values read between two Credits, at least
+CREDIT_MOST = max(CREDIT_EVERY, p.STREAM_WINDOW // 2)  # and at most
 
 
 class CallStream(Generic[T]):
@@ -49,20 +51,24 @@ class CallStream(Generic[T]):
     def __repr__(self) -> str:
         return f"<CallStream of {self._call!r}, {self._read} read>"
 
-    def _value(self, item: p.Item | None) -> T:
+    def _value(self, item: Value | None) -> T:
         if item is None:
             self._finished = True
             self._call._get_end()  # raises the call's error (a mid-stream exception)
             raise StopIteration
-        if item.seq != self._read:
+        seq, frames = item
+        if seq != self._read:
             self.close()
-            raise GpufnError(f"{self._call._name} call {self._call.id}: value {item.seq} arrived "
+            raise GpufnError(f"{self._call._name} call {self._call.id}: value {seq} arrived "
                              f"where value {self._read} was expected")
         self._read += 1
-        if self._read - self._credited >= CREDIT_EVERY:
+        unread = self._read - self._credited
+        # Values come in bursts (one Item each): credit once the burst is read, or every
+        # half window while more wait here, not every few values.
+        if unread >= CREDIT_EVERY and (not self._items or unread >= CREDIT_MOST):
             self._credited = self._read
             self._call._client.credit(self._call.id, self._read + p.STREAM_WINDOW)
-        value: T = ser.loads(item.frames)
+        value: T = ser.loads(frames)
         return value
 
     def __iter__(self) -> Iterator[T]:

@@ -1,5 +1,6 @@
 """The values of one streamed call as they arrive: the client's I/O thread puts each `Item`
-into the call's `ItemQueue` and ends it when the Result arrives; the reader takes them."""
+into the call's `ItemQueue` and ends it when the Result arrives; the reader takes them one
+value at a time (an Item of several values is split by the reader, not the I/O thread)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,49 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
+from gpufn.exceptions import GpufnError
 from gpufn.wire import protocol as p
+
+Value = tuple[int, tuple[Any, ...]]  # (seq, the value's frames)
+
+
+def split(item: p.Item) -> list[Value]:
+    """The values an Item holds, in order (a burst's are views of its one frame)."""
+    if not item.sizes:
+        return [(item.seq, item.frames)]
+    frame = item.frames[0] if len(item.frames) == 1 else b""
+    buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    out, i = [], 0
+    for k, n in enumerate(item.sizes):
+        if n <= 0:
+            break
+        out.append((item.seq + k, (buf[i:i + n],)))
+        i += n
+    if i != buf.nbytes or len(out) != len(item.sizes):
+        raise GpufnError(f"call {item.invocation_id}: a malformed Item ({len(item.sizes)} values "
+                         f"of {sum(item.sizes)} bytes in {len(item.frames)} frames of "
+                         f"{buf.nbytes} bytes)")
+    return out
 
 
 class ItemQueue:
-    """Items of one call, filled by the client's I/O thread, read by the consumer."""
+    """Values of one call, filled by the client's I/O thread, read by the consumer."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: deque[p.Item] = deque()
+        self._values: deque[Value] = deque()  # the rest of the Item taken last
+        self._buffered = 0  # values put and not taken
         self._ended = False
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self.received = 0  # items put so far (a stream cannot resume after a restart)
+        self.received = 0  # values put so far (a stream cannot resume after a restart)
 
     def put(self, item: p.Item) -> None:
+        n = item.values()
         with self._cond:
             self._items.append(item)
-            self.received += 1
+            self.received += n
+            self._buffered += n
             self._wake()
 
     def end(self, _fut: Any = None) -> None:
@@ -40,20 +67,28 @@ class ItemQueue:
             loop.call_soon_threadsafe(_resolve, fut)
 
     def __len__(self) -> int:
-        return len(self._items)
+        """Values here, not taken yet."""
+        return self._buffered
 
-    def take(self) -> p.Item | None:
-        """The next item, or None once the call ended and every item was taken."""
+    def _next(self) -> Value:
+        """The next value (under the lock; one is there)."""
+        if not self._values:
+            self._values.extend(split(self._items.popleft()))
+        self._buffered -= 1
+        return self._values.popleft()
+
+    def take(self) -> Value | None:
+        """The next value, or None once the call ended and every value was taken."""
         with self._cond:
-            while not self._items and not self._ended:
+            while not self._buffered and not self._ended:
                 self._cond.wait(0.5)
-            return self._items.popleft() if self._items else None
+            return self._next() if self._buffered else None
 
-    async def take_aio(self) -> p.Item | None:
+    async def take_aio(self) -> Value | None:
         while True:
             with self._cond:
-                if self._items:
-                    return self._items.popleft()
+                if self._buffered:
+                    return self._next()
                 if self._ended:
                     return None
                 loop = asyncio.get_running_loop()

@@ -122,14 +122,15 @@ class Stream:
                 item = await self.items.take_aio()
                 if item is None:
                     break
-                if item.seq != self.read:
-                    raise HTTPError(500, "GpufnError", f"value {item.seq} of call {self.id} "
+                seq, frames = item
+                if seq != self.read:
+                    raise HTTPError(500, "GpufnError", f"value {seq} of call {self.id} "
                                     f"arrived where value {self.read} was expected")
                 self.read += 1
                 if self.read - credited >= CREDIT_EVERY:
                     credited = self.read
                     self.entry.client.credit(self.id, self.read + p.STREAM_WINDOW)
-                yield jsonwire.value_text(item.frames)
+                yield jsonwire.value_text(frames)
             exc = self.fut.exception()  # the items end with the call's future
             self.result = self.fut.result() if exc is None else p.Result(
                 self.id, False, kind_of(exc) if isinstance(exc, GpufnError) else "GpufnError",

@@ -127,7 +127,8 @@ def decode(frames: Sequence[Frame]) -> Message:
             _check_fields(kind, values[i])
             values[i] = kind.from_wire(values[i])
         if _HAS_FRAMES[cls]:
-            return cls(*values, tuple(frames[2:]))  # type: ignore[call-arg]
+            # by name: a shorter header (fields added since) leaves them at their defaults
+            return cls(*values, frames=tuple(frames[2:]))  # type: ignore[call-arg]
         return cls(*values)
     except Exception as e:  # whatever a malformed header raises, it is the peer's fault
         raise DecodeError(f"bad header for {cls.__name__}: {e}") from e
@@ -721,21 +722,31 @@ class AppReply(Message):
 # order, before the call's terminal `Result`; the scheduler never unpickles them. Flow
 # control is a credit window: the producer may have sent items 0 .. allowed-1, where
 # `allowed` starts at STREAM_WINDOW and each `Credit` (client -> scheduler -> worker)
-# raises it as the consumer reads.
+# raises it to what the consumer read plus STREAM_WINDOW. The producer also keeps the
+# bytes of the values sent and not read yet under STREAM_BYTES (one value at least), so
+# a stream of big values holds a few, not a window of them.
 
-STREAM_WINDOW = 16  # items a producer may send before the consumer has read any
+STREAM_WINDOW = 64  # values a producer may send before the consumer has read any
+STREAM_BYTES = 32 * 2**20  # and the bytes of those unread, beyond the first value
 
 
 @message(100)
 @dataclass(frozen=True, slots=True)
 class Item(Message):
     """Worker -> scheduler -> client: value number `seq` (from 0) of a generator call;
-    frames hold it pickled."""
+    frames hold it pickled. With `sizes`, a burst (the values yielded since the worker's
+    last send): values `seq`, `seq + 1`, ... back to back in one frame, `sizes[i]` bytes
+    each (one message and one frame for the burst, at every hop)."""
 
     invocation_id: str
     dispatch_token: int
     seq: int
+    sizes: list[int] = field(default_factory=list)  # empty: one value, all the frames
     frames: tuple[Frame, ...] = ()
+
+    def values(self) -> int:
+        """How many values it holds."""
+        return len(self.sizes) or 1
 
 
 @message(101)

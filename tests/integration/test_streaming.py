@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import gpufn
+from gpufn.api.calls import CREDIT_MOST
 from gpufn.wire import protocol as p
 
 from .stream_funcs import async_gen_fails, async_tokens, count, fails_after, gang_stream, produce
@@ -65,11 +66,13 @@ def test_a_slow_consumer_blocks_the_producer(cluster: gpufn.Client, tmp_path: Pa
     _wait_for(lambda: _read_int(progress) >= WINDOW, what="the window to fill")
     time.sleep(0.5)  # time in which an unbounded producer would run far ahead
     assert _read_int(progress) == WINDOW
-    for _ in range(7):  # 8 read in all: the producer may run to 8 + WINDOW
+    # CREDIT_MOST read in all (a Credit is sent by then, values waiting or not): the
+    # producer may run to CREDIT_MOST + WINDOW
+    for _ in range(CREDIT_MOST - 1):
         next(stream)
-    _wait_for(lambda: _read_int(progress) >= 8 + WINDOW, what="the producer to move on")
+    _wait_for(lambda: _read_int(progress) >= CREDIT_MOST + WINDOW, what="the producer to move on")
     time.sleep(0.5)
-    assert _read_int(progress) == 8 + WINDOW
+    assert _read_int(progress) == CREDIT_MOST + WINDOW
     assert not marker.exists()
     stream.close()
     _wait_for(marker.exists, what="the generator's finally block")

@@ -350,7 +350,7 @@ def test_a_stream_that_delivered_a_value_is_not_retried_when_its_worker_is_lost(
     h = Harness(devices=1, retry_backoff_seconds=0.1)
     h.start_worker(0, pid=100, incarnation=1)
     inv = h.submit(h.register("gen", retries=3))
-    h.feed(b"w0", p.Item(inv, h.token(inv), 0, (b"v0",)))
+    h.feed(b"w0", p.Item(inv, h.token(inv), 0, frames=(b"v0",)))
     h.feed(b"sup", p.WorkerExited("n:0", 100, -9, "killed", 1))
     res = h.results()[inv]
     assert res.error_kind == "WorkerLost" and "streamed 1 value(s)" in res.message
@@ -401,7 +401,7 @@ def test_a_stream_that_delivered_a_value_is_never_preempted() -> None:
     fns = list(h.core.functions.values())
     fns[1].code_id = fns[0].code_id
     stream = h.submit(low)
-    h.feed(w, p.Item(stream, h.token(stream), 0, (b"v0",)))
+    h.feed(w, p.Item(stream, h.token(stream), 0, frames=(b"v0",)))
     h.submit(high)
     assert h.core.counters.preempted == 0
     assert not [s for s in h.of_type(p.Cancel) if s.msg.invocation_id == stream]
@@ -416,8 +416,8 @@ def test_only_rank_zero_values_of_a_gang_reach_the_caller() -> None:
     h.sent += h.core.handle(RendezvousReady(4242), h.now)
     inv = h.submit(h.register("g", count=2))
     devices = h.runs()[-1].meta.gang["devices"]
-    h.feed(ws[devices[1]], p.Item(inv, h.token(inv), 0, (b"rank1",)))
-    h.feed(ws[devices[0]], p.Item(inv, h.token(inv), 0, (b"rank0",)))
+    h.feed(ws[devices[1]], p.Item(inv, h.token(inv), 0, frames=(b"rank1",)))
+    h.feed(ws[devices[0]], p.Item(inv, h.token(inv), 0, frames=(b"rank0",)))
     got = [s.msg.frames for s in h.of_type(p.Item) if s.peer == b"cli"]
     assert got == [(b"rank0",)]
 

@@ -287,11 +287,12 @@ def _until(cond: Any, timeout: float = 10.0) -> None:
 def test_a_late_smaller_credit_never_shrinks_the_window() -> None:
     driver, sent, t, _ = _driven(_count())
     _until(lambda: len(sent) == p.STREAM_WINDOW)
-    driver.grant("inv1", 7, 40)
-    driver.grant("inv1", 7, 20)  # an older Credit arriving late
-    _until(lambda: len(sent) >= 40)
+    more = p.STREAM_WINDOW + 24
+    driver.grant("inv1", 7, more)
+    driver.grant("inv1", 7, p.STREAM_WINDOW + 4)  # an older Credit arriving late
+    _until(lambda: len(sent) >= more)
     time.sleep(0.2)
-    assert len(sent) == 40
+    assert len(sent) == more
     assert driver.interrupt("inv1", 7)
     t.join(10)
 
@@ -323,7 +324,7 @@ def test_a_consumer_credits_what_it_read_plus_the_window() -> None:
     items = ItemQueue()
     n = 3 * p.STREAM_WINDOW
     for i in range(n):
-        items.put(p.Item("inv1", 1, i, tuple(ser.dumps(i))))
+        items.put(p.Item("inv1", 1, i, frames=tuple(ser.dumps(i))))
     stream: CallStream[int] = CallStream(Call(), items)  # type: ignore[arg-type]
     assert [next(stream) for _ in range(n)] == list(range(n))
     assert credits and credits[-1] == n + p.STREAM_WINDOW

@@ -49,7 +49,7 @@ SAMPLES: list[p.Message] = [
     p.AppCommand(5, "rollback", {"app": "app", "version": 1}),
     p.AppReply(5, False, "NotFound", "no app", {}),
     p.AppReply(6, True, data={"app": "app", "version": 2}),
-    p.Item("i1", 3, 0, (b"value",)), p.Credit("i1", 0, 32), p.Attach("i1"), p.Resend("i1", 7),
+    p.Item("i1", 3, 0, frames=(b"value",)), p.Credit("i1", 0, 32), p.Attach("i1"), p.Resend("i1", 7),
     p.Shutdown("restarting", final=False),
     p.Result("i3", False, "", "raised", p.ResultMeta(items=3, first_item_s=0.1, items_per_s=30.0,
                                                      retryable=True), (b"exc",)),

@@ -69,7 +69,7 @@ def test_not_retryable_or_int_retries_fail_at_once() -> None:
 def test_a_streaming_call_is_never_retried_after_an_item() -> None:
     h, w, fid = _one_device(retries=Retries(3, initial_delay=0.0))
     inv = h.submit(fid)
-    h.feed(w, p.Item(inv, h.token(inv), 0, (b"v0",)))
+    h.feed(w, p.Item(inv, h.token(inv), 0, frames=(b"v0",)))
     _raised(h, w, inv)
     assert not h.results()[inv].ok and len(h.runs(w)) == 1
 
@@ -79,8 +79,8 @@ def test_items_pass_through_in_order_and_credits_reach_the_worker() -> None:
     inv = h.submit(fid)
     tok = h.token(inv)
     for i in range(3):
-        h.feed(w, p.Item(inv, tok, i, (f"v{i}".encode(),)))
-    h.feed(w, p.Item(inv, tok + 99, 3, (b"stale",)))  # another dispatch's: dropped
+        h.feed(w, p.Item(inv, tok, i, frames=(f"v{i}".encode(),)))
+    h.feed(w, p.Item(inv, tok + 99, 3, frames=(b"stale",)))  # another dispatch's: dropped
     got = [s.msg for s in h.of_type(p.Item) if s.peer == b"cli"]
     assert [m.seq for m in got] == [0, 1, 2] and got[2].frames == (b"v2",)
     h.feed(b"cli", p.Credit(inv, 0, 20))
@@ -93,7 +93,7 @@ def test_items_pass_through_in_order_and_credits_reach_the_worker() -> None:
 def test_clients_may_not_send_items_and_strangers_may_not_credit() -> None:
     h, _w, fid = _one_device()
     inv = h.submit(fid)
-    out = h.feed(b"cli", p.Item(inv, h.token(inv), 0, (b"forged",)))
+    out = h.feed(b"cli", p.Item(inv, h.token(inv), 0, frames=(b"forged",)))
     assert not [s for s in h.of_type(p.Item) if s.peer == b"cli"]
     assert [s.msg for s in out if isinstance(s.msg, p.Error)]
     h.hello(b"other", p.Role.CLIENT)

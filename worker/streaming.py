@@ -26,7 +26,7 @@ from typing import Any
 from gpufn.exceptions import Cancelled
 from gpufn.runtime import context as ctxmod
 from gpufn.runtime import models as runtime_models
-from gpufn.wire import jsonwire
+from gpufn.wire import config, jsonwire
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.worker.output import set_current_async
@@ -54,9 +54,11 @@ class _Flow:
         self.step: concurrent.futures.Future[Any] | None = None  # the loop step it waits on
         self.is_async = False
         self.cond = threading.Condition()
-        # The values sent and not read yet: their sizes from value `read` on, and the sum.
+        # The sizes of the values sent and not read yet (from value `read` on). Each count
+        # has one writer: the producer `sent_bytes`, `grant` (the control thread) the rest.
         self.unread: deque[int] = deque()
-        self.unread_bytes = 0
+        self.sent_bytes = 0
+        self.read_bytes = 0
         self.read = 0  # the consumer read this many (it grants what it read + the window)
 
     def grant(self, allowed: int) -> None:
@@ -65,14 +67,18 @@ class _Flow:
                 self.allowed = allowed
                 read = allowed - p.STREAM_WINDOW
                 while self.read < read and self.unread:
-                    self.unread_bytes -= self.unread.popleft()
+                    self.read_bytes += self.unread.popleft()
                     self.read += 1
                 self.cond.notify_all()
 
     def sent(self, nbytes: int) -> None:
-        with self.cond:
-            self.unread.append(nbytes)
-            self.unread_bytes += nbytes
+        """The producer sent a value of `nbytes` (its thread only)."""
+        self.unread.append(nbytes)
+        self.sent_bytes += nbytes
+
+    def _blocked(self, seq: int) -> bool:
+        return seq >= self.allowed or (
+            self.sent_bytes - self.read_bytes >= p.STREAM_BYTES and bool(self.unread))
 
     def cancel(self) -> None:
         with self.cond:
@@ -84,10 +90,12 @@ class _Flow:
 
     def wait_credit(self, seq: int) -> None:
         """Block until item `seq` may be sent (the consumer read enough), or cancelled."""
+        if not self.cancelled and not self._blocked(seq):
+            return  # room already (read without the lock: each grant only adds room)
         with self.cond:
             while not self.cancelled and seq >= self.allowed:
                 self.cond.wait(0.5)
-            while not self.cancelled and self.unread_bytes >= p.STREAM_BYTES and self.unread:
+            while not self.cancelled and self._blocked(seq):
                 self.cond.wait(0.5)  # big values: a few in flight, not a window of them
             if self.cancelled:
                 raise Cancelled("the stream was closed by its consumer")
@@ -267,6 +275,7 @@ class Driver:
         """Step the generator, sending rank 0's values as Items under the credit window;
         other ranks of a gang step in lockstep and send nothing."""
         sends = call.context.rank == 0
+        what, limit = f"a value yielded by {call.name}", config.max_payload()
         t0 = time.perf_counter()
         n, first = 0, None
         try:
@@ -281,10 +290,10 @@ class Driver:
                 if first is None:
                     first = time.perf_counter() - t0
                 if sends:
-                    frames = (jsonwire.dump_value(value, f"a value yielded by {call.name}")
-                              if call.json else ser.dumps(value))
-                    ser.check_payload(frames, f"a value yielded by {call.name}")
+                    frames = jsonwire.dump_value(value, what) if call.json else ser.dumps(value)
                     nbytes = ser.payload_bytes(frames)
+                    if nbytes > limit:
+                        ser.check_payload(frames, what)  # raises PayloadTooLarge
                     flow.sent(nbytes)
                     self.items.add(call.invocation_id, call.dispatch_token, n, frames, nbytes)
                 n += 1

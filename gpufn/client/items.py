@@ -36,23 +36,22 @@ def split(item: p.Item) -> list[Value]:
 
 
 class ItemQueue:
-    """Values of one call, filled by the client's I/O thread, read by the consumer."""
+    """Values of one call, filled by the client's I/O thread, read by one consumer. The
+    consumer splits each Item it takes and reads the rest of it without the lock."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: deque[p.Item] = deque()
-        self._values: deque[Value] = deque()  # the rest of the Item taken last
-        self._buffered = 0  # values put and not taken
+        self._values: deque[Value] = deque()  # the rest of the Item taken last (consumer's)
         self._ended = False
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.received = 0  # values put so far (a stream cannot resume after a restart)
+        self.taken = 0  # values taken (the consumer's count; `received` is the I/O thread's)
 
     def put(self, item: p.Item) -> None:
-        n = item.values()
         with self._cond:
             self._items.append(item)
-            self.received += n
-            self._buffered += n
+            self.received += item.values()
             self._wake()
 
     def end(self, _fut: Any = None) -> None:
@@ -68,33 +67,44 @@ class ItemQueue:
 
     def __len__(self) -> int:
         """Values here, not taken yet."""
-        return self._buffered
+        return self.received - self.taken
 
-    def _next(self) -> Value:
-        """The next value (under the lock; one is there)."""
-        if not self._values:
-            self._values.extend(split(self._items.popleft()))
-        self._buffered -= 1
-        return self._values.popleft()
+    def _first(self, item: p.Item) -> Value:
+        """The first value of an Item just taken; the others wait in `_values`."""
+        values = split(item)
+        self._values.extend(values[1:])
+        self.taken += 1
+        return values[0]
 
     def take(self) -> Value | None:
         """The next value, or None once the call ended and every value was taken."""
+        if self._values:
+            self.taken += 1
+            return self._values.popleft()
         with self._cond:
-            while not self._buffered and not self._ended:
+            while not self._items and not self._ended:
                 self._cond.wait(0.5)
-            return self._next() if self._buffered else None
+            if not self._items:
+                return None
+            item = self._items.popleft()
+        return self._first(item)
 
     async def take_aio(self) -> Value | None:
+        if self._values:
+            self.taken += 1
+            return self._values.popleft()
         while True:
             with self._cond:
-                if self._buffered:
-                    return self._next()
+                if self._items:
+                    item = self._items.popleft()
+                    break
                 if self._ended:
                     return None
                 loop = asyncio.get_running_loop()
                 fut: asyncio.Future[None] = loop.create_future()
                 self._waiters.append((loop, fut))
             await fut
+        return self._first(item)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

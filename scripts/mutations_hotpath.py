@@ -1,6 +1,7 @@
 """Mutations of the hot path (issue 20): the placement pass's early end, the compiled
-header checks, same-host shared memory, the globals fingerprint, and the placement
-index of open devices and the model plan search (the scheduler at scale)."""
+header checks, same-host shared memory, the globals fingerprint, the placement
+index of open devices and the model plan search (the scheduler at scale), and streams
+in bursts (order, credit, the outbox's wake-up, the bytes bound)."""
 
 from __future__ import annotations
 
@@ -135,5 +136,58 @@ HOTPATH: tuple[Mutation, ...] = (
         "        if got is not None:\n",
         ("tests/unit/test_open_index.py::test_a_remembered_fit_is_not_used_once_the_ledger_changed",),
         "a remembered fit is used after the device's ledger changed",
+    ),
+    Mutation(
+        "burst-out-of-order", "worker/streaming.py",
+        "                self._batches.append(b)\n",
+        "                self._batches.insert(0, b)\n",
+        ("tests/unit/test_stream_bursts.py::test_a_burst_goes_as_one_item_of_one_frame_and_a_big_value_alone_in_order",),
+        "a call's Items leave the worker's outbox newest first (values out of order)",
+    ),
+    Mutation(
+        "outbox-tells-once-only", "worker/streaming.py",
+        "                self._told = False  # the next value tells again\n                if not self._batches:\n                    return []\n",
+        "                if not self._batches:\n                    return []\n                self._told = False\n",
+        ("tests/unit/test_stream_bursts.py::test_the_first_value_after_a_drain_of_one_call_and_an_empty_drain_wakes_again",
+         "tests/integration/test_streaming.py::test_first_value_arrives_long_before_the_generator_ends"),
+        "after a call's values left with its Result, the next stream's values wait for a timer",
+    ),
+    Mutation(
+        "burst-split-reversed", "gpufn/client/items.py",
+        "        out.append((item.seq + k, (buf[i:i + n],)))\n",
+        "        out.insert(0, (item.seq + k, (buf[i:i + n],)))\n",
+        ("tests/unit/test_stream_bursts.py::test_the_worker_sends_bursts_that_the_client_reads_in_order",),
+        "the client reads a burst's values in the wrong order",
+    ),
+    Mutation(
+        "stream-bytes-unbounded", "worker/streaming.py",
+        "        return self.sent_bytes - self.read_bytes >= p.STREAM_BYTES and bool(self.unread)\n",
+        "        return False\n",
+        ("tests/unit/test_stream_bursts.py::test_a_producer_of_big_values_keeps_few_unread",),
+        "a stream of big values keeps a whole window of them unread",
+    ),
+    Mutation(
+        "credit-only-when-drained", "gpufn/api/calls.py",
+        "        if unread >= CREDIT_EVERY and (not self._items or unread >= CREDIT_MOST):\n",
+        "        if unread >= CREDIT_EVERY and not self._items:\n",
+        ("tests/unit/test_stream_bursts.py::test_a_consumer_credits_in_values_once_per_burst_and_while_values_wait",),
+        "a consumer with values waiting never credits: the producer stops a window ahead",
+    ),
+    Mutation(
+        "credit-fast-path-ignores-window", "worker/streaming.py",
+        "        if not self.cancelled and seq < self.allowed and not self._over_bytes():\n",
+        "        if not self.cancelled and not self._over_bytes():\n",
+        ("tests/unit/test_streams_retries.py::"
+         "test_driver_sends_a_window_then_waits_for_credit_and_stops_on_cancel",
+         "tests/unit/test_stream_bursts.py::test_the_worker_sends_bursts_that_the_client_reads_in_order"),
+        "the producer's lock-free check lets it run past its credit",
+    ),
+    Mutation(
+        "scheduler-counts-a-burst-once", "scheduler/streams.py",
+        "        inv.items += msg.values()  # a burst's values come (and are relayed) as one Item\n",
+        "        inv.items += 1\n",
+        ("tests/unit/test_streams_retries.py::"
+         "test_the_scheduler_counts_every_value_of_a_burst_and_relays_it_whole",),
+        "the scheduler counts a burst of values as one (its per-call items are wrong)",
     ),
 )

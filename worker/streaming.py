@@ -76,9 +76,9 @@ class _Flow:
         self.unread.append(nbytes)
         self.sent_bytes += nbytes
 
-    def _blocked(self, seq: int) -> bool:
-        return seq >= self.allowed or (
-            self.sent_bytes - self.read_bytes >= p.STREAM_BYTES and bool(self.unread))
+    def _over_bytes(self) -> bool:
+        """The values unread hold STREAM_BYTES or more (one may always be in flight)."""
+        return self.sent_bytes - self.read_bytes >= p.STREAM_BYTES and bool(self.unread)
 
     def cancel(self) -> None:
         with self.cond:
@@ -90,12 +90,12 @@ class _Flow:
 
     def wait_credit(self, seq: int) -> None:
         """Block until item `seq` may be sent (the consumer read enough), or cancelled."""
-        if not self.cancelled and not self._blocked(seq):
+        if not self.cancelled and seq < self.allowed and not self._over_bytes():
             return  # room already (read without the lock: each grant only adds room)
         with self.cond:
             while not self.cancelled and seq >= self.allowed:
                 self.cond.wait(0.5)
-            while not self.cancelled and self._blocked(seq):
+            while not self.cancelled and self._over_bytes():
                 self.cond.wait(0.5)  # big values: a few in flight, not a window of them
             if self.cancelled:
                 raise Cancelled("the stream was closed by its consumer")

@@ -90,6 +90,18 @@ def test_items_pass_through_in_order_and_credits_reach_the_worker() -> None:
     assert h.core.invocations.get(inv) is None and h.results()[inv].ok
 
 
+def test_the_scheduler_counts_every_value_of_a_burst_and_relays_it_whole() -> None:
+    h, w, fid = _one_device()
+    inv = h.submit(fid)
+    tok = h.token(inv)
+    h.feed(w, p.Item(inv, tok, 0, [2, 2, 2], (b"v0v1v2",)))
+    h.feed(w, p.Item(inv, tok, 3, frames=(b"v3",)))
+    got = [s.msg for s in h.of_type(p.Item) if s.peer == b"cli"]
+    assert [(m.seq, m.sizes, m.frames) for m in got] == [
+        (0, [2, 2, 2], (b"v0v1v2",)), (3, [], (b"v3",))]
+    assert h.core.invocations[inv].items == 4
+
+
 def test_clients_may_not_send_items_and_strangers_may_not_credit() -> None:
     h, _w, fid = _one_device()
     inv = h.submit(fid)

@@ -24,14 +24,14 @@ def split(item: p.Item) -> list[Value]:
     buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
     out, i = [], 0
     for k, n in enumerate(item.sizes):
-        if n <= 0:
-            break
+        if type(n) is not int or n <= 0:
+            break  # refused below
         out.append((item.seq + k, (buf[i:i + n],)))
         i += n
     if i != buf.nbytes or len(out) != len(item.sizes):
-        raise GpufnError(f"call {item.invocation_id}: a malformed Item ({len(item.sizes)} values "
-                         f"of {sum(item.sizes)} bytes in {len(item.frames)} frames of "
-                         f"{buf.nbytes} bytes)")
+        raise GpufnError(f"call {item.invocation_id}: a malformed Item (value sizes "
+                         f"{item.sizes[:8]}{'...' if len(item.sizes) > 8 else ''} for "
+                         f"{len(item.frames)} frames of {buf.nbytes} bytes)")
     return out
 
 

@@ -80,6 +80,7 @@ def test_a_malformed_burst_is_refused_by_the_client() -> None:
     for bad in (p.Item("inv1", 1, 0, [2, 4], (b"abcde",)),  # sizes past the frame
                 p.Item("inv1", 1, 0, [2, 2], (b"abcde",)),  # bytes left over
                 p.Item("inv1", 1, 0, [0, 5], (b"abcde",)),
+                p.Item("inv1", 1, 0, ["2", 3], (b"abcde",)),  # type: ignore[list-item]
                 p.Item("inv1", 1, 0, [2, 3], (b"ab", b"cde"))):  # a burst is one frame
         with pytest.raises(GpufnError, match="malformed"):
             split(bad)

@@ -179,6 +179,8 @@ class ItemOutbox:
 
     def drain(self, invocation_id: str | None = None) -> list[p.Item]:
         """The Items waiting (of one call, or of all), oldest first."""
+        if not self._batches and not (invocation_id is None and self._told):
+            return []  # nothing (a value being added now calls `ready` after): no lock
         with self._lock:
             if invocation_id is None:
                 self._told = False  # the next value tells again

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: an Item carries a burst of values (its `sizes`)
 
 Frame = Any  # bytes | memoryview | zmq.Frame: whatever zmq can send without a copy
 

@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (2 rounds, small n)")
+    ap.add_argument("--only", choices=["all", "shm"], default="all",
+                    help="shm: only the big tensor there and back (gpufn and raw zmq)")
     ap.add_argument("--curve", action="store_true",
                     help="also measure TCP loopback plaintext against CURVE-encrypted")
     a = ap.parse_args()
@@ -134,6 +136,11 @@ def main() -> None:
     def add(key: str, value: float) -> None:
         rows.setdefault(key, []).append(value)
 
+    def measure_big(prefix: str) -> None:
+        echo.remote(big)  # warm
+        dt = timed(lambda: [echo.remote(big) for _ in range(a.n_big)])
+        add(f"{prefix} big MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)  # there and back
+
     def measure_gpufn(prefix: str = "gpufn", curve: bool | None = None) -> None:
         """The embedded cluster (curve None), or one over TCP loopback with or without
         CURVE; rows are named `prefix ...`."""
@@ -153,6 +160,9 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"workers did not start: {client.status()['devices']}")
                 time.sleep(0.1)
+            if a.only == "shm":
+                measure_big(prefix)
+                return
             for _ in range(200):
                 noop.remote()
             list(noop1.map(range(4 * a.devices)))
@@ -170,9 +180,7 @@ def main() -> None:
             add(f"{prefix} map calls/s", a.n_map / dt)
             dt = timed(lambda: list(noop1.map([tensor] * a.n_large)))
             add(f"{prefix} 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
-            echo.remote(big)  # warm
-            dt = timed(lambda: [echo.remote(big) for _ in range(a.n_big)])
-            add(f"{prefix} big MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)  # there and back
+            measure_big(prefix)
         finally:
             mine = descendants(os.getpid()) - before
             gclient._shutdown_default()
@@ -183,25 +191,28 @@ def main() -> None:
 
     def measure_raw() -> None:
         before = descendants(os.getpid())
-        raw = {t: RawPath(transport=t) for t in ("tcp", "ipc")}
-        raw_small = RawPath(small_reply=True, transport=a.transport, n_workers=a.devices)
-        raw_large = RawPath(small_reply=True, transport=a.transport, n_workers=a.devices,
-                            large=True)
+        full = a.only != "shm"
+        raw = {t: RawPath(transport=t) for t in ("tcp", "ipc")} if full else {}
+        many = [RawPath(small_reply=True, transport=a.transport, n_workers=a.devices),
+                RawPath(small_reply=True, transport=a.transport, n_workers=a.devices,
+                        large=True)] if full else []
         echo_large = RawPath(transport=a.transport, large=True)  # echoes the payload back
         try:
             for t, path in raw.items():
                 p50, p99 = roundtrips(functools.partial(path.roundtrip, b"x"), a.n_latency)
                 add(f"raw {t} p50 us", p50 * 1e6)
                 add(f"raw {t} p99 us", p99 * 1e6)
-            dt = timed(lambda: raw_small.pipelined([b"x"] * a.n_map))
-            add("raw map msgs/s", a.n_map / dt)
-            dt = timed(lambda: raw_large.pipelined([payload] * a.n_large, window=64))
-            add("raw 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
+            if full:
+                raw_small, raw_large = many
+                dt = timed(lambda: raw_small.pipelined([b"x"] * a.n_map))
+                add("raw map msgs/s", a.n_map / dt)
+                dt = timed(lambda: raw_large.pipelined([payload] * a.n_large, window=64))
+                add("raw 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
             echo_large.roundtrip(big_payload)  # warm
             dt = timed(lambda: [echo_large.roundtrip(big_payload) for _ in range(a.n_big)])
             add("raw big MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)
         finally:
-            for path in [*raw.values(), raw_small, raw_large, echo_large]:
+            for path in [*raw.values(), *many, echo_large]:
                 path.close()
             leftover.update(wait_gone(descendants(os.getpid()) - before))
 
@@ -273,23 +284,24 @@ def main() -> None:
     t.add_column("gpufn", justify="right")
     t.add_column("baseline", justify="right")
     t.add_column("ratio (median)", justify="right")
-    t.add_row("no-op .remote() p50 (us)", summarize(rows["gpufn p50 us"]),
-              f"raw {tr} {summarize(rows[f'raw {tr} p50 us'])}",
-              f"{med['gpufn p50 us'] / med[f'raw {tr} p50 us']:.2f}x raw")
-    t.add_row("no-op .remote() p99 (us)", summarize(rows["gpufn p99 us"]),
-              f"raw {tr} {summarize(rows[f'raw {tr} p99 us'])}",
-              f"{med['gpufn p99 us'] / med[f'raw {tr} p99 us']:.2f}x raw")
-    t.add_row("  (of which: pickling the function's code per call, us)",
-              summarize(rows["gpufn code pickle us"]), "", "")
-    other = "tcp" if tr == "ipc" else "ipc"
-    t.add_row("  (raw round trip over the other transport)", "",
-              f"raw {other} {summarize(rows[f'raw {other} p50 us'])}", "")
-    t.add_row(f".map() {a.n_map:,} no-ops (calls/s)", summarize(rows["gpufn map calls/s"]),
-              f"raw {summarize(rows['raw map msgs/s'])}",
-              f"{med['gpufn map calls/s'] / med['raw map msgs/s']:.2f}x raw")
-    t.add_row(f".map() {a.n_large:,} x 4 MiB tensors (MB/s)", summarize(rows["gpufn 4MiB MB/s"]),
-              f"raw {summarize(rows['raw 4MiB MB/s'])}",
-              f"{med['gpufn 4MiB MB/s'] / med['raw 4MiB MB/s']:.2f}x raw")
+    if a.only == "all":
+        t.add_row("no-op .remote() p50 (us)", summarize(rows["gpufn p50 us"]),
+                  f"raw {tr} {summarize(rows[f'raw {tr} p50 us'])}",
+                  f"{med['gpufn p50 us'] / med[f'raw {tr} p50 us']:.2f}x raw")
+        t.add_row("no-op .remote() p99 (us)", summarize(rows["gpufn p99 us"]),
+                  f"raw {tr} {summarize(rows[f'raw {tr} p99 us'])}",
+                  f"{med['gpufn p99 us'] / med[f'raw {tr} p99 us']:.2f}x raw")
+        t.add_row("  (of which: pickling the function's code per call, us)",
+                  summarize(rows["gpufn code pickle us"]), "", "")
+        other = "tcp" if tr == "ipc" else "ipc"
+        t.add_row("  (raw round trip over the other transport)", "",
+                  f"raw {other} {summarize(rows[f'raw {other} p50 us'])}", "")
+        t.add_row(f".map() {a.n_map:,} no-ops (calls/s)", summarize(rows["gpufn map calls/s"]),
+                  f"raw {summarize(rows['raw map msgs/s'])}",
+                  f"{med['gpufn map calls/s'] / med['raw map msgs/s']:.2f}x raw")
+        t.add_row(f".map() {a.n_large:,} x 4 MiB tensors (MB/s)", summarize(rows["gpufn 4MiB MB/s"]),
+                  f"raw {summarize(rows['raw 4MiB MB/s'])}",
+                  f"{med['gpufn 4MiB MB/s'] / med['raw 4MiB MB/s']:.2f}x raw")
     t.add_row(f".remote() of a {big_mib} MiB tensor, there and back (MB/s)",
               summarize(rows["gpufn big MB/s"]), f"raw {summarize(rows['raw big MB/s'])}",
               f"{med['gpufn big MB/s'] / med['raw big MB/s']:.2f}x raw")
@@ -298,7 +310,7 @@ def main() -> None:
                   f"gpufn {med['ray task p50 us'] / med['gpufn p50 us']:.2f}x faster")
         t.add_row(f"Ray {a.n_map:,} tasks (tasks/s)", "", summarize(ray_rows["ray 10k tasks/s"]),
                   f"gpufn {med['gpufn map calls/s'] / med['ray 10k tasks/s']:.2f}x")
-    else:
+    elif a.only == "all":
         t.add_row("Ray", "", "not installed (pip install ray)", "")
     console = Console(width=None if sys.stdout.isatty() else 120)
     console.print(t)

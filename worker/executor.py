@@ -196,6 +196,7 @@ class Executor:
         inv = call.invocation_id
         if call.relay is not None:
             return self._relayed(call, call.relay, t0)
+        lent: list[shmem.Borrowed] = []  # pooled argument files mapped (gpufn/wire/shm.py)
         try:
             if call.batch is not None:
                 args, kwargs = _batched_arguments(call)
@@ -203,7 +204,8 @@ class Executor:
                 call.json = True
                 args, kwargs = jsonwire.load_call(call.frames)
             else:
-                args, kwargs = ser.loads(call.frames)
+                with shmem.borrowing() as lent:
+                    args, kwargs = ser.loads(call.frames)
         except GpufnError as e:
             return _gpufn_failure(inv, e, t0)
         except Exception as e:
@@ -227,7 +229,12 @@ class Executor:
         if call.batch is not None:
             return _batch_result(call, value, t0)
         threshold = config.shm_threshold() if call.shm_owner else None
-        out = shmem.Outgoing(call.shm_owner, threshold) if threshold else None
+        # One run on one device may send its result back in its arguments' pooled files
+        # (gpufn/wire/shm.py): those it dropped are written over, those it returns named.
+        alone = call.context.world_size == 1 and call.context.attempt <= 1
+        out = (shmem.Outgoing(call.shm_owner, threshold, lent=lent if alone else [])
+               if threshold else None)
+        del args, kwargs
         try:
             frames = (jsonwire.dump_value(value, f"the value returned by {call.name}") if call.json
                       else ser.dumps(value, out))
@@ -245,9 +252,11 @@ class Executor:
             if out is not None:
                 shmem.release(out.names)
             return _gpufn_failure(inv, e, t0)
+        del value  # then a pooled argument file nobody views is free again
+        freed = shmem.settle(lent, out, frames)
         return p.Result(inv, True, "", "", p.ResultMeta(
-            duration=time.perf_counter() - t0, shm=out.names if out and out.names else None),
-            tuple(frames))
+            duration=time.perf_counter() - t0, shm=out.names if out and out.names else None,
+            shm_freed=freed or None), tuple(frames))
 
     def _relayed(self, call: Call, relay: Callable[[tuple[Any, ...]], tuple[Any, ...]],
                  t0: float) -> p.Result:

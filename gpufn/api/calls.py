@@ -193,6 +193,7 @@ class FunctionCall(Generic[R]):
         self._items = items  # a generator call's values, read through .stream()
         self._stream: CallStream[Any] | None = None
         self._attached = False  # made elsewhere (from_id): a cancel waits for the answer
+        self._shm_value: tuple[Any] | None = None  # a value read from shared memory, once
 
     @classmethod
     def from_id(cls, invocation_id: str) -> FunctionCall[Any]:
@@ -242,7 +243,17 @@ class FunctionCall(Generic[R]):
                 f"{self._name} call {self._id} has no result after {timeout}s; it is still "
                 "queued or running. Call .get() again to keep waiting, or .cancel() it."
             ) from None
-        return decode_result(res, self._name)
+        return self._decoded(res)
+
+    def _decoded(self, res: p.Result) -> R:
+        """The value; one whose big parts came through shared memory is read once and the
+        same value returned again (its files are gone, or reused, once read)."""
+        if self._shm_value is not None:
+            return self._shm_value[0]
+        value = decode_result(res, self._name)
+        if res.ok and res.meta.shm:
+            self._shm_value = (value,)
+        return value
 
     async def _get_aio(self, timeout: float | None = None) -> R:
         if self._items is not None:
@@ -251,7 +262,7 @@ class FunctionCall(Generic[R]):
             res = await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"{self._name} call {self._id} has no result after {timeout}s") from None
-        return decode_result(res, self._name)
+        return self._decoded(res)
 
     get = _GetAttr()
 

@@ -327,10 +327,12 @@ class Function(Generic[P, R]):
                        frames=tuple(frames))
         if out is None or not out.names:
             return decode_result(client.call(reg, sub, self.name), self.name)
+        result: p.Result | None = None
         try:  # the argument files go when the call ends, read by a worker or not
-            return decode_result(client.call(reg, sub, self.name), self.name)
-        finally:
-            shm.release(out.names)
+            result = client.call(reg, sub, self.name)
+            return decode_result(result, self.name)
+        finally:  # (pooled ones the worker let go of are kept for the next call)
+            shm.release(out.names, client.shm_reusable(result.meta if result else None))
 
     async def _remote_aio(self, *args: Any, **kwargs: Any) -> R:
         call = self.spawn(*args, **kwargs)

@@ -134,7 +134,7 @@ class Client:
         None to send them through the socket."""
         if self._shm_args is None:
             return None
-        return shm.Outgoing(os.getpid(), self._shm_args)
+        return shm.Outgoing(os.getpid(), self._shm_args, pool=shm.pool())
 
     def track_shm(self, invocation_id: str, out: shm.Outgoing) -> None:
         """The call's argument files: removed when it ends, whether a worker read them or not."""
@@ -146,12 +146,23 @@ class Client:
         entry = self._shm_files.get(invocation_id)
         return entry[1] if entry else 0
 
+    @staticmethod
+    def shm_reusable(meta: p.ResultMeta | None) -> list[str]:
+        """The call's pooled argument files its worker let go of or sent the result back
+        in: reusable (once its result is gone) when one run on one device read them
+        (another attempt or rank may still map them)."""
+        if meta is None or len(meta.devices) > 1 or meta.attempts > 1:
+            return []
+        return shm.owned((meta.shm_freed or []) + (meta.shm or []))
+
     def _release_shm(self, invocation_id: str, meta: p.ResultMeta | None, taken: bool) -> None:
         """The call ended: its argument files go; so do its result's if nobody reads them."""
         with self._lock:
             entry = self._shm_files.pop(invocation_id, None)
         if entry:
-            shm.release(entry[0])
+            if taken and meta is not None and meta.shm:  # the result is in one: kept to be read
+                shm.hold(set(entry[0]) & set(meta.shm))
+            shm.release(entry[0], self.shm_reusable(meta))
         if meta is not None and meta.shm and not taken:
             shm.release(shm.owned(meta.shm))
 
@@ -703,3 +714,4 @@ class _SyncChannel:
 
 
 # --------------------------------------------------------------------------- default client
+

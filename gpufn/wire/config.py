@@ -277,6 +277,14 @@ def shm_threshold() -> int | None:
     return n if n > 0 else None
 
 
+def shm_pool_bytes() -> int:
+    """GPUFN_SHM_POOL: how many bytes of shared-memory argument files a caller keeps,
+    already written once, to reuse for its next calls' big arguments (default 1GiB; 0
+    keeps none, and each call's arguments get new files). Idle files go after 30 s."""
+    raw = env_str("GPUFN_SHM_POOL", "1GiB")
+    return parse_memory(raw, "GPUFN_SHM_POOL")
+
+
 KEY_PARAM = "?key="
 _Z85_KEY_LEN = 40
 

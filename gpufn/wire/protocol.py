@@ -446,8 +446,9 @@ class ResultMeta:
     items_per_s: float | None = None  # a generator: values per second over its run
     retryable: bool = False  # the raised exception matches the call's Retries(on=...)
     shm: list[str] | None = None  # shared-memory files the value's frames name
+    shm_freed: list[str] | None = None  # pooled argument files the worker no longer maps
 
-    _PRIVATE = ("dispatch_token", "batch_items", "retryable", "shm")
+    _PRIVATE = ("dispatch_token", "batch_items", "retryable", "shm", "shm_freed")
 
     def to_dict(self) -> dict[str, Any]:
         """What the caller sees: every field that is set, less the wire-only ones."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import linecache
+import mmap
 import os
 import pickle
 import sys
@@ -50,16 +51,21 @@ def _rebuild_shm_bytes(name: str, nbytes: int, mutable: bool) -> bytes | bytearr
     try:
         return bytearray(mm) if mutable else bytes(mm)
     finally:
-        mm.close()
+        if isinstance(mm, mmap.mmap):
+            mm.close()
 
 
 def _rebuild_shm_tensor(name: str, nbytes: int, dtype: str, shape: tuple[int, ...],
-                        requires_grad: bool) -> Any:
-    """A tensor that is a view of the shared-memory file's mapping (no copy); the file is
-    unlinked, so the memory goes back when the tensor is freed."""
+                        requires_grad: bool, offset: int = 0) -> Any:
+    """A tensor that is a view of the shared-memory file's mapping (no copy), at `offset`
+    in it; the file is unlinked (a pooled one is in use as long as the tensor), so the
+    memory goes back when the tensor is freed."""
     import torch
 
-    flat = torch.frombuffer(shmem.take(name, nbytes), dtype=torch.uint8)
+    if nbytes == 0:
+        flat = torch.empty(0, dtype=torch.uint8)
+    else:
+        flat = torch.frombuffer(shmem.take(name, offset + nbytes), dtype=torch.uint8)[offset:]
     t = flat.view(getattr(torch, dtype)).reshape(shape)
     return t.requires_grad_(requires_grad) if requires_grad else t
 
@@ -89,6 +95,10 @@ class _Pickler(cloudpickle.Pickler):
             raw = c.reshape(-1).view(torch.uint8).numpy()
             dtype = str(c.dtype).removeprefix("torch.")
             if shm is not None and obj.nbytes >= shm.threshold:
+                at = shm.view_of(c.data_ptr(), int(raw.nbytes)) if shm.lent else None
+                if at is not None:  # the result is (in) an argument's file: named, not copied
+                    return _rebuild_shm_tensor, (at[0], int(raw.nbytes), dtype, tuple(c.shape),
+                                                 obj.requires_grad, at[1])
                 return _rebuild_shm_tensor, (shm.put(memoryview(raw)), int(raw.nbytes), dtype,
                                              tuple(c.shape), obj.requires_grad)
             return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype,

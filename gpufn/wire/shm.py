@@ -8,6 +8,12 @@ payload belongs to. The sender also unlinks what it made when the call ends (a c
 cancelled before a worker read its arguments), and `sweep()` (run by each host's
 supervisor) removes the files whose owner died. Used only between processes that share
 a host *and* a user (`host_id()`), so the receiver can always open the file.
+
+A caller's argument files come from its `Pool` (names `gpufn-<pid>-p<random>`): the
+worker maps such a file without unlinking it and, when the call ends, says whether any
+view of it survived (`ResultMeta.shm_freed`); only a file no worker still maps is written
+again for a later call (a copy into pages already there, no new file, no page faults),
+any other is unlinked as before. Idle pooled files go after POOL_IDLE_S and at exit.
 """
 
 from __future__ import annotations
@@ -17,12 +23,20 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Iterable
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufn.wire import config
+
 SHM_DIR = "/dev/shm"
 PREFIX = "gpufn-"
+POOLED = "p"  # after `gpufn-<pid>-`: a pooled file, kept by its receiver's take()
+COPIED = "c"  # a one-shot copy of a pooled file (same length of name; see settle())
+POOL_IDLE_S = 30.0  # a pooled file unused this long is removed
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 _host: str | None = None
@@ -46,59 +60,192 @@ def host_id() -> str:
 @dataclass(slots=True)
 class Outgoing:
     """Where one payload's big buffers go: files owned by `owner` (the caller's pid), at
-    least `threshold` bytes each; `names` collects what was written."""
+    least `threshold` bytes each; `names` collects what was written. With `pool`, the
+    files are the pool's (reused across calls)."""
 
     owner: int
     threshold: int
     names: list[str] = field(default_factory=list)
     nbytes: int = 0
+    pool: Pool | None = None
+    lent: list[Borrowed] = field(default_factory=list)  # a worker's: its call's argument files
 
     def put(self, buf: memoryview) -> str:
-        """Copy `buf` (C-contiguous bytes) into a new shared-memory file; its name."""
-        name = f"{PREFIX}{self.owner}-{secrets.token_hex(8)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            view = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
-            os.ftruncate(fd, view.nbytes)
-            if view.nbytes:  # one copy, into pages mapped at once (no fault per page)
-                with mmap.mmap(fd, view.nbytes, flags=_MAP_FLAGS) as mm:
-                    mm[:] = view
-        except BaseException:
-            os.close(fd)
-            release([name])
-            raise
-        os.close(fd)
+        """Copy `buf` (C-contiguous bytes) into a shared-memory file; its name. A worker
+        writes a result into an argument file of its caller's pool that nothing views any
+        more (one copy into pages already there), else into a new file."""
+        view = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+        spare = next((b for b in self.lent if not b.used and b.mm is not None
+                      and view.nbytes <= b.size <= 2 * view.nbytes and b.lease() is None), None)
+        if spare is not None and spare.mm is not None:
+            spare.mm[:view.nbytes] = view
+            spare.used, spare.extent = True, view.nbytes
+            name = spare.name
+        elif self.pool is not None:
+            name = self.pool.write(view)
+        else:
+            name = _new_file(f"{PREFIX}{self.owner}-{secrets.token_hex(8)}", view)
         self.names.append(name)
         self.nbytes += view.nbytes
         return name
 
+    def view_of(self, ptr: int, nbytes: int) -> tuple[str, int] | None:
+        """(file, offset) when bytes [ptr, ptr + nbytes) lie in an argument file this
+        worker mapped: the result can name that file instead of copying (see settle())."""
+        for b in self.lent:
+            if b.mm is not None and b.base <= ptr and ptr + nbytes <= b.base + b.size:
+                b.used = True
+                b.extent = max(b.extent, ptr - b.base + nbytes)
+                self.names.append(b.name)
+                self.nbytes += nbytes
+                return b.name, ptr - b.base
+        return None
 
-def take(name: str, nbytes: int) -> mmap.mmap:
+
+@dataclass(slots=True)
+class Borrowed:
+    """A pooled argument file a worker mapped for a call (`borrowing()`): the views its
+    tensors hold (`lease`), and whether the call's result names it (`used`)."""
+
+    name: str
+    mm: mmap.mmap | None
+    lease: weakref.ref[Any]
+    base: int
+    size: int
+    used: bool = False
+    extent: int = 0  # bytes of it the result covers
+
+
+def _new_file(name: str, view: memoryview, size: int = 0) -> str:
+    """A new file holding `view` (its length `size` when larger); its name."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        if size > view.nbytes:
+            os.ftruncate(fd, size)
+        write_all(fd, view)
+    except BaseException:
+        os.close(fd)
+        release([name])
+        raise
+    os.close(fd)
+    return name
+
+
+def write_all(fd: int, view: memoryview, offset: int = 0) -> None:
+    """Copy `view` into the file at `offset` with pwrite: one copy, and a fresh tmpfs file
+    allocates its pages inside the write (about half the cost of mapping the new file,
+    faulting its pages in and unmapping it again)."""
+    n = 0
+    while n < view.nbytes:
+        n += os.pwrite(fd, view[n:], offset + n)
+
+
+def take(name: str, nbytes: int) -> Any:
     """Map a payload file (read-write, private to this process's view) and unlink it: the
-    memory lives as long as the mapping."""
+    memory lives as long as the mapping. A pooled file is not unlinked (its owner reuses
+    or removes it); the mapping is noted for `borrowing()`."""
     if os.sep in name or not name.startswith(PREFIX):
         raise ValueError(f"not a gpufn shared-memory name: {name!r}")
     path = os.path.join(SHM_DIR, name)
+    pooled = _is_pooled(name)
+    p = _pool
+    if pooled and p is not None and p.pid == os.getpid() and _owner(name) == p.pid:
+        return p.view(name, nbytes)  # a result in a file of this caller's own pool
     fd = os.open(path, os.O_RDWR)
     try:
         mm = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)  # its pages mapped at once
     finally:
         os.close(fd)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        if not pooled:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    if not pooled:
+        return mm
+    lent = getattr(_borrowed, "names", None)
+    if lent is not None:  # a worker reading a call's arguments
+        import numpy as np
+
+        arr = np.frombuffer(mm, dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
+        lent.append(Borrowed(name, mm, weakref.ref(arr), int(arr.ctypes.data), nbytes))
+        return arr
     return mm
 
 
-def release(names: Iterable[str]) -> None:
-    """Remove payload files that no receiver took (already taken ones are gone)."""
+def _is_pooled(name: str) -> bool:
+    return name[len(PREFIX):].partition("-")[2].startswith(POOLED)
+
+
+def _owner(name: str) -> int:
+    try:
+        return int(name[len(PREFIX):].partition("-")[0])
+    except ValueError:
+        return -1
+
+
+_borrowed = threading.local()
+
+
+@contextmanager
+def borrowing() -> Iterator[list[Borrowed]]:
+    """Collect the pooled files that `take()` maps in this thread while the block runs
+    (a worker unpickling a call's arguments); `settle()` says which are no longer used."""
+    lent: list[Borrowed] = []
+    outer = getattr(_borrowed, "names", None)
+    _borrowed.names = lent
+    try:
+        yield lent
+    finally:
+        _borrowed.names = outer
+
+
+def settle(lent: list[Borrowed], out: Outgoing | None, frames: list[Any]) -> list[str]:
+    """After a worker dropped a call's arguments and result: the borrowed files it no
+    longer maps (their owner may write them again). A file the result names but that a
+    view outlived (the function kept its argument) is sent as a copy made now, under a
+    name of the same length written over the old one in `frames`, since its owner's data
+    must not change under that view."""
+    for b in lent:
+        if b.used and b.lease() is not None and b.mm is not None and out is not None:
+            owner = b.name[len(PREFIX):].partition("-")[0]
+            copy = f"{PREFIX}{owner}-{COPIED}{secrets.token_hex(8)}"  # as long as b.name
+            _new_file(copy, memoryview(b.mm)[:b.extent])
+            frames[0] = bytes(frames[0]).replace(b.name.encode(), copy.encode())
+            out.names = [copy if n == b.name else n for n in out.names]
+            b.used = False
+    freed = [b.name for b in lent if not b.used and b.lease() is None]
+    for b in lent:
+        b.mm = None  # what still views it keeps the mapping
+    return freed
+
+
+def release(names: Iterable[str], reuse: Iterable[str] = ()) -> None:
+    """Remove payload files that no receiver took (already taken ones are gone); this
+    process's pooled files go back to its pool when named in `reuse` (the receiver said
+    it let go of them), else they are removed too."""
+    keep = set(reuse)
     for name in names:
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except (FileNotFoundError, NotADirectoryError):
-            pass
+        if _is_pooled(name) and _owner(name) != os.getpid():
+            continue  # another process's pool: its owner removes it (or the sweep)
+        if _pool is not None and _pool.pid == os.getpid() and _pool.done(name, name in keep):
+            continue
+        _unlink(name)
+
+
+def hold(names: Iterable[str]) -> None:
+    """Results name these files of this process's pool: keep them until they are read."""
+    for name in names:
+        if _pool is not None and _pool.pid == os.getpid():
+            _pool.hold(name)
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except (FileNotFoundError, NotADirectoryError):
+        pass
 
 
 def _alive(pid: int) -> bool:
@@ -126,12 +273,11 @@ def sweep(owner: int | None = None) -> int:
         for name in names:
             if not name.startswith(PREFIX):
                 continue
-            try:
-                pid = int(name[len(PREFIX):].split("-", 1)[0])
-            except ValueError:
+            pid = _owner(name)
+            if pid < 0:
                 continue
             if (pid == owner) if owner is not None else not _alive(pid):
-                release([name])
+                _unlink(name)
                 n += 1
     return n
 
@@ -141,3 +287,183 @@ def owned(names: Any) -> list[str]:
     if not isinstance(names, list):
         return []
     return [n for n in names if isinstance(n, str) and n.startswith(PREFIX) and os.sep not in n]
+
+
+@dataclass(slots=True)
+class _Segment:
+    name: str
+    size: int
+    mm: mmap.mmap | None = None  # this process's mapping, made when first needed
+    idle_since: float = 0.0
+    busy: bool = True  # lent to a call as its argument
+    views: int = 0  # this process's result values that view it (a worker sent it back)
+    holds: int = 0  # results that name it, not read yet
+    reuse: bool = True  # written again once nothing uses it; else removed then
+
+
+class Pool:
+    """A caller's argument files kept for reuse: a big argument is copied into a free one
+    at least as large (and at most twice) instead of a new file. A file is free again
+    only when its call's worker let go of it (`done(name, True)`) and no result of this
+    process views it; at most `cap` bytes are kept free, each for POOL_IDLE_S."""
+
+    def __init__(self, cap: int, idle_s: float = POOL_IDLE_S) -> None:
+        self.cap, self.idle_s = cap, idle_s
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._free: list[_Segment] = []
+        self._used: dict[str, _Segment] = {}  # busy, viewed or held
+        self._timer: threading.Timer | None = None
+
+    def write(self, view: memoryview) -> str:
+        """A pooled file holding `view`; its name (busy until `done`)."""
+        n = view.nbytes
+        with self._lock:
+            fits = [s for s in self._free if n <= s.size <= 2 * n]
+            seg = min(fits, key=lambda s: s.size) if fits else None
+            if seg is not None:
+                self._free.remove(seg)
+        if seg is not None:
+            try:
+                self._mapped(seg)[:n] = view  # one copy, into pages already there
+            except OSError:  # removed under us (a sweep): a new file instead
+                self._forget(seg, unlink=True)
+                seg = None
+        if seg is None:
+            size = -(-n // 2**20) * 2**20  # room for a slightly larger argument next time
+            seg = _Segment(_new_file(f"{PREFIX}{self.pid}-{POOLED}{secrets.token_hex(8)}",
+                                     view, size), size)
+        with self._lock:
+            seg.busy, seg.reuse = True, True
+            self._used[seg.name] = seg
+        return seg.name
+
+    def owns(self, name: str) -> bool:
+        with self._lock:
+            return name in self._used
+
+    def done(self, name: str, reuse: bool) -> bool:
+        """The call that used `name` as an argument ended: keep it for reuse (its worker
+        let go of it), or remove it. False when `name` is not this pool's."""
+        with self._lock:
+            seg = self._used.get(name)
+            if seg is None:
+                return any(s.name == name for s in self._free)
+            seg.busy = False
+            seg.reuse = seg.reuse and reuse
+        self._settle(seg)
+        return True
+
+    def hold(self, name: str) -> bool:
+        """A result names `name` and will be read: keep it until then (`view`)."""
+        with self._lock:
+            seg = self._used.get(name)
+            if seg is not None:
+                seg.holds += 1
+            return seg is not None
+
+    def view(self, name: str, nbytes: int) -> Any:
+        """A result's bytes in a file of this pool: an array over this process's mapping,
+        the file in use until the array (and every tensor over it) is gone."""
+        import numpy as np
+
+        with self._lock:
+            seg = self._used.get(name)
+            if seg is None or not (seg.busy or seg.views or seg.holds):
+                raise FileNotFoundError(f"shared-memory result {name} was already read and "
+                                        "its memory reused")
+            if seg.holds:
+                seg.holds -= 1
+            seg.views += 1
+        try:
+            arr = np.frombuffer(self._mapped(seg), dtype=np.uint8, count=nbytes)
+        except BaseException:
+            self._unview(seg)
+            raise
+        weakref.finalize(arr, self._unview, seg)
+        return arr
+
+    def _mapped(self, seg: _Segment) -> mmap.mmap:
+        if seg.mm is None:
+            fd = os.open(os.path.join(SHM_DIR, seg.name), os.O_RDWR)
+            try:
+                seg.mm = mmap.mmap(fd, seg.size, flags=_MAP_FLAGS)
+            finally:
+                os.close(fd)
+        return seg.mm
+
+    def _unview(self, seg: _Segment) -> None:
+        with self._lock:
+            seg.views -= 1
+        self._settle(seg)
+
+    def _settle(self, seg: _Segment) -> None:
+        """Free or remove `seg` once nothing uses it."""
+        with self._lock:
+            if seg.busy or seg.views or seg.holds or self._used.get(seg.name) is not seg:
+                return
+            del self._used[seg.name]
+            free = sum(s.size for s in self._free)
+            keep = seg.reuse and os.getpid() == self.pid and free + seg.size <= self.cap
+            if keep:
+                seg.idle_since = time.monotonic()
+                self._free.append(seg)
+                self._arm()
+        if not keep:
+            self._forget(seg, unlink=True)
+
+    def clear(self) -> None:
+        """Remove every free file (ones in use go when nothing uses them)."""
+        with self._lock:
+            free, self._free = self._free, []
+        for seg in free:
+            self._forget(seg, unlink=True)
+
+    def free_names(self) -> list[str]:
+        with self._lock:
+            return [s.name for s in self._free]
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._timer = None
+            old = [s for s in self._free if now - s.idle_since >= self.idle_s]
+            self._free = [s for s in self._free if s not in old]
+            self._arm()
+        for seg in old:
+            self._forget(seg, unlink=True)
+
+    def _arm(self) -> None:  # with the lock held
+        if self._timer is None and self._free:
+            wait = max(0.0, min(s.idle_since for s in self._free) + self.idle_s - time.monotonic())
+            self._timer = threading.Timer(wait + 0.01, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _forget(self, seg: _Segment, unlink: bool) -> None:
+        if seg.mm is not None:
+            try:
+                seg.mm.close()
+            except BufferError:  # still viewed here: the mapping goes with its last view
+                pass
+            seg.mm = None
+        if unlink and os.getpid() == self.pid:
+            try:
+                os.unlink(os.path.join(SHM_DIR, seg.name))
+            except FileNotFoundError:
+                pass
+
+
+_pool: Pool | None = None
+_pool_lock = threading.Lock()
+
+
+def pool() -> Pool | None:
+    """This process's pool of argument files (None with GPUFN_SHM_POOL=0)."""
+    global _pool
+    if _pool is None or _pool.pid != os.getpid():  # a forked child starts its own
+        with _pool_lock:
+            if _pool is None or _pool.pid != os.getpid():
+                cap = config.shm_pool_bytes()
+                _pool = Pool(cap) if cap > 0 else None
+    return _pool

@@ -1,7 +1,8 @@
 """Same-host big payloads through shared memory (gpufn/wire/shm.py): arguments and results
 over GPUFN_SHM_THRESHOLD travel as files in /dev/shm, the worker's argument is a view of
-the mapping, and every file is gone when the call ends, when it is cancelled before a
-worker read it, and when its caller dies."""
+the mapping, and every file is gone when the call ends (but the caller's pool of free
+argument files, until they idle or it exits), when it is cancelled before a worker read
+it, and when its caller dies."""
 
 from __future__ import annotations
 
@@ -27,7 +28,23 @@ MiB = 2**20
 
 
 def files_of(pid: int) -> list[str]:
-    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"{shm.PREFIX}{pid}-")]
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"{shm.PREFIX}{pid}-"))
+
+
+def left() -> list[str]:
+    """This process's files that are not free in its pool (so in use, or leaked)."""
+    pool = shm.pool()
+    free = set(pool.free_names()) if pool is not None else set()
+    return [n for n in files_of(os.getpid()) if n not in free]
+
+
+@pytest.fixture(autouse=True)
+def _empty_pool() -> Any:
+    yield
+    pool = shm.pool()
+    if pool is not None:
+        pool.clear()
+    assert files_of(os.getpid()) == []  # once the pool lets go, nothing of ours is left
 
 
 @gpufn.gpu
@@ -59,10 +76,13 @@ def test_big_tensors_go_through_shared_memory_and_are_freed(
     assert any(n.startswith(f"{shm.PREFIX}{os.getpid()}-") for n in mapped), mapped
     meta: Any = call._future.result().meta
     assert meta.shm and all(n.startswith(f"{shm.PREFIX}{os.getpid()}-") for n in meta.shm)
-    assert files_of(os.getpid()) == []  # both ways: taken and unlinked, nothing left
+    del mapped, doubled, call
+    assert left() == []  # both ways: taken and unlinked, or free in the pool
     # the blocking path too, and small values still go through the socket
     mapped, doubled = mapped_and_doubled.remote(x)
-    assert torch.equal(doubled, x * 2) and files_of(os.getpid()) == []
+    assert torch.equal(doubled, x * 2)
+    del mapped, doubled
+    assert left() == []
     assert size_of.remote(torch.ones(10)) == 10
     # a .map whose arguments exceed its in-flight byte window: one output per input, in order
     from gpufn.api import map_run
@@ -75,7 +95,8 @@ def test_big_tensors_go_through_shared_memory_and_are_freed(
     finally:
         map_run.MAP_WINDOW_BYTES = old
     assert [float(o[1][0]) for o in outs] == [0.0, 2.0, 4.0, 6.0, 8.0]
-    assert files_of(os.getpid()) == []
+    del outs
+    assert left() == []
 
 
 def test_a_call_cancelled_before_it_ran_frees_its_arguments(
@@ -85,11 +106,11 @@ def test_a_call_cancelled_before_it_ran_frees_its_arguments(
     wait_for(lambda: any(d["running"] for d in gpufn.connect().status()["devices"]), 30,
              "the blocker to run")
     queued = hold.spawn(torch.zeros(2 * MiB), 0)
-    assert len(files_of(os.getpid())) == 1  # written, waiting in the queue
+    assert len(left()) == 1  # written, waiting in the queue
     queued.cancel()
     with pytest.raises(gpufn.Cancelled):
         queued.get(timeout=30)
-    wait_for(lambda: files_of(os.getpid()) == [], 10, "the argument file to go")
+    wait_for(lambda: files_of(os.getpid()) == [], 10, "the argument file to go")  # not pooled
     blocker.cancel()
 
 

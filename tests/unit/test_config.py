@@ -35,6 +35,8 @@ CASES: list[tuple[Callable[[], Any], str, Any, list[tuple[str, Any]], list[str]]
     (config.high_water_mark, "GPUFN_HWM", 100_000, [("10", 10)], ["many"]),
     (config.shm_threshold, "GPUFN_SHM_THRESHOLD", 64 * 2**20, [("1MiB", 2**20), ("0", None)],
      ["big"]),
+    (config.shm_pool_bytes, "GPUFN_SHM_POOL", 2**30, [("256MiB", 2**28), ("0", 0)],
+     ["deep", "-1GiB"]),
     (config.worker_host_memory, "GPUFN_WORKER_HOST_MEMORY", None,
      [("32GiB", 32 * 2**30), ("0", 0)], ["plenty", "-1GiB"]),
     (config.head_grace, "GPUFN_HEAD_GRACE", 60.0, [("5", 5.0), ("0.5", 0.5)], ["0", "-1", "soon"]),

@@ -8,7 +8,8 @@ Prints, for this machine, side by side:
   * `.map()` throughput over 10,000 no-op inputs;
   * 1,000 inputs of a 4 MiB tensor each (MB/s) vs raw zmq moving the same bytes;
   * a 256 MiB tensor sent to a worker and back (shared memory, gpufn/wire/shm.py) vs
-    raw zmq echoing the same bytes over the same four hops;
+    raw zmq echoing the same bytes over the same four hops (and the same with the
+    function returning a new tensor, `x.clone()`); `--only shm` runs just these;
   * the same no-op round trip and 10k-task throughput with Ray when `ray` is importable;
   * with --curve: the cost of CURVE encryption, the same three measurements on an
     embedded cluster over TCP loopback, plaintext against CURVE (GPUFN_CURVE=1).
@@ -20,6 +21,7 @@ round so no system always goes first. Each measurement is repeated (--repeats) a
 reported as min / median.
 
     python bench/overhead.py [--repeats 5] [--transport ipc|tcp] [--no-ray] [--curve] [--big-mib 256]
+    python bench/overhead.py --only shm    # just the big tensor there and back
     python bench/overhead.py --quick       # a short smoke run
 """
 
@@ -125,6 +127,10 @@ def main() -> None:
     def echo(x: Any) -> Any:
         return x
 
+    @gpufn.gpu
+    def clone(x: Any) -> Any:
+        return x.clone()
+
     tensor = torch.zeros(MiB, dtype=torch.float32)  # 4 MiB
     payload = tensor.numpy().tobytes()
     big_mib = a.big_mib
@@ -140,6 +146,10 @@ def main() -> None:
         echo.remote(big)  # warm
         dt = timed(lambda: [echo.remote(big) for _ in range(a.n_big)])
         add(f"{prefix} big MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)  # there and back
+        if prefix == "gpufn":  # the result a new tensor: not the argument's memory sent back
+            clone.remote(big)
+            dt = timed(lambda: [clone.remote(big) for _ in range(a.n_big)])
+            add(f"{prefix} big clone MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)
 
     def measure_gpufn(prefix: str = "gpufn", curve: bool | None = None) -> None:
         """The embedded cluster (curve None), or one over TCP loopback with or without
@@ -305,6 +315,9 @@ def main() -> None:
     t.add_row(f".remote() of a {big_mib} MiB tensor, there and back (MB/s)",
               summarize(rows["gpufn big MB/s"]), f"raw {summarize(rows['raw big MB/s'])}",
               f"{med['gpufn big MB/s'] / med['raw big MB/s']:.2f}x raw")
+    t.add_row("  (the same, the function returning x.clone(): a new tensor back)",
+              summarize(rows["gpufn big clone MB/s"]), f"raw {summarize(rows['raw big MB/s'])}",
+              f"{med['gpufn big clone MB/s'] / med['raw big MB/s']:.2f}x raw")
     if ray_rows:
         t.add_row("Ray task no-op p50 (us)", "", summarize(ray_rows["ray task p50 us"]),
                   f"gpufn {med['ray task p50 us'] / med['gpufn p50 us']:.2f}x faster")

@@ -1,7 +1,8 @@
 """Mutations of the hot path (issue 20): the placement pass's early end, the compiled
-header checks, same-host shared memory, the globals fingerprint, the placement
-index of open devices and the model plan search (the scheduler at scale), and streams
-in bursts (order, credit, the outbox's wake-up, the bytes bound)."""
+header checks, same-host shared memory (and its pool of argument files), the globals
+fingerprint, the placement index of open devices and the model plan search (the
+scheduler at scale), and streams in bursts (order, credit, the outbox's wake-up, the
+bytes bound)."""
 
 from __future__ import annotations
 
@@ -58,15 +59,74 @@ HOTPATH: tuple[Mutation, ...] = (
         "shm-no-sweep", "worker/supervisor.py",
         "                    shm.sweep()\n",
         "                    pass\n",
-        ("tests/integration/test_shm.py::test_files_of_a_caller_that_died_are_removed",),
-        "the shared-memory files of a caller that died are never removed",
+        ("tests/integration/test_shm.py::test_files_of_a_caller_that_died_are_removed",
+         "tests/integration/test_shm.py::test_a_killed_caller_s_pooled_files_are_removed"),
+        "the shared-memory files of a caller that died (its pooled ones too) are never removed",
     ),
     Mutation(
         "shm-receiver-keeps-file", "gpufn/wire/shm.py",
-        "        try:\n            os.unlink(path)\n        except FileNotFoundError:\n            pass\n    return mm\n",
-        "    return mm\n",
-        ("tests/integration/test_shm.py::test_big_tensors_go_through_shared_memory_and_are_freed",),
+        "        if not pooled:\n            try:\n                os.unlink(path)\n",
+        "        if False:\n            try:\n                os.unlink(path)\n",
+        ("tests/integration/test_shm.py::"
+         "test_a_kept_argument_is_never_written_again_and_its_result_is_a_copy",),
         "a received shared-memory payload's file stays after the call",
+    ),
+    Mutation(
+        "shm-pool-reuses-a-file-still-viewed", "gpufn/wire/shm.py",
+        "    freed = [b.name for b in lent if not b.used and b.lease() is None]\n",
+        "    freed = [b.name for b in lent if not b.used]\n",
+        ("tests/integration/test_shm.py::"
+         "test_a_kept_argument_is_never_written_again_and_its_result_is_a_copy",
+         "tests/unit/test_shm_pool.py::"
+         "test_a_worker_reports_only_the_files_nothing_views_and_copies_one_still_viewed"),
+        "an argument file the function kept a view of is written again for the next call",
+    ),
+    Mutation(
+        "shm-result-names-a-kept-argument", "gpufn/wire/shm.py",
+        "        if b.used and b.lease() is not None and b.mm is not None and out is not None:\n",
+        "        if False:\n",
+        ("tests/integration/test_shm.py::"
+         "test_a_kept_argument_is_never_written_again_and_its_result_is_a_copy",),
+        "a result sent back in an argument file the worker still views changes with it",
+    ),
+    Mutation(
+        "shm-result-written-over-a-kept-argument", "gpufn/wire/shm.py",
+        "                      and view.nbytes <= b.size <= 2 * view.nbytes and b.lease() is None), None)\n",
+        "                      and view.nbytes <= b.size <= 2 * view.nbytes), None)\n",
+        ("tests/integration/test_shm.py::"
+         "test_a_kept_argument_is_never_written_again_and_its_result_is_a_copy",),
+        "a new result is written into the file of an argument the function kept",
+    ),
+    Mutation(
+        "shm-result-file-not-held-for-reading", "gpufn/client/client.py",
+        "                shm.hold(set(entry[0]) & set(meta.shm))\n",
+        "                pass\n",
+        ("tests/integration/test_shm.py::"
+         "test_an_argument_file_carries_the_result_back_and_is_reused",),
+        "a result in a pooled argument file is freed (and may be reused) before it is read",
+    ),
+    Mutation(
+        "shm-pool-reused-after-a-retry", "gpufn/client/client.py",
+        "        if meta is None or len(meta.devices) > 1 or meta.attempts > 1:\n",
+        "        if meta is None or len(meta.devices) > 1:\n",
+        ("tests/integration/test_shm.py::"
+         "test_a_worker_that_died_with_the_argument_mapped_leaves_no_file",),
+        "an argument file a dead attempt's worker mapped is reused (another may still map it)",
+    ),
+    Mutation(
+        "shm-pool-viewed-file-freed", "gpufn/wire/shm.py",
+        "            if seg.busy or seg.views or seg.holds or self._used.get(seg.name) is not seg:\n",
+        "            if seg.busy or seg.holds or self._used.get(seg.name) is not seg:\n",
+        ("tests/unit/test_shm_pool.py::"
+         "test_a_result_in_a_pooled_file_keeps_it_until_the_tensor_is_gone",),
+        "a pooled file is written again while a result tensor still views it",
+    ),
+    Mutation(
+        "shm-pool-never-idles-out", "gpufn/wire/shm.py",
+        "                self._free.append(seg)\n                self._arm()\n",
+        "                self._free.append(seg)\n",
+        ("tests/unit/test_shm_pool.py::test_free_files_go_when_idle_over_the_cap_or_cleared",),
+        "free pooled files are kept for ever (their memory is never given back while it runs)",
     ),
     Mutation(
         "fingerprint-ignores-list-contents", "gpufn/wire/fingerprint.py",

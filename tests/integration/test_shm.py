@@ -7,6 +7,7 @@ it, and when its caller dies."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -122,7 +123,7 @@ CHILD = textwrap.dedent("""
     @gpufn.gpu
     def slow_big(t):
         time.sleep(2)
-        return t + 1
+        return torch.cat([t, t])  # too big for its argument's file: a new one
 
     threading.Thread(target=slow_big.remote, args=(torch.zeros(2**21),), daemon=True).start()
     time.sleep(1.0)
@@ -155,3 +156,131 @@ def test_files_of_a_caller_that_died_are_removed(
     finally:
         child.kill()
         child.wait(10)
+
+
+@gpufn.gpu
+def echo(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@gpufn.gpu
+def plus_one(t: torch.Tensor) -> torch.Tensor:
+    return t + 1
+
+
+@gpufn.gpu
+def keep(t: torch.Tensor, plus: float | None = None) -> torch.Tensor:
+    """Returns its argument (or a new tensor, t + plus) and keeps it (in the worker)."""
+    import builtins
+
+    builtins.__dict__.setdefault("_gpufn_test_kept", []).append(t)
+    return t if plus is None else t + plus
+
+
+@gpufn.gpu
+def kept_first(fill: float | None = None) -> float:
+    import builtins
+
+    t = builtins.__dict__["_gpufn_test_kept"][-1]
+    if fill is not None:
+        t.fill_(fill)
+    return float(t[0])
+
+
+def test_an_argument_file_carries_the_result_back_and_is_reused(
+        fresh_cluster: Callable[..., gpufn.Client]) -> None:
+    fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)
+    x = torch.arange(2 * MiB, dtype=torch.float32)
+    call = echo.spawn(x)
+    got = call.get(timeout=60)
+    assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()
+    (arg,) = left()  # the argument's pooled file, in use by the result
+    assert shm._is_pooled(arg) and call._future.result().meta.shm == [arg]  # not copied
+    assert call.get() is got  # read once
+    del got, call
+    assert shm.pool().free_names() == [arg]  # nothing views it: free for the next call
+    call = plus_one.spawn(x)  # written into the same file; the result written over it
+    got = call.get(timeout=60)
+    assert torch.equal(got, x + 1) and call._future.result().meta.shm == [arg]
+    assert torch.equal(x, torch.arange(2 * MiB, dtype=torch.float32))  # the caller's own
+    again = echo.remote(x)  # while `got` views the file, the next call takes another
+    assert torch.equal(again, x) and torch.equal(got, x + 1)
+    del got, call, again
+    assert left() == []
+
+
+def test_a_kept_argument_is_never_written_again_and_its_result_is_a_copy(
+        fresh_cluster: Callable[..., gpufn.Client]) -> None:
+    fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)
+    x = torch.arange(2 * MiB, dtype=torch.float32)
+    call = keep.spawn(x)
+    got = call.get(timeout=60)
+    (name,) = call._future.result().meta.shm
+    assert not shm._is_pooled(name)  # a copy, made when the call ended
+    assert kept_first.remote(-7.0) == -7.0  # the worker changes what it kept ...
+    assert torch.equal(got, x)  # ... and the result does not change
+    del got, call
+    assert left() == [] and shm.pool().free_names() == []  # the kept file was removed
+    y = torch.full((2 * MiB,), 5.0)
+    assert torch.equal(echo.remote(y), y)  # a new file: what the worker kept stays as it was
+    assert kept_first.remote() == -7.0
+    # a new result is not written into the file of an argument the function kept
+    assert torch.equal(keep.remote(y, 1.0), y + 1) and kept_first.remote() == 5.0
+
+
+HOLDER = textwrap.dedent("""
+    import os, sys, time
+    import torch, gpufn
+    gpufn.connect(sys.argv[1], token=sys.argv[2])
+
+    @gpufn.gpu
+    def echo(t):
+        return t
+
+    x = torch.ones(2**21)
+    for _ in range(3):
+        assert torch.equal(echo.remote(x), x)
+    print("ready", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_killed_caller_s_pooled_files_are_removed(
+        fresh_cluster: Callable[..., gpufn.Client], tmp_path: Any) -> None:
+    c = fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    child = subprocess.Popen([sys.executable, str(script), c.address, c.token],
+                             env={**os.environ, "GPUFN_SHM_THRESHOLD": "1MiB"},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert files_of(child.pid)  # its pool keeps a free file
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        wait_for(lambda: files_of(child.pid) == [], 60, "the killed caller's pool files to go")
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+@gpufn.gpu
+def die_once(t: torch.Tensor, mark: str) -> float:
+    """The first run kills its own worker with the argument mapped; a retry returns."""
+    if not os.path.exists(mark):
+        with open(mark, "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return float(t[0])
+
+
+def test_a_worker_that_died_with_the_argument_mapped_leaves_no_file(
+        fresh_cluster: Callable[..., gpufn.Client], tmp_path: Any) -> None:
+    fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)
+    x = torch.full((2 * MiB,), 3.0)
+    try:
+        assert die_once.remote(x, str(tmp_path / "mark")) == 3.0  # retried elsewhere
+    except gpufn.WorkerLost:
+        pass  # or failed: either way its file is not reused
+    assert (tmp_path / "mark").exists()
+    assert left() == [] and shm.pool().free_names() == []

@@ -1,0 +1,135 @@
+"""The shared-memory pool of a caller's argument files (gpufn/wire/shm.py): a file is
+written again only once nothing uses it, results read from it keep it, and free files
+go when idle, over the cap, or when cleared; real files in /dev/shm."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from gpufn.wire import serialization as ser
+from gpufn.wire import shm
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not shm.host_id(), reason="no writable /dev/shm here")]
+MiB = 2**20
+
+
+def mine() -> list[str]:
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"{shm.PREFIX}{os.getpid()}-"))
+
+
+@pytest.fixture
+def pool() -> Iterator[shm.Pool]:
+    old = shm._pool
+    p = shm._pool = shm.Pool(64 * MiB, idle_s=30.0)
+    try:
+        yield p
+    finally:
+        p.clear()
+        shm._pool = old
+        gc.collect()
+        for n in mine():  # whatever a failed test left
+            os.unlink(os.path.join(shm.SHM_DIR, n))
+
+
+def data(n: int, seed: int) -> memoryview:
+    return memoryview(torch.full((n // 4,), float(seed)).view(torch.uint8).numpy())
+
+
+def test_a_file_let_go_of_is_written_again_and_one_still_mapped_is_not(pool: shm.Pool) -> None:
+    a = pool.write(data(2 * MiB, 1))
+    assert shm._is_pooled(a) and mine() == [a]
+    shm.release([a], reuse=[a])  # its worker let go of it
+    assert pool.free_names() == [a]
+    b = pool.write(data(2 * MiB, 2))
+    assert b == a and pool.free_names() == []  # the same file, no new one
+    shm.release([b])  # the worker did not say it let go: removed, never written again
+    assert mine() == [] and pool.free_names() == []
+    c = pool.write(data(2 * MiB, 3))
+    assert c != a
+
+
+def test_a_result_in_a_pooled_file_keeps_it_until_the_tensor_is_gone(pool: shm.Pool) -> None:
+    x = torch.arange(MiB, dtype=torch.float32)
+    name = pool.write(memoryview(x.view(torch.uint8).numpy()))
+    shm.hold([name])  # a Result names it (the worker sent the argument back)
+    shm.release([name], reuse=[name])  # the call ended
+    assert pool.free_names() == []  # held: its result was not read yet
+    got = ser._rebuild_shm_tensor(name, x.nbytes, "float32", (MiB,), False)
+    assert torch.equal(got, x)
+    view = got[10:20]
+    del got
+    gc.collect()
+    assert pool.free_names() == []  # a view of it lives: not written over
+    other = pool.write(data(4 * MiB, 9))
+    assert other != name and torch.equal(view, x[10:20])
+    del view
+    gc.collect()
+    assert pool.free_names() == [name]  # free once nothing views it
+    with pytest.raises(FileNotFoundError, match="already read"):
+        ser._rebuild_shm_tensor(name, x.nbytes, "float32", (MiB,), False)
+
+
+def test_free_files_go_when_idle_over_the_cap_or_cleared(pool: shm.Pool) -> None:
+    pool.idle_s = 0.3
+    a = pool.write(data(2 * MiB, 1))
+    shm.release([a], reuse=[a])
+    assert pool.free_names() == [a] and mine() == [a]
+    deadline = time.monotonic() + 10
+    while mine() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mine() == [] and pool.free_names() == []  # idle for idle_s: removed
+    pool.idle_s = 30.0
+    big = pool.write(data(80 * MiB, 2))  # larger than the 64 MiB kept free
+    shm.release([big], reuse=[big])
+    assert mine() == [] and pool.free_names() == []
+    b = pool.write(data(2 * MiB, 3))
+    shm.release([b], reuse=[b])
+    assert mine() == [b]
+    pool.clear()
+    assert mine() == []
+
+
+def test_an_argument_is_only_reused_for_one_at_least_as_large_and_at_most_twice(
+        pool: shm.Pool) -> None:
+    a = pool.write(data(8 * MiB, 1))
+    shm.release([a], reuse=[a])
+    small = pool.write(data(2 * MiB, 2))  # a quarter of it: a new file, the big one stays
+    assert small != a and pool.free_names() == [a]
+    fits = pool.write(data(6 * MiB, 3))
+    assert fits == a
+
+
+def test_a_worker_reports_only_the_files_nothing_views_and_copies_one_still_viewed() -> None:
+    """What the executor does: unpickle under borrowing(), drop the arguments, settle()."""
+    owner = os.getpid() + 10_000_000  # not this process's pool: nothing is reused here
+    names = [shm._new_file(f"{shm.PREFIX}{owner}-{shm.POOLED}{i:016x}",
+                           data(2 * MiB, i)) for i in range(3)]
+    try:
+        with shm.borrowing() as lent:
+            args = [ser._rebuild_shm_tensor(n, 2 * MiB, "float32", (MiB // 2,), False)
+                    for n in names]
+        assert [b.name for b in lent] == names and all(os.path.exists(
+            os.path.join(shm.SHM_DIR, n)) for n in names)  # pooled: not unlinked by the reader
+        kept = args[1]  # the function keeps its second argument
+        out = shm.Outgoing(owner, MiB, lent=lent)
+        frames = ser.dumps(args[1], out)  # and returns it
+        assert out.names == [names[1]]  # named, not copied
+        del args
+        freed = shm.settle(lent, out, frames)
+        assert freed == [names[0], names[2]]  # the kept one is still viewed
+        copy = out.names[0]
+        assert copy != names[1] and len(copy) == len(names[1])
+        kept.fill_(-1.0)  # what the worker does later does not reach the result
+        value = ser.loads(frames)
+        assert torch.equal(value, torch.full((MiB // 2,), 1.0))
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, copy))  # taken: unlinked
+    finally:
+        for n in names:
+            shm._unlink(n)

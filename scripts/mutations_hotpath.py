@@ -50,8 +50,8 @@ HOTPATH: tuple[Mutation, ...] = (
     ),
     Mutation(
         "shm-arguments-never-released", "gpufn/client/client.py",
-        "        if entry:\n            shm.release(entry[0])\n",
-        "        if entry:\n            pass\n",
+        "            shm.release(entry[0], self.shm_reusable(meta))\n",
+        "            pass\n",
         ("tests/integration/test_shm.py::test_a_call_cancelled_before_it_ran_frees_its_arguments",),
         "a call cancelled before a worker read its shared-memory arguments leaks the file",
     ),
@@ -118,7 +118,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "            if seg.busy or seg.views or seg.holds or self._used.get(seg.name) is not seg:\n",
         "            if seg.busy or seg.holds or self._used.get(seg.name) is not seg:\n",
         ("tests/unit/test_shm_pool.py::"
-         "test_a_result_in_a_pooled_file_keeps_it_until_the_tensor_is_gone",),
+         "test_a_result_read_before_its_call_ends_keeps_the_file",),
         "a pooled file is written again while a result tensor still views it",
     ),
     Mutation(

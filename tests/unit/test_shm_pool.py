@@ -76,6 +76,19 @@ def test_a_result_in_a_pooled_file_keeps_it_until_the_tensor_is_gone(pool: shm.P
         ser._rebuild_shm_tensor(name, x.nbytes, "float32", (MiB,), False)
 
 
+def test_a_result_read_before_its_call_ends_keeps_the_file(pool: shm.Pool) -> None:
+    """The blocking `.remote()`: its result is read, then the call's files are released."""
+    x = torch.arange(MiB, dtype=torch.float32)
+    name = pool.write(memoryview(x.view(torch.uint8).numpy()))
+    got = ser._rebuild_shm_tensor(name, x.nbytes, "float32", (MiB,), False)
+    shm.release([name], reuse=[name])
+    assert pool.free_names() == [] and pool.write(data(4 * MiB, 9)) != name
+    assert torch.equal(got, x)
+    del got
+    gc.collect()
+    assert pool.free_names() == [name]
+
+
 def test_free_files_go_when_idle_over_the_cap_or_cleared(pool: shm.Pool) -> None:
     pool.idle_s = 0.3
     a = pool.write(data(2 * MiB, 1))

@@ -185,8 +185,8 @@ HOTPATH: tuple[Mutation, ...] = (
     ),
     Mutation(
         "plan-search-skips-every-cold-device", "scheduler/model_book.py",
-        "                if drain + least > best[0][0]:\n",
-        "                if least > 0:\n",
+        "                if (drain + least, (load_b, restore_b, waiting, 0.0, 0), len(d.running),\n",
+        "                if least > 0 or (drain + least, (load_b, restore_b, waiting, 0.0, 0), len(d.running),\n",
         ("tests/unit/test_open_index.py::test_the_ordered_plan_search_finds_the_full_search_s_plan",),
         "once a plan is found, devices that must load a model are never planned",
     ),

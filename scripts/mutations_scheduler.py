@@ -289,7 +289,7 @@ SCHEDULER: tuple[Mutation, ...] = (
     ),
     Mutation(
         'items-not-counted', 'scheduler/streams.py',
-        '        inv.items += 1\n',
+        '        inv.items += msg.values()  # a burst\'s values come (and are relayed) as one Item\n',
         '        pass\n',
         (f"{USR}::test_a_streaming_call_is_never_retried_after_an_item",),
         why='streamed values are not counted (a stream is retried after values)',
@@ -366,8 +366,8 @@ SCHEDULER: tuple[Mutation, ...] = (
     ),
     Mutation(
         'usage-batch-members-again', 'scheduler/ops.py',
-        '            elif inv.carrier is None:\n',
-        '            else:\n',
+        '                for m in inv.members:\n                    self.usage.record_devices(self._key(m), started, now, share)\n                return\n',
+        '                for m in inv.members:\n                    self.usage.record_devices(self._key(m), started, now, share)\n',
         (f"{CG}::test_a_batch_meters_its_device_time_once_shared_by_its_calls",),
         why="a batch's calls are metered again on their own",
     ),

@@ -163,3 +163,10 @@ def is_short(inv: Invocation, threshold: float) -> bool:
     thread and be pipelined behind another (single-device, concurrency 1 only)."""
     s = inv.spec
     return s.concurrency == 1 and s.count == 1 and inv.function.is_short(threshold)
+
+
+def gang_inline(inv: Invocation, threshold: float, warm: bool) -> bool:
+    """A gang measured shorter than `threshold` whose group is already formed (`warm`: no
+    join, which may wait for peers for long): its ranks run inline on their workers' main
+    threads, saving two thread hand-offs per rank (never pipelined: a gang takes idle devices)."""
+    return warm and inv.spec.concurrency == 1 and inv.function.is_short(threshold)

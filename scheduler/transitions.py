@@ -19,7 +19,7 @@ from gpufn.exceptions import Cancelled, GpufnError, WorkerLost, kind_of
 from gpufn.memory_pool.ledger import Fit
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler import batches, gang_verdict
-from gpufn.scheduler.device_fit import is_short
+from gpufn.scheduler.device_fit import gang_inline, is_short
 from gpufn.scheduler.events import Send
 from gpufn.scheduler.gang_book import GangBook
 from gpufn.scheduler.model_book import ModelBook
@@ -159,10 +159,13 @@ class Transitions:
             inv.function.warm_gang = inv.devices
             backend = resolve_backend(devices[0].info.kind)
             assert self.rendezvous_port is not None
-            return [replace(base, gather=spec.gather, warm=warm, gang=GangSpec(
-                formation.gang_id, formation.generation, rank, len(devices), "",
-                self.rendezvous_port, backend, spec.timeout or DEFAULT_TIMEOUT_S, inv.devices,
-                formation.nonce).to_wire()) for rank in range(len(devices))]
+            base.gather, base.warm = spec.gather, warm
+            base.inline = gang_inline(inv, self.config.short_call_seconds, warm)
+            gang = GangSpec(formation.gang_id, formation.generation, 0, len(devices), "",
+                            self.rendezvous_port, backend, spec.timeout or DEFAULT_TIMEOUT_S,
+                            inv.devices, formation.nonce).to_wire()
+            # One spec for the formation; each rank's copy differs only in its rank.
+            return [replace(base, gang={**gang, "rank": rank}) for rank in range(len(devices))]
         if inv.shape is Shape.HELD_SET:
             # One process pinned to every granted device runs the call on the first
             # device's worker; the other devices are held idle for it.

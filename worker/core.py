@@ -21,7 +21,7 @@ from gpufn.runtime import context as ctxmod
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.wire.rendezvous import GangSpec
-from gpufn.worker.executor import Call
+from gpufn.worker.executor import Call, Unused
 from gpufn.worker.streaming import is_special
 
 log = logging.getLogger("gpufn.worker")
@@ -165,6 +165,7 @@ class WorkerCore:
     streaming: set[str] = field(default_factory=set)  # code ids of generator functions
     running: dict[str, RunRecord] = field(default_factory=dict)
     completed: int = 0
+    _last_gang: tuple[dict[str, Any], GangSpec] | None = None  # (wire form, spec) of the last gang rank
 
     def handle(self, msg: p.Message) -> list[Action]:
         if isinstance(msg, p.LoadCode):
@@ -260,20 +261,29 @@ class WorkerCore:
                     host_memory=meta.host_memory)
         actions: list[Action] = []
         if meta.gang is not None:
-            actions.append(self._as_gang_rank(call, GangSpec.from_wire(meta.gang), meta.gather))
+            actions.append(self._as_gang_rank(call, self._gang_spec(meta.gang), meta.gather))
         elif meta.multi is not None:
             call.context.devices = [self.device] * len(meta.multi)
             actions.append(RunInHelper(call, meta.multi, msg.code_id, self.code_frames[msg.code_id]))
         actions.append(Execute(call, meta.inline and not is_special(fn)))
         return actions
 
-    def _as_gang_rank(self, call: Call, gang: GangSpec, gather: bool) -> JoinGroup:
+    def _gang_spec(self, wire: dict[str, Any]) -> GangSpec:
+        """The rank's GangSpec; a warm gang's calls all bring the same one, read once."""
+        last = self._last_gang
+        if last is not None and last[0] == wire:
+            return last[1]
+        gang = GangSpec.from_wire(wire)
         if not gang.store_host:  # the store runs in the scheduler process
             gang = dataclasses.replace(gang, store_host=self.scheduler_host)
+        self._last_gang = (wire, gang)
+        return gang
+
+    def _as_gang_rank(self, call: Call, gang: GangSpec, gather: bool) -> JoinGroup:
         call.context.rank, call.context.world_size = gang.rank, gang.world_size
 
         def finish(value: Any) -> Any:
-            return value if gather or gang.rank == 0 else None  # only rank 0's value is used
+            return value if gather or gang.rank == 0 else Unused.VALUE  # only rank 0's is used
 
         call.finish = finish
         return JoinGroup(call, gang)

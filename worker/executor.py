@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from gpufn.exceptions import (
@@ -36,6 +37,13 @@ from gpufn.worker.groups import is_comm_error
 from gpufn.worker.memory_watch import Reports
 from gpufn.worker.output import OutputRouter, set_current
 from gpufn.worker.streaming import Driver, needs_driving
+
+
+class Unused(Enum):
+    """What a call's `finish` returns when nobody reads this process's value (a gang's
+    ranks other than 0 without gather): its Result carries no frames, nothing is pickled."""
+
+    VALUE = "unused"
 
 
 @dataclass
@@ -228,6 +236,8 @@ class Executor:
             return self._raised(call, e, t0)
         if call.batch is not None:
             return _batch_result(call, value, t0)
+        if value is Unused.VALUE:
+            return p.Result(inv, True, "", "", p.ResultMeta(duration=time.perf_counter() - t0))
         threshold = config.shm_threshold() if call.shm_owner else None
         # One run on one device may send its result back in its arguments' pooled files
         # (gpufn/wire/shm.py): those it dropped are written over, those it returns named.

@@ -12,6 +12,7 @@ from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.worker import core as wc
 from gpufn.worker import multidevice
+from gpufn.worker.executor import Unused
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,7 +108,7 @@ def test_group_abort_is_an_abort_action() -> None:
         "aborted by the scheduler", None, None)
 
 
-@pytest.mark.parametrize("rank,gather,returned", [(0, False, 6), (1, False, None), (1, True, 6)])
+@pytest.mark.parametrize("rank,gather,returned", [(0, False, 6), (1, False, Unused.VALUE), (1, True, 6)])
 def test_gang_rank_joins_its_group_first(rank: int, gather: bool, returned: object) -> None:
     core = _core()
     actions = core.handle(_run({"gang": _gang(rank), "gather": gather}))

@@ -20,6 +20,7 @@ class Formation:
     generation: int = 0
     uses: int = 0
     nonce: str = ""
+    backend: str = ""  # the torch backend its current generation's group was made with
 
 
 @dataclass

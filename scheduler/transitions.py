@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from gpufn.exceptions import Cancelled, GpufnError, WorkerLost, kind_of
 from gpufn.memory_pool.ledger import Fit
@@ -35,6 +35,7 @@ from gpufn.wire.spec import retry_delay
 log = logging.getLogger("gpufn.scheduler")
 
 _TERMINAL = (InvState.SUCCEEDED, InvState.FAILED, InvState.CANCELLED)
+_GANG_FIELD = [f.name for f in fields(p.RunMeta)].index("gang")
 
 
 
@@ -157,15 +158,21 @@ class Transitions:
             formation, warm = self.gangs.form(inv.devices)
             inv.gang = (formation.gang_id, formation.generation)
             inv.function.warm_gang = inv.devices
-            backend = resolve_backend(devices[0].info.kind)
+            if not warm or not formation.backend:  # a warm group keeps the backend it has
+                formation.backend = resolve_backend(devices[0].info.kind)
             assert self.rendezvous_port is not None
             base.gather, base.warm = spec.gather, warm
             base.inline = gang_inline(inv, self.config.short_call_seconds, warm)
             gang = GangSpec(formation.gang_id, formation.generation, 0, len(devices), "",
-                            self.rendezvous_port, backend, spec.timeout or DEFAULT_TIMEOUT_S,
-                            inv.devices, formation.nonce).to_wire()
+                            self.rendezvous_port, formation.backend,
+                            spec.timeout or DEFAULT_TIMEOUT_S, inv.devices, formation.nonce).to_wire()
             # One spec for the formation; each rank's copy differs only in its rank.
-            return [replace(base, gang={**gang, "rank": rank}) for rank in range(len(devices))]
+            values = base.to_wire()  # type: ignore[attr-defined]
+            metas: list[p.RunMeta | None] = []
+            for rank in range(len(devices)):
+                values[_GANG_FIELD] = {**gang, "rank": rank}
+                metas.append(p.RunMeta(*values))
+            return metas
         if inv.shape is Shape.HELD_SET:
             # One process pinned to every granted device runs the call on the first
             # device's worker; the other devices are held idle for it.

@@ -1,8 +1,9 @@
 """Mutations of the hot path (issue 20): the placement pass's early end, the compiled
 header checks, same-host shared memory (and its pool of argument files), the globals
 fingerprint, the placement index of open devices and the model plan search (the
-scheduler at scale), and streams in bursts (order, credit, the outbox's wake-up, the
-bytes bound)."""
+scheduler at scale), streams in bursts (order, credit, the outbox's wake-up, the
+bytes bound), and warm gangs (inline ranks, unread rank values, the formation's
+backend and spec)."""
 
 from __future__ import annotations
 
@@ -249,5 +250,46 @@ HOTPATH: tuple[Mutation, ...] = (
         ("tests/unit/test_streams_retries.py::"
          "test_the_scheduler_counts_every_value_of_a_burst_and_relays_it_whole",),
         "the scheduler counts a burst of values as one (its per-call items are wrong)",
+    ),
+    Mutation(
+        "warm-gang-never-inline", "scheduler/device_fit.py",
+        "    return warm and inv.spec.concurrency == 1 and inv.function.is_short(threshold)\n",
+        "    return False\n",
+        ("tests/unit/test_scheduler_gangs.py::"
+         "test_a_warm_short_gang_runs_its_ranks_inline_and_nothing_else_does",
+         "tests/integration/test_warm_gangs.py::"
+         "test_a_cold_gang_runs_in_threads_and_a_warm_short_one_inline"),
+        "a warm, measured-short gang's ranks wait for an executor thread",
+    ),
+    Mutation(
+        "cold-gang-inline", "scheduler/device_fit.py",
+        "    return warm and inv.spec.concurrency == 1 and inv.function.is_short(threshold)\n",
+        "    return inv.spec.concurrency == 1 and inv.function.is_short(threshold)\n",
+        ("tests/unit/test_scheduler_gangs.py::"
+         "test_a_warm_short_gang_runs_its_ranks_inline_and_nothing_else_does",),
+        "a gang that must join a new group does so on the workers' main threads",
+    ),
+    Mutation(
+        "unread-rank-value-pickled", "worker/executor.py",
+        "        if value is Unused.VALUE:\n",
+        "        if value is None and value is Unused.VALUE:\n",
+        ("tests/unit/test_worker_core.py::test_only_a_rank_whose_value_is_read_pickles_it",),
+        "a gang rank whose value nobody reads still pickles and sends it",
+    ),
+    Mutation(
+        "warm-gang-backend-read-again", "scheduler/transitions.py",
+        "            if not warm or not formation.backend:  # a warm group keeps the backend it has\n",
+        "            if True:\n",
+        ("tests/unit/test_scheduler_gangs.py::"
+         "test_a_warm_group_keeps_its_backend_and_a_new_generation_reads_it_again",),
+        "a warm group's ranks are told a backend other than the one their group was made with",
+    ),
+    Mutation(
+        "gang-spec-cache-ignores-change", "worker/core.py",
+        "        if last is not None and last[0] == wire:\n",
+        "        if last is not None:\n",
+        ("tests/unit/test_worker_core.py::"
+         "test_a_warm_gang_s_spec_is_read_once_and_a_new_generation_again",),
+        "a rank keeps the gang spec of an earlier generation",
     ),
 )

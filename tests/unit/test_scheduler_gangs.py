@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from gpufn.scheduler.core import RendezvousReady
 from gpufn.scheduler.states import InvState
 from gpufn.wire import protocol as p
@@ -174,3 +176,43 @@ def test_a_rank_over_its_host_memory_fails_the_gang_with_host_out_of_memory() ->
     res = h.results()[inv]
     assert res.error_kind == "HostOutOfMemory" and "9.00 GiB" in res.message
     assert len(_gang_runs(h, inv)) == 2  # not retried, although retries=3
+
+
+def _run_gang(h: Harness, w: dict[str, bytes], fid: str, duration: float = 0.001,
+              ok: bool = True) -> list[p.Run]:
+    """Submit one call of the gang function and let every rank report."""
+    inv = h.submit(fid)
+    runs = _gang_runs(h, inv)
+    for r in runs:
+        h.feed(w[r.meta.gang["devices"][r.meta.gang["rank"]]], p.Result(
+            inv, ok, "", "" if ok else "boom",
+            p.ResultMeta(dispatch_token=h.token(inv), duration=duration, rank=r.meta.gang["rank"])))
+    return runs
+
+
+def test_a_warm_short_gang_runs_its_ranks_inline_and_nothing_else_does() -> None:
+    h, ws = _harness()
+    w = {f"n:{i}": ws[i] for i in range(4)}
+    short = h.register("short", count=2)
+    cold = _run_gang(h, w, short)
+    assert [r.meta.inline for r in cold] == [False, False]  # not measured, no group yet
+    warm = _run_gang(h, w, short)
+    assert [(r.meta.warm, r.meta.inline) for r in warm] == [(True, True)] * 2
+    _run_gang(h, w, short, ok=False)  # a failed rank breaks the group ...
+    again = _run_gang(h, w, short)
+    assert [(r.meta.warm, r.meta.inline) for r in again] == [(False, False)] * 2  # ... a join: a thread
+    assert all(r.meta.inline for r in _run_gang(h, w, short))
+    long = h.register("long", count=2)
+    _run_gang(h, w, long, duration=1.0)
+    assert [(r.meta.warm, r.meta.inline) for r in _run_gang(h, w, long, duration=1.0)] == [(True, False)] * 2
+
+
+def test_a_warm_group_keeps_its_backend_and_a_new_generation_reads_it_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    h, ws = _harness()
+    w = {f"n:{i}": ws[i] for i in range(4)}
+    fid = h.register("g", count=2)
+    assert {r.meta.gang["backend"] for r in _run_gang(h, w, fid)} == {"gloo"}
+    monkeypatch.setenv("GPUFN_DIST_BACKEND", "mpi")
+    assert {r.meta.gang["backend"] for r in _run_gang(h, w, fid, ok=False)} == {"gloo"}  # warm
+    assert {r.meta.gang["backend"] for r in _run_gang(h, w, fid)} == {"mpi"}  # a new group

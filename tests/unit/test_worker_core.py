@@ -12,7 +12,8 @@ from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.worker import core as wc
 from gpufn.worker import multidevice
-from gpufn.worker.executor import Unused
+from gpufn.worker.executor import Executor, Unused
+from gpufn.worker.output import OutputRouter
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -121,6 +122,30 @@ def test_gang_rank_joins_its_group_first(rank: int, gather: bool, returned: obje
     ctx = ex.call.context
     assert (ctx.rank, ctx.world_size) == (rank, 2)
     assert ex.call.finish is not None and ex.call.finish(6) == returned
+
+
+@pytest.mark.parametrize("rank,gather", [(0, False), (1, False), (1, True)])
+def test_only_a_rank_whose_value_is_read_pickles_it(rank: int, gather: bool) -> None:
+    """Ranks other than 0 without gather send a Result with no frames (nothing pickled)."""
+    ex = _core().handle(_run({"gang": _gang(rank), "gather": gather}))[1]
+    assert isinstance(ex, wc.Execute)
+    results: list[p.Message] = []
+    Executor(OutputRouter(), results.append).run_inline(ex.call)  # the group join is the shell's
+    [res] = results
+    assert isinstance(res, p.Result) and res.ok and res.meta.rank == rank
+    if rank == 0 or gather:
+        assert ser.loads(res.frames) == 6
+    else:
+        assert res.frames == ()
+
+
+def test_a_warm_gang_s_spec_is_read_once_and_a_new_generation_again() -> None:
+    core = _core()
+    specs = [core.handle(_run({"gang": g}, inv=f"i{n}"))[0]
+             for n, g in enumerate([_gang(0), _gang(0), {**_gang(0), "generation": 4}])]
+    a, b, c = (j.gang for j in specs if isinstance(j, wc.JoinGroup))
+    assert a is b and a.store_host == "10.0.0.5"
+    assert c is not a and c.generation == 4 and c.store_host == "10.0.0.5"
 
 
 def test_gang_keeps_a_store_host_it_was_given() -> None:

@@ -229,16 +229,18 @@ class SchedulerServer:
         by_peer: dict[bytes, list[p.Message]] = {}
         for s in sends:
             by_peer.setdefault(s.peer, []).append(s.msg)
-        for peer, msgs in by_peer.items():
-            for i in range(0, len(msgs), MAX_BATCH):
-                frames = p.encode_batch(msgs[i:i + MAX_BATCH])
-                q = self._outbox.get(peer)
-                if q is not None:
-                    q.append(frames)
-                elif not self._send_now(peer, frames) and peer in self.core.peers:
-                    # Only a known peer's messages wait; a refusal to a stranger that does
-                    # not read is dropped, so strangers cannot grow our memory.
-                    self._outbox[peer] = deque([frames])
+        # Everything is encoded before the first send: a gang's ranks then get their Runs
+        # back to back (a woken worker does not wait while we encode the next one's).
+        batches = [(peer, p.encode_batch(msgs[i:i + MAX_BATCH]))
+                   for peer, msgs in by_peer.items() for i in range(0, len(msgs), MAX_BATCH)]
+        for peer, frames in batches:
+            q = self._outbox.get(peer)
+            if q is not None:
+                q.append(frames)
+            elif not self._send_now(peer, frames) and peer in self.core.peers:
+                # Only a known peer's messages wait; a refusal to a stranger that does
+                # not read is dropped, so strangers cannot grow our memory.
+                self._outbox[peer] = deque([frames])
 
     def _flush_outboxes(self) -> None:
         for peer in list(self._outbox):

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from gpufn.net.curve import SecurityError, ServerSecurity
+from gpufn.scheduler.books.users import UserStoreError
+from gpufn.scheduler.nouns.settings import SchedulerConfig
 from gpufn.scheduler.server import run
-from gpufn.scheduler.settings import SchedulerConfig
-from gpufn.scheduler.users import UserStoreError
 from gpufn.wire import config
 
 

@@ -29,10 +29,21 @@ from gpufn.exceptions import (
 )
 from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
-from gpufn.scheduler import batches, fencing, handshake, report, wire_checks
-from gpufn.scheduler.app_book import AppBook
-from gpufn.scheduler.deployments import DeploymentStore
-from gpufn.scheduler.events import (
+from gpufn.scheduler.books import batches
+from gpufn.scheduler.books.gang_book import GangBook
+from gpufn.scheduler.books.model_book import ModelBook
+from gpufn.scheduler.books.queues import ReadyQueue
+from gpufn.scheduler.books.users import Identity, UserStore, sees
+from gpufn.scheduler.calls import wire_checks
+from gpufn.scheduler.calls.intake import Intake
+from gpufn.scheduler.calls.recovery import Recovery, Report
+from gpufn.scheduler.calls.transitions import Transitions
+from gpufn.scheduler.desks import report
+from gpufn.scheduler.desks.app_book import AppBook
+from gpufn.scheduler.desks.ops import OpsDesk
+from gpufn.scheduler.desks.streams import NO_CLIENT, StreamDesk
+from gpufn.scheduler.desks.user_desk import UserDesk
+from gpufn.scheduler.nouns.events import (
     Event,
     Received,
     RendezvousFailed,
@@ -41,13 +52,12 @@ from gpufn.scheduler.events import (
     Tick,
     Unreachable,
 )
-from gpufn.scheduler.gang_book import GangBook
-from gpufn.scheduler.intake import Intake
-from gpufn.scheduler.kept_results import KeptResults
-from gpufn.scheduler.model_book import ModelBook
-from gpufn.scheduler.ops import OpsDesk
-from gpufn.scheduler.ops_store import OpsStore
-from gpufn.scheduler.placement_pass import (
+from gpufn.scheduler.nouns.records import Device, FunctionRecord, Invocation, Peer
+from gpufn.scheduler.nouns.settings import Counters, SchedulerConfig
+from gpufn.scheduler.nouns.shapes import Shape
+from gpufn.scheduler.nouns.states import DeviceState, InvState
+from gpufn.scheduler.peers import fencing, handshake
+from gpufn.scheduler.placement.placement_pass import (
     Decision,
     Dispatch,
     NeedRendezvous,
@@ -56,16 +66,9 @@ from gpufn.scheduler.placement_pass import (
     Unplaceable,
     WakeAt,
 )
-from gpufn.scheduler.queues import ReadyQueue
-from gpufn.scheduler.records import Device, FunctionRecord, Invocation, Peer
-from gpufn.scheduler.recovery import Recovery, Report
-from gpufn.scheduler.settings import Counters, SchedulerConfig
-from gpufn.scheduler.shapes import Shape
-from gpufn.scheduler.states import DeviceState, InvState
-from gpufn.scheduler.streams import NO_CLIENT, StreamDesk
-from gpufn.scheduler.transitions import Transitions
-from gpufn.scheduler.user_desk import UserDesk
-from gpufn.scheduler.users import Identity, UserStore, sees
+from gpufn.scheduler.stores.deployments import DeploymentStore
+from gpufn.scheduler.stores.kept_results import KeptResults
+from gpufn.scheduler.stores.ops import OpsStore
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec
 

@@ -13,7 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from gpufn.memory_pool.residency import Residency
-from gpufn.scheduler.usage import BOUNDS, Histogram
+from gpufn.scheduler.books.usage import BOUNDS, Histogram
 from gpufn.wire import config
 
 if TYPE_CHECKING:

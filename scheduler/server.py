@@ -23,6 +23,7 @@ import zmq
 from gpufn.exceptions import ProtocolMismatch, kind_of
 from gpufn.net import processes, sockets
 from gpufn.net.curve import ServerSecurity
+from gpufn.scheduler.books.users import UserStore
 from gpufn.scheduler.core import (
     Event,
     Received,
@@ -34,10 +35,9 @@ from gpufn.scheduler.core import (
     Tick,
     Unreachable,
 )
-from gpufn.scheduler.deployments import DeploymentStore
-from gpufn.scheduler.kept_results import KeptResults
-from gpufn.scheduler.ops_store import OpsStore
-from gpufn.scheduler.users import UserStore
+from gpufn.scheduler.stores.deployments import DeploymentStore
+from gpufn.scheduler.stores.kept_results import KeptResults
+from gpufn.scheduler.stores.ops import OpsStore
 from gpufn.wire import protocol as p
 from gpufn.wire.config import join_address
 

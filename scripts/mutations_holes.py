@@ -31,14 +31,14 @@ HOLES: tuple[Mutation, ...] = (
         "integer options have no upper bound (priority=10**30 overflows msgpack at submit)",
     ),
     Mutation(
-        "deployments-db-not-private", "scheduler/deployments.py",
+        "deployments-db-not-private", "scheduler/stores/deployments.py",
         "                open_private(self.path)\n",
         "                self.path.parent.mkdir(parents=True, exist_ok=True)\n",
         ("tests/unit/test_deployments.py::test_the_store_and_its_wal_files_are_owner_only",),
         "the deployments database and its WAL files are created with the umask's mode (0644)",
     ),
     Mutation(
-        "worker-log-not-private", "worker/supervisor.py",
+        "worker-log-not-private", "worker/supervisor/daemon.py",
         '        with os.fdopen(open_private_append(slot.log_path), "ab") as logf:\n',
         '        with open(slot.log_path, "ab") as logf:\n',
         ("tests/integration/test_security.py::test_worker_logs_are_owner_only",),
@@ -53,14 +53,14 @@ HOLES: tuple[Mutation, ...] = (
         "processes a call started keep running after it ended",
     ),
     Mutation(
-        "worker-session-leftovers-kept", "worker/supervisor.py",
+        "worker-session-leftovers-kept", "worker/supervisor/daemon.py",
         "        left = proc_table.in_session(pid)\n",
         "        left: list[int] = []\n",
         ("tests/integration/test_call_children.py::test_what_escapes_the_call_ends_when_the_worker_is_replaced",),
         "what a replaced worker's session still runs is left running",
     ),
     Mutation(
-        "memory-watch-no-limit", "worker/memory_watch.py",
+        "memory-watch-no-limit", "worker/host/memory_watch.py",
         "        if b is not None and limit and n > limit:\n",
         "        if False:\n",
         ("tests/unit/test_memory_watch.py::test_over_budget_names_the_limit_and_the_fix",
@@ -68,7 +68,7 @@ HOLES: tuple[Mutation, ...] = (
         "a worker over its host-memory budget is never stopped",
     ),
     Mutation(
-        "memory-watch-no-children", "worker/memory_watch.py",
+        "memory-watch-no-children", "worker/host/memory_watch.py",
         "            members = set(by_session.get(w.pid, [])) | {w.pid}\n",
         "            members = {w.pid}\n",
         ("tests/unit/test_memory_watch.py::test_a_session_over_its_budget_is_found_through_its_child",
@@ -76,7 +76,7 @@ HOLES: tuple[Mutation, ...] = (
         "the memory of a worker's children does not count",
     ),
     Mutation(
-        "memory-declared-ignored", "worker/memory_watch.py",
+        "memory-declared-ignored", "worker/host/memory_watch.py",
         "        base = self.declared or self.default\n",
         "        base = self.default\n",
         ("tests/unit/test_memory_watch.py::test_a_limit_is_the_budget_or_the_declaration_plus_models_under_the_ceiling",
@@ -99,14 +99,14 @@ HOLES: tuple[Mutation, ...] = (
         "a spawned call of a deployed function is cancelled when its spawner leaves",
     ),
     Mutation(
-        "kept-results-not-on-disk", "scheduler/streams.py",
+        "kept-results-not-on-disk", "scheduler/desks/streams.py",
         "        if inv.function.app:  # on disk: found after its spawner left, and after a restart\n",
         "        if False:\n",
         ("tests/unit/test_kept_results.py::test_kept_results_survive_a_new_scheduler",),
         "kept results of deployed functions' calls live in memory only (lost on a restart)",
     ),
     Mutation(
-        "kept-results-any-user", "scheduler/streams.py",
+        "kept-results-any-user", "scheduler/desks/streams.py",
         "        return sees(self.core.peers.get(peer), owner)\n",
         "        return info is not None\n",
         ("tests/unit/test_kept_results.py::test_only_the_same_user_reads_or_cancels_it",),
@@ -120,7 +120,7 @@ HOLES: tuple[Mutation, ...] = (
         "a call sent again after it ended runs a second time",
     ),
     Mutation(
-        "kept-results-never-expire", "scheduler/kept_results.py",
+        "kept-results-never-expire", "scheduler/stores/kept_results.py",
         "            if wall - entry.ended <= self.retention:\n",
         "            if True:\n",
         ("tests/unit/test_kept_results.py::test_the_book_on_disk_is_owner_only_bounded_and_expires",),

@@ -11,7 +11,7 @@ from mutation_table import Mutation
 
 HOTPATH: tuple[Mutation, ...] = (
     Mutation(
-        "placement-stops-before-backfill", "scheduler/placement_pass.py",
+        "placement-stops-before-backfill", "scheduler/placement/placement_pass.py",
         "        self._backfill_checked, self._backfill_possible = r, possible\n        return not possible\n",
         "        self._backfill_checked, self._backfill_possible = r, possible\n        return True\n",
         ("tests/unit/test_scheduler_gangs.py::"
@@ -19,7 +19,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "a pass ends at a gang's reservation although a short call could backfill",
     ),
     Mutation(
-        "pipeline-depth-ignores-runtime", "scheduler/device_fit.py",
+        "pipeline-depth-ignores-runtime", "scheduler/placement/device_fit.py",
         "    return min(most, max(MIN_PIPELINE_DEPTH, fits))\n",
         "    return MIN_PIPELINE_DEPTH\n",
         ("tests/unit/test_scheduler_policies.py::"
@@ -27,7 +27,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "very short calls queue only two deep at a worker, so a map waits on round trips",
     ),
     Mutation(
-        "plan-bound-counts-resident-models-as-loads", "scheduler/model_book.py",
+        "plan-bound-counts-resident-models-as-loads", "scheduler/books/model_book.py",
         "                        t, waiting = 0.0, waiting + (e.state is Residency.LOADING)\n",
         "                        t, waiting = load_s, waiting + (e.state is Residency.LOADING)\n",
         ("tests/unit/test_open_index.py::"
@@ -35,7 +35,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "the plan search skips a device that holds the models, loading a second copy elsewhere",
     ),
     Mutation(
-        "plan-bound-off", "scheduler/model_book.py",
+        "plan-bound-off", "scheduler/books/model_book.py",
         "                        workspace + load_b + restore_b - d.ledger.free, d.key) > best[0]:\n",
         "                        workspace + load_b + restore_b - d.ledger.free, d.key) > best[0] and False:\n",
         ("tests/unit/test_open_index.py::"
@@ -57,7 +57,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "a call cancelled before a worker read its shared-memory arguments leaks the file",
     ),
     Mutation(
-        "shm-no-sweep", "worker/supervisor.py",
+        "shm-no-sweep", "worker/supervisor/daemon.py",
         "                    shm.sweep()\n",
         "                    pass\n",
         ("tests/integration/test_shm.py::test_files_of_a_caller_that_died_are_removed",
@@ -139,7 +139,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "a global list mutated in place keeps the stale pickled code",
     ),
     Mutation(
-        "index-walk-stops-at-first-device", "scheduler/open_index.py",
+        "index-walk-stops-at-first-device", "scheduler/placement/open_index.py",
         "                if drain + lo > best[0]:\n",
         "                if True:\n",
         ("tests/unit/test_open_index.py::"
@@ -147,7 +147,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "single-device choice takes the first usable device by drain, ignoring run times",
     ),
     Mutation(
-        "index-skips-equal-drains-with-unequal-run-times", "scheduler/open_index.py",
+        "index-skips-equal-drains-with-unequal-run-times", "scheduler/placement/open_index.py",
         "                if uniform and drain == best_drain:\n",
         "                if drain == best_drain:\n",
         ("tests/unit/test_open_index.py::"
@@ -155,7 +155,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "devices draining as soon as the best are skipped although this call runs faster there",
     ),
     Mutation(
-        "index-update-keeps-old-entry", "scheduler/open_index.py",
+        "index-update-keeps-old-entry", "scheduler/placement/open_index.py",
         "            del lst[bisect.bisect_left(lst, old)]\n",
         "            pass\n",
         ("tests/unit/test_open_index.py::"
@@ -163,14 +163,14 @@ HOTPATH: tuple[Mutation, ...] = (
         "a device moved in the index keeps its old place too (chosen by its old load)",
     ),
     Mutation(
-        "placement-index-not-moved-after-dispatch", "scheduler/placement_pass.py",
+        "placement-index-not-moved-after-dispatch", "scheduler/placement/placement_pass.py",
         "                    self._index.update(d, still)\n",
         "                    pass\n",
         ("tests/unit/test_open_index.py::test_a_pass_places_by_the_load_its_own_dispatches_left",),
         "a pass keeps choosing by the load devices had before its own dispatches",
     ),
     Mutation(
-        "estimate-bounds-never-refreshed", "scheduler/open_index.py",
+        "estimate-bounds-never-refreshed", "scheduler/placement/open_index.py",
         "    if got is not None and got[0] == stamp:\n",
         "    if got is not None:\n",
         ("tests/unit/test_open_index.py::"
@@ -178,21 +178,21 @@ HOTPATH: tuple[Mutation, ...] = (
         "the walk's lower bound is kept after the function's run times changed",
     ),
     Mutation(
-        "plan-search-stops-at-equal-drain", "scheduler/model_book.py",
+        "plan-search-stops-at-equal-drain", "scheduler/books/model_book.py",
         "                if ordered and drain > best[0][0]:\n",
         "                if ordered and drain >= best[0][0]:\n",
         ("tests/unit/test_open_index.py::test_the_ordered_plan_search_finds_the_full_search_s_plan",),
         "a model call's search stops before devices whose drain ties the best expected time",
     ),
     Mutation(
-        "plan-search-skips-every-cold-device", "scheduler/model_book.py",
+        "plan-search-skips-every-cold-device", "scheduler/books/model_book.py",
         "                if (drain + least, (load_b, restore_b, waiting, 0.0, 0), len(d.running),\n",
         "                if least > 0 or (drain + least, (load_b, restore_b, waiting, 0.0, 0), len(d.running),\n",
         ("tests/unit/test_open_index.py::test_the_ordered_plan_search_finds_the_full_search_s_plan",),
         "once a plan is found, devices that must load a model are never planned",
     ),
     Mutation(
-        "fit-cache-ignores-ledger-version", "scheduler/model_book.py",
+        "fit-cache-ignores-ledger-version", "scheduler/books/model_book.py",
         "        if got is not None and got[0] == version:\n",
         "        if got is not None:\n",
         ("tests/unit/test_open_index.py::test_a_remembered_fit_is_not_used_once_the_ledger_changed",),
@@ -244,7 +244,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "the producer's lock-free check lets it run past its credit",
     ),
     Mutation(
-        "scheduler-counts-a-burst-once", "scheduler/streams.py",
+        "scheduler-counts-a-burst-once", "scheduler/desks/streams.py",
         "        inv.items += msg.values()  # a burst's values come (and are relayed) as one Item\n",
         "        inv.items += 1\n",
         ("tests/unit/test_streams_retries.py::"
@@ -252,7 +252,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "the scheduler counts a burst of values as one (its per-call items are wrong)",
     ),
     Mutation(
-        "warm-gang-never-inline", "scheduler/device_fit.py",
+        "warm-gang-never-inline", "scheduler/placement/device_fit.py",
         "    return warm and inv.spec.concurrency == 1 and inv.function.is_short(threshold)\n",
         "    return False\n",
         ("tests/unit/test_scheduler_gangs.py::"
@@ -262,7 +262,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "a warm, measured-short gang's ranks wait for an executor thread",
     ),
     Mutation(
-        "cold-gang-inline", "scheduler/device_fit.py",
+        "cold-gang-inline", "scheduler/placement/device_fit.py",
         "    return warm and inv.spec.concurrency == 1 and inv.function.is_short(threshold)\n",
         "    return inv.spec.concurrency == 1 and inv.function.is_short(threshold)\n",
         ("tests/unit/test_scheduler_gangs.py::"
@@ -277,7 +277,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "a gang rank whose value nobody reads still pickles and sends it",
     ),
     Mutation(
-        "warm-gang-backend-read-again", "scheduler/transitions.py",
+        "warm-gang-backend-read-again", "scheduler/calls/transitions.py",
         "            if not warm or not formation.backend:  # a warm group keeps the backend it has\n",
         "            if True:\n",
         ("tests/unit/test_scheduler_gangs.py::"

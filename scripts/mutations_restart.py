@@ -57,7 +57,7 @@ RESTART: tuple[Mutation, ...] = (
         "resubmitted calls always wait the whole GPUFN_RESTART_GRACE",
     ),
     Mutation(
-        "no-version-pins", "scheduler/app_book.py",
+        "no-version-pins", "scheduler/desks/app_book.py",
         "            self._pin_in_flight(v.app)\n",
         "            pass\n",
         (f"{U}::test_a_call_keeps_the_version_that_admitted_it_across_a_restart",
@@ -80,7 +80,7 @@ RESTART: tuple[Mutation, ...] = (
         "after a restart the ledger thinks resident models are absent",
     ),
     Mutation(
-        "usage-not-saved", "scheduler/ops.py",
+        "usage-not-saved", "scheduler/desks/ops.py",
         "        rows = self.usage.take_dirty()\n",
         "        rows = []\n",
         (f"{U}::test_usage_and_logs_outlive_a_restart_in_a_0600_file",),
@@ -101,14 +101,14 @@ RESTART: tuple[Mutation, ...] = (
         "a client whose new Hello died with the head never says Hello again (its calls wait out the grace)",
     ),
     Mutation(
-        "logs-owner-not-saved", "scheduler/logs.py",
+        "logs-owner-not-saved", "scheduler/books/logs.py",
         "            ring.lines.append(Line(r.seq, r.at, r.invocation_id, r.stream, r.text, r.user))\n",
         "            ring.lines.append(Line(r.seq, r.at, r.invocation_id, r.stream, r.text))\n",
         ("tests/unit/test_restart.py::test_log_lines_keep_their_owner_across_a_restart",),
         "after a restart a user's log lines are no one's (only the admin reads them)",
     ),
     Mutation(
-        "takeover-forgets-its-start", "scheduler/transitions.py",
+        "takeover-forgets-its-start", "scheduler/calls/transitions.py",
         "        inv.started = inv.run_started = now - max(0.0, ran_seconds)\n",
         "        inv.started = inv.run_started = now\n",
         ("tests/unit/test_restart.py::test_a_taken_over_call_is_billed_and_timed_from_its_real_start",),
@@ -123,7 +123,7 @@ RESTART: tuple[Mutation, ...] = (
         "gpufn serve adopts the previous workers although its device options changed",
     ),
     Mutation(
-        "detached-not-noted", "scheduler/streams.py",
+        "detached-not-noted", "scheduler/desks/streams.py",
         "                self._unsaved[inv.id] = inv  # noted on disk at the next save\n",
         "                pass\n",
         (f"{UD}::test_a_running_and_a_queued_call_are_admitted_again_and_run_once",
@@ -138,7 +138,7 @@ RESTART: tuple[Mutation, ...] = (
         "the noted calls are never admitted again: queued ones vanish, running ones are orphans",
     ),
     Mutation(
-        "detached-row-outlives-its-result", "scheduler/kept_results.py",
+        "detached-row-outlives-its-result", "scheduler/stores/kept_results.py",
         '            cur.execute("DELETE FROM calls WHERE id=?", (rid,))\n'
         '            cur.execute("DELETE FROM call_frames WHERE id=?", (rid,))\n'
         '            cur.execute("COMMIT")\n',
@@ -148,14 +148,14 @@ RESTART: tuple[Mutation, ...] = (
         "keeps it from running again)",
     ),
     Mutation(
-        "detached-ended-runs-again", "scheduler/streams.py",
+        "detached-ended-runs-again", "scheduler/desks/streams.py",
         "            (ended if c.invocation_id in self.results else calls).append(c)\n",
         "            calls.append(c)\n",
         (f"{UD}::test_a_noted_call_whose_result_is_kept_is_not_run_again",),
         "a noted call whose Result was kept before its row left runs a second time",
     ),
     Mutation(
-        "detached-resubmit-not-rebound", "scheduler/streams.py",
+        "detached-resubmit-not-rebound", "scheduler/desks/streams.py",
         "            inv.client = peer\n",
         "            pass\n",
         (f"{UD}::test_a_spawner_that_resubmits_it_too_gets_the_one_call",),
@@ -169,14 +169,14 @@ RESTART: tuple[Mutation, ...] = (
         "a call admitted again is placed before its worker could say it runs it: it runs twice",
     ),
     Mutation(
-        "detached-shutdown-runs-again", "scheduler/streams.py",
+        "detached-shutdown-runs-again", "scheduler/desks/streams.py",
         "        if final:\n            for inv_id in [*self._saved, *self._unsaved]:\n",
         "        if False:\n            for inv_id in [*self._saved, *self._unsaved]:\n",
         (f"{UD}::test_after_a_final_stop_calls_not_ended_are_not_admitted_again",),
         "after a final stop a call that was running is admitted again and runs a second time",
     ),
     Mutation(
-        "detached-not-durable", "scheduler/streams.py",
+        "detached-not-durable", "scheduler/desks/streams.py",
         "            if self.durable and inv.function.app:\n",
         "            if inv.function.app:\n",
         (f"{UD}::test_a_scheduler_that_is_not_durable_notes_nothing",),
@@ -191,7 +191,7 @@ RESTART: tuple[Mutation, ...] = (
         "reports it late",
     ),
     Mutation(
-        "detached-pin-left", "scheduler/app_book.py",
+        "detached-pin-left", "scheduler/desks/app_book.py",
         "        if self._pins.pop(invocation_id, None) is not None:\n"
         "            self.store.unpin(invocation_id)\n"
         "        return self._record_by_id(function_id)\n",

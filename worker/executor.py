@@ -2,7 +2,7 @@
 
 Each call runs with its `gpufn.context()` and output routing set for its thread; the
 finished `Result` goes to `on_done`, which the worker's I/O loop drains. Processes the
-call's thread started and left running are stopped after that (worker/children.py).
+call's thread started and left running are stopped after that (worker/host/children.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from gpufn.wire import config, jsonwire
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.wire import shm as shmem
-from gpufn.worker import children
 from gpufn.worker.groups import is_comm_error
-from gpufn.worker.memory_watch import Reports
+from gpufn.worker.host import children
+from gpufn.worker.host.memory_watch import Reports
 from gpufn.worker.output import OutputRouter, set_current
 from gpufn.worker.streaming import Driver, needs_driving
 

@@ -53,8 +53,8 @@ from gpufn.worker.core import (
     control_actions,
 )
 from gpufn.worker.executor import Executor
-from gpufn.worker.held import HeldResults, RunJournal
-from gpufn.worker.memory_watch import Reports
+from gpufn.worker.host.held import HeldResults, RunJournal
+from gpufn.worker.host.memory_watch import Reports
 from gpufn.worker.output import OutputRouter
 
 log = logging.getLogger("gpufn.worker")
@@ -98,7 +98,7 @@ class WorkerProcess:
         self._inline = False  # the main thread runs a call inline (see `_on_done`)
         self.executor = Executor(self.router, self._on_done, self._wake.wake)
         self._items = self.executor.driver.items  # streamed values, sent at each flush
-        # What this worker declares to its supervisor's memory watch (worker/memory_watch.py).
+        # What this worker declares to its supervisor's memory watch (worker/host/memory_watch.py).
         self.executor.reports = Reports(memory_fd)
         from gpufn.runtime.models import set_resolver
         from gpufn.worker.model_cache import ModelManager
@@ -125,7 +125,7 @@ class WorkerProcess:
         self._hello_again_at: float | None = None
         # Results sent lately: after a scheduler restart they may never have reached their
         # callers, so the new scheduler is told (with what runs) which calls ran here and
-        # can ask for the Results again (see scheduler/recovery.py).
+        # can ask for the Results again (see scheduler/calls/recovery.py).
         self.held = HeldResults(config.held_result_bytes())
         # The calls started here, for the supervisor if this process dies meanwhile.
         self.journal = RunJournal(journal) if journal else None
@@ -263,7 +263,7 @@ class WorkerProcess:
         call.prepare, call.on_error = join, on_error
 
     def _run_in_helper(self, a: RunInHelper) -> None:
-        from gpufn.worker.multidevice import DeviceSetHelper
+        from gpufn.worker.device_set.helper import DeviceSetHelper
 
         keys = tuple(d["key"] for d in a.devices)
         if self.helper is not None and (self.helper.keys != keys or not self.helper.alive()):

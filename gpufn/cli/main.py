@@ -317,7 +317,7 @@ def worker(
         argv += ["--worker-host-memory", _size(worker_host_memory, "--worker-host-memory")]
     if token:
         os.environ["GPUFN_TOKEN"] = token
-    from gpufn.worker.supervisor import main as supervisor_main
+    from gpufn.worker.supervisor.daemon import main as supervisor_main
 
     supervisor_main(argv)
 

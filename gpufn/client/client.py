@@ -548,7 +548,7 @@ class Client:
                     # Register of its function (refused before the Hello) and fail.
                     if self._conn is not None:
                         # The scheduler holds our calls briefly so that workers can say
-                        # which of them they ran (see scheduler/recovery.py).
+                        # which of them they ran (see scheduler/calls/recovery.py).
                         self._conn.info.resubmit = len(self._calls)
                         self._conn.info.instance = self.info.instance
                         self._front.append(self._conn.hello_frames())
@@ -700,7 +700,7 @@ class _SyncChannel:
             raise ConnectionLost(f"the scheduler stopped ({msg.reason}); the {name} call "
                                  "was failed")
         elif self.conn.needs_rehello(msg):
-            self.conn.info.resubmit = 1  # it may have run (scheduler/recovery.py)
+            self.conn.info.resubmit = 1  # it may have run (scheduler/calls/recovery.py)
             self.conn.info.instance = self.client.info.instance
             self._hello()  # forgotten meanwhile: the submit was refused, send again
             self.conn.info.resubmit = 0

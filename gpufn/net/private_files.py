@@ -35,3 +35,14 @@ def open_private_append(path: Path) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.fchmod(fd, 0o600)
     return fd
+
+
+def open_private(path: Path) -> None:
+    """Before sqlite opens `path`: its folder 0700, the file and its -wal/-shm 0600
+    (sqlite creates those with the main file's mode; older ones are tightened here)."""
+    private_dir(path.parent)
+    private_file(path)
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            private_file(side)

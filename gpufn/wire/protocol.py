@@ -283,7 +283,7 @@ class HelloInfo:
     device: str = ""  # worker: the device key it serves
     incarnation: int = 0  # worker: its generation (counted by its supervisor)
     channel: str = ""  # worker: "work" or "control"
-    # After a scheduler restart (see scheduler/recovery.py). Worker or supervisor: calls
+    # After a scheduler restart (see scheduler/calls/recovery.py). Worker or supervisor: calls
     # that ran there lately and may have completed, with no Result left to hand over.
     ran: list[str] = field(default_factory=list)
     # Worker: calls running now, id -> [dispatch token, attempt, ms run so far]; their
@@ -772,7 +772,7 @@ class Attach(Message):
 
 
 # --------------------------------------------------------------------------- spmd=False helper
-# The worker and its device-set helper process (worker/multidevice.py) speak these over
+# The worker and its device-set helper process (worker/device_set/helper.py) speak these over
 # a multiprocessing pipe, one `send_bytes` per frame. The helper's prints travel as
 # `Output`, and `Shutdown` stops it.
 

@@ -102,7 +102,7 @@ class GpuSpec:
     retry_max_delay: float = 60.0
     # The worker's host memory (its processes' resident bytes) may reach this while the
     # call runs, instead of the host's per-worker budget (0: that budget); see
-    # worker/memory_watch.py.
+    # worker/host/memory_watch.py.
     host_memory: int = 0
 
     def to_wire(self) -> dict[str, Any]:

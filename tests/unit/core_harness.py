@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from gpufn.memory_pool.probe import simulated_devices
+from gpufn.scheduler.books.users import UserStore
 from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore, Send, Tick, Unreachable
-from gpufn.scheduler.deployments import DeploymentStore
-from gpufn.scheduler.kept_results import KeptResults
-from gpufn.scheduler.ops_store import OpsStore
-from gpufn.scheduler.users import UserStore
+from gpufn.scheduler.stores.deployments import DeploymentStore
+from gpufn.scheduler.stores.kept_results import KeptResults
+from gpufn.scheduler.stores.ops import OpsStore
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec, make_spec
 

@@ -12,7 +12,7 @@ import pytest
 
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.scheduler.core import RendezvousReady
-from gpufn.scheduler.states import DeviceState, InvState
+from gpufn.scheduler.nouns.states import DeviceState, InvState
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufn.scheduler.deployments import DeploymentStore, StoredFunction, Version
+from gpufn.scheduler.stores.deployments import DeploymentStore, StoredFunction, Version
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
 from gpufn.wire.versions import runtime_info, skew

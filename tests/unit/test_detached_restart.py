@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpufn.scheduler.deployments import DeploymentStore
-from gpufn.scheduler.kept_results import DetachedCall, KeptResults
-from gpufn.scheduler.ops_store import OpsStore
-from gpufn.scheduler.states import InvState
+from gpufn.scheduler.nouns.states import InvState
+from gpufn.scheduler.stores.deployments import DeploymentStore
+from gpufn.scheduler.stores.kept_results import DetachedCall, KeptResults
+from gpufn.scheduler.stores.ops import OpsStore
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
 

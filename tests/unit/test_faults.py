@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from gpufn.scheduler.queues import ReadyQueue
-from gpufn.scheduler.records import FunctionRecord, Invocation
-from gpufn.scheduler.settings import SchedulerConfig
-from gpufn.scheduler.states import DeviceState, InvState
+from gpufn.scheduler.books.queues import ReadyQueue
+from gpufn.scheduler.nouns.records import FunctionRecord, Invocation
+from gpufn.scheduler.nouns.settings import SchedulerConfig
+from gpufn.scheduler.nouns.states import DeviceState, InvState
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
 

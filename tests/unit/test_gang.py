@@ -17,7 +17,7 @@ from gpufn.memory_pool.probe import (
     DeviceInfo,
     simulated_devices,
 )
-from gpufn.scheduler.gang_choice import (
+from gpufn.scheduler.placement.gang_choice import (
     TOPO_NETWORK,
     GangDistance,
     Reservation,

@@ -14,7 +14,7 @@ from gpufn.exceptions import AuthenticationError, ConnectionLost, ProtocolMismat
 from gpufn.net import address_file
 from gpufn.net import interfaces as netif
 from gpufn.wire import protocol as p
-from gpufn.worker.joining import JoinLog, refusal_reason
+from gpufn.worker.supervisor.joining import JoinLog, refusal_reason
 
 IFACES = {"lo": "127.0.0.1", "eth0": "10.213.0.11", "eth1": "192.168.5.2", "docker0": None}
 

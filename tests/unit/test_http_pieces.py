@@ -201,7 +201,7 @@ def test_chat_model_marks_generator_functions_only() -> None:
 
 
 def test_the_store_keeps_interfaces_and_upgrades_an_older_file(tmp_path: Path) -> None:
-    from gpufn.scheduler.deployments import DeploymentStore, StoredFunction, Version
+    from gpufn.scheduler.stores.deployments import DeploymentStore, StoredFunction, Version
 
     path = tmp_path / "old.sqlite"
     old = sqlite3.connect(path)  # the functions table as written before interfaces

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gpufn.scheduler import kept_results as kr
-from gpufn.scheduler.kept_results import KeptResult, KeptResults
-from gpufn.scheduler.states import InvState
-from gpufn.scheduler.users import UserStore
+from gpufn.scheduler.books.users import UserStore
+from gpufn.scheduler.nouns.states import InvState
+from gpufn.scheduler.stores import kept_results as kr
+from gpufn.scheduler.stores.kept_results import KeptResult, KeptResults
 from gpufn.wire import protocol as p
 
 from .core_harness import Harness

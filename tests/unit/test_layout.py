@@ -36,6 +36,28 @@ NO_ZMQ = {"gpufn.exceptions", "gpufn.wire", "gpufn.runtime", "gpufn.parallel",
           "gpufn.memory_pool"}
 
 
+# Sub-rooms inside a room: sub-room -> the sibling sub-rooms it may import ("" is the room's
+# top-level modules). Nothing imports upward: the order of each table is bottom to top.
+SUBROOMS: dict[str, dict[str, set[str]]] = {
+    "gpufn.scheduler": {
+        "nouns": set(),
+        "stores": {"nouns"},
+        "books": {"nouns", "stores"},
+        "placement": {"nouns", "stores", "books"},
+        "calls": {"nouns", "stores", "books", "placement"},
+        "peers": {"nouns", "stores", "books", "placement", "calls"},
+        "desks": {"nouns", "stores", "books", "placement", "calls", "peers"},
+        "": {"nouns", "stores", "books", "placement", "calls", "peers", "desks"},
+    },
+    "gpufn.worker": {
+        "host": set(),
+        "device_set": set(),
+        "supervisor": {"host"},
+        "": {"host", "device_set"},
+    },
+}
+
+
 def _modules() -> dict[str, tuple[Path, bool]]:
     mods = {}
     for folder, pkg in FOLDERS.items():
@@ -100,6 +122,28 @@ def test_imports_follow_the_rooms(name: str) -> None:
         if theirs != mine and "*" not in allowed and theirs not in allowed:
             bad.append(f"{dep} (room {theirs})")
     assert not bad, f"{name} (room {mine}) may import only {sorted(allowed)}: " + ", ".join(bad)
+
+
+def subroom(module: str) -> str:
+    """The sub-room of `module` inside its room ("" for the room's top-level modules)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) >= 4 and ".".join(parts[:2]) in SUBROOMS else ""
+
+
+def test_every_subroom_is_listed() -> None:
+    for name in MODULES:
+        top = room(name)
+        if top in SUBROOMS:
+            assert subroom(name) in SUBROOMS[top], f"{name}: sub-room {subroom(name)!r} is not in SUBROOMS"
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if room(m) in SUBROOMS))
+def test_subrooms_import_only_downward(name: str) -> None:
+    mine, top = subroom(name), room(name)
+    allowed = SUBROOMS[top][mine] | {mine}
+    bad = [dep for dep in sorted(_imports(name))
+           if dep in MODULES and dep != top and room(dep) == top and subroom(dep) not in allowed]
+    assert not bad, f"{name} (sub-room {mine or 'top'}) may import only {sorted(allowed)}: {bad}"
 
 
 def test_no_import_cycles() -> None:

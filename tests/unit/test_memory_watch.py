@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from gpufn.worker import proc_table
-from gpufn.worker.memory_watch import (
+from gpufn.worker.host import proc_table
+from gpufn.worker.host.memory_watch import (
     HOST_CEILING,
     SCAN_S,
     Budget,

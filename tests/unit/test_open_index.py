@@ -9,12 +9,12 @@ import random
 from gpufn.memory_pool.ledger import DeviceLedger, Fit, HostLedger
 from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.memory_pool.residency import Residency
-from gpufn.scheduler.device_fit import drain_seconds, rank_devices
-from gpufn.scheduler.model_book import ModelBook
-from gpufn.scheduler.open_index import OpenIndex, estimate_bounds
-from gpufn.scheduler.records import Device, FunctionRecord, Invocation
-from gpufn.scheduler.shapes import Shape
-from gpufn.scheduler.states import DeviceState
+from gpufn.scheduler.books.model_book import ModelBook
+from gpufn.scheduler.nouns.records import Device, FunctionRecord, Invocation, drain_seconds
+from gpufn.scheduler.nouns.shapes import Shape
+from gpufn.scheduler.nouns.states import DeviceState
+from gpufn.scheduler.placement.device_fit import rank_devices
+from gpufn.scheduler.placement.open_index import OpenIndex, estimate_bounds
 from gpufn.wire.spec import make_spec
 
 GiB = 2**30

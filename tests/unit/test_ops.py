@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpufn.scheduler.logs import LogStore, matches
-from gpufn.scheduler.usage import BOUNDS, BUCKET_S, Key, UsageMeter
-from gpufn.scheduler.users import UserStore
+from gpufn.scheduler.books.logs import LogStore, matches
+from gpufn.scheduler.books.usage import BOUNDS, BUCKET_S, Key, UsageMeter
+from gpufn.scheduler.books.users import UserStore
 from gpufn.wire import protocol as p
 
 from .core_harness import Harness

@@ -363,7 +363,7 @@ def test_a_secret_key_left_readable_is_made_private_when_the_pair_is_remade(
 
 
 def test_the_usage_meter_forgets_what_is_older_than_its_retention() -> None:
-    from gpufn.scheduler.usage import BUCKET_S, Key, UsageMeter
+    from gpufn.scheduler.books.usage import BUCKET_S, Key, UsageMeter
 
     m = UsageMeter(retention=2 * BUCKET_S)
     k = Key("", "f", 0, "")
@@ -390,7 +390,7 @@ class _Proc:
 @pytest.fixture
 def supervisor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     from gpufn.memory_pool.probe import simulated_devices
-    from gpufn.worker.supervisor import Supervisor
+    from gpufn.worker.supervisor.daemon import Supervisor
 
     monkeypatch.setenv("GPUFN_LOG_DIR", str(tmp_path))
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from gpufn.scheduler.queues import ReadyQueue
-from gpufn.scheduler.records import FunctionRecord, Invocation
-from gpufn.scheduler.states import InvState
+from gpufn.scheduler.books.queues import ReadyQueue
+from gpufn.scheduler.nouns.records import FunctionRecord, Invocation
+from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
 from tests.unit.core_harness import Harness

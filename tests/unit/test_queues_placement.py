@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from gpufn.scheduler.device_fit import type_rank
-from gpufn.scheduler.queues import ReadyQueue, queue_key
-from gpufn.scheduler.records import FunctionRecord, Invocation
-from gpufn.scheduler.states import InvState
+from gpufn.scheduler.books.queues import ReadyQueue, queue_key
+from gpufn.scheduler.nouns.records import FunctionRecord, Invocation
+from gpufn.scheduler.nouns.states import InvState
+from gpufn.scheduler.placement.device_fit import type_rank
 from gpufn.wire.spec import make_spec
 
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from gpufn.memory_pool.probe import simulated_devices
-from gpufn.scheduler.deployments import DeploymentStore
-from gpufn.scheduler.ops_store import OpsStore
-from gpufn.scheduler.recovery import ORPHAN_SECONDS
+from gpufn.scheduler.calls.recovery import ORPHAN_SECONDS
+from gpufn.scheduler.stores.deployments import DeploymentStore
+from gpufn.scheduler.stores.ops import OpsStore
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.wire.spec import make_spec
 from gpufn.worker import core as wc
-from gpufn.worker.held import JOURNAL_SLOTS, HeldResults, RunJournal
+from gpufn.worker.host.held import JOURNAL_SLOTS, HeldResults, RunJournal
 
 from .core_harness import Harness
 from .test_deployments import deploy, runs_of
@@ -391,7 +391,7 @@ def test_the_worker_core_reports_what_it_can_hand_over() -> None:
 def test_log_lines_keep_their_owner_across_a_restart(tmp_path: Path) -> None:
     """A line a user's call printed is still only theirs (and the admin's) after the
     scheduler restarts: its owner is kept on disk with it."""
-    from gpufn.scheduler.users import UserStore
+    from gpufn.scheduler.books.users import UserStore
 
     path = tmp_path / "ops.sqlite"
     users = UserStore()

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from gpufn.scheduler.states import DeviceState, IllegalTransition, InvState
+from gpufn.scheduler.nouns.states import DeviceState, IllegalTransition, InvState
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
 
@@ -101,7 +101,7 @@ def test_unschedulable_fails_at_once_listing_devices(options: dict[str, object],
 
 
 def test_unschedulable_on_real_devices_does_not_suggest_simulation_settings() -> None:
-    from gpufn.scheduler.device_fit import feasibility_error
+    from gpufn.scheduler.placement.device_fit import feasibility_error
 
     h = Harness(devices=2)
     for d in h.core.devices.values():

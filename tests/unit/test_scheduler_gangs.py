@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from gpufn.scheduler.core import RendezvousReady
-from gpufn.scheduler.states import InvState
+from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
 
 from .core_harness import Harness

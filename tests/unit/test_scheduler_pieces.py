@@ -12,22 +12,22 @@ from gpufn.exceptions import Cancelled
 from gpufn.memory_pool.ledger import DeviceLedger, Fit, HostLedger
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.memory_pool.residency import Residency
-from gpufn.scheduler import batches, gang_verdict
-from gpufn.scheduler.intake import Intake
-from gpufn.scheduler.model_book import ModelBook
-from gpufn.scheduler.placement_pass import (
+from gpufn.scheduler.books import batches, gang_verdict
+from gpufn.scheduler.books.model_book import ModelBook
+from gpufn.scheduler.books.queues import ReadyQueue
+from gpufn.scheduler.calls.intake import Intake
+from gpufn.scheduler.calls.transitions import TABLE, Transitions
+from gpufn.scheduler.nouns.records import Device, FunctionRecord, Invocation
+from gpufn.scheduler.nouns.settings import SchedulerConfig
+from gpufn.scheduler.nouns.shapes import Shape
+from gpufn.scheduler.nouns.states import INV_TRANSITIONS, DeviceState, InvState
+from gpufn.scheduler.placement.placement_pass import (
     Dispatch,
     NeedRendezvous,
     PlacementPass,
     Preempt,
     WakeAt,
 )
-from gpufn.scheduler.queues import ReadyQueue
-from gpufn.scheduler.records import Device, FunctionRecord, Invocation
-from gpufn.scheduler.settings import SchedulerConfig
-from gpufn.scheduler.shapes import Shape
-from gpufn.scheduler.states import INV_TRANSITIONS, DeviceState, InvState
-from gpufn.scheduler.transitions import TABLE, Transitions
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
 from tests.unit.core_harness import Harness
@@ -102,7 +102,7 @@ def test_every_allowed_move_has_exactly_one_transition_function() -> None:
 
 
 def test_a_move_the_table_does_not_list_raises_with_the_history() -> None:
-    from gpufn.scheduler.states import IllegalTransition
+    from gpufn.scheduler.nouns.states import IllegalTransition
 
     h = Harness(devices=1)
     h.start_worker(0)

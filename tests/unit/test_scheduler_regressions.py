@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpufn.scheduler.states import InvState
+from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
 

@@ -15,7 +15,7 @@ from gpufn.memory_pool.ledger import (
 )
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.core import RendezvousReady
-from gpufn.scheduler.states import InvState
+from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
 
 from .core_harness import Harness

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gpufn.exceptions import Cancelled, InvalidSpec
-from gpufn.scheduler.states import InvState
+from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec, Retries, make_spec, retry_delay
 from gpufn.worker.executor import retryable

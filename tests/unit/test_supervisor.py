@@ -12,7 +12,7 @@ import pytest
 
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.wire import protocol as p
-from gpufn.worker.supervisor import GIVE_UP_AFTER, Supervisor
+from gpufn.worker.supervisor.daemon import GIVE_UP_AFTER, Supervisor
 
 
 class FakeProc:

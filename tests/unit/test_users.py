@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpufn.exceptions import InvalidSpec, NotFound
-from gpufn.scheduler.users import ADMIN, UserStore, UserStoreError, identify
+from gpufn.scheduler.books.users import ADMIN, UserStore, UserStoreError, identify
 from gpufn.wire import protocol as p
 
 from .core_harness import Harness

@@ -11,7 +11,7 @@ from gpufn.exceptions import GpufnError, SerializationError, kind_of
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.worker import core as wc
-from gpufn.worker import multidevice
+from gpufn.worker.device_set import helper as multidevice
 from gpufn.worker.executor import Executor, Unused
 from gpufn.worker.output import OutputRouter
 

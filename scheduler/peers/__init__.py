@@ -1,0 +1,3 @@
+"""Who is connected: `handshake` (Hello checks, the role table), `membership` (hellos,
+heartbeats, lost and exited workers, kills; decisions the core applies), `fencing`
+(worker generations)."""

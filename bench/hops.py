@@ -43,6 +43,7 @@ def main() -> None:
     from gpufn.api.calls import decode_result
     from gpufn.memory_pool.probe import simulated_devices
     from gpufn.runtime import context as ctxmod
+    from gpufn.scheduler.calls.recovery import Restored
     from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore
     from gpufn.wire import protocol as p
     from gpufn.wire import serialization as ser
@@ -55,6 +56,8 @@ def main() -> None:
         return None
 
     core = SchedulerCore(SchedulerConfig())
+
+    core.start(Restored(), 1000.0)
     now = [1000.0]
     infos = simulated_devices("n", 1, 8 * 2**30)
 

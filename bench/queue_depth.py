@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any
 
 from gpufn.memory_pool.probe import simulated_devices
+from gpufn.scheduler.calls.recovery import Restored
 from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
@@ -35,6 +36,7 @@ class Driver:
     def __init__(self, functions: int) -> None:
         self.core = SchedulerCore(SchedulerConfig(slots_per_device=SLOTS))
         self.now = 1000.0
+        self.core.start(Restored(), self.now)
         self.n = 0
         infos = simulated_devices("n", DEVICES, 80 * 2**30)
         self.feed(b"sup", p.Hello(p.Role.SUPERVISOR, p.PROTOCOL_VERSION, "", 1,

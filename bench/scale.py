@@ -22,6 +22,7 @@ from collections import deque
 from typing import Any
 
 from gpufn.memory_pool.probe import simulated_devices
+from gpufn.scheduler.calls.recovery import Restored
 from gpufn.scheduler.core import Received, RendezvousReady, SchedulerConfig, SchedulerCore, Send
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import make_spec
@@ -37,6 +38,7 @@ class Sim:
     def __init__(self, devices: int, hosts: int, functions: int) -> None:
         self.core = SchedulerCore(SchedulerConfig(slots_per_device=4))
         self.now = 1000.0
+        self.core.start(Restored(), self.now)
         self.replies: deque[tuple[bytes, p.Message]] = deque()
         self.results = 0
         per_host = devices // hosts

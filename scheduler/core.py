@@ -27,8 +27,6 @@ from gpufn.exceptions import (
     Unschedulable,
     kind_of,
 )
-from gpufn.memory_pool.ledger import DeviceLedger, HostLedger
-from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.scheduler.books import batches
 from gpufn.scheduler.books.gang_book import GangBook
 from gpufn.scheduler.books.model_book import ModelBook
@@ -36,7 +34,7 @@ from gpufn.scheduler.books.queues import ReadyQueue
 from gpufn.scheduler.books.users import Identity, UserStore, sees
 from gpufn.scheduler.calls import wire_checks
 from gpufn.scheduler.calls.intake import Intake
-from gpufn.scheduler.calls.recovery import Recovery, Report
+from gpufn.scheduler.calls.recovery import Recovery, Report, Restored
 from gpufn.scheduler.calls.transitions import Transitions
 from gpufn.scheduler.desks import report
 from gpufn.scheduler.desks.app_book import AppBook
@@ -49,14 +47,24 @@ from gpufn.scheduler.nouns.events import (
     RendezvousFailed,
     RendezvousReady,
     Send,
+    Stalled,
     Tick,
     Unreachable,
 )
-from gpufn.scheduler.nouns.records import Device, FunctionRecord, Invocation, Peer
+from gpufn.scheduler.nouns.records import Device, FunctionRecord, Invocation
 from gpufn.scheduler.nouns.settings import Counters, SchedulerConfig
 from gpufn.scheduler.nouns.shapes import Shape
-from gpufn.scheduler.nouns.states import DeviceState, InvState
-from gpufn.scheduler.peers import fencing, handshake
+from gpufn.scheduler.nouns.states import InvState
+from gpufn.scheduler.peers import handshake
+from gpufn.scheduler.peers.membership import (
+    AllBack,
+    ClientGone,
+    DevicesChanged,
+    Membership,
+    Reported,
+    WorkerGone,
+)
+from gpufn.scheduler.peers.membership import Decision as MemberDecision
 from gpufn.scheduler.placement.placement_pass import (
     Decision,
     Dispatch,
@@ -67,15 +75,25 @@ from gpufn.scheduler.placement.placement_pass import (
     WakeAt,
 )
 from gpufn.scheduler.stores.deployments import DeploymentStore
-from gpufn.scheduler.stores.kept_results import KeptResults
+from gpufn.scheduler.stores.kept_results import DetachedCall, KeptResults
 from gpufn.scheduler.stores.ops import OpsStore
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec
 
 log = logging.getLogger("gpufn.scheduler")
 
-__all__ = ["Event", "Received", "RendezvousFailed", "RendezvousReady", "SchedulerConfig",
-           "SchedulerCore", "Send", "Tick", "Unreachable"]
+__all__ = [
+    "Event",
+    "Received",
+    "RendezvousFailed",
+    "RendezvousReady",
+    "SchedulerConfig",
+    "SchedulerCore",
+    "Send",
+    "Stalled",
+    "Tick",
+    "Unreachable",
+]
 
 class SchedulerCore:
     def __init__(self, config: SchedulerConfig | None = None,
@@ -84,28 +102,28 @@ class SchedulerCore:
                  results: KeptResults | None = None,
                  ops_store: OpsStore | None = None) -> None:
         self.config = config or SchedulerConfig()
-        self.wall_offset = 0.0  # wall clock minus the `now` the shell passes (set by the shell)
-        self.peers: dict[bytes, Peer] = {}
-        self.devices: dict[str, Device] = {}
-        self.worker_device: dict[bytes, str] = {}
+        self.wall_offset = 0.0  # wall clock minus the `now` the shell passes (`start`)
         self.functions: dict[str, FunctionRecord] = {}
         self.invocations: dict[str, Invocation] = {}
         self.queue = ReadyQueue(self.config.aging_seconds)
         self.counters = Counters()
         self.gangs = GangBook()
         self.models = ModelBook(self.gangs)
-        self.hosts: dict[str, HostLedger] = {}
         self.policy = self.config.policy()
+        self.instance = secrets.token_hex(8)  # tells a client whether it was forgotten or we restarted
+        self.recovery = Recovery(self.config.restart_grace_seconds, self.instance)
+        self._out: list[Send] = []
+        self.members = Membership(self.config, self.counters, self.recovery, self.policy, self._out)
+        self.members.cluster_info = self._cluster_info
+        self.peers, self.devices = self.members.peers, self.members.devices
+        self.worker_device, self.hosts = self.members.worker_device, self.members.hosts
         self.intake = Intake(self.config, self.devices, self.queue, self.models)
         self.placement = PlacementPass(self.config, self.devices, self.queue, self.models)
-        self.instance = secrets.token_hex(8)  # tells a client whether it was forgotten or we restarted
         ops_store = ops_store or OpsStore(":memory:")
-        self.recovery = Recovery(self.config.restart_grace_seconds, self.instance,
-                                 ops_store.expected_devices() if ops_store.durable else None)
         self.needs_rendezvous = False
+        self._started = False
         self._wakeup_at: float | None = None
         self._deadlines: list[tuple[float, int, Invocation]] = []
-        self._out: list[Send] = []
         self.tx = Transitions(self.config, self.devices, self.queue, self.invocations, self.peers,
                               self.counters, self.gangs, self.models, self._out)
         self._seq = 0
@@ -130,15 +148,34 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ entry points
 
+    def start(self, restored: Restored, now: float) -> list[Send]:
+        """Once, before the first event: what the stores said of the time before this
+        scheduler (`Restored.read`). The spawned calls of deployed functions the previous
+        scheduler noted (nobody may resubmit them) are admitted again on their version, as
+        if resubmitted: they wait for the hold; a worker's report of them is taken over."""
+        if self._started:
+            raise RuntimeError("SchedulerCore.start is called once, before the first event")
+        self._started = True
+        self.wall_offset = restored.wall_offset
+        self.tx.now = now
+        self.tx.tokens = max(self.tx.tokens, restored.first_token)
+        self.recovery.start(restored.expected_devices, now)
+        self.streams.adopt(restored.detached)
+        for call in restored.detached:
+            self._readmit(call, now)
+        if restored.detached:
+            log.info("%d spawned call(s) whose spawner may be gone admitted again",
+                     len(restored.detached))
+        return self._flush(now)
+
     def handle(self, event: Event, now: float) -> list[Send]:
         return self.handle_many((event,), now)
 
     def handle_many(self, events: Iterable[Event], now: float) -> list[Send]:
         """Apply events in order, then run one scheduling pass; return the sends."""
+        if not self._started:
+            raise RuntimeError("SchedulerCore.start(restored, now) must be called first")
         self.tx.now = now
-        if self.recovery.began is None:
-            self.recovery.began = now
-            self._readmit(now)
         for ev in events:
             try:
                 self._on_event(ev, now)
@@ -150,6 +187,10 @@ class SchedulerCore:
                         self._fail_submit(ev.peer, ev.msg.invocation_id, why, now)
                     else:
                         self.send(ev.peer, p.Error(kind_of(GpufnError), why))
+        return self._flush(now)
+
+    def _flush(self, now: float) -> list[Send]:
+        """One scheduling pass if anything changed; then the sends, handed over."""
         if self.tx.dirty:
             self.tx.dirty = False
             try:
@@ -190,6 +231,8 @@ class SchedulerCore:
             self.tx.dirty = True
         elif isinstance(ev, RendezvousFailed):
             self._rendezvous_failed(ev.error, now)
+        elif isinstance(ev, Stalled):
+            self.members.stalled(ev.seconds)
 
     # ------------------------------------------------------------------ the desks' surface
 
@@ -199,8 +242,7 @@ class SchedulerCore:
 
     def device_of(self, peer: bytes) -> Device | None:
         """The device whose worker (or its control channel) is `peer`."""
-        key = self.worker_device.get(peer)
-        return self.devices.get(key) if key else None
+        return self.members.device_of(peer)
 
 
     def wall(self, now: float) -> float:
@@ -270,19 +312,22 @@ class SchedulerCore:
         handler(peer, msg, now)
 
     def _on_hello(self, peer: bytes, msg: p.Hello, now: float) -> None:
-        who = self.users.identify(msg)
-        refused = handshake.refusal(msg, who)
-        if refused is not None:
-            self.send(peer, refused)
-        elif msg.role == p.Role.CLIENT:
-            assert who is not None
-            self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now, who.user, who.admin)
-            self.recovery.client_hello(peer, msg.info, now)
-            self.send(peer, p.Welcome(True, info=self._cluster_info(who)))
-        elif msg.role == p.Role.SUPERVISOR:
-            self._hello_supervisor(peer, msg, now)
-        else:
-            self._hello_worker(peer, msg, now)
+        self._members(self.members.hello(peer, msg, self.users.identify(msg), now), now)
+
+    def _members(self, decisions: Iterable[MemberDecision], now: float) -> None:
+        """Apply what membership decided, each as it is yielded (a device is reset only
+        after the calls it ran were dealt with)."""
+        for dec in decisions:
+            if isinstance(dec, WorkerGone):
+                self._worker_gone(dec.device, now, dec.reason, dec.oom)
+            elif isinstance(dec, ClientGone):
+                self._client_gone(dec.peer, now)
+            elif isinstance(dec, Reported):
+                self._recovered(dec.ids, dec.device, now)
+            elif isinstance(dec, DevicesChanged):
+                self._invalidate_feasibility()
+            elif isinstance(dec, AllBack):
+                self.queue.expedite(self.recovery.hold_until, now)
 
     def _cluster_info(self, who: Identity | None = None) -> p.WelcomeInfo:
         return p.WelcomeInfo(p.PROTOCOL_VERSION, len(self.devices), self.config.client_timeout,
@@ -291,97 +336,7 @@ class SchedulerCore:
                              sorted({i.info.host for i in self.peers.values()
                                      if i.role == p.Role.SUPERVISOR}))
 
-    def _hello_supervisor(self, peer: bytes, msg: p.Hello, now: float) -> None:
-        infos = [DeviceInfo.from_wire(d) for d in msg.info.devices]
-        # The calls of its workers that died while no scheduler was there (their journals).
-        self._recovered(self.recovery.worker_report("", peer, msg.info, now), None, now)
-        if peer in self.peers and all(
-                (d := self.devices.get(i.key)) is not None and d.supervisor == peer
-                and d.state is not DeviceState.GONE for i in infos):
-            # A second Hello of a supervisor we know (it said Hello again before our
-            # Welcome arrived): its devices and their workers stay as they are.
-            self.peers[peer].last_seen = now
-            self.send(peer, p.Welcome(True, info=self._cluster_info()))
-            return
-        self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
-        for info in infos:
-            d = self.devices.get(info.key)
-            if d is not None:
-                if d.state is not DeviceState.GONE and d.supervisor != peer and d.supervisor in self.peers:
-                    log.warning("device %s re-announced by a new supervisor; replacing", info.key)
-                self._lose_worker(d, now, "its supervisor re-registered", restart=False)
-                d.info, d.supervisor = info, peer
-                d.incarnation = d.fenced = 0  # generations are counted per supervisor
-                d.ledger = self._ledger(info, msg.info)
-                if d.state is not DeviceState.STARTING:
-                    d.to(DeviceState.STARTING, now)
-            else:
-                d = Device(info=info, supervisor=peer, ledger=self._ledger(info, msg.info))
-                d.history.append(("starting", now))
-                self.devices[info.key] = d
-        self._invalidate_feasibility()
-        self.send(peer, p.Welcome(True, info=self._cluster_info()))
-        log.info("supervisor %s registered %d device(s)", msg.info.node, len(infos))
-
-    def _ledger(self, info: DeviceInfo, node_info: p.HelloInfo) -> DeviceLedger:
-        """A device's ledger, sharing its node's host-memory budget for offloaded models."""
-        host = self.hosts.get(info.node)
-        if host is None:
-            budget = self.config.host_offload_bytes or node_info.host_memory // 2
-            host = self.hosts[info.node] = HostLedger(budget or 16 * 2**30)
-        return DeviceLedger(info.memory_total, host=host, key=info.key, policy=self.policy)
-
-    def _hello_worker(self, peer: bytes, msg: p.Hello, now: float) -> None:
-        key = msg.info.device
-        d = self.devices.get(key)
-        if d is None or d.state is DeviceState.GONE:
-            self.send(peer, p.Welcome(False, kind_of(GpufnError), (
-                f"device {key!r} was not announced by a supervisor; start workers with "
-                "`gpufn serve` or `gpufn worker`, not by hand")))
-            return
-        incarnation = msg.info.incarnation
-        if fencing.fenced(d, incarnation):  # a worker that was replaced (e.g. frozen)
-            self.send(peer, fencing.refusal(d, incarnation))
-            if d.supervisor in self.peers:
-                self.send(d.supervisor, p.KillWorker(key, msg.pid, "a fenced worker came back"))
-            return
-        if msg.info.channel == "control":
-            if d.control is not None and d.control != peer:
-                self.peers.pop(d.control, None)
-                self.worker_device.pop(d.control, None)
-            self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
-            self.worker_device[peer] = key
-            d.control, d.last_seen = peer, now
-            self.send(peer, p.Welcome(True, info=self._cluster_info()))
-            return
-        if d.worker == peer and peer in self.peers:  # a second Hello of a worker we know
-            d.last_seen = self.peers[peer].last_seen = now
-            self.send(peer, p.Welcome(True, info=self._cluster_info()))
-            return
-        if d.worker is not None and d.worker != peer:
-            self._lose_worker(d, now, "a new worker process registered for the device")
-        self.peers[peer] = Peer(peer, msg.role, msg.pid, msg.info, now)
-        self.worker_device[peer] = key
-        d.last_seen = now
-        d.worker, d.worker_pid = peer, msg.pid
-        d.incarnation = incarnation or d.incarnation + 1
-        d.code.clear()
-        d.ledger.reset()
-        for model, nbytes in msg.info.models:  # they outlived the previous scheduler
-            d.ledger.adopt(str(model), int(nbytes), now)
-        if d.state is not DeviceState.READY:
-            d.to(DeviceState.READY, now)
-        d.last_error = ""
-        self._invalidate_feasibility()
-        self._recovered(self.recovery.worker_report(key, peer, msg.info, now), d, now)
-        if self.recovery.device_ready(key):  # every device seen before the restart is back
-            self.queue.expedite(self.recovery.hold_until, now)
-        self.send(peer, p.Welcome(True, info=self._cluster_info()))
-        if d.supervisor in self.peers:  # it started fine: not part of a crash loop
-            self.send(d.supervisor, p.WorkerServing(key, msg.pid, d.incarnation))
-        log.info("worker for %s ready (pid %d)", key, msg.pid)
-
-    def _recovered(self, ids: list[str], d: Device | None, now: float) -> None:
+    def _recovered(self, ids: Iterable[str], d: Device | None, now: float) -> None:
         """A worker (or supervisor) reported calls after a restart: those already
         resubmitted and waiting in the hold are taken over, or count as run."""
         for inv_id in ids:
@@ -437,15 +392,11 @@ class SchedulerCore:
     def _on_goodbye(self, peer: bytes, msg: p.Goodbye, now: float) -> None:
         self._drop_peer(peer, now, msg.reason or "said goodbye")
 
+    def _drop_peer(self, peer: bytes, now: float, reason: str) -> None:
+        self._members(self.members.drop(peer, now, reason), now)
+
     def _on_unreachable(self, peer: bytes, now: float) -> None:
-        info = self.peers.get(peer)
-        if info is None:
-            return
-        if info.role == p.Role.WORKER:  # it may still be running calls that get retried
-            d = self.device_of(peer)
-            if d is not None and d.supervisor in self.peers:
-                self.send(d.supervisor, p.KillWorker(d.key, d.worker_pid, "unreachable"))
-        self._drop_peer(peer, now, "unreachable")
+        self._members(self.members.unreachable(peer, now), now)
 
     def _rendezvous_failed(self, error: str, now: float) -> None:
         """Without the store no gang can form: fail queued gang calls, refuse new ones."""
@@ -455,29 +406,14 @@ class SchedulerCore:
             self.tx.finish(inv, now, InvState.FAILED,
                          Unschedulable(self.intake.no_rendezvous(inv.function.name)))
 
-    def _drop_peer(self, peer: bytes, now: float, reason: str) -> None:
-        info = self.peers.pop(peer, None)
-        if info is None:
-            return
-        if info.role == p.Role.CLIENT:
-            for inv in [i for i in self.invocations.values() if i.client == peer]:
-                if self.streams.outlives(inv):
-                    continue  # spawned on a deployed function: it runs on, its Result is kept
-                if inv.state is InvState.QUEUED:
-                    self.tx.finish(inv, now, InvState.CANCELLED, Cancelled("client left"))
-                elif inv.state is InvState.RUNNING:
-                    self.tx.cancel_running(inv, now, "client left")
-        elif info.role == p.Role.WORKER:
-            key = self.worker_device.pop(peer, None)
-            d = self.devices.get(key) if key else None
-            if d is not None and peer in (d.worker, d.control):
-                self._lose_worker(d, now, f"worker {reason}")
-        elif info.role == p.Role.SUPERVISOR:
-            for d in self.devices.values():
-                if d.supervisor == peer and d.state is not DeviceState.GONE:
-                    self._lose_worker(d, now, f"its supervisor {reason}", restart=False)
-                    d.to(DeviceState.GONE, now)
-            self._invalidate_feasibility()
+    def _client_gone(self, peer: bytes, now: float) -> None:
+        for inv in [i for i in self.invocations.values() if i.client == peer]:
+            if self.streams.outlives(inv):
+                continue  # spawned on a deployed function: it runs on, its Result is kept
+            if inv.state is InvState.QUEUED:
+                self.tx.finish(inv, now, InvState.CANCELLED, Cancelled("client left"))
+            elif inv.state is InvState.RUNNING:
+                self.tx.cancel_running(inv, now, "client left")
 
     # ------------------------------------------------------------------ client calls
 
@@ -551,34 +487,24 @@ class SchedulerCore:
             self._ran_before(inv, now)
         self.tx.dirty = True
 
-    def _readmit(self, now: float) -> None:
-        """At start: the spawned calls of deployed functions the previous scheduler noted
-        (nobody may resubmit them) are admitted again on their version, as if resubmitted
-        (they wait for the hold; a worker's report of them is taken over or counts)."""
+    def _readmit(self, call: DetachedCall, now: float) -> None:
+        """A spawned call the previous scheduler noted, admitted again (`start`)."""
         try:
-            calls = self.streams.restored()
-        except Exception:  # an unreadable book must not keep the scheduler from starting
-            log.exception("could not read the calls to admit again after the restart")
+            fn = self.apps.noted_function(call.function_id, call.invocation_id)
+            spec = GpuSpec.from_wire(call.spec)
+        except GpufnError as e:
+            self.streams.unadmittable(call, e, now)
             return
-        for call in calls:
-            try:
-                fn = self.apps.noted_function(call.function_id, call.invocation_id)
-                spec = GpuSpec.from_wire(call.spec)
-            except GpufnError as e:
-                self.streams.unadmittable(call, e, now)
-                continue
-            self._seq += 1
-            inv = Invocation(call.invocation_id, fn, NO_CLIENT, spec, call.frames,
-                             call.submitted - self.wall_offset, self._seq)
-            inv.user = call.owner
-            self.counters.submitted += 1
-            hold = self.recovery.hold_until if self.recovery.holding(now) else 0.0
-            try:
-                self._admit(inv, True, hold, now)
-            except Exception:  # one bad record must not keep the scheduler from starting
-                log.exception("[%s] could not admit it again", inv.id)
-        if calls:
-            log.info("%d spawned call(s) whose spawner may be gone admitted again", len(calls))
+        self._seq += 1
+        inv = Invocation(call.invocation_id, fn, NO_CLIENT, spec, call.frames,
+                         call.submitted - self.wall_offset, self._seq)
+        inv.user = call.owner
+        self.counters.submitted += 1
+        hold = self.recovery.hold_until if self.recovery.holding(now) else 0.0
+        try:
+            self._admit(inv, True, hold, now)
+        except Exception:  # one bad record must not keep the scheduler from starting
+            log.exception("[%s] could not admit it again", inv.id)
 
     def _on_cancel(self, peer: bytes, msg: p.Cancel, now: float) -> None:
         inv = self.invocations.get(msg.invocation_id)
@@ -667,7 +593,7 @@ class SchedulerCore:
                     self.send(m.client, p.Output(m.id, msg.stream, msg.text))
 
     def _on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> None:
-        d = self.device_of(peer)
+        d = self.members.device_of(peer)
         if d is not None:
             d.last_seen = now
 
@@ -681,26 +607,12 @@ class SchedulerCore:
         self.tx.dirty = True
 
     def _on_worker_exited(self, peer: bytes, msg: p.WorkerExited, now: float) -> None:
-        d = self.devices.get(msg.device)
-        if d is None or d.supervisor != peer or fencing.stale_exit(d, msg):
-            return  # not its device, or about an older generation: never applied to it
-        d.last_error = msg.reason
-        if msg.returncode == p.OUT_OF_HOST_MEMORY:  # its calls fail: a retry would grow again
-            self._lose_worker(d, now, "worker over its host-memory limit", oom=msg.reason)
-            return
-        self._lose_worker(d, now, f"worker process exited ({msg.reason})")
-        if msg.returncode == p.GAVE_UP:  # the supervisor retries it after a longer wait
-            if d.state is not DeviceState.FAILED:
-                d.to(DeviceState.FAILED, now)
-            self._invalidate_feasibility()
+        self._members(self.members.worker_exited(peer, msg, now), now)
 
-    # ------------------------------------------------------------------ failures
-
-    def _lose_worker(self, d: Device, now: float, reason: str, restart: bool = True,
-                     oom: str = "") -> None:
-        """The device's worker is gone: retry or fail what ran there, reset the device.
-        With `oom` (its supervisor's words) it was stopped over its host-memory limit:
-        what ran there fails with HostOutOfMemory."""
+    def _worker_gone(self, d: Device, now: float, reason: str, oom: str) -> None:
+        """The device's worker is gone: retry or fail what ran there. With `oom` (its
+        supervisor's words) it was stopped over its host-memory limit: what ran there
+        fails with HostOutOfMemory. Membership resets the device next."""
         for inv in list(d.running.values()):
             if inv.state is InvState.RUNNING and d.key in inv.devices and oom:
                 self.tx.failed_with_worker(inv, d, now, HostOutOfMemory(
@@ -711,23 +623,6 @@ class SchedulerCore:
             else:
                 self.tx.release_device(inv, d)
         self.gangs.forget_device(d.key)
-        for peer in (d.worker, d.control):
-            if peer is not None:
-                self.worker_device.pop(peer, None)
-                self.peers.pop(peer, None)
-        if d.worker is not None:
-            d.fenced = max(d.fenced, d.incarnation)  # its late messages are ignored
-        d.worker, d.control, d.worker_pid = None, None, 0
-        d.running.clear()
-        d.running_by_fn.clear()
-        d.code.clear()
-        d.ledger.reset(now)
-        # Never READY without a worker: placement would choose it.
-        if d.state in (DeviceState.READY, DeviceState.STARTING):
-            d.to(DeviceState.RESTARTING, now)
-            if restart:
-                d.restarts += 1
-                self.counters.restarts += 1
         self.tx.dirty = True
 
     def _on_tick(self, now: float) -> None:
@@ -747,10 +642,8 @@ class SchedulerCore:
                     and now - i.failing_since > self.config.gang_settle_seconds]:
             self.tx.settle(inv, now, force=True)
         self.tx.failing = {i for i in self.tx.failing if i.state is InvState.RUNNING}
+        self._members(self.members.silent_workers(now), now)
         for d in list(self.devices.values()):
-            if d.state is DeviceState.READY and now - d.last_seen > self.config.heartbeat_timeout:
-                self._kill_worker(d, now, f"no heartbeat for {now - d.last_seen:.0f}s")
-                continue
             late = [i for i, t in d.stopping.items() if now - t > self.config.stop_grace_seconds]
             if late:
                 self._kill_worker(d, now, f"call {late[0]} did not stop within "
@@ -770,9 +663,7 @@ class SchedulerCore:
             self.tx.finish(inv, now, InvState.FAILED, Timeout(
                 f"{inv.function.name} call {inv.id} could not start within its deadline of "
                 f"{inv.spec.deadline:g}s; it was dropped, not run late"))
-        for peer in [k for k, v in self.peers.items()
-                     if v.role == p.Role.CLIENT and now - v.last_seen > self.config.client_timeout]:
-            self._drop_peer(peer, now, "timed out")
+        self._members(self.members.silent_clients(now), now)
 
     def _timed_out(self, inv: Invocation, t: float, now: float) -> None:
         """The call ran past its timeout: fail it, free held devices, kill its runners."""
@@ -791,7 +682,4 @@ class SchedulerCore:
             self._kill_worker(d, now, f"call {inv.id} exceeded its {t:g}s timeout")
 
     def _kill_worker(self, d: Device, now: float, reason: str) -> None:
-        if d.supervisor in self.peers:
-            self.send(d.supervisor, p.KillWorker(d.key, d.worker_pid, reason))
-        log.warning("killing worker of %s: %s", d.key, reason)
-        self._lose_worker(d, now, reason)
+        self._members(self.members.kill(d, now, reason), now)

@@ -24,6 +24,7 @@ from gpufn.exceptions import ProtocolMismatch, kind_of
 from gpufn.net import processes, sockets
 from gpufn.net.curve import ServerSecurity
 from gpufn.scheduler.books.users import UserStore
+from gpufn.scheduler.calls.recovery import Restored
 from gpufn.scheduler.core import (
     Event,
     Received,
@@ -32,6 +33,7 @@ from gpufn.scheduler.core import (
     SchedulerConfig,
     SchedulerCore,
     Send,
+    Stalled,
     Tick,
     Unreachable,
 )
@@ -44,6 +46,7 @@ from gpufn.wire.config import join_address
 log = logging.getLogger("gpufn.scheduler")
 
 TICK_SECONDS = 0.05
+STALL_SECONDS = 1.0  # a loop this much later than asked means the scheduler did not run
 EXIT_RESTART = p.EXIT_RESTART
 MAX_BATCH = 512
 # Room for a header frame above the largest payload frame allowed (headers are small).
@@ -59,15 +62,16 @@ class SchedulerServer:
         config = config or SchedulerConfig()
         # `durable` (gpufn serve): usage, logs and the devices seen are kept on disk too.
         ops = OpsStore.in_state_dir(config.state_dir if durable else "")
+        results = KeptResults.in_state_dir(config.state_dir, config.result_retention_seconds,
+                                           config.result_store_bytes)
         self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir),
-                                  UserStore.in_state_dir(config.state_dir),
-                                  KeptResults.in_state_dir(config.state_dir,
-                                                           config.result_retention_seconds,
-                                                           config.result_store_bytes), ops)
-        self.core.wall_offset = time.time() - time.monotonic()  # the core is passed monotonic time
+                                  UserStore.in_state_dir(config.state_dir), results, ops)
+        # What the stores say of the time before this scheduler, handed to the core once.
         # Dispatch tokens start above any an earlier scheduler gave (its workers may still
         # run those dispatches), so no late result matches a new dispatch by chance.
-        self.core.tx.tokens = int(time.time() * 1_000_000)
+        self._restored = Restored.read(ops, results,
+                                       wall_offset=time.time() - time.monotonic(),
+                                       first_token=int(time.time() * 1_000_000))
         self.ctx = zmq.Context()
         # The ZAP allow-list must run before the first peer's handshake.
         self._auth = security.start_auth(self.ctx) if security is not None else None
@@ -138,16 +142,23 @@ class SchedulerServer:
         poller.register(self.sock, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_SECONDS
         sock = self.sock
+        self._deliver(self.core.start(self._restored, time.monotonic()))
+        top, wait = time.monotonic(), 0.0
         try:
             while self._running:
                 now = time.monotonic()
-                wake = self.core.next_wakeup()
-                due = next_tick if wake is None else min(next_tick, wake)
-                wait = 0 if (self._outbox or self._pending_events) else max(0.0, due - now)
-                timeout_ms = math.ceil(wait * 1000) if wait else (1 if self._outbox else 0)
-                ready = dict(poller.poll(timeout_ms))
                 events: list[Event] = self._pending_events
                 self._pending_events = []
+                # A loop that came round far later than its wait and work explain was
+                # not running (SIGSTOP, a frozen VM, swap): said to the core as such.
+                late, top = now - top - wait, now
+                if late > STALL_SECONDS:
+                    events.append(Stalled(late))
+                wake = self.core.next_wakeup()
+                due = next_tick if wake is None else min(next_tick, wake)
+                wait = 0 if (self._outbox or events) else max(0.0, due - now)
+                timeout_ms = math.ceil(wait * 1000) if wait else (1 if self._outbox else 0)
+                ready = dict(poller.poll(timeout_ms))
                 if ready.get(sock):
                     for _ in range(MAX_BATCH):
                         try:

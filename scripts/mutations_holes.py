@@ -84,7 +84,7 @@ HOLES: tuple[Mutation, ...] = (
         "@gpu(host_memory=) does not change the worker's limit",
     ),
     Mutation(
-        "host-oom-retried", "scheduler/core.py",
+        "host-oom-retried", "scheduler/peers/membership.py",
         "        if msg.returncode == p.OUT_OF_HOST_MEMORY:  # its calls fail: a retry would grow again\n",
         "        if False:\n",
         ("tests/unit/test_faults.py::test_a_worker_stopped_over_its_host_memory_fails_its_calls_without_a_retry",),
@@ -92,8 +92,8 @@ HOLES: tuple[Mutation, ...] = (
     ),
     Mutation(
         "detached-cancelled-with-spawner", "scheduler/core.py",
-        "                if self.streams.outlives(inv):\n",
-        "                if False:\n",
+        "            if self.streams.outlives(inv):\n",
+        "            if False:\n",
         ("tests/unit/test_kept_results.py::test_a_spawned_call_of_a_deployed_function_outlives_its_spawner",
          "tests/integration/test_detached.py::test_it_runs_to_its_end_and_its_result_is_found_later"),
         "a spawned call of a deployed function is cancelled when its spawner leaves",

@@ -50,7 +50,7 @@ RESTART: tuple[Mutation, ...] = (
         "a call said to have run is failed before the worker running its retry could say so",
     ),
     Mutation(
-        "hold-never-ends-early", "scheduler/core.py",
+        "hold-never-ends-early", "scheduler/peers/membership.py",
         "        if self.recovery.device_ready(key):  # every device seen before the restart is back\n",
         "        if False:\n",
         (f"{U}::test_the_hold_ends_once_every_device_seen_before_is_back",),
@@ -132,7 +132,7 @@ RESTART: tuple[Mutation, ...] = (
     ),
     Mutation(
         "detached-not-readmitted", "scheduler/core.py",
-        "            self._readmit(now)\n",
+        "            self._readmit(call, now)\n",
         "            pass\n",
         (f"{UD}::test_a_running_and_a_queued_call_are_admitted_again_and_run_once",),
         "the noted calls are never admitted again: queued ones vanish, running ones are orphans",
@@ -148,8 +148,8 @@ RESTART: tuple[Mutation, ...] = (
         "keeps it from running again)",
     ),
     Mutation(
-        "detached-ended-runs-again", "scheduler/desks/streams.py",
-        "            (ended if c.invocation_id in self.results else calls).append(c)\n",
+        "detached-ended-runs-again", "scheduler/calls/recovery.py",
+        "            (ended if c.invocation_id in results else calls).append(c)\n",
         "            calls.append(c)\n",
         (f"{UD}::test_a_noted_call_whose_result_is_kept_is_not_run_again",),
         "a noted call whose Result was kept before its row left runs a second time",

@@ -22,10 +22,15 @@ the previous scheduler placed after the first worker died); the hold's end decid
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gpufn.scheduler.stores.kept_results import DetachedCall, KeptResults
+from gpufn.scheduler.stores.ops import OpsStore
 from gpufn.wire import protocol as p
+
+log = logging.getLogger("gpufn.scheduler")
 
 RAN_MEMORY_SECONDS = 300.0  # how long a report waits for its call's resubmit
 ORPHAN_SECONDS = 120.0  # a running call nobody resubmitted is stopped after this
@@ -44,31 +49,71 @@ class Report:
     ran_seconds: float = 0.0  # how long it ran before this scheduler (billed, and its timeout's)
 
 
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What a (re)started scheduler knows from before it, read once from its stores by the
+    shell and handed to `SchedulerCore.start`: the one value a restart carries over."""
+
+    wall_offset: float = 0.0  # wall clock minus the monotonic `now` the shell passes
+    first_token: int = 0  # dispatch tokens start above any an earlier scheduler gave
+    expected_devices: frozenset[str] | None = None  # seen before the restart (None: unknown)
+    detached: tuple[DetachedCall, ...] = ()  # spawned calls to admit again, oldest first
+
+    @classmethod
+    def read(cls, ops: OpsStore, results: KeptResults | None, wall_offset: float,
+             first_token: int) -> Restored:
+        """From the stores of a durable scheduler (`gpufn serve`); an embedded one, whose
+        workers die with it, restores no devices and no calls."""
+        if not ops.durable:
+            return cls(wall_offset, first_token)
+        return cls(wall_offset, first_token, frozenset(ops.expected_devices()),
+                   tuple(_pending_calls(results)) if results is not None else ())
+
+
+def _pending_calls(results: KeptResults) -> list[DetachedCall]:
+    """The noted calls that did not end; those whose Result is kept already are not run
+    again (their notes are dropped). An unreadable book admits nothing, said in the log."""
+    try:
+        calls: list[DetachedCall] = []
+        ended: list[DetachedCall] = []
+        for c in results.detached():
+            (ended if c.invocation_id in results else calls).append(c)
+        if ended:
+            results.save_calls([], [c.invocation_id for c in ended])
+    except Exception:  # it must not keep the scheduler from starting
+        log.exception("could not read the calls to admit again after the restart")
+        return []
+    return calls
+
+
 RAN = "ran"  # `claim`: the call ran on a worker and may have completed; nothing to take over
 
 
 class Recovery:
-    def __init__(self, grace: float, instance: str = "",
-                 expected: Iterable[str] | None = None) -> None:
+    def __init__(self, grace: float, instance: str = "") -> None:
         self.grace = grace
         self.instance = instance  # this scheduler's id: a client that knew it was not restarted
         self.ran: dict[str, float] = {}  # invocation id -> when a worker said it ran
         self.reports: dict[str, Report] = {}  # invocation id -> running or held there
         self._resubmit_until: dict[bytes, float] = {}  # client -> end of its grace
-        self.began: float | None = None  # when this scheduler handled its first event
+        self.began: float | None = None  # when this scheduler started (`start`)
         # The devices seen before the restart (None: not known, the hold lasts its grace).
-        self.expected: set[str] | None = set(expected) if expected is not None else None
-        self.hold_over = self.expected is not None and not self.expected
+        self.expected: set[str] | None = None
+        self.hold_over = False
         self._next_orphans = 0.0
         self.suspects: set[str] = set()  # resubmitted, said to have run: decided at the hold's end
+
+    def start(self, expected: Iterable[str] | None, now: float) -> None:
+        """The scheduler starts at `now`, expecting the workers of `expected` back."""
+        self.began = now
+        self.expected = set(expected) if expected is not None else None
+        self.hold_over = self.expected is not None and not self.expected
 
     @property
     def hold_until(self) -> float:
         return (self.began or 0.0) + self.grace
 
     def client_hello(self, peer: bytes, info: p.HelloInfo, now: float) -> None:
-        if self.began is None:
-            self.began = now
         same = bool(self.instance) and info.instance == self.instance  # only forgotten
         if info.resubmit and not same and not self.hold_over and now < self.hold_until:
             self._resubmit_until[peer] = self.hold_until

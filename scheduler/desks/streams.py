@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 from gpufn.exceptions import ConnectionLost, GpufnError, kind_of
@@ -111,19 +112,9 @@ class StreamDesk(RunObserver):
                 peer, inv.user):
             inv.client = peer
 
-    def restored(self) -> list[DetachedCall]:
-        """The outliving calls the previous scheduler noted and that did not end: to be
-        admitted again (once, at start)."""
-        if not self.durable:
-            return []
-        calls: list[DetachedCall] = []
-        ended: list[DetachedCall] = []
-        for c in self.results.detached():
-            (ended if c.invocation_id in self.results else calls).append(c)
-        if ended:  # its Result is kept already: it is not run again
-            self.results.save_calls([], [c.invocation_id for c in ended])
+    def adopt(self, calls: Iterable[DetachedCall]) -> None:
+        """At start: the noted calls being admitted again are noted already."""
         self._saved.update(c.invocation_id for c in calls)
-        return calls
 
     def unadmittable(self, call: DetachedCall, error: GpufnError, now: float) -> None:
         """A noted call that cannot be admitted again (its version is gone): that error

@@ -41,7 +41,15 @@ class RendezvousFailed:
     error: str
 
 
-Event = Received | Tick | Unreachable | RendezvousReady | RendezvousFailed
+@dataclass(frozen=True, slots=True)
+class Stalled:
+    """The shell's loop woke `seconds` later than it asked to: the scheduler itself was
+    stopped (SIGSTOP, a frozen VM, swap), so peers' silence in that time is not theirs."""
+
+    seconds: float
+
+
+Event = Received | Tick | Unreachable | RendezvousReady | RendezvousFailed | Stalled
 
 
 @dataclass(frozen=True, slots=True)

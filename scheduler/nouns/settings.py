@@ -118,6 +118,7 @@ class Counters:
     preempted: int = 0
     batches: int = 0
     stale_results: int = 0  # results fenced off: from a lost worker, or an earlier dispatch
+    stalls: int = 0  # times the scheduler itself was found not to have run (see `Stalled`)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

@@ -6,6 +6,7 @@ from typing import Any
 
 from gpufn.memory_pool.probe import simulated_devices
 from gpufn.scheduler.books.users import UserStore
+from gpufn.scheduler.calls.recovery import Restored
 from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore, Send, Tick, Unreachable
 from gpufn.scheduler.stores.deployments import DeploymentStore
 from gpufn.scheduler.stores.kept_results import KeptResults
@@ -21,10 +22,13 @@ class Harness:
                  users: UserStore | None = None, ops: OpsStore | None = None,
                  **cfg: Any) -> None:
         config = SchedulerConfig(**cfg)
+        results = KeptResults.in_state_dir(config.state_dir)
         self.core = SchedulerCore(config, DeploymentStore.in_state_dir(config.state_dir), users,
-                                  KeptResults.in_state_dir(config.state_dir), ops)
+                                  results, ops)
         self.now = 1000.0
-        self.sent: list[Send] = []
+        # What the shell reads from the stores at its start (nothing without an ops store).
+        restored = Restored.read(ops, results, 0.0, 0) if ops is not None else Restored()
+        self.sent: list[Send] = self.core.start(restored, self.now)
         self.n = 0
         self.generations: dict[int, int] = {}
         self.infos = simulated_devices("n", devices, memory, islands=islands)

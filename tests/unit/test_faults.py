@@ -57,7 +57,7 @@ def test_a_lost_worker_never_leaves_a_ready_device_without_a_worker() -> None:
     h.start_worker(0)
     h.start_worker(1)
     for d in h.core.devices.values():
-        h.core._lose_worker(d, h.now, "test", restart=False)
+        h.core._members(h.core.members.lose_worker(d, h.now, "test", restart=False), h.now)
         assert d.state is not DeviceState.READY
     f = h.register("f")
     h.submit(f)

@@ -245,10 +245,13 @@ def test_a_pass_places_by_the_load_its_own_dispatches_left() -> None:
     """Two calls of a concurrency-1 function in one pass go to two devices: the index
     moved the first device after its dispatch (else the second call would follow it)."""
     from gpufn.memory_pool.probe import simulated_devices
+    from gpufn.scheduler.calls.recovery import Restored
     from gpufn.scheduler.core import Received, SchedulerConfig, SchedulerCore
     from gpufn.wire import protocol as p
 
     core = SchedulerCore(SchedulerConfig(slots_per_device=4))
+
+    core.start(Restored(), 1.0)
     infos = simulated_devices("n0", 2, 8 * GiB)
     core.handle(Received(b"s0", p.Hello(p.Role.SUPERVISOR, p.PROTOCOL_VERSION, "", 10, p.HelloInfo(
         node="n0", devices=[d.to_wire() for d in infos]))), 1.0)

@@ -12,7 +12,6 @@ a desk owns in a core handler is called explicitly, in order, where it happens.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import secrets
 from collections.abc import Iterable
@@ -23,7 +22,6 @@ from gpufn.exceptions import (
     Cancelled,
     GpufnError,
     HostOutOfMemory,
-    Timeout,
     Unschedulable,
     kind_of,
 )
@@ -31,10 +29,12 @@ from gpufn.scheduler.books import batches
 from gpufn.scheduler.books.gang_book import GangBook
 from gpufn.scheduler.books.model_book import ModelBook
 from gpufn.scheduler.books.queues import ReadyQueue
-from gpufn.scheduler.books.users import Identity, UserStore, sees
+from gpufn.scheduler.books.users import UserStore, sees
 from gpufn.scheduler.calls import wire_checks
+from gpufn.scheduler.calls.adoption import Adoption
 from gpufn.scheduler.calls.intake import Intake
 from gpufn.scheduler.calls.recovery import Recovery, Report, Restored
+from gpufn.scheduler.calls.timers import Timers
 from gpufn.scheduler.calls.transitions import Transitions
 from gpufn.scheduler.desks import report
 from gpufn.scheduler.desks.app_book import AppBook
@@ -114,7 +114,6 @@ class SchedulerCore:
         self.recovery = Recovery(self.config.restart_grace_seconds, self.instance)
         self._out: list[Send] = []
         self.members = Membership(self.config, self.counters, self.recovery, self.policy, self._out)
-        self.members.cluster_info = self._cluster_info
         self.peers, self.devices = self.members.peers, self.members.devices
         self.worker_device, self.hosts = self.members.worker_device, self.members.hosts
         self.intake = Intake(self.config, self.devices, self.queue, self.models)
@@ -123,10 +122,11 @@ class SchedulerCore:
         self.needs_rendezvous = False
         self._started = False
         self._wakeup_at: float | None = None
-        self._deadlines: list[tuple[float, int, Invocation]] = []
         self.tx = Transitions(self.config, self.devices, self.queue, self.invocations, self.peers,
                               self.counters, self.gangs, self.models, self._out)
         self._seq = 0
+        self.timers = Timers(self.config, self.tx, self.devices, self.counters)
+        self.adoption = Adoption(self.recovery, self.tx, self.devices, self.invocations, self._out)
         self.apps = AppBook(self, deployments or DeploymentStore(":memory:"))
         self.ops = OpsDesk(self, ops_store)  # logs, usage and drain
         self.streams = StreamDesk(self, results,  # streamed values, from_id callers, kept results
@@ -253,7 +253,7 @@ class SchedulerCore:
 
     def _schedule(self, now: float) -> None:
         if self.recovery.suspects:  # the hold is over: before anything is placed
-            self._decide_suspects(now)
+            self.adoption.decide_suspects(now)
         self.tx.sweep_shards(now)  # stale shards of sharded models leave first
         for decision in self.placement.run(now, self.tx.rendezvous_port):
             self._apply(decision, now)
@@ -323,68 +323,11 @@ class SchedulerCore:
             elif isinstance(dec, ClientGone):
                 self._client_gone(dec.peer, now)
             elif isinstance(dec, Reported):
-                self._recovered(dec.ids, dec.device, now)
+                self.adoption.recovered(dec.ids, dec.device, now)
             elif isinstance(dec, DevicesChanged):
                 self._invalidate_feasibility()
             elif isinstance(dec, AllBack):
                 self.queue.expedite(self.recovery.hold_until, now)
-
-    def _cluster_info(self, who: Identity | None = None) -> p.WelcomeInfo:
-        return p.WelcomeInfo(p.PROTOCOL_VERSION, len(self.devices), self.config.client_timeout,
-                             self.instance, handshake.runtimes(self.peers.values()),
-                             who.user if who else "", who.admin if who else False,
-                             sorted({i.info.host for i in self.peers.values()
-                                     if i.role == p.Role.SUPERVISOR}))
-
-    def _recovered(self, ids: Iterable[str], d: Device | None, now: float) -> None:
-        """A worker (or supervisor) reported calls after a restart: those already
-        resubmitted and waiting in the hold are taken over, or count as run."""
-        for inv_id in ids:
-            inv = self.invocations.get(inv_id)
-            if inv is None:
-                continue  # its caller resubmits it later (or never)
-            claim = self.recovery.claim(inv_id)
-            if (inv.state is InvState.QUEUED and inv.attempts and isinstance(claim, Report)
-                    and self._adopt(inv, claim, now, queued=True)):
-                continue  # counted as lost and queued again, not started yet: its run goes on
-            if inv.state is not InvState.QUEUED or inv.attempts:
-                if isinstance(claim, Report) and not claim.held and d is not None:
-                    # The hold ended before this worker was back, and the call was placed
-                    # again: the old run stops (it may have had an effect: said, not hidden).
-                    log.warning("[%s] %s was placed again before %s said it runs it; "
-                                "stopping that run", inv_id, inv.function.name, d.key)
-                    self.send(d.control or d.worker or b"", p.Cancel(
-                        inv_id, "placed again after the restart", True, claim.dispatch_token))
-                continue
-            if not (isinstance(claim, Report) and self._adopt(inv, claim, now, queued=True)):
-                self._ran_before(inv, now)
-
-    def _ran_before(self, inv: Invocation, now: float) -> None:
-        """A resubmitted call ran on a worker that cannot hand it over: a lost attempt,
-        decided at the hold's end (another worker may still say it runs it)."""
-        if self.recovery.holding(now):
-            self.recovery.suspects.add(inv.id)
-        else:
-            self.tx.lost_before_restart(inv, now)
-
-    def _decide_suspects(self, now: float) -> None:
-        for inv_id in self.recovery.decided(now):
-            inv = self.invocations.get(inv_id)
-            if inv is not None:
-                self.tx.lost_before_restart(inv, now)
-
-    def _adopt(self, inv: Invocation, report: Report, now: float, queued: bool) -> bool:
-        """Take over a resubmitted call its worker runs or holds the Result of; False if
-        that cannot be (the worker is gone, or the call spans devices): it counts as run."""
-        d = self.devices.get(report.device)
-        if (d is None or d.worker != report.worker or not d.takes_work
-                or inv.spec.count > 1):
-            return False
-        self.tx.adopt(inv, d, report.dispatch_token, report.attempt, now, queued,
-                      report.ran_seconds)
-        if report.held:
-            self.send(d.worker, p.Resend(inv.id, report.dispatch_token))
-        return True
 
     def _on_ping(self, peer: bytes, msg: p.Ping, now: float) -> None:
         self.send(peer, p.Pong(msg.seq))
@@ -473,18 +416,16 @@ class SchedulerCore:
 
     def _admit(self, inv: Invocation, keep: bool, not_before: float, now: float) -> None:
         inv.history.append(("queued", now))
-        if inv.spec.deadline is not None:
-            inv.deadline = now + inv.spec.deadline
-            heapq.heappush(self._deadlines, (inv.deadline, inv.seq, inv))
+        self.timers.watch(inv, now)
         self.invocations[inv.id] = inv
         self.streams.admitted(inv, keep)  # 2. its Result kept for FunctionCall.from_id
         claim = self.recovery.claim(inv.id)  # 3. after a restart: a worker runs or ran it
-        if isinstance(claim, Report) and self._adopt(inv, claim, now, queued=False):
+        if isinstance(claim, Report) and self.adoption.adopt(inv, claim, now, queued=False):
             return
         inv.not_before = not_before
         self.queue.push(inv, now)
         if claim is not None:
-            self._ran_before(inv, now)
+            self.adoption.ran_before(inv, now)
         self.tx.dirty = True
 
     def _readmit(self, call: DetachedCall, now: float) -> None:
@@ -561,6 +502,10 @@ class SchedulerCore:
             inv.function.observe_runtime(msg.meta.duration, d.key)
         if inv.members:
             self.tx.finish_batch(inv, msg, now)
+            return
+        overran = self.timers.overran(inv, msg.meta.duration) if msg.ok else None
+        if overran is not None:
+            self.tx.finish(inv, now, InvState.FAILED, overran)
             return
         result = p.Result(inv.id, msg.ok, msg.error_kind, msg.message,
                           self.tx.meta(inv, now, msg.meta, owned=True), msg.frames)
@@ -643,43 +588,9 @@ class SchedulerCore:
             self.tx.settle(inv, now, force=True)
         self.tx.failing = {i for i in self.tx.failing if i.state is InvState.RUNNING}
         self._members(self.members.silent_workers(now), now)
-        for d in list(self.devices.values()):
-            late = [i for i, t in d.stopping.items() if now - t > self.config.stop_grace_seconds]
-            if late:
-                self._kill_worker(d, now, f"call {late[0]} did not stop within "
-                                          f"{self.config.stop_grace_seconds:g}s of being told to")
-                continue
-            for inv in list(d.running.values()):
-                t = inv.spec.timeout
-                if (inv.state is InvState.RUNNING and t is not None and inv.run_started is not None
-                        and now - inv.run_started > t):
-                    self._timed_out(inv, t, now)
-                    break
-        # Deadlines: a heap, so a tick costs O(due), not O(queued).
-        while self._deadlines and self._deadlines[0][0] < now:
-            _, _, inv = heapq.heappop(self._deadlines)
-            if inv.state is not InvState.QUEUED or inv.deadline is None or now <= inv.deadline:
-                continue  # started (or finished) in time
-            self.tx.finish(inv, now, InvState.FAILED, Timeout(
-                f"{inv.function.name} call {inv.id} could not start within its deadline of "
-                f"{inv.spec.deadline:g}s; it was dropped, not run late"))
+        for kill in self.timers.expired(now):
+            self._kill_worker(kill.device, now, kill.reason)
         self._members(self.members.silent_clients(now), now)
-
-    def _timed_out(self, inv: Invocation, t: float, now: float) -> None:
-        """The call ran past its timeout: fail it, free held devices, kill its runners."""
-        self.counters.timeouts += 1
-        runners = [self.devices[k] for k in inv.shape.runners(inv.devices)
-                   if inv.id in self.devices[k].running]
-        for key in inv.devices:
-            if key not in inv.shape.runners(inv.devices):  # held idle: free now
-                self.tx.release_device(inv, self.devices.get(key))
-        where = ", ".join(d.key for d in runners)
-        self.tx.finish(inv, now, InvState.FAILED, Timeout(
-            f"{inv.function.name} call {inv.id} ran longer than its timeout of {t:g}s "
-            f"on {where}; its worker(s) were restarted. Raise timeout= if it needs longer."),
-            release=False)
-        for d in runners:
-            self._kill_worker(d, now, f"call {inv.id} exceeded its {t:g}s timeout")
 
     def _kill_worker(self, d: Device, now: float, reason: str) -> None:
         self._members(self.members.kill(d, now, reason), now)

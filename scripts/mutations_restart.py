@@ -14,7 +14,7 @@ UD = "tests/unit/test_detached_restart.py"
 RESTART: tuple[Mutation, ...] = (
     Mutation(
         "restart-no-takeover", "scheduler/core.py",
-        "        if isinstance(claim, Report) and self._adopt(inv, claim, now, queued=False):\n",
+        "        if isinstance(claim, Report) and self.adoption.adopt(inv, claim, now, queued=False):\n",
         "        if False:\n",
         (f"{U}::test_a_running_call_is_taken_over_not_run_again[True]",
          "tests/integration/test_faults.py::"
@@ -22,7 +22,7 @@ RESTART: tuple[Mutation, ...] = (
         "a resubmitted call a worker runs is not taken over (it counts as lost, or runs twice)",
     ),
     Mutation(
-        "restart-held-not-asked-for", "scheduler/core.py",
+        "restart-held-not-asked-for", "scheduler/calls/adoption.py",
         "        if report.held:\n",
         "        if False:\n",
         (f"{U}::test_a_result_the_worker_holds_is_asked_for_again",),
@@ -43,7 +43,7 @@ RESTART: tuple[Mutation, ...] = (
         "a worker that dies while the head is away takes what it ran with it: calls run twice",
     ),
     Mutation(
-        "ran-decided-during-the-hold", "scheduler/core.py",
+        "ran-decided-during-the-hold", "scheduler/calls/adoption.py",
         "        if self.recovery.holding(now):\n            self.recovery.suspects.add(inv.id)\n",
         "        if False:\n            self.recovery.suspects.add(inv.id)\n",
         (f"{U}::test_a_worker_that_runs_a_call_a_supervisor_said_ran_takes_it_over",),
@@ -183,7 +183,7 @@ RESTART: tuple[Mutation, ...] = (
         "an embedded scheduler (whose workers die with it) notes calls a later one runs again",
     ),
     Mutation(
-        "requeued-suspect-cancelled", "scheduler/core.py",
+        "requeued-suspect-cancelled", "scheduler/calls/adoption.py",
         "            if (inv.state is InvState.QUEUED and inv.attempts and isinstance(claim, Report)\n",
         "            if (False and isinstance(claim, Report)\n",
         (f"{UD}::test_a_requeued_suspect_whose_worker_reports_it_late_is_taken_over",),

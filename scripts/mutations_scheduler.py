@@ -85,7 +85,7 @@ SCHEDULER: tuple[Mutation, ...] = (
         why="a worker's report that came before the resubmit is forgotten (the call runs twice)",
     ),
     Mutation(
-        'recovery-late-reports-ignored', 'scheduler/core.py',
+        'recovery-late-reports-ignored', 'scheduler/calls/adoption.py',
         '        else:\n            self.tx.lost_before_restart(inv, now)\n',
         '        else:\n            pass\n',
         (f"{UF}::test_a_report_after_the_hold_of_a_call_still_queued_counts_as_its_lost_attempt",),

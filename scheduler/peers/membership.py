@@ -11,7 +11,7 @@ that much silence, so a paused head does not kill healthy workers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gpufn.exceptions import GpufnError, kind_of
@@ -66,7 +66,6 @@ class AllBack:
 
 
 Decision = WorkerGone | ClientGone | Reported | DevicesChanged | AllBack
-ClusterInfo = Callable[[Identity | None], p.WelcomeInfo]
 
 
 class Membership:
@@ -81,7 +80,6 @@ class Membership:
         self.devices: dict[str, Device] = {}
         self.worker_device: dict[bytes, str] = {}
         self.hosts: dict[str, HostLedger] = {}
-        self.cluster_info: ClusterInfo = lambda who: p.WelcomeInfo(p.PROTOCOL_VERSION)
 
     def send(self, peer: bytes, msg: p.Message) -> None:
         self.out.append(Send(peer, msg))
@@ -90,6 +88,14 @@ class Membership:
         """The device whose worker (or its control channel) is `peer`."""
         key = self.worker_device.get(peer)
         return self.devices.get(key) if key else None
+
+    def cluster_info(self, who: Identity | None = None) -> p.WelcomeInfo:
+        """What a Welcome tells a peer of the cluster (and a client of who it is)."""
+        return p.WelcomeInfo(p.PROTOCOL_VERSION, len(self.devices), self.config.client_timeout,
+                             self.recovery.instance, handshake.runtimes(self.peers.values()),
+                             who.user if who else "", who.admin if who else False,
+                             sorted({i.info.host for i in self.peers.values()
+                                     if i.role == p.Role.SUPERVISOR}))
 
     # ------------------------------------------------------------------ hellos
 

@@ -143,17 +143,12 @@ class SchedulerServer:
         next_tick = time.monotonic() + TICK_SECONDS
         sock = self.sock
         self._deliver(self.core.start(self._restored, time.monotonic()))
-        top, wait = time.monotonic(), 0.0
+        mark = time.monotonic()
         try:
             while self._running:
                 now = time.monotonic()
                 events: list[Event] = self._pending_events
                 self._pending_events = []
-                # A loop that came round far later than its wait and work explain was
-                # not running (SIGSTOP, a frozen VM, swap): said to the core as such.
-                late, top = now - top - wait, now
-                if late > STALL_SECONDS:
-                    events.append(Stalled(late))
                 wake = self.core.next_wakeup()
                 due = next_tick if wake is None else min(next_tick, wake)
                 wait = 0 if (self._outbox or events) else max(0.0, due - now)
@@ -174,6 +169,12 @@ class SchedulerServer:
                             continue
                         events.extend(Received(peer, m) for m in msgs)
                 now = time.monotonic()
+                # Time since the last round beyond the wait asked for is work, or not
+                # running at all (SIGSTOP, a frozen VM, swap). Past a second the core is
+                # told first, before it judges anyone's silence on this round's tick.
+                late, mark = now - mark - wait, now
+                if late > STALL_SECONDS:
+                    events.insert(0, Stalled(late))
                 if now >= next_tick or (wake is not None and now >= wake):
                     events.append(Tick())
                     next_tick = now + TICK_SECONDS

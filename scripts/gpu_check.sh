@@ -22,9 +22,9 @@ BUDGET=${GPUFN_GPU_BUDGET:-480}
 mkdir -p "$OUT_DIR" || exit 2
 LOG=$OUT_DIR/gpu-check.log
 SUMMARY=$OUT_DIR/gpu-summary.txt
-# The repo's gpufn/ lacks the sub-packages the wheel maps in (gpufn.scheduler is scheduler/,
-# ...): the working directory must never shadow the installed gpufn, in pytest or in any
-# process the tests start (Python >= 3.11). pytest's importlib mode adds no path either.
+# The checkout's gpufn/ lacks the sub-packages the wheel maps in (gpufn.scheduler is
+# scheduler/, ...): the working directory must never shadow the installed gpufn, in any
+# Python this starts or the tests start (Python >= 3.11; the tests run from a copy too).
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 GPUFN_PROGRESS=0
 
 importable() {
@@ -133,11 +133,21 @@ print("packages: " + ", ".join(f"{k} {version(k)}" for k in (
 PYEOF
 }
 
+# pytest puts the tests' root first on sys.path (any pytest; its importlib mode, which would
+# not, cannot take the tests' relative imports before pytest 8.1), and the checkout's
+# gpufn/ there would shadow the installed package: the tests run from a copy outside it.
 gpu_tests() {
-  echo "== gpu tests (at most ${BUDGET}s in all; each has its own timeout)"
-  timeout --signal=INT --kill-after=30 "$BUDGET" \
-    "$PY" -m pytest -m gpu -v -s -rs -p no:cacheprovider --import-mode=importlib tests/gpu
-  local status=$?
+  local run=${TMPDIR:-/tmp}/gpufn-gpu-run status
+  if ! { rm -rf "$run" && mkdir -p "$run/tests" \
+      && cp -r tests/__init__.py tests/conftest.py tests/gpu "$run/tests/" \
+      && cp -r pyproject.toml examples "$run/"; }; then
+    echo "error: could not copy the tests to $run"
+    return 2
+  fi
+  echo "== gpu tests (at most ${BUDGET}s in all; each has its own timeout; from $run)"
+  (cd "$run" && timeout --signal=INT --kill-after=30 "$BUDGET" \
+    "$PY" -m pytest -m gpu -v -s -rs -p no:cacheprovider tests/gpu)
+  status=$?
   if [[ $status == 124 || $status == 137 ]]; then
     echo "stopped: the ${BUDGET}s budget for the gpu tests ran out (status $status)"
   fi

@@ -22,8 +22,8 @@ try:
     from packaging.requirements import Requirement
     from packaging.version import InvalidVersion, Version
 except ImportError:  # pip always carries its own copy
-    from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
-    from pip._vendor.packaging.version import InvalidVersion, Version  # type: ignore[no-redef]
+    from pip._vendor.packaging.requirements import Requirement  # type: ignore[assignment]
+    from pip._vendor.packaging.version import InvalidVersion, Version  # type: ignore[assignment]
 
 NEVER_CARRIED = {"torch", "numpy"}
 
@@ -92,6 +92,7 @@ def check(folder: Path, image: dict[str, str | None], python_version: str) -> li
     env = environment(python_version)
     for key, (_version, path) in carried.items():
         met: list[str] = []
+        have: str | None
         for line in requires[key]:
             req = Requirement(line)
             if req.marker is not None and not req.marker.evaluate(env):

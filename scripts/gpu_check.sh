@@ -121,7 +121,7 @@ if cuda:
     p = torch.cuda.get_device_properties(0)
     row("device 0", f"{p.name}, {total / 2**20:.0f} MiB ({free / 2**20:.0f} free), "
         f"{p.multi_processor_count} SMs, sm_{p.major}{p.minor}, NCCL "
-        f"{'.'.join(map(str, torch.cuda.nccl.version()))}",
+        f"{torch.cuda.nccl.version()}",
         "H200: 132 SMs, sm_90, 141 GB HBM3e")
     if n < 2:
         print("note: one GPU: multi-rank NCCL cannot run here (two ranks on one device is an "

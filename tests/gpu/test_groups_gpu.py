@@ -164,7 +164,7 @@ def test_nccl_init_abort_from_thread_and_rejoin() -> None:
     r = run_child(NCCL_SCRIPT, env=env)
     figure("NCCL group set-up (world size 1)",
            f"{r['init_s']:.3f} s, bound to {r['bound_device']}, NCCL "
-           f"{'.'.join(map(str, torch.cuda.nccl.version()))}")
+           f"{torch.cuda.nccl.version()}")
     figure("NCCL warm ensure", f"{r['warm_s'] * 1e6:.0f} us, same group {r['warm_same']}, "
            f"inits {r['inits_after_warm']}")
     figure("NCCL abort from another thread",

@@ -25,16 +25,22 @@ TARGET=(--python-version "$PYVER" --implementation cp
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
   --platform manylinux1_x86_64 --only-binary=:all:)
 
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
 rm -rf "$DEST"
 mkdir -p "$DEST"
 echo "== downloading for CPython $PYVER x86-64: ${CARRY[*]}"
 "$PY" -m pip download -q --no-deps "${TARGET[@]}" -d "$DEST" "${CARRY[@]}"
+# From a copy of the files git tracks or would (committed or not): a stale build/ here
+# (modules since moved or deleted) never lands in the wheel, and nothing is written here.
 echo "== building gpufn's wheel"
-"$PY" -m pip wheel -q --no-deps -w "$DEST" .
+mkdir "$tmp/src"
+git ls-files -z --cached --others --exclude-standard \
+  | while IFS= read -r -d '' f; do if [[ -f $f ]]; then printf '%s\0' "$f"; fi; done \
+  | xargs -0 cp --parents -t "$tmp/src" --
+"$PY" -m pip wheel -q --no-deps -w "$DEST" "$tmp/src"
 
 echo "== every wheel installs on CPython $PYVER x86-64 (pip, no index, one version each)"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 "$PY" -m pip install -q --dry-run --no-index --no-deps --find-links "$DEST" "${TARGET[@]}" \
   --target "$tmp/site" "$DEST"/*.whl
 echo "== every requirement is carried or in the image"

@@ -28,7 +28,7 @@ SUMMARY=$OUT_DIR/gpu-summary.txt
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 GPUFN_PROGRESS=0
 
 importable() {
-  (cd / && "$PY" -c 'import zmq, gpufn.scheduler.core, gpufn.worker.core, gpufn.memory_pool.allocator') \
+  (cd / && "$PY" -c 'import zmq, gpufn.scheduler, gpufn.worker, gpufn.memory_pool') \
     >/dev/null 2>&1
 }
 
@@ -68,7 +68,7 @@ install() {
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
     if ! importable; then
       echo "error: gpufn still does not import from $SITE:"
-      (cd / && "$PY" -c 'import zmq, gpufn.scheduler.core, gpufn.worker.core')
+      (cd / && "$PY" -c 'import zmq, gpufn.scheduler, gpufn.worker, gpufn.memory_pool')
       return 1
     fi
   else

@@ -43,8 +43,9 @@ git ls-files -z --cached --others --exclude-standard \
 echo "== every wheel installs on CPython $PYVER x86-64 (pip, no index, one version each)"
 "$PY" -m pip install -q --dry-run --no-index --no-deps --find-links "$DEST" "${TARGET[@]}" \
   --target "$tmp/site" "$DEST"/*.whl
-echo "== every requirement is carried or in the image"
-"$PY" scripts/gpu_wheels_check.py "$DEST" scripts/gpu_image.txt --python-version "$PYVER"
+echo "== every requirement is carried or in the image; every module of the checkout is in gpufn's wheel"
+"$PY" scripts/gpu_wheels_check.py "$DEST" scripts/gpu_image.txt --python-version "$PYVER" \
+  --source "$tmp/src"
 
 wheels=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
 tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | awk '/\ttotal$/ {s += $1} END {print s + 0}')

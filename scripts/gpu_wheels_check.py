@@ -3,10 +3,11 @@
 Every `Requires-Dist` of every wheel (markers evaluated for CPython on x86-64 Linux at the
 given Python version, no extras) must be met by another wheel in the folder or by a
 distribution the image holds (`scripts/gpu_image.txt`, checked against its version where
-the list gives one). Each name may come once, and torch and numpy are never carried.
-Prints one line per wheel and exits non-zero on any gap.
+the list gives one). Each name may come once, and torch and numpy are never carried. With
+`--source`, every Python file of the checkout's packages must be in gpufn's wheel. Prints
+one line per wheel and exits non-zero on any gap.
 
-    python3 scripts/gpu_wheels_check.py .whl scripts/gpu_image.txt --python-version 3.12
+    python3 scripts/gpu_wheels_check.py .whl scripts/gpu_image.txt --python-version 3.12 --source .
 """
 
 from __future__ import annotations
@@ -113,19 +114,47 @@ def check(folder: Path, image: dict[str, str | None], python_version: str) -> li
     return problems
 
 
+def unpackaged(folder: Path, root: Path) -> list[str]:
+    """Python files of the checkout's packages (pyproject's package-dir) missing from gpufn's
+    wheel: a sub-package not listed in `packages` would be absent on the GPU machine."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: not checked
+        return []
+    wheels = sorted(folder.glob("gpufn-*.whl"))
+    if not wheels:
+        return ["no gpufn wheel"]
+    with zipfile.ZipFile(wheels[0]) as zf:
+        names = set(zf.namelist())
+    dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    missing: list[str] = []
+    for package, source in dirs.items():
+        for path in sorted((root / source).rglob("*.py")):
+            rel = path.relative_to(root / source)
+            if "__pycache__" not in rel.parts and "/".join(
+                    [*package.split("."), *rel.parts]) not in names:
+                missing.append(f"{source}/{rel.as_posix()} is not in {wheels[0].name}: list its "
+                               "package in pyproject's [tool.setuptools] packages")
+    return missing
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check the folder; exit 1 on any problem."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
     ap.add_argument("image", type=Path)
     ap.add_argument("--python-version", default="3.12")
+    ap.add_argument("--source", type=Path, help="the checkout gpufn's wheel was built from")
     args = ap.parse_args(argv)
     problems = check(args.folder, read_image(args.image), args.python_version)
+    if args.source is not None:
+        problems += unpackaged(args.folder, args.source)
     for p in problems:
         print(f"MISSING: {p}", file=sys.stderr)
     if problems:
         return 1
-    print(f"complete: every requirement is carried or in the image ({args.image})")
+    modules = "; every module of the checkout is in gpufn's wheel" if args.source else ""
+    print(f"complete: every requirement is carried or in the image ({args.image}){modules}")
     return 0
 
 

@@ -11,23 +11,31 @@ import torch
 
 import gpufn
 
+from .figures import figure, reports
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(240),
 ]
 
 
+@reports(("NVML devices", "as many as torch sees; an H200: 143771 MiB (nvidia-smi), 141 GB HBM3e"),
+         ("NVML topology", "one GPU: no NVLink peers, no PCIe levels to another GPU"))
 def test_nvml_probe_reports_real_devices() -> None:
     from gpufn.memory_pool.probe import nvml_devices
 
     devs = nvml_devices("here")
+    figure("NVML devices", f"{len(devs)} (torch sees {torch.cuda.device_count()}): " + "; ".join(
+        f"{d.key} {d.name} {d.memory_total / 2**20:.0f} MiB {d.uuid} pci {d.pci_bus_id}"
+        for d in devs))
+    figure("NVML topology", "; ".join(
+        f"{d.key} numa={d.numa_node} nvlink={list(d.nvlink_peers)} levels={d.pcie_levels}"
+        for d in devs))
     assert len(devs) == torch.cuda.device_count()
     for d in devs:
         assert d.kind == "cuda" and d.uuid.startswith("GPU-") and d.memory_total > 2**30
         assert d.pci_bus_id
-        print(f"{d.key} {d.name} {d.uuid} {d.memory_total / 2**30:.1f} GiB numa={d.numa_node} "
-              f"nvlink={list(d.nvlink_peers)} levels={d.pcie_levels}")
 
 
 @gpufn.model(memory="512MiB")
@@ -46,6 +54,11 @@ def matvec() -> dict[str, object]:
             "name": torch.cuda.get_device_name(0), "sum": float(y.sum())}
 
 
+@reports(("cold call on the GPU (embedded cluster)",
+          "seconds: a worker's torch import, CUDA context and a 256 MiB model load"),
+         ("warm call on the GPU", "~1 ms: a no-op .remote() p50 is 0.84-0.95 ms on CPU devices "
+          "(docs/performance.md), plus one 8192x8192 matvec"),
+         ("model bytes measured on the GPU", "256 MiB of fp32 weights (8192 x 8192 x 4 B)"))
 def test_embedded_cluster_runs_on_the_gpu_with_the_model_pool() -> None:
     c = gpufn.connect()
     t0 = time.perf_counter()
@@ -55,16 +68,20 @@ def test_embedded_cluster_runs_on_the_gpu_with_the_model_pool() -> None:
     t0 = time.perf_counter()
     again = matvec.remote()
     warm = time.perf_counter() - t0
+    figure("cold call on the GPU (embedded cluster)",
+           f"{cold:.2f} s, cold start {first.result_meta()['cold_start']} on {out['name']}")
+    figure("warm call on the GPU", f"{warm * 1000:.1f} ms")
     assert out["device"] == "cuda:0" and str(out["visible"]).startswith("GPU-")
     assert again["sum"] == out["sum"]
     assert first.result_meta()["cold_start"] == "loaded"
     dev = c.status()["devices"][0]
     model = next(m for m in dev["models"] if m["name"] == "big_linear")
+    figure("model bytes measured on the GPU",
+           f"{model['nbytes'] / 2**20:.1f} MiB (measured {model['measured']})")
     assert model["measured"] and 256 * 2**20 <= model["nbytes"] < 300 * 2**20
-    print(f"cold call {cold:.2f}s (model load), warm call {warm * 1000:.1f} ms on {out['name']}; "
-          f"measured {model['nbytes'] / 2**20:.1f} MiB")
 
 
+@reports(("gang of 2 all-reduce (NCCL, 2 GPUs)", "3.0 (ranks 1 + 2)"))
 def test_gang_of_two_needs_two_gpus() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("multi-rank NCCL needs 2+ GPUs (two ranks on one device is an NCCL error); "
@@ -78,4 +95,6 @@ def test_gang_of_two_needs_two_gpus() -> None:
         dist.all_reduce(t)
         return float(t.item())
 
-    assert allreduce.remote() == 3.0
+    value = allreduce.remote()
+    figure("gang of 2 all-reduce (NCCL, 2 GPUs)", value)
+    assert value == 3.0

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from .figures import figure, reports
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -149,16 +151,26 @@ def _norm_uuid(u: str) -> str:
     return u
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
+@reports(("NCCL group set-up (world size 1)",
+          "under a second: init_process_group with device_id and the first all_reduce"),
+         ("NCCL warm ensure", "microseconds: the same group again, no second init"),
+         ("NCCL abort from another thread",
+          "well under 10 s (the test's bound); the spinning collective ends, the device computes"),
+         ("NCCL re-init after abort", "about the first set-up: a new generation joins afresh"))
 def test_nccl_init_abort_from_thread_and_rejoin() -> None:
     env = dict(os.environ)
     env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)  # see that gpufn sets its default
     r = run_child(NCCL_SCRIPT, env=env)
-    print(
-        f"\nNCCL init with device_id (world 1): {r['init_s']:.3f}s; warm ensure "
-        f"{r['warm_s'] * 1e6:.0f}us; abort {r['abort_s'] * 1e3:.1f}ms; "
-        f"re-init {r['reinit_s']:.3f}s; spinner saw {r['spinner_error']}"
-    )
+    figure("NCCL group set-up (world size 1)",
+           f"{r['init_s']:.3f} s, bound to {r['bound_device']}, NCCL "
+           f"{torch.cuda.nccl.version()}")
+    figure("NCCL warm ensure", f"{r['warm_s'] * 1e6:.0f} us, same group {r['warm_same']}, "
+           f"inits {r['inits_after_warm']}")
+    figure("NCCL abort from another thread",
+           f"{r['abort_s'] * 1e3:.1f} ms; spinner saw {r['spinner_error'] or 'no error'}; "
+           f"sync after {r['sync_after_abort']}, allocations intact {r['keep_intact']}")
+    figure("NCCL re-init after abort", f"{r['reinit_s']:.3f} s, all_reduce {r['ar2'][0]}")
     assert r["bound_device"] == "cuda:0"
     assert r["async_error_handling"] == "2"
     assert r["ar1"] == [3.0] * 4
@@ -174,6 +186,7 @@ def test_nccl_init_abort_from_thread_and_rejoin() -> None:
 
 
 @pytest.mark.timeout(120)
+@reports(("pinning by CUDA_VISIBLE_DEVICES=<uuid>", "1 device, the same UUID (the last GPU's)"))
 def test_cuda_visible_devices_pins_by_uuid() -> None:
     pynvml = pytest.importorskip("pynvml")
     pynvml.nvmlInit()
@@ -189,6 +202,8 @@ def test_cuda_visible_devices_pins_by_uuid() -> None:
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = uuid
     r = run_child(VISIBLE_SCRIPT, env=env, timeout=100)
-    print(f"\nCUDA_VISIBLE_DEVICES={uuid} -> {r}")
+    figure("pinning by CUDA_VISIBLE_DEVICES=<uuid>",
+           f"{r['count']} device, {r['name']}, uuid matches "
+           f"{_norm_uuid(r['uuid']) == _norm_uuid(uuid)}")
     assert r["count"] == 1
     assert _norm_uuid(r["uuid"]) == _norm_uuid(uuid), (r, name)

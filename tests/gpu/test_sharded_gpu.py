@@ -17,6 +17,7 @@ import torch
 
 import gpufn
 
+from .figures import figure, reports
 from .test_groups_gpu import run_child
 
 pytestmark = [
@@ -97,12 +98,23 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(240)
+@reports(("DTensor shard MemPool bytes (world size 1)",
+          "its local tensors' bytes, within MemPool rounding (<= 1.1x + 64 MiB)"),
+         ("DTensor shard offload / restore", "PCIe Gen5 x16: 52-56 GB/s each way; device memory "
+          "back after offload and evict; logits equal after restore"))
 def test_dtensor_shard_mempool_bytes_offload_restore_bandwidth_and_nccl() -> None:
+    pytest.importorskip("transformers", reason="the Llama shard is built with transformers")
     r = run_child(SHARD_SCRIPT)
-    print(f"\nDTensor shard (world 1, NCCL): MemPool {r['mempool_bytes'] / MiB:.1f} MiB, local "
-          f"tensors {r['local_bytes'] / MiB:.1f} MiB, allocator delta {r['alloc_delta'] / MiB:.1f} MiB; "
-          f"offload {r['offload_gbps']:.1f} GB/s, restore {r['restore_gbps']:.1f} GB/s")
+    figure("DTensor shard MemPool bytes (world size 1)",
+           f"MemPool {r['mempool_bytes'] / MiB:.1f} MiB, local tensors "
+           f"{r['local_bytes'] / MiB:.1f} MiB, allocator delta {r['alloc_delta'] / MiB:.1f} MiB, "
+           f"{r['dtensor_params']} DTensor parameters")
+    figure("DTensor shard offload / restore",
+           f"offload {r['offload_gbps']:.1f} GB/s, restore {r['restore_gbps']:.1f} GB/s; left "
+           f"after offload {r['after_offload_delta'] / MiB:.1f} MiB, after evict "
+           f"{r['after_evict_delta'] / MiB:.1f} MiB; logits equal "
+           f"{r['logits_equal_after_restore']}; all_reduce {r['all_reduce'][0]}")
     assert r["dtensor_params"] > 0  # the shard path, not a plain module
     # the ledger's bytes are the shard's own (local tensors), within MemPool rounding
     assert r["local_bytes"] <= r["mempool_bytes"] <= r["local_bytes"] * 1.1 + 64 * MiB
@@ -113,11 +125,15 @@ def test_dtensor_shard_mempool_bytes_offload_restore_bandwidth_and_nccl() -> Non
     assert r["restore_gbps"] > 1.0  # pinned host -> device copies, far above a reload
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
+@reports(("TP=2 gang on 2 GPUs: cold / warm call",
+          "the world-size-1 figures per rank; greedy tokens equal to one device's"),
+         ("TP=2 shard restore per rank", "PCIe Gen5 x16: 52-56 GB/s"))
 def test_sharded_model_on_a_gpu_gang_per_rank_bytes_bandwidth_and_nccl() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("TP=2 needs 2+ GPUs (two NCCL ranks on one device is an error); this "
                     "machine has 1: the world-size-1 shard test covers one device")
+    pytest.importorskip("transformers", reason="the Llama shards are built with transformers")
     from gpufn.memory_pool.allocator import measure_nbytes
     from gpufn.parallel import tensor_parallel
 
@@ -150,6 +166,8 @@ def test_sharded_model_on_a_gpu_gang_per_rank_bytes_bandwidth_and_nccl() -> None
     t0 = time.perf_counter()
     again = probe.remote(prompt)
     warm = time.perf_counter() - t0
+    figure("TP=2 gang on 2 GPUs: cold / warm call", f"{cold:.2f} s / {warm * 1e3:.1f} ms, "
+           f"visible {os.environ.get('CUDA_VISIBLE_DEVICES')}")
     ref = build().to("cuda").generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8,
                                       do_sample=False, pad_token_id=0)[0].tolist()
     assert [r["tokens"] for r in first] == [ref, ref] and again == first  # NCCL, resident
@@ -180,8 +198,7 @@ def test_sharded_model_on_a_gpu_gang_per_rank_bytes_bandwidth_and_nccl() -> None
     assert call.result_meta()["cold_start"] == "restored"
     restored = {d["key"]: m for d in c.status()["devices"] for m in d["models"]
                 if m["name"] == "llama_gpu"}
-    for key, m in sorted(restored.items()):
-        print(f"{key}: shard {m['nbytes'] / MiB:.1f} MiB, load {m['load_s']:.2f}s, restore "
-              f"{m['reload_s'] * 1e3:.1f} ms = {m['nbytes'] / m['reload_s'] / 1e9:.1f} GB/s")
-    print(f"cold call {cold:.2f}s, warm call {warm * 1e3:.1f} ms, visible "
-          f"{os.environ.get('CUDA_VISIBLE_DEVICES')}")
+    figure("TP=2 shard restore per rank", "; ".join(
+        f"{key}: shard {m['nbytes'] / MiB:.1f} MiB, load {m['load_s']:.2f} s, restore "
+        f"{m['reload_s'] * 1e3:.1f} ms = {m['nbytes'] / m['reload_s'] / 1e9:.1f} GB/s"
+        for key, m in sorted(restored.items())))

@@ -43,7 +43,7 @@ HOTPATH: tuple[Mutation, ...] = (
         "every candidate is fitted: 1,000 ledger fits per model call at 1,024 devices",
     ),
     Mutation(
-        "header-check-skips-a-field", "gpufn/wire/protocol.py",
+        "header-check-skips-a-field", "gpufn/wire/codec.py",
         "            tests.append(f\"isinstance(v{i}, k{i})\")\n",
         "            tests.append(\"True\") if i == len(checks) - 1 else tests.append(f\"isinstance(v{i}, k{i})\")\n",
         ("tests/unit/test_protocol.py::test_every_field_of_the_wrong_type_is_refused",),

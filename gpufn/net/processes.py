@@ -8,38 +8,9 @@ import signal
 import threading
 from typing import Any
 
+from gpufn.wire.pids import alive, same, start_time
 
-def alive(pid: int) -> bool:
-    """Whether `pid` is a running process (a zombie is not; another user's process is)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is not running
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def start_time(pid: int) -> int | None:
-    """When `pid` started (clock ticks since boot; Linux), None if there is no such live
-    process: a pid and its start time name one process even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[-1].split()
-    except OSError:
-        return None
-    if fields[0] == "Z":
-        return None
-    return int(fields[19])  # field 22 of stat; the list starts at field 3
-
-
-def same(pid: int, started: int | None) -> bool:
-    """Whether `pid` is alive and is the process that started at `started`."""
-    return pid > 0 and started is not None and start_time(pid) == started
+__all__ = ["alive", "same", "set_pdeathsig", "start_time", "watch_parent"]
 
 
 def watch_parent(parent_pid: int, on_exit: Any) -> None:

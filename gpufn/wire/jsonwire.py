@@ -14,16 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpufn.exceptions import NotJSONSerializable, SerializationError
+from gpufn.wire.codec import as_bytes
 
 JSON_MARK = b"gpufn-json/1"
 
 
-def _bytes(frame: Any) -> bytes:
-    if isinstance(frame, bytes):
-        return frame
-    if hasattr(frame, "bytes"):  # a zmq Frame
-        return bytes(frame.bytes)
-    return bytes(frame)
 
 
 def is_json(frames: Sequence[Any]) -> bool:
@@ -31,8 +26,8 @@ def is_json(frames: Sequence[Any]) -> bool:
     if len(frames) != 2:
         return False
     head = frames[0]
-    n = len(head) if isinstance(head, bytes) else len(_bytes(head))
-    return n == len(JSON_MARK) and _bytes(head) == JSON_MARK
+    n = len(head) if isinstance(head, bytes) else len(as_bytes(head))
+    return n == len(JSON_MARK) and as_bytes(head) == JSON_MARK
 
 
 def _type_name(obj: Any) -> str:
@@ -73,7 +68,7 @@ def dump_call(args: Sequence[Any], kwargs: dict[str, Any]) -> list[bytes]:
 def load_call(frames: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """(args, kwargs) of a JSON call's payload (made by `dump_call`)."""
     try:
-        body = json.loads(_bytes(frames[1]))
+        body = json.loads(as_bytes(frames[1]))
     except ValueError as e:
         raise SerializationError(f"the JSON arguments could not be read: {e}") from None
     if not isinstance(body, dict):
@@ -93,7 +88,7 @@ def value_text(frames: Sequence[Any]) -> bytes:
     """The JSON text a JSON payload holds, to splice into a response as it is."""
     if not is_json(frames):
         raise SerializationError("the payload is not JSON (a pickle is never read here)")
-    return _bytes(frames[1])
+    return as_bytes(frames[1])
 
 
 def load_value(frames: Sequence[Any]) -> Any:

@@ -1,267 +1,44 @@
-"""The one wire module: every message that crosses a process boundary, and its codec.
+"""The one wire module: every message that crosses a process boundary.
 
 A message travels as frames `[tag, header, *payload]`: a one-byte type tag, a msgpack
 header holding the message's fields in order, and the opaque user payload frames (a
-pickle stream plus its out-of-band buffers). `encode`/`decode` here are the only
-msgpack call sites; the scheduler never looks inside payload frames.
+pickle stream plus its out-of-band buffers). The machinery (`encode`/`decode`, the only
+msgpack calls, and the field checks) is in `codec`, re-exported here; the scheduler never
+looks inside payload frames.
 """
 
 from __future__ import annotations
 
-import operator
-import types
-import typing
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, TypeVar, Union
+from typing import Any
 
-import msgpack
+from gpufn.wire.codec import (
+    BATCH_TAG,
+    DecodeError,
+    Frame,
+    Message,
+    as_bytes,
+    batch_frames,
+    decode,
+    decode_all,
+    encode,
+    encode_batch,
+    message,
+    message_types,
+    struct,
+)
+
+__all__ = ["BATCH_TAG", "PROTOCOL_VERSION", "DecodeError", "Frame", "Message", "Role",
+           "as_bytes", "batch_frames", "decode", "decode_all", "encode", "encode_batch",
+           "message", "message_types", "struct"]
 
 PROTOCOL_VERSION = 4  # 4: an Item carries a burst of values (its `sizes`)
-
-Frame = Any  # bytes | memoryview | zmq.Frame: whatever zmq can send without a copy
-
 
 class Role:
     CLIENT = "client"
     WORKER = "worker"
     SUPERVISOR = "supervisor"
-
-
-class DecodeError(ValueError):
-    """A frame list that is not a gpufn message (wrong tag, bad header)."""
-
-
-_BY_TAG: dict[int, type[Message]] = {}
-_TAG_OF: dict[type[Message], bytes] = {}
-_GETTER: dict[type[Message], Callable[[Any], tuple[Any, ...]]] = {}
-_HAS_FRAMES: dict[type[Message], bool] = {}
-
-M = TypeVar("M", bound="type[Message]")
-
-
-class Message:
-    """Base of every wire message (frozen, slotted dataclasses registered with a tag)."""
-
-    __slots__ = ()
-
-
-_STRUCT_FIELDS: dict[type[Message], tuple[tuple[int, type[Any]], ...]] = {}
-
-S = TypeVar("S")
-
-
-def struct(cls: type[S]) -> type[S]:
-    """A typed record carried inside a message header (a dataclass): it travels as the
-    list of its field values in order, and is rebuilt on decode."""
-    getter = operator.attrgetter(*[f.name for f in fields(cls)])  # type: ignore[arg-type]
-    cls.to_wire = lambda self: list(getter(self))  # type: ignore[attr-defined]
-    cls.from_wire = classmethod(lambda c, v: c(*v))  # type: ignore[attr-defined]
-    return cls
-
-
-def message(tag: int, structs: dict[str, type[Any]] | None = None) -> Callable[[M], M]:
-    """Register a message class under a one-byte tag; `structs` names its header fields
-    that hold a `@struct` record."""
-
-    def register(cls: M) -> M:
-        if tag in _BY_TAG or not 0 < tag < 256:
-            raise ValueError(f"tag {tag} is taken or out of range")
-        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
-        has_frames = bool(names) and names[-1] == "frames"
-        header_names = names[:-1] if has_frames else names
-        getter: Callable[[Any], tuple[Any, ...]]
-        if not header_names:
-            getter = lambda m: ()  # noqa: E731
-        elif len(header_names) == 1:
-            single = operator.attrgetter(header_names[0])
-            getter = lambda m: (single(m),)  # noqa: E731
-        else:
-            getter = operator.attrgetter(*header_names)
-        if structs:
-            at = tuple((header_names.index(name), kind) for name, kind in structs.items())
-            plain = getter
-
-            def getter(m: Any) -> tuple[Any, ...]:
-                values = list(plain(m))
-                for i, _ in at:
-                    values[i] = values[i].to_wire()
-                return tuple(values)
-
-            _STRUCT_FIELDS[cls] = at
-        _BY_TAG[tag] = cls
-        _TAG_OF[cls] = bytes([tag])
-        _GETTER[cls] = getter
-        _HAS_FRAMES[cls] = has_frames
-        return cls
-
-    return register
-
-
-def encode(msg: Message) -> list[Frame]:
-    """Frames for `msg`: [tag, header, *payload frames]."""
-    cls = type(msg)
-    header = msgpack.packb(_GETTER[cls](msg), use_bin_type=True)
-    if _HAS_FRAMES[cls]:
-        return [_TAG_OF[cls], header, *msg.frames]  # type: ignore[attr-defined]
-    return [_TAG_OF[cls], header]
-
-
-def _as_bytes(frame: Frame) -> bytes:
-    return frame if isinstance(frame, bytes) else frame.bytes if hasattr(frame, "bytes") else bytes(frame)
-
-
-def decode(frames: Sequence[Frame]) -> Message:
-    """The message held by frames produced by `encode` (payload frames kept as they came)."""
-    if len(frames) < 2:
-        raise DecodeError(f"a gpufn message has at least 2 frames, got {len(frames)}")
-    tag = _as_bytes(frames[0])
-    cls = _BY_TAG.get(tag[0]) if len(tag) == 1 else None
-    if cls is None:
-        raise DecodeError(f"unknown message tag {tag!r}: is the peer running another gpufn version?")
-    try:
-        values = msgpack.unpackb(_as_bytes(frames[1]), raw=False, use_list=True)
-        _check_fields(cls, values)
-        for i, kind in _STRUCT_FIELDS.get(cls, ()):
-            _check_fields(kind, values[i])
-            values[i] = kind.from_wire(values[i])
-        if _HAS_FRAMES[cls]:
-            # by name: a shorter header (fields added since) leaves them at their defaults
-            return cls(*values, frames=tuple(frames[2:]))  # type: ignore[call-arg]
-        return cls(*values)
-    except Exception as e:  # whatever a malformed header raises, it is the peer's fault
-        raise DecodeError(f"bad header for {cls.__name__}: {e}") from e
-
-
-# A field's checks: (name, the Python types msgpack may decode it to, or None for any).
-_CHECKS: dict[type[Any], tuple[tuple[str, tuple[type, ...] | None], ...]] = {}
-
-
-def _wire_types(hint: Any) -> tuple[type, ...] | None:
-    """The types a header field with this annotation may arrive as (None: anything)."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        out: list[type] = []
-        for arg in typing.get_args(hint):
-            t = _wire_types(arg)
-            if t is None:
-                return None
-            out += t
-        return tuple(out)
-    if origin is not None:
-        hint = origin  # dict[str, Any] -> dict, list[str] -> list
-    if hint is float:
-        return (int, float)
-    if hint is bool:
-        return (bool, int)
-    if hint in (Any, tuple) or not isinstance(hint, type):
-        return None
-    if issubclass(hint, Enum):
-        return (str,)  # a str enum travels as its value; the message converts it
-    if hasattr(hint, "from_wire"):
-        return (list,)  # a @struct record travels as the list of its fields
-    return (hint,)
-
-
-def _checks(cls: type[Any]) -> tuple[tuple[str, tuple[type, ...] | None], ...]:
-    checks = _CHECKS.get(cls)
-    if checks is None:
-        hints = typing.get_type_hints(cls)
-        checks = _CHECKS[cls] = tuple(
-            (f.name, _wire_types(hints.get(f.name, Any))) for f in fields(cls)
-            if f.name != "frames")
-    return checks
-
-
-def _check_fields(cls: type[Any], values: Any) -> None:
-    """Refuse a header whose values do not have the field types of `cls` (a peer may
-    send anything; a handler must never see a number where it expects a string)."""
-    check = _CHECKERS.get(cls)
-    if check is None:
-        check = _CHECKERS[cls] = _compile_check(cls)
-    check(values)
-
-
-def _check_slowly(cls: type[Any], values: Any) -> None:
-    if type(values) is not list:
-        raise TypeError(f"the header must be a list of fields, got {type(values).__name__}")
-    checks = _checks(cls)
-    if len(values) > len(checks):
-        raise TypeError(f"{len(values)} fields, at most {len(checks)} expected")
-    for value, (name, kinds) in zip(values, checks[: len(values)], strict=True):
-        if kinds is not None and not isinstance(value, kinds):
-            raise TypeError(f"field {name!r} is a {type(value).__name__}, expected "
-                            + " or ".join(k.__name__ for k in kinds))
-
-
-# A checker per message class, compiled once from its field types: a header with every
-# field present (what `encode` sends) is checked by one expression; anything else, and
-# every refusal, goes the slow way, which also says what is wrong.
-_CHECKERS: dict[type[Any], Callable[[Any], None]] = {}
-
-
-def _compile_check(cls: type[Any]) -> Callable[[Any], None]:
-    checks = _checks(cls)
-    env: dict[str, Any] = {"slow": _check_slowly, "cls": cls, "list": list}
-    names = [f"v{i}" for i in range(len(checks))]
-    tests = []
-    for i, (_, kinds) in enumerate(checks):
-        if kinds is not None:
-            env[f"k{i}"] = kinds[0] if len(kinds) == 1 else kinds
-            tests.append(f"isinstance(v{i}, k{i})")
-    if not checks:
-        body = "    if type(values) is not list or values:\n        slow(cls, values)\n"
-    else:
-        body = (f"    if type(values) is not list or len(values) != {len(checks)}:\n"
-                "        slow(cls, values)\n        return\n"
-                f"    {', '.join(names)}, = values\n")
-        if tests:
-            body += f"    if not ({' and '.join(tests)}):\n        slow(cls, values)\n"
-    exec(f"def check(values):\n{body}", env)  # built from our own field types, never input
-    check: Callable[[Any], None] = env["check"]
-    return check
-
-
-BATCH_TAG = b"\x00"
-
-
-def encode_batch(msgs: Sequence[Message]) -> list[Frame]:
-    """Several messages for one peer as one multipart message (one socket operation):
-    [0x00, msgpack([frames of msg 1, frames of msg 2, ...]), *all frames]."""
-    if len(msgs) == 1:
-        return encode(msgs[0])
-    return batch_frames([encode(m) for m in msgs])
-
-
-def batch_frames(parts: Sequence[list[Frame]]) -> list[Frame]:
-    """Already-encoded messages as one batch (a single message stays as it is)."""
-    if len(parts) == 1:
-        return parts[0]
-    return [BATCH_TAG, msgpack.packb([len(f) for f in parts]), *(f for fs in parts for f in fs)]
-
-
-def decode_all(frames: Sequence[Frame]) -> list[Message]:
-    """The messages in `frames`: one, or every message of a batch."""
-    if len(frames) >= 2 and _as_bytes(frames[0]) == BATCH_TAG:
-        try:
-            counts = msgpack.unpackb(_as_bytes(frames[1]))
-            if not isinstance(counts, list) or not all(isinstance(n, int) and n > 0 for n in counts):
-                raise ValueError("the header must list positive frame counts")
-        except (ValueError, TypeError, msgpack.ExtraData) as e:
-            raise DecodeError(f"bad batch header: {e}") from e
-        out, i = [], 2
-        for n in counts:
-            out.append(decode(frames[i:i + n]))
-            i += n
-        if i != len(frames):
-            raise DecodeError(f"batch declares {i} frames, got {len(frames)}")
-        return out
-    return [decode(frames)]
-
-
-def message_types() -> dict[int, type[Message]]:
-    return dict(_BY_TAG)
 
 
 # --------------------------------------------------------------------------- handshake
@@ -695,10 +472,36 @@ class Lookup(Message):
     version: int = 0
 
 
-@message(72)
+@dataclass(frozen=True, slots=True)
+class NoArgs:
+    """A command that takes no arguments."""
+
+
+@dataclass(frozen=True, slots=True)
+class AppArgs:
+    """`history`, `stop`: the app."""
+
+    app: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackArgs:
+    """`rollback`: to `version` (0: the one before the current), said by `who`."""
+
+    app: str = ""
+    version: int | None = 0
+    who: str = ""
+    strategy: str | None = "rolling"
+
+
+APP_COMMANDS: dict[str, type[Any]] = {"list": NoArgs, "history": AppArgs, "stop": AppArgs,
+                                      "rollback": RollbackArgs}
+
+
+@message(72, args=("command", APP_COMMANDS))
 @dataclass(frozen=True, slots=True)
 class AppCommand(Message):
-    """Client -> scheduler: list, history, rollback or stop (args by command)."""
+    """Client -> scheduler: list, history, rollback or stop (`args`: `APP_COMMANDS`)."""
 
     request_id: int
     command: str
@@ -833,13 +636,36 @@ class Resend(Message):
 
 
 class QueryKind(str, Enum):
-    """What a Query asks for (a string on the wire)."""
+    """What a Query asks for (a string on the wire; its arguments: `QUERIES`)."""
 
-    LOGS = "logs"  # args: target, since (seconds ago), after (a line seq), limit
-    USAGE = "usage"  # args: since (seconds ago), by ("app" | "function" | "user")
+    LOGS = "logs"
+    USAGE = "usage"
 
 
-@message(80)
+@dataclass(frozen=True, slots=True)
+class LogsArgs:
+    """The lines of `target` (an app, `app.function` or a function), `since` seconds ago
+    or `after` a line's seq, at most `limit`."""
+
+    target: str = ""
+    since: float | None = None
+    after: int = 0
+    limit: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class UsageArgs:
+    """Usage of the last `since` seconds, `by` "app", "function" or "user"."""
+
+    since: float | None = None
+    by: str = "function"
+
+
+QUERIES: dict[str, type[Any]] = {QueryKind.LOGS.value: LogsArgs,
+                                 QueryKind.USAGE.value: UsageArgs}
+
+
+@message(80, args=("kind", QUERIES))
 @dataclass(frozen=True, slots=True)
 class Query(Message):
     """Client -> scheduler: read one of the scheduler's operational books."""
@@ -876,16 +702,40 @@ class Drain(Message):
 
 
 class UserCommandKind(str, Enum):
-    """What a UserCommand asks (a string on the wire); the admin's only."""
+    """What a UserCommand asks (a string on the wire; its arguments: `USER_COMMANDS`);
+    the admin's only."""
 
-    CREATE = "create"  # args: name, operator, max_priority, max_devices -> user, token
+    CREATE = "create"  # -> user, token
     LIST = "list"  # -> users (never tokens)
-    REVOKE = "revoke"  # args: name -> user, dropped (connections closed)
-    ROTATE = "rotate"  # args: name -> user, token, dropped
-    UPDATE = "update"  # args: name and the fields to change (None clears a limit) -> user
+    REVOKE = "revoke"  # -> user, dropped (connections closed)
+    ROTATE = "rotate"  # -> user, token, dropped
+    UPDATE = "update"  # only the fields given change (None clears a limit) -> user
 
 
-@message(90)
+@dataclass(frozen=True, slots=True)
+class UserArgs:
+    """A user by name, with the rights and limits to give them (create, update)."""
+
+    name: str = ""
+    operator: bool = False
+    max_priority: int | None = None
+    max_devices: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NameArgs:
+    """A user by name (revoke, rotate)."""
+
+    name: str = ""
+
+
+USER_COMMANDS: dict[str, type[Any]] = {
+    UserCommandKind.CREATE.value: UserArgs, UserCommandKind.UPDATE.value: UserArgs,
+    UserCommandKind.LIST.value: NoArgs, UserCommandKind.REVOKE.value: NameArgs,
+    UserCommandKind.ROTATE.value: NameArgs}
+
+
+@message(90, args=("command", USER_COMMANDS))
 @dataclass(frozen=True, slots=True)
 class UserCommand(Message):
     """Client -> scheduler: manage the cluster's users (`gpufn token ...`); answered with

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufn.wire import config
+from gpufn.wire.pids import alive
 
 SHM_DIR = "/dev/shm"
 PREFIX = "gpufn-"
@@ -248,16 +249,6 @@ def _unlink(name: str) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 _sweep_lock = threading.Lock()
 
 
@@ -276,7 +267,7 @@ def sweep(owner: int | None = None) -> int:
             pid = _owner(name)
             if pid < 0:
                 continue
-            if (pid == owner) if owner is not None else not _alive(pid):
+            if (pid == owner) if owner is not None else not alive(pid):
                 _unlink(name)
                 n += 1
     return n

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufn.net.private_files import open_private
+from gpufn.wire.codec import as_bytes
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS apps (
@@ -82,12 +83,6 @@ class App:
     created: float
 
 
-def _bytes(frame: Any) -> bytes:
-    if isinstance(frame, bytes):
-        return frame
-    if hasattr(frame, "bytes"):  # a zmq Frame
-        return bytes(frame.bytes)
-    return bytes(frame)
 
 
 def deployed_function_id(app: str, version: int, base_id: str) -> str:
@@ -203,7 +198,7 @@ class DeploymentStore:
                 for fn in functions:
                     hashes = []
                     for frame in fn.frames:
-                        data = _bytes(frame)
+                        data = as_bytes(frame)
                         h = hashlib.blake2b(data, digest_size=20).hexdigest()
                         cur.execute("INSERT OR IGNORE INTO blobs (hash, data) VALUES (?, ?)",
                                     (h, data))

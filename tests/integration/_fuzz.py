@@ -25,6 +25,7 @@ import msgpack
 import zmq
 
 from gpufn.memory_pool.probe import simulated_devices
+from gpufn.wire import codec
 from gpufn.wire import protocol as p
 
 # Messages the scheduler accepts from some role (the rest are "unexpected" from anyone).
@@ -155,7 +156,7 @@ class Generator:
         r = self.rng
         cls = r.choice(list(classes or self.classes))
         header = sample_header(r, cls)
-        checks = [(i, k) for i, (_, k) in enumerate(p._checks(cls)) if k is not None]
+        checks = [(i, k) for i, (_, k) in enumerate(codec._checks(cls)) if k is not None]
         how = r.randrange(6)
         if how == 0 or not checks:
             header = r.choice([{}, {"a": 1}, 7, "x", None, b"\x01"])  # not a list
@@ -165,7 +166,7 @@ class Generator:
             i = next(i for i, v in enumerate(header) if isinstance(v, list) and cls_struct(cls, i))
             kind = cls_struct(cls, i)
             assert kind is not None
-            inner = [(j, k) for j, (_, k) in enumerate(p._checks(kind)) if k is not None]
+            inner = [(j, k) for j, (_, k) in enumerate(codec._checks(kind)) if k is not None]
             j, kinds = r.choice(inner)
             header[i][j] = _wrong_type(r, kinds)
         else:
@@ -300,7 +301,7 @@ class Generator:
 
 
 def cls_struct(cls: type[p.Message], index: int) -> type[Any] | None:
-    return dict(p._STRUCT_FIELDS.get(cls, ())).get(index)
+    return dict(codec._STRUCT_FIELDS.get(cls, ())).get(index)
 
 
 # --------------------------------------------------------------------------- peers

@@ -3,8 +3,8 @@ silence, and a call's timeout still ends it as a `Timeout` (issue 29, defect 1).
 
 from __future__ import annotations
 
-from gpufn.exceptions import kind_of
 from gpufn.exceptions import Timeout as TimeoutError_
+from gpufn.exceptions import kind_of
 from gpufn.scheduler.core import Stalled
 from gpufn.scheduler.nouns.states import DeviceState
 from gpufn.wire import protocol as p

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import msgpack
 import pytest
 
+from gpufn.wire import codec
 from gpufn.wire import protocol as p
 
 SAMPLES: list[p.Message] = [
@@ -128,7 +130,7 @@ def test_every_field_of_the_wrong_type_is_refused(msg: p.Message) -> None:
     type never decodes: no handler sees a number where it expects a string."""
     frames = p.encode(msg)
     header = msgpack.unpackb(frames[1])
-    checks = p._checks(type(msg))
+    checks = codec._checks(type(msg))
     assert len(header) == len(checks)
     for i, (name, kinds) in enumerate(checks):
         if kinds is None:
@@ -137,3 +139,24 @@ def test_every_field_of_the_wrong_type_is_refused(msg: p.Message) -> None:
         bad = [*header[:i], wrong, *header[i + 1:]]
         with pytest.raises(p.DecodeError, match=name):
             p.decode([frames[0], msgpack.packb(bad), *frames[2:]])
+
+
+@pytest.mark.parametrize("msg, why", [
+    (p.Query(1, p.QueryKind.LOGS, {"target": "f", "limt": 5}), "takes no argument 'limt'"),
+    (p.Query(1, p.QueryKind.USAGE, {"since": "an hour"}), "argument 'since' of 'usage' is a str"),
+    (p.AppCommand(1, "rollback", {"app": "a", "version": "2"}), "argument 'version'"),
+    (p.AppCommand(1, "list", {"app": "a"}), "'list' takes no argument 'app' (it takes none)"),
+    (p.UserCommand(1, "create", {"name": "bob", "max_devices": 1.5}), "argument 'max_devices'"),
+    (p.UserCommand(1, "revoke", {"name": "bob", "operator": True}), "takes no argument 'operator'"),
+])
+def test_the_arguments_of_a_kind_are_typed_on_decode(msg: p.Message, why: str) -> None:
+    with pytest.raises(p.DecodeError, match=re.escape(why)):
+        p.decode(p.encode(msg))
+
+
+def test_well_typed_arguments_and_unknown_kinds_pass_decode() -> None:
+    for msg in (p.Query(1, p.QueryKind.LOGS, {"target": "f", "since": 60, "after": 3}),
+                p.UserCommand(1, "update", {"name": "bob", "max_devices": None}),
+                p.AppCommand(1, "rollback", {"app": "a", "version": None, "who": "me"}),
+                p.AppCommand(1, "frobnicate", {"anything": 1})):  # its handler answers it
+        assert p.decode(p.encode(msg)) == msg

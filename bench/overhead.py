@@ -231,7 +231,7 @@ def main() -> None:
         import tempfile
         from pathlib import Path
 
-        from gpufn.client.embedded import LocalCluster
+        from gpufn.cluster.embedded import LocalCluster
         from gpufn.net import curve as security
         from gpufn.wire import config
 

@@ -140,7 +140,7 @@ LISTED: tuple[Mutation, ...] = (
         "a cluster file whose `gpufn serve` is gone is used anyway",
     ),
     Mutation(
-        "embedded-shares-the-state-dir", "gpufn/client/embedded.py",
+        "embedded-shares-the-state-dir", "gpufn/cluster/embedded.py",
         "            env[\"GPUFN_STATE_DIR\"] = str(self.state_dir)\n",
         "            pass\n",
         (f"{DC}::test_an_embedded_cluster_keeps_its_state_to_itself",),

@@ -87,7 +87,7 @@ RESTART: tuple[Mutation, ...] = (
         "usage is lost when the scheduler restarts",
     ),
     Mutation(
-        "supervisor-follows-serve", "gpufn/client/embedded.py",
+        "supervisor-follows-serve", "gpufn/cluster/embedded.py",
         '            cmd += ["--head-grace", f"{self.head_grace:g}"]\n',
         '            cmd += ["--parent-pid", str(os.getpid())]\n',
         (f"{T}::test_a_head_restart_is_invisible_to_callers[serve-SIGKILL]",),
@@ -115,7 +115,7 @@ RESTART: tuple[Mutation, ...] = (
         "a call taken over after a restart is billed and timed only from the restart",
     ),
     Mutation(
-        "adopts-workers-of-other-options", "gpufn/client/head.py",
+        "adopts-workers-of-other-options", "gpufn/cluster/head.py",
         '                    and old.get("workers") == self._worker_options()):\n',
         "                    ):\n",
         ("tests/integration/test_restart.py::"

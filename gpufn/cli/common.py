@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
-
-from gpufn.net.processes import alive
-from gpufn.wire import config
 
 if TYPE_CHECKING:
     from gpufn.net.discovery import Target
@@ -76,18 +72,3 @@ def connect(address: str | None, token: str | None, timeout: float,
         fail(f"cannot reach the scheduler at {target.address}: {type(e).__name__}: {e}")
 
 
-def pid_file() -> Path:
-    return config.state_dir() / "serve.pid"
-
-
-def log_file() -> Path:
-    return config.state_dir() / "serve.log"
-
-
-def read_pid() -> int | None:
-    """The detached server's pid, if its pid file names a live process."""
-    try:
-        pid = int(pid_file().read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if alive(pid) else None

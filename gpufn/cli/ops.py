@@ -15,7 +15,9 @@ from rich.console import Console
 
 from gpufn.cli import common, render
 from gpufn.cli.common import ADDRESS_HELP, TOKEN_HELP, fail
+from gpufn.cluster.serve import read_pid
 from gpufn.exceptions import GpufnError
+from gpufn.net.processes import alive
 
 console = Console()
 
@@ -159,10 +161,10 @@ def shutdown(
             raise
         import os
 
-        from gpufn.client.head import stop_recorded
+        from gpufn.cluster.head import stop_recorded
         from gpufn.wire import config
 
-        dpid = common.read_pid()
+        dpid = read_pid()
         if dpid:
             os.kill(dpid, signal.SIGINT)  # for good: SIGTERM would leave the workers waiting
         if not stop_recorded(config.state_dir()) and not dpid:
@@ -197,7 +199,7 @@ def _wait_gone(addr: str, tok: str | None, pid: int | None, limit: float) -> boo
     """Wait for the server process to end (a local one by pid) or stop answering."""
     deadline = time.monotonic() + limit
     if pid:
-        while common.alive(pid):
+        while alive(pid):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.1)

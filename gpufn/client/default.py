@@ -54,7 +54,7 @@ def connect_to(target: Target) -> Client:
 
 def _start(target: Target) -> Client:
     """Start an embedded cluster (saying why first, if another one may have been meant)."""
-    from gpufn.client.embedded import LocalCluster
+    from gpufn.cluster.embedded import LocalCluster
 
     if target.notice:
         announce(target)

@@ -15,8 +15,8 @@ from typing import Any
 
 import uvicorn
 
+from gpufn.cluster.gateway import refusal
 from gpufn.http.app import create_app
-from gpufn.http.process import refusal
 from gpufn.wire import config
 
 

@@ -400,7 +400,7 @@ def test_request_metrics_on_the_scheduler_endpoint(served: ServedGateway, http: 
 
 
 def test_idle_connections_are_closed(served: ServedGateway) -> None:
-    from gpufn.http.process import GatewayProcess
+    from gpufn.cluster.gateway import GatewayProcess
 
     # A gateway of its own that forgets idle tokens after 2 s (the module's keeps them 300 s,
     # so that no test here passes because a connection was closed for being idle).
@@ -427,7 +427,7 @@ def test_tls_gateway_and_restart_after_a_crash(served: ServedGateway, tmp_path: 
     import os
     import signal
 
-    from gpufn.http.process import GatewayProcess, refusal
+    from gpufn.cluster.gateway import GatewayProcess, refusal
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",

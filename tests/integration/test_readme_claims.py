@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gpufn
-from gpufn.client.embedded import LocalCluster
+from gpufn.cluster.embedded import LocalCluster
 
 from ..conftest import assert_all_gone, shutdown_default, wait_ready
 from ._waits import wait_for

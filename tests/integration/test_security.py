@@ -31,7 +31,7 @@ import zmq.auth
 
 import gpufn
 from gpufn.api.calls import decode_result
-from gpufn.client.embedded import LocalCluster
+from gpufn.cluster.embedded import LocalCluster
 from gpufn.net import curve as security
 from gpufn.net.connection import Connection, ConnectionConfig
 from gpufn.wire import config

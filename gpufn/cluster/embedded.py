@@ -65,7 +65,7 @@ class LocalCluster:
     """A scheduler process and (optionally) a supervisor for this host's devices.
 
     The embedded cluster uses it with a Unix socket; `gpufn serve` with a TCP address and
-    `head_grace` (see `gpufn.client.head`): then the scheduler keeps its books on disk
+    `head_grace` (see `gpufn.cluster.head`): then the scheduler keeps its books on disk
     and the supervisor does not follow this process, so it outlives a restart.
     """
 

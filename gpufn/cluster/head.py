@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufn.client.embedded import LocalCluster
+from gpufn.cluster.embedded import LocalCluster
 from gpufn.exceptions import GpufnError
 from gpufn.net import processes
 from gpufn.wire import protocol

@@ -48,7 +48,7 @@ def main() -> None:
     from gpufn.wire import protocol as p
     from gpufn.wire import serialization as ser
     from gpufn.worker.core import Execute, WorkerCore
-    from gpufn.worker.executor import Executor
+    from gpufn.worker.executor import Call, Executor
     from gpufn.worker.output import OutputRouter
 
     @gpufn.gpu
@@ -110,7 +110,8 @@ def main() -> None:
         for m in st["run_msgs"]:
             for act in wcore.handle(m):
                 if isinstance(act, Execute):
-                    executor.run_inline(act.call)
+                    executor.run_inline(Call(act.invocation_id, act.name, act.fn, act.frames,
+                                             act.context("cpu"), dispatch_token=act.dispatch_token))
         res = done.pop()
         wcore.done(res)  # type: ignore[arg-type]
         st["res_frames"] = p.encode_batch([res])

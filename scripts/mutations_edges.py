@@ -288,9 +288,9 @@ EDGES: tuple[Mutation, ...] = (
         why='a map submits every call at once, whatever GPUFN_MAP_WINDOW says',
     ),
     Mutation(
-        "serve-keeps-sigint-ignored", "gpufn/cli/main.py",
-        "        signal.signal(signal.SIGINT, signal.default_int_handler)\n",
-        "        pass\n",
+        "serve-keeps-sigint-ignored", "gpufn/cluster/serve.py",
+        "            signal.signal(signal.SIGINT, signal.default_int_handler)\n",
+        "            pass\n",
         ("tests/integration/test_deploy.py::test_version_skew_is_reported_at_connect",),
         "gpufn serve started as a background job ignores SIGINT (Ctrl-C, gpufn shutdown --force): "
         "its workers outlive it",

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from gpufn.exceptions import GpufnError, SerializationError, kind_of
@@ -21,10 +22,19 @@ from gpufn.runtime import context as ctxmod
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.wire.rendezvous import GangSpec
-from gpufn.worker.executor import Call, Unused
 from gpufn.worker.streaming import is_special
 
 log = logging.getLogger("gpufn.worker")
+
+
+class Unused(Enum):
+    """What a call's `finish` returns when nobody reads this process's value (a gang's
+    ranks other than 0 without gather): its Result carries no frames, nothing is pickled."""
+
+    VALUE = "unused"
+
+
+UNUSED = Unused.VALUE
 
 
 # --------------------------------------------------------------------------- actions
@@ -32,31 +42,60 @@ log = logging.getLogger("gpufn.worker")
 
 @dataclass(frozen=True, slots=True)
 class JoinGroup:
-    """Before `call` runs (in its thread, after its models are resident): join or reuse
-    the gang's process group; if the call raises, abort the group."""
+    """A step of a gang rank, in its thread after its models are resident: join or reuse
+    the gang's process group; if the call raises, abort the group. Only rank 0's value is
+    read unless `gather`."""
 
-    call: Call
     gang: GangSpec
+    gather: bool = False
+
+    def finish(self, value: Any) -> Any:
+        """The rank's value as its Result carries it: only rank 0's is read (unless
+        gather), so the others send none and pickle nothing."""
+        return value if self.gather or self.gang.rank == 0 else UNUSED
 
 
 @dataclass(frozen=True, slots=True)
 class RunInHelper:
-    """Run `call` in a helper process that sees every device of the set (spmd=False),
-    started or replaced now unless the warm one serves this set."""
+    """A step of a device-set call (spmd=False): it runs in a helper process that sees
+    every device of the set, started or replaced unless the warm one serves this set."""
 
-    call: Call
     devices: list[dict[str, Any]]
     code_id: str
     code_frames: list[bytes]
 
 
+Step = JoinGroup | RunInHelper
+
+
 @dataclass(frozen=True, slots=True)
 class Execute:
-    """Start `call`: wait for `call.models`, then run it (refused if a cancel for it
-    came first). `inline`: on the main thread, else in an executor thread."""
+    """Start a call (refused if a cancel for it came first): its models resident, then its
+    `steps` in order, then the function; `inline`: on the main thread, else in an executor
+    thread. The shell builds its own call from this and changes nothing here."""
 
-    call: Call
+    invocation_id: str
+    name: str
+    fn: Callable[..., Any]
+    frames: tuple[Any, ...]
+    dispatch_token: int
+    meta: p.RunMeta
+    steps: tuple[Step, ...] = ()
     inline: bool = False
+
+    def context(self, device: Any) -> ctxmod.CallContext:
+        """What `gpufn.context()` says inside this call on `device`."""
+        rank, world_size, devices = 0, 1, 1
+        for step in self.steps:
+            if isinstance(step, JoinGroup):
+                rank, world_size = step.gang.rank, step.gang.world_size
+            else:
+                devices = len(step.devices)
+        meta = self.meta
+        return ctxmod.CallContext(
+            invocation_id=self.invocation_id, function=self.name, device=device,
+            devices=[device] * devices, attempt=meta.attempt_number, app=meta.app,
+            version=meta.version, rank=rank, world_size=world_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +167,7 @@ class Exit:
     reason: str
 
 
-Action = (JoinGroup | RunInHelper | Execute | Interrupt | Grant | AbortGroup | StartLoad | Evict
+Action = (Execute | Interrupt | Grant | AbortGroup | StartLoad | Evict
           | Emit | Exit | ResendHeld)
 
 
@@ -251,22 +290,13 @@ class WorkerCore:
         self.running[msg.invocation_id] = RunRecord(
             msg.dispatch_token, meta.attempt_number, tuple(meta.members or ()), single,
             time.monotonic())
-        context = ctxmod.CallContext(
-            invocation_id=msg.invocation_id, function=msg.name, device=self.device,
-            devices=[self.device], attempt=meta.attempt_number, app=meta.app, version=meta.version,
-        )
-        call = Call(msg.invocation_id, msg.name, fn, msg.frames, context,
-                    dispatch_token=msg.dispatch_token, batch=meta.batch, models=meta.models,
-                    retry_on=meta.retry_on, shm_owner=meta.shm_owner,
-                    host_memory=meta.host_memory)
-        actions: list[Action] = []
+        steps: tuple[Step, ...] = ()
         if meta.gang is not None:
-            actions.append(self._as_gang_rank(call, self._gang_spec(meta.gang), meta.gather))
+            steps = (JoinGroup(self._gang_spec(meta.gang), meta.gather),)
         elif meta.multi is not None:
-            call.context.devices = [self.device] * len(meta.multi)
-            actions.append(RunInHelper(call, meta.multi, msg.code_id, self.code_frames[msg.code_id]))
-        actions.append(Execute(call, meta.inline and not is_special(fn)))
-        return actions
+            steps = (RunInHelper(meta.multi, msg.code_id, self.code_frames[msg.code_id]),)
+        return [Execute(msg.invocation_id, msg.name, fn, tuple(msg.frames), msg.dispatch_token,
+                        meta, steps, meta.inline and not is_special(fn))]
 
     def _gang_spec(self, wire: dict[str, Any]) -> GangSpec:
         """The rank's GangSpec; a warm gang's calls all bring the same one, read once."""
@@ -278,12 +308,3 @@ class WorkerCore:
             gang = dataclasses.replace(gang, store_host=self.scheduler_host)
         self._last_gang = (wire, gang)
         return gang
-
-    def _as_gang_rank(self, call: Call, gang: GangSpec, gather: bool) -> JoinGroup:
-        call.context.rank, call.context.world_size = gang.rank, gang.world_size
-
-        def finish(value: Any) -> Any:
-            return value if gather or gang.rank == 0 else Unused.VALUE  # only rank 0's is used
-
-        call.finish = finish
-        return JoinGroup(call, gang)

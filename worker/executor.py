@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from gpufn.exceptions import (
@@ -32,18 +31,12 @@ from gpufn.wire import config, jsonwire
 from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.wire import shm as shmem
+from gpufn.worker.core import Unused
 from gpufn.worker.groups import is_comm_error
 from gpufn.worker.host import children
 from gpufn.worker.host.memory_watch import Reports
 from gpufn.worker.output import OutputRouter, set_current
 from gpufn.worker.streaming import Driver, needs_driving
-
-
-class Unused(Enum):
-    """What a call's `finish` returns when nobody reads this process's value (a gang's
-    ranks other than 0 without gather): its Result carries no frames, nothing is pickled."""
-
-    VALUE = "unused"
 
 
 @dataclass

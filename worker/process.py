@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -34,6 +35,7 @@ from gpufn.exceptions import (
 )
 from gpufn.net import processes, sockets
 from gpufn.net.connection import Connection, ConnectionConfig, WakePipe
+from gpufn.runtime import context as ctxmod
 from gpufn.wire import config
 from gpufn.wire import protocol as p
 from gpufn.worker.core import (
@@ -52,7 +54,7 @@ from gpufn.worker.core import (
     WorkerCore,
     control_actions,
 )
-from gpufn.worker.executor import Executor
+from gpufn.worker.executor import Call, Executor
 from gpufn.worker.host.held import HeldResults, RunJournal
 from gpufn.worker.host.memory_watch import Reports
 from gpufn.worker.output import OutputRouter
@@ -178,9 +180,9 @@ class WorkerProcess:
         for a in actions:
             if isinstance(a, Execute):
                 if self.journal is not None:
-                    run = self.core.running.get(a.call.invocation_id)
+                    run = self.core.running.get(a.invocation_id)
                     for inv in (run.members if run is not None and run.members
-                                else (a.call.invocation_id,)):
+                                else (a.invocation_id,)):
                         self.journal.started(inv)
                 self._execute(a)
             elif isinstance(a, Emit):
@@ -196,10 +198,6 @@ class WorkerProcess:
                 self._queue(a.msg)
             elif isinstance(a, ResendHeld):
                 self._resend(a)
-            elif isinstance(a, JoinGroup):
-                self._join_group(a)
-            elif isinstance(a, RunInHelper):
-                self._run_in_helper(a)
             elif isinstance(a, StartLoad):
                 self.models.load(a.model, a.spec, a.frames)
             elif isinstance(a, Evict):
@@ -222,18 +220,12 @@ class WorkerProcess:
             self.groups.abort(a.reason, gang_id=a.gang_id, generation=a.generation)
 
     def _execute(self, a: Execute) -> None:
-        call = a.call
-        if self.executor.take_cancelled(call.invocation_id, call.dispatch_token):
+        if self.executor.take_cancelled(a.invocation_id, a.dispatch_token):
             self._act(self.core.done(p.Result(
-                call.invocation_id, False, kind_of(Cancelled),
-                "cancelled before it started", p.ResultMeta(dispatch_token=call.dispatch_token))))
+                a.invocation_id, False, kind_of(Cancelled),
+                "cancelled before it started", p.ResultMeta(dispatch_token=a.dispatch_token))))
             return
-        manager, needed, then = self.models, call.models, call.prepare
-
-        def prepare() -> None:  # in the call's thread: models, the group, then shards
-            manager.prepare(needed, then, call.context)
-
-        call.prepare = prepare
+        call = self._call(a)
         if a.inline:
             self._inline = True
             try:
@@ -244,40 +236,71 @@ class WorkerProcess:
         else:
             self.executor.submit(call)
 
-    def _join_group(self, a: JoinGroup) -> None:
+    def _call(self, a: Execute) -> Call:
+        """The executor's call for `a`: in its thread its models are made resident, then
+        its steps run (a gang rank joins its group), then the function."""
+        meta, context = a.meta, a.context(self.core.device)
+        extra: dict[str, Any] = {}  # the call's meta, filled by a step while it runs
+        then: Callable[[], None] | None = None
+        on_error: Callable[[BaseException], None] | None = None
+        finish: Callable[[Any], Any] | None = None
+        relay = None
+        for step in a.steps:
+            if isinstance(step, JoinGroup):
+                then, on_error = self._gang_rank(step, context, extra)
+                finish = step.finish
+            else:
+                relay = self._helper_relay(step, a)
+        manager, needed = self.models, dict(meta.models or {})
+
+        def prepare() -> None:  # in the call's thread: models, the group, then shards
+            manager.prepare(needed, then, context)
+
+        return Call(a.invocation_id, a.name, a.fn, a.frames, context, meta=extra,
+                    prepare=prepare, finish=finish, on_error=on_error,
+                    dispatch_token=a.dispatch_token, batch=meta.batch, models=needed,
+                    retry_on=meta.retry_on, relay=relay, shm_owner=meta.shm_owner,
+                    host_memory=meta.host_memory)
+
+    def _gang_rank(self, step: JoinGroup, context: ctxmod.CallContext, extra: dict[str, Any],
+                   ) -> tuple[Callable[[], None], Callable[[BaseException], None]]:
+        """A gang rank's join (after its models) and its abort when it raises."""
         if self.groups is None:
             from gpufn.worker.groups import GroupManager
 
             self.groups = GroupManager()
-        groups, gang, call, device = self.groups, a.gang, a.call, self.core.device
+        groups, gang, device = self.groups, step.gang, self.core.device
 
         def join() -> None:
-            call.context.group = groups.ensure(gang, device)
-            call.meta["group_inits"] = groups.inits
-            call.meta["group_init_s"] = groups.last_init_s
+            context.group = groups.ensure(gang, device)
+            extra["group_inits"] = groups.inits
+            extra["group_init_s"] = groups.last_init_s
 
         def on_error(exc: BaseException) -> None:
             groups.abort(f"rank {gang.rank} raised {type(exc).__name__}",
                          gang_id=gang.gang_id, generation=gang.generation)
 
-        call.prepare, call.on_error = join, on_error
+        return join, on_error
 
-    def _run_in_helper(self, a: RunInHelper) -> None:
+    def _helper_relay(self, step: RunInHelper, a: Execute,
+                      ) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+        """Where a device-set call's frames go: the helper that sees its devices (the warm
+        one if it serves this set, else a new one)."""
         from gpufn.worker.device_set.helper import DeviceSetHelper
 
-        keys = tuple(d["key"] for d in a.devices)
+        keys = tuple(d["key"] for d in step.devices)
         if self.helper is not None and (self.helper.keys != keys or not self.helper.alive()):
             self.helper.close()
             self.helper = None
         if self.helper is None:
-            self.helper = DeviceSetHelper(a.devices)
-        helper, call = self.helper, a.call
-        code_id, code, attempt = a.code_id, a.code_frames, call.context.attempt
+            self.helper = DeviceSetHelper(step.devices)
+        helper, code_id, code = self.helper, step.code_id, step.code_frames
+        attempt = a.meta.attempt_number
 
         def run_there(frames: tuple[Any, ...]) -> tuple[Any, ...]:
-            return helper.run(call.invocation_id, call.name, code_id, code, frames, attempt)
+            return helper.run(a.invocation_id, a.name, code_id, code, frames, attempt)
 
-        call.relay = run_there
+        return run_there
 
     def _prepare_rehello(self) -> None:
         """The scheduler restarted: put into the next Hello what runs here (the new

@@ -12,7 +12,7 @@ from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.worker import core as wc
 from gpufn.worker.device_set import helper as multidevice
-from gpufn.worker.executor import Executor, Unused
+from gpufn.worker.executor import Call, Executor
 from gpufn.worker.output import OutputRouter
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,6 +34,15 @@ def _run(meta: dict[str, Any], inv: str = "i1", token: int = 7, code_id: str = "
                  tuple(ser.dumps(((3,), {}))))
 
 
+def _call(ex: wc.Execute) -> Call:
+    """The executor's call for `ex` as the shell builds it, less the shell's resources
+    (models, the group, the helper)."""
+    finish = next((s.finish for s in ex.steps if isinstance(s, wc.JoinGroup)), None)
+    return Call(ex.invocation_id, ex.name, ex.fn, ex.frames, ex.context("cpu"), finish=finish,
+                dispatch_token=ex.dispatch_token, batch=ex.meta.batch,
+                models=dict(ex.meta.models or {}))
+
+
 def _gang(rank: int, store_host: str = "") -> dict[str, Any]:
     return {"gang_id": "g1", "generation": 3, "rank": rank, "world_size": 2,
             "store_host": store_host, "store_port": 4242, "backend": "gloo",
@@ -46,28 +55,26 @@ def test_run_executes_with_its_context() -> None:
     assert [type(a) for a in actions] == [wc.Execute]
     ex = actions[0]
     assert isinstance(ex, wc.Execute) and ex.inline
-    call = ex.call
-    assert call.fn(*ser.loads(call.frames)[0]) == 6
-    assert call.dispatch_token == 7  # the dispatch token, echoed in the Result
-    ctx = call.context
+    assert ex.fn(*ser.loads(ex.frames)[0]) == 6
+    assert ex.dispatch_token == 7  # the dispatch token, echoed in the Result
+    ctx = ex.context("cpu")
     assert (ctx.invocation_id, ctx.function, ctx.device, ctx.devices) == ("i1", "double", "cpu", ["cpu"])
     assert ctx.attempt == 2  # the attempt number, not the token
     assert (ctx.rank, ctx.world_size) == (0, 1)
-    assert call.models == {"m": "k1"}
-    assert call.prepare is None and call.finish is None and call.on_error is None
-    assert call.meta == {}  # the worker's own, not the Run's meta
+    assert ex.meta.models == {"m": "k1"}
+    assert ex.steps == ()  # nothing to prepare but its models
     assert set(core.running) == {"i1"}
 
 
 def test_run_defaults_to_a_thread_and_the_first_attempt() -> None:
     ex = _core().handle(_run({}))[0]
     assert isinstance(ex, wc.Execute) and not ex.inline
-    assert ex.call.context.attempt == 1 and ex.call.batch is None and ex.call.models == {}
+    assert ex.context("cpu").attempt == 1 and ex.meta.batch is None and ex.meta.models == {}
 
 
 def test_batch_meta_reaches_the_call() -> None:
     ex = _core().handle(_run({"batch": [1, 2]}))[0]
-    assert isinstance(ex, wc.Execute) and ex.call.batch == [1, 2]
+    assert isinstance(ex, wc.Execute) and ex.meta.batch == [1, 2]
 
 
 def test_unknown_code_fails_the_call() -> None:
@@ -109,28 +116,29 @@ def test_group_abort_is_an_abort_action() -> None:
         "aborted by the scheduler", None, None)
 
 
-@pytest.mark.parametrize("rank,gather,returned", [(0, False, 6), (1, False, Unused.VALUE), (1, True, 6)])
+@pytest.mark.parametrize("rank,gather,returned", [(0, False, 6), (1, False, wc.Unused.VALUE), (1, True, 6)])
 def test_gang_rank_joins_its_group_first(rank: int, gather: bool, returned: object) -> None:
     core = _core()
     actions = core.handle(_run({"gang": _gang(rank), "gather": gather}))
-    assert [type(a) for a in actions] == [wc.JoinGroup, wc.Execute]
-    join, ex = actions
-    assert isinstance(join, wc.JoinGroup) and isinstance(ex, wc.Execute)
-    assert join.call is ex.call
+    assert [type(a) for a in actions] == [wc.Execute]
+    [ex] = actions
+    assert isinstance(ex, wc.Execute)
+    [join] = ex.steps
+    assert isinstance(join, wc.JoinGroup)
     assert join.gang.store_host == "10.0.0.5"  # the store runs where the scheduler is
     assert (join.gang.gang_id, join.gang.generation, join.gang.rank) == ("g1", 3, rank)
-    ctx = ex.call.context
+    ctx = ex.context("cpu")
     assert (ctx.rank, ctx.world_size) == (rank, 2)
-    assert ex.call.finish is not None and ex.call.finish(6) == returned
+    assert join.finish(6) == returned
 
 
 @pytest.mark.parametrize("rank,gather", [(0, False), (1, False), (1, True)])
 def test_only_a_rank_whose_value_is_read_pickles_it(rank: int, gather: bool) -> None:
     """Ranks other than 0 without gather send a Result with no frames (nothing pickled)."""
-    ex = _core().handle(_run({"gang": _gang(rank), "gather": gather}))[1]
+    ex = _core().handle(_run({"gang": _gang(rank), "gather": gather}))[0]
     assert isinstance(ex, wc.Execute)
     results: list[p.Message] = []
-    Executor(OutputRouter(), results.append).run_inline(ex.call)  # the group join is the shell's
+    Executor(OutputRouter(), results.append).run_inline(_call(ex))  # the group join is the shell's
     [res] = results
     assert isinstance(res, p.Result) and res.ok and res.meta.rank == rank
     if rank == 0 or gather:
@@ -143,27 +151,31 @@ def test_a_warm_gang_s_spec_is_read_once_and_a_new_generation_again() -> None:
     core = _core()
     specs = [core.handle(_run({"gang": g}, inv=f"i{n}"))[0]
              for n, g in enumerate([_gang(0), _gang(0), {**_gang(0), "generation": 4}])]
-    a, b, c = (j.gang for j in specs if isinstance(j, wc.JoinGroup))
+    a, b, c = (s.steps[0].gang for s in specs
+               if isinstance(s, wc.Execute) and isinstance(s.steps[0], wc.JoinGroup))
     assert a is b and a.store_host == "10.0.0.5"
     assert c is not a and c.generation == 4 and c.store_host == "10.0.0.5"
 
 
 def test_gang_keeps_a_store_host_it_was_given() -> None:
-    join = _core().handle(_run({"gang": _gang(0, "10.9.9.9")}))[0]
-    assert isinstance(join, wc.JoinGroup) and join.gang.store_host == "10.9.9.9"
+    ex = _core().handle(_run({"gang": _gang(0, "10.9.9.9")}))[0]
+    assert isinstance(ex, wc.Execute) and isinstance(join := ex.steps[0], wc.JoinGroup)
+    assert join.gang.store_host == "10.9.9.9"
 
 
 def test_multi_device_runs_in_the_helper_with_the_attempt_number() -> None:
     core = _core()
     devices = [{"key": "n:0", "kind": "cpu", "uuid": ""}, {"key": "n:1", "kind": "cpu", "uuid": ""}]
     actions = core.handle(_run({"multi": devices, "attempt_number": 1}, token=42))
-    assert [type(a) for a in actions] == [wc.RunInHelper, wc.Execute]
-    helper, ex = actions
-    assert isinstance(helper, wc.RunInHelper) and isinstance(ex, wc.Execute)
-    assert helper.call is ex.call and helper.devices == devices and helper.code_id == "c1"
+    assert [type(a) for a in actions] == [wc.Execute]
+    [ex] = actions
+    assert isinstance(ex, wc.Execute)
+    [helper] = ex.steps
+    assert isinstance(helper, wc.RunInHelper)
+    assert helper.devices == devices and helper.code_id == "c1"
     assert ser.load_code(helper.code_frames)(5) == 10  # the code, to send to the helper
-    assert ex.call.context.devices == ["cpu", "cpu"]
-    assert ex.call.context.attempt == 1 and ex.call.dispatch_token == 42
+    assert ex.context("cpu").devices == ["cpu", "cpu"]
+    assert ex.context("cpu").attempt == 1 and ex.dispatch_token == 42
 
 
 def test_model_orders_are_model_actions() -> None:

@@ -3,16 +3,18 @@ a body without Content-Length past the size limit (413 while it streams, the gat
 memory bounded), bodies together past the budget (503 with Retry-After), half-open and slow
 connections (closed), a stalled body (408), NaN and deep JSON (400), malformed query
 parameters (400 naming them); each user sees only their own recent errors; a spawned call
-survives a `kill -9` of the gateway."""
+survives a `kill -9` of the gateway, and of the whole head."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +25,9 @@ pytest.importorskip("uvicorn")
 
 import gpufn  # noqa: E402
 
+from ..conftest import shutdown_default, wait_ready  # noqa: E402
 from . import _raw_http as raw  # noqa: E402
+from ._head import TOKEN, Head, free_port  # noqa: E402
 from ._waits import wait_for  # noqa: E402
 from .http_served import APP, ServedGateway  # noqa: E402
 from .served import gpufn_cmd  # noqa: E402
@@ -277,3 +281,61 @@ def kill_gateway(served: ServedGateway, http: Any) -> None:
         except (httpx.TransportError, AssertionError):
             return False
     wait_for(back, 60, "the gateway to be started again", interval=0.2)
+
+
+# --------------------------------------------------------------------------- head restart
+
+
+def _on_disk(head: Head, table: str, call_id: str) -> bool:
+    try:
+        with sqlite3.connect(head.home / "state" / "results.sqlite") as db:
+            return db.execute(f"SELECT 1 FROM {table} WHERE id=?", (call_id,)).fetchone() is not None
+    except sqlite3.Error:
+        return False
+
+
+@pytest.fixture
+def head(tmp_path: Path) -> Iterator[Head]:
+    shutdown_default()
+    h = Head(tmp_path / "head")
+    h.serve_args = ("--http-port", str(free_port()))
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_spawned_call_survives_a_restart_of_the_head(head: Head) -> None:
+    head.start()
+    client = gpufn.Client(head.address, TOKEN)
+    try:
+        wait_ready(client)
+        gpufn.deploy(APP, name="t", client=client)
+    finally:
+        client.close()
+    url = f"http://127.0.0.1:{head.serve_args[1]}"
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"},
+                      timeout=60) as http:
+        wait_for(lambda: _healthy(http), 60, "the gateway to listen", interval=0.2)
+        done = http.post("/v1/apps/t/echo/spawn", json={"args": ["kept"]}).json()["call_id"]
+        long = http.post("/v1/apps/t/sleepy/spawn", json={"args": [4]}).json()["call_id"]
+        wait_for(lambda: _on_disk(head, "results", done), 30, "the ended call's kept result")
+        wait_for(lambda: _on_disk(head, "calls", long), 30, "the running call to be noted")
+        assert http.get(f"/v1/calls/{long}").json()["state"] == "running"
+        head.kill(signal.SIGKILL)  # serve, its scheduler and its gateway; the workers stay
+        head.start()
+        wait_for(lambda: _healthy(http), 60, "the new gateway to listen", interval=0.2)
+        view = wait_for(lambda: (v := http.get(f"/v1/calls/{long}").json()).get("state") == "done"
+                        and v, 90, "the running call's result after the restart")
+        assert view["result"] == 4
+        kept = http.get(f"/v1/calls/{done}").json()
+        assert kept["state"] == "done" and kept["result"]["x"] == "kept", kept
+    head.shutdown()
+
+
+def _healthy(http: Any) -> bool:
+    try:
+        return bool(http.get("/healthz").status_code == 200)
+    except httpx.TransportError:
+        return False

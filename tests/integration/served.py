@@ -70,7 +70,10 @@ class Served:
         """The scheduler (started with our pid as its parent) and the workers (by port)."""
         assert self.proc is not None
         out = []
-        for pattern in (f"--parent-pid {self.proc.pid}( |$)", self.address.rsplit(":", 1)[1]):
+        patterns = [f"--parent-pid {self.proc.pid}( |$)"]
+        if self.address:  # (none yet if it failed to start)
+            patterns.append(self.address.rsplit(":", 1)[1])
+        for pattern in patterns:
             out += subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True,
                                   text=True).stdout.split()
         return sorted({int(x) for x in out})

@@ -23,8 +23,9 @@ APP = Path(__file__).resolve().parents[2] / "examples" / "deploy" / "app.py"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    s = Served(tmp_path_factory.mktemp("run-sibling"), devices=1).start()
+    s = Served(tmp_path_factory.mktemp("run-sibling"), devices=1)
     try:
+        s.start()  # inside: a failed start is stopped too
         yield s
     finally:
         s.stop()

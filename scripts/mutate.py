@@ -6,8 +6,8 @@ and the pytest node ids that must fail under it. Prints a table and exits non-ze
 mutation survives or is stale. A mutation no test can tell from the original says why in
 `equivalent` (it is checked for staleness only), so the audit of a rule is kept. The
 mutations live in `mutation_table.py` (the first releases' and issue 23's list),
-`mutations_scheduler.py`, `mutations_edges.py`, `mutations_users.py`, `mutations_hotpath.py`, `mutations_holes.py` and
-`mutations_restart.py`.
+`mutations_scheduler.py`, `mutations_edges.py`, `mutations_users.py`, `mutations_hotpath.py`, `mutations_holes.py`,
+`mutations_restart.py` and `mutations_http.py`.
 
     python scripts/mutate.py            # every mutation
     python scripts/mutate.py -k aging   # those whose name contains "aging"
@@ -31,13 +31,14 @@ from mutation_table import LISTED, Mutation  # noqa: E402
 from mutations_edges import EDGES  # noqa: E402
 from mutations_holes import HOLES  # noqa: E402
 from mutations_hotpath import HOTPATH  # noqa: E402
+from mutations_http import HTTP  # noqa: E402
 from mutations_restart import RESTART  # noqa: E402
 from mutations_scheduler import SCHEDULER  # noqa: E402
 from mutations_users import USERS  # noqa: E402
 
 TABLES: dict[str, tuple[Mutation, ...]] = {
     "listed": LISTED, "scheduler": SCHEDULER, "edges": EDGES, "users": USERS,
-    "hotpath": HOTPATH, "holes": HOLES, "restart": RESTART,
+    "hotpath": HOTPATH, "holes": HOLES, "restart": RESTART, "http": HTTP,
 }
 MUTATIONS: tuple[Mutation, ...] = tuple(m for table in TABLES.values() for m in table)
 

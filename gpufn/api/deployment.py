@@ -110,6 +110,16 @@ def load_module(path: str | Path) -> ModuleType:
     return module
 
 
+def app_modules(module: ModuleType) -> list[ModuleType]:
+    """What travels by value with an app file's code (`by_value`): the module itself and
+    the local modules next to it that it imported (not installed packages), so that
+    worker hosts need none of its files. `gpufn deploy` and `gpufn run` both send these."""
+    source = getattr(module, "__file__", None)
+    if not source:
+        return [module]
+    return [module, *local_modules(os.path.dirname(os.path.abspath(source)))]
+
+
 def _members(module: ModuleType) -> tuple[dict[str, Function[Any, Any]], list[Model[Any]]]:
     fns = {k: v for k, v in vars(module).items() if isinstance(v, Function)}
     models: dict[str, Model[Any]] = {}
@@ -192,7 +202,7 @@ def deploy(module_or_path: ModuleType | str | Path, name: str | None = None, tag
         raise DeployError(f"two functions of {source or module.__name__} declare the same "
                           f"@gpufn.chat_model name ({sorted(chats)}); give each its own")
     folder = os.path.dirname(os.path.abspath(source)) if source else os.getcwd()
-    local = [module, *local_modules(folder)] if source else [module]
+    local = app_modules(module)
     client = client or served_client("gpufn.deploy()")
     described: list[dict[str, Any]] = []
     frames: list[Any] = []

@@ -246,13 +246,14 @@ def parse_call_args(args: list[str]) -> tuple[list[Any], dict[str, Any]]:
     return pos, kw
 
 
-def load_function(ref: str) -> Any:
-    """'path/app.py::fn' -> the `@gpu` function, its module imported and pickled by value."""
-    import importlib.util
+def load_function(ref: str) -> tuple[Any, list[Any]]:
+    """'path/app.py::fn' -> the `@gpu` function, and the modules that travel by value with
+    it: the file's and its local modules, as `gpufn deploy` sends them (app_modules)."""
     import sys
     from pathlib import Path
 
-    import cloudpickle
+    from gpufn.api.deployment import DeployError, app_modules, load_module
+    from gpufn.api.function import Function
 
     path_s, sep, name = ref.partition("::")
     if not sep or not name:
@@ -260,25 +261,19 @@ def load_function(ref: str) -> Any:
     path = Path(path_s).resolve()
     if not path.is_file():
         fail(f"no such file: {path_s}", 2)
-    sys.path.insert(0, str(path.parent))  # its local modules, here and on embedded workers
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        fail(f"importing {path_s} failed: {type(e).__name__}: {e} (run `python {path_s}` "
-             "for the traceback)")
-    cloudpickle.register_pickle_by_value(module)  # worker hosts need not have the file
+        module = load_module(path)
+    except DeployError as e:
+        fail(f"importing {path_s} failed: {str(e).partition(': ')[2] or e} (run "
+             f"`python {path_s}` for the traceback)")
+    if str(path.parent) not in sys.path:  # what it imports later, here and on embedded workers
+        sys.path.insert(0, str(path.parent))
     fn = getattr(module, name, None)
-    from gpufn.api.function import Function
-
     if not isinstance(fn, Function):
         found = sorted(k for k, v in vars(module).items() if isinstance(v, Function))
         what = "is not a @gpufn.gpu function" if fn is not None else "is not defined there"
         fail(f"{name} {what}; @gpu functions in {path_s}: {', '.join(found) or 'none'}", 2)
-    return fn
+    return fn, app_modules(module)
 
 
 def run(
@@ -294,9 +289,10 @@ def run(
     from gpufn.client import default as client_mod
     from gpufn.exceptions import InvalidSpec
     from gpufn.net.discovery import resolve
+    from gpufn.wire.byvalue import by_value
 
     pos, kw = parse_call_args(list(args or []))
-    fn = load_function(ref)
+    fn, modules = load_function(ref)
     try:
         target = resolve(address, token, label="--address")
     except InvalidSpec as e:
@@ -304,7 +300,8 @@ def run(
     try:
         try:
             client_mod.connect_to(target)
-            value = fn.remote(*pos, **kw)
+            with by_value(modules):  # worker hosts need none of the files (as for deploy)
+                value = fn.remote(*pos, **kw)
         except GpufnError as e:
             fail(f"{type(e).__name__}: {e}")
         except Exception as e:  # the function raised: its own exception, one line

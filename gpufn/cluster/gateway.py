@@ -3,7 +3,8 @@ restarted if it dies, stopped with the server. (No web framework is imported her
 
 A child, not a thread of `serve`: a gateway that fails (a bug, memory exhausted by a huge
 body) cannot take the scheduler's lifetime with it and is simply started again; it holds
-no state a restart loses but spawned calls' results; and the same process runs on its own
+no state a restart loses (its spawned calls are kept by the scheduler, and found there
+again); and the same process runs on its own
 (`python -m gpufn.http --address ...`) beside a scheduler on another host.
 """
 

@@ -17,6 +17,7 @@ import uvicorn
 
 from gpufn.cluster.gateway import refusal
 from gpufn.http.app import create_app
+from gpufn.http.server import make_config
 from gpufn.wire import config
 
 
@@ -66,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    cfg = uvicorn.Config(create_app(address), host=args.host, port=args.port, lifespan="on",
-                         log_level="warning", access_log=False, server_header=False,
-                         ssl_certfile=args.cert, ssl_keyfile=args.key, timeout_graceful_shutdown=5)
+    cfg = make_config(create_app(address), args.host, args.port, args.cert, args.key)
     server = _Server(cfg, args.ready_fd, args.parent_pid)
     server.run()
     return 0

@@ -20,8 +20,8 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from gpufn.exceptions import GpufnError
-from gpufn.http import calls, dashboard, openai_routes
+from gpufn.exceptions import GpufnError, NotJSONSerializable
+from gpufn.http import bodies, calls, dashboard, openai_routes
 from gpufn.http.calls import ClientGone, SpawnBook, Spawned
 from gpufn.http.directory import Directory, Target
 from gpufn.http.errors import HTTPError, bad_request, error_body, from_gpufn
@@ -30,12 +30,15 @@ from gpufn.http.metrics import RequestMetrics, recorder
 from gpufn.http.pool import ClientPool, Entry, ask
 from gpufn.wire import config
 from gpufn.wire import protocol as p
+from gpufn.wire.spec import INT_BOUNDS
 
 log = logging.getLogger("gpufn.http")
 
 JSON = "application/json"
 CALL_OPTIONS = ("priority", "timeout", "version")
 RECENT_ERRORS = 50
+MAX_VERSION = 2**31 - 1
+MAX_TIMEOUT_S = 10**9
 
 
 class Gateway:
@@ -44,8 +47,12 @@ class Gateway:
     def __init__(self, address: str, idle_s: float | None = None) -> None:
         self.pool = ClientPool(address, config.http_client_idle() if idle_s is None else idle_s)
         self.spawned = SpawnBook()
-        self.errors: deque[dict[str, Any]] = deque(maxlen=RECENT_ERRORS)
+        # Recent errors, each with whose request it was (None: before its token was known);
+        # a user sees their own, the admin all.
+        self.errors: deque[tuple[str | None, dict[str, Any]]] = deque(maxlen=RECENT_ERRORS)
         self.max_body = config.max_payload()
+        self.budget = bodies.BodyBudget(config.http_body_budget())
+        self.read_timeout = config.http_read_timeout()
 
     # ------------------------------------------------------------------ request pieces
 
@@ -58,38 +65,56 @@ class Gateway:
             raise HTTPError(401, "AuthenticationError", "send the cluster's token as "
                             "'Authorization: Bearer TOKEN' (`gpufn serve` keeps it in "
                             "~/.gpufn/cluster.json)")
-        return await self.pool.entry(token)
+        entry = await self.pool.entry(token)
+        request.state.owner = entry.owner  # whose errors this request's are
+        return entry
 
     async def body(self, request: Request) -> Any:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > self.max_body:
-            raise HTTPError(413, "PayloadTooLarge", f"the body has {size} bytes; at most "
-                            f"{self.max_body} are accepted (GPUFN_MAX_PAYLOAD)")
-        raw = await request.body()
-        if not raw.strip():
-            return {}
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise bad_request(f"the body is not JSON: {e}", "BadRequest") from None
+        """The request's JSON body, read within the size limit, the body budget and the
+        read timeout (gpufn/http/bodies.py); its bytes stay counted in the budget until
+        `done_reading` (the call's payload is encoded) or the request ends."""
+        lease = request.state.lease = self.budget.lease()
+        raw = await bodies.read(request, self.max_body, lease, self.read_timeout)
+        return bodies.parse(raw)
+
+    def done_reading(self, request: Request) -> None:
+        lease = getattr(request.state, "lease", None)
+        if lease is not None:
+            lease.release()
 
     def record_error(self, request: Request, err: HTTPError) -> None:
         if err.status in (401, 404) and request.url.path == "/v1/status":
             return  # a dashboard before its login: not worth listing
-        self.errors.append({"time": time.time(), "method": request.method,
-                            "path": request.url.path, "status": err.status, "type": err.type,
-                            "message": err.message[:500]})
+        owner = getattr(request.state, "owner", None)
+        self.errors.append((owner, {"time": time.time(), "method": request.method,
+                                    "path": request.url.path, "status": err.status,
+                                    "type": err.type, "message": err.message[:500]}))
+
+    def errors_for(self, owner: str, admin: bool) -> list[dict[str, Any]]:
+        """The recent errors `owner` may see, newest first: their own; the admin's, all."""
+        return [e for who, e in reversed(self.errors) if admin or who == owner]
+
+    async def prepare(self, request: Request, keep: bool = False) -> tuple[Entry, Target, p.Submit]:
+        """A call's target and its Submit (the JSON payload encoded), from the route, the
+        query and the body; the parsed body is not kept (only the encoded payload is)."""
+        entry = await self.entry(request)
+        options, version = call_options(request)
+        args, kwargs = call_arguments(await self.body(request))
+        target = await Directory(entry).target(request.path_params["app"],
+                                               request.path_params["function"], version)
+        target.check(args, kwargs)
+        try:
+            sub = calls.submit(entry, target, args, kwargs, options, keep)
+        except NotJSONSerializable as e:  # arguments that came as JSON: too deep to write
+            raise bad_request(str(e), "BadArguments") from None
+        finally:
+            self.done_reading(request)
+        return entry, target, sub
 
     # ------------------------------------------------------------------ routes
 
     async def call(self, request: Request) -> Response:
-        entry = await self.entry(request)
-        args, kwargs = call_arguments(await self.body(request))
-        options, version = call_options(request)
-        target = await Directory(entry).target(request.path_params["app"],
-                                               request.path_params["function"], version)
-        target.check(args, kwargs)
-        sub = calls.submit(entry, target, args, kwargs, options)
+        entry, target, sub = await self.prepare(request)
         name = f"{target.app}.{target.name}"
         headers = {"X-Gpufn-Call-Id": sub.invocation_id}
         if "text/event-stream" in request.headers.get("accept", ""):
@@ -108,16 +133,13 @@ class Gateway:
         return Response(body, media_type=JSON, headers=headers)
 
     async def spawn(self, request: Request) -> Response:
-        entry = await self.entry(request)
-        args, kwargs = call_arguments(await self.body(request))
-        options, version = call_options(request)
-        target = await Directory(entry).target(request.path_params["app"],
-                                               request.path_params["function"], version)
+        # keep: the scheduler keeps its Result, and the call outlives this connection (a
+        # spawned call of a deployed function, as Python's spawn), noted on disk by a
+        # durable head: found again after the gateway or the head restarts.
+        entry, target, sub = await self.prepare(request, keep=True)
         if target.generator:
             raise bad_request(f"{target.app}.{target.name} is a generator function: stream it "
                               "with POST /v1/apps/APP/FUNCTION and 'Accept: text/event-stream'")
-        target.check(args, kwargs)
-        sub = calls.submit(entry, target, args, kwargs, options)
         name = f"{target.app}.{target.name}"
         fut = entry.client.submit(sub, name)
         self.spawned.add(Spawned(sub.invocation_id, entry.owner, name, fut, entry),
@@ -125,25 +147,61 @@ class Gateway:
         body = {"call_id": sub.invocation_id, "url": f"/v1/calls/{sub.invocation_id}"}
         return Response(json.dumps(body), status_code=202, media_type=JSON)
 
-    async def get_call(self, request: Request) -> Response:
+    async def spawned_call(self, request: Request) -> tuple[Spawned, dict[str, Any] | None]:
+        """The caller's spawned call (and, while it is out, the scheduler's status): from
+        this gateway's book, or else attached at the scheduler (`FunctionCall.from_id`'s
+        way: a call spawned before this gateway or its head restarted). 404 if the
+        scheduler knows no such call of this caller, 403 if this gateway spawned it for
+        another caller."""
         entry = await self.entry(request)
-        s = self.spawned.get(request.path_params["call_id"], entry.owner)
-        running = None
+        call_id = request.path_params["call_id"]
+        s = self.spawned.find(call_id, entry.owner)
+        if s is not None and s.lost():  # its connection closed before the answer: ask again
+            self.spawned.forget(call_id)
+            s = None
+        fresh = s is None
+        if s is None:
+            s = Spawned(call_id, entry.owner, "", entry.client.attach(call_id), entry)
+        st = None
         if not s.future.done():
+            # Answered after the attach (one socket, in order): a call the scheduler knows
+            # only by its kept Result, or not at all, is answered by then.
             with contextlib.suppress(GpufnError):
                 st = await ask(entry.client, lambda rid: p.StatusRequest(rid), timeout=5)
-                running = any(r.get("id") == s.call_id for d in st.get("devices", [])
-                              for r in d.get("running", []))
+        if s.unknown():
+            self.spawned.forget(call_id)
+            raise HTTPError(404, "NotFound", f"no call {call_id} of yours is known: it was never "
+                            "spawned, or it ended and its result is no longer kept (a day, "
+                            "GPUFN_RESULT_RETENTION), or another user made it")
+        if fresh:  # kept from now on, as if spawned here
+            self.spawned.add(s, asyncio.get_running_loop())
+        return s, st
+
+    async def get_call(self, request: Request) -> Response:
+        s, st = await self.spawned_call(request)
+        running = None
+        if st is not None and not s.future.done():
+            rows = [r for d in st.get("devices", []) for r in d.get("running", [])
+                    if r.get("id") == s.call_id]
+            running = bool(rows)
+            if rows and not s.name:
+                s.name = str(rows[0].get("function") or "")
         status, body = s.view(running)
         return Response(body, status_code=status, media_type=JSON)
 
     async def cancel_call(self, request: Request) -> Response:
-        entry = await self.entry(request)
-        s = self.spawned.get(request.path_params["call_id"], entry.owner)
-        pending = not s.future.done()
-        if pending:
-            s.entry.client.cancel(s.call_id, "cancelled over HTTP")
-        return Response(json.dumps({"call_id": s.call_id, "cancelled": pending}), media_type=JSON)
+        s, _ = await self.spawned_call(request)
+        cancelled = False
+        if not s.future.done():
+            call_id = s.call_id
+            try:
+                data = await ask(s.entry.client, lambda rid: p.Cancel(
+                    call_id, "cancelled over HTTP", True, 0, rid), timeout=10)
+            except GpufnError as e:
+                raise from_gpufn(e) from None
+            cancelled = bool(data.get("cancelled"))
+        return Response(json.dumps({"call_id": s.call_id, "cancelled": cancelled}),
+                        media_type=JSON)
 
     async def apps(self, request: Request) -> Response:
         entry = await self.entry(request)
@@ -158,8 +216,10 @@ class Gateway:
         except GpufnError as e:
             raise from_gpufn(e) from None
         listed = await Directory(entry).apps(fresh=True)
+        you = st.get("you") or {}
+        errors = self.errors_for(entry.owner, bool(you.get("admin", entry.admin)))
         body = {"status": st, "apps": [app_view(a) for a in listed],
-                "gateway": {"errors": list(self.errors)[::-1], "connections": len(self.pool),
+                "gateway": {"errors": errors, "connections": len(self.pool),
                             "time": time.time()}}
         return Response(json.dumps(body, default=str), media_type=JSON)
 
@@ -193,29 +253,51 @@ def call_arguments(body: Any) -> tuple[list[Any], dict[str, Any]]:
 
 
 def call_options(request: Request) -> tuple[dict[str, Any], int | None]:
-    """The call options from the query (`priority`, `timeout`) and the pinned `version`."""
+    """The call options from the query (`priority`, `timeout`) and the pinned `version`;
+    400 naming the parameter and its accepted form."""
     q = request.query_params
     unknown = set(q) - set(CALL_OPTIONS)
     if unknown:
         raise bad_request(f"unknown query parameter(s) {sorted(unknown)}; known: "
                           f"{', '.join(CALL_OPTIONS)}")
+    for name in CALL_OPTIONS:
+        if len(q.getlist(name)) > 1:
+            raise bad_request(f"query parameter {name} is given {len(q.getlist(name))} times; "
+                              "give it once", "InvalidSpec")
     options: dict[str, Any] = {}
     version = None
-    try:
-        if "priority" in q:
-            options["priority"] = int(q["priority"])
-        if "timeout" in q:
-            options["timeout"] = float(q["timeout"])
-            if not options["timeout"] > 0:
-                raise ValueError("timeout must be a positive number of seconds")
-        if "version" in q:
-            version = int(q["version"])
-            if version < 1:
-                raise ValueError("version must be 1 or more")
-    except ValueError as e:
-        raise bad_request(f"bad query parameter: {e} (priority is an integer, timeout "
-                          "seconds, version a number from 1)", "InvalidSpec") from None
+    if "priority" in q:
+        low, high = INT_BOUNDS["priority"]
+        options["priority"] = _query_int(q["priority"], "priority", low, high,
+                                         "an integer, higher runs first (e.g. ?priority=5)")
+    if "timeout" in q:
+        options["timeout"] = _query_seconds(q["timeout"], "timeout")
+    if "version" in q:
+        version = _query_int(q["version"], "version", 1, MAX_VERSION,
+                             "a deployed version number from 1 (e.g. ?version=2)")
     return options, version
+
+
+def _query_int(raw: str, name: str, low: int, high: int, form: str) -> int:
+    try:
+        value = int(raw.strip()) if raw.strip().lstrip("+-").isdigit() else None
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise bad_request(f"query parameter {name}={raw!r} is not valid: {name} is {form}, "
+                          f"from {low:,} to {high:,}", "InvalidSpec")
+    return value
+
+
+def _query_seconds(raw: str, name: str) -> float:
+    try:
+        value: float | None = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= MAX_TIMEOUT_S:  # NaN and infinities fail here too
+        raise bad_request(f"query parameter {name}={raw!r} is not valid: {name} is a positive "
+                          "number of seconds (e.g. ?timeout=30 or ?timeout=0.5)", "InvalidSpec")
+    return value
 
 
 def app_view(a: dict[str, Any]) -> dict[str, Any]:
@@ -290,9 +372,13 @@ def create_app(address: str, idle_s: float | None = None) -> ASGIApp:
     gw = Gateway(address, idle_s)
 
     def json_error(request: Request, err: HTTPError) -> Response:
+        gw.done_reading(request)
         gw.record_error(request, err)
+        headers = dict(err.headers)
+        if err.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
         return Response(err.body(), status_code=err.status, media_type=JSON,
-                        headers={"WWW-Authenticate": "Bearer"} if err.status == 401 else None)
+                        headers=headers or None)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPError)
@@ -337,7 +423,7 @@ def create_app(address: str, idle_s: float | None = None) -> ASGIApp:
         HTTPError: on_http_error, HTTPException: on_starlette, GpufnError: on_gpufn,
         Exception: on_other})
     app.state.gateway = gw
-    return RequestMetrics(app, recorder())
+    return RequestMetrics(bodies.ReleaseLeases(app), recorder())
 
 
 __all__ = ["Gateway", "Target", "create_app", "error_body"]

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from starlette.types import Receive
 
-from gpufn.exceptions import GpufnError, kind_of
+from gpufn.exceptions import ConnectionLost, GpufnError, kind_of
 from gpufn.http.directory import Target
 from gpufn.http.errors import HTTPError, from_result
 from gpufn.http.events import wait_disconnect
@@ -29,6 +29,9 @@ T = TypeVar("T")
 CREDIT_EVERY = max(1, p.STREAM_WINDOW // 4)
 KEEP_CALLS = 4096  # finished spawned calls kept for GET /v1/calls/{id}
 KEEP_BYTES = 256 * 2**20
+# How the scheduler answers an Attach of a call it does not know (or another user's):
+# scheduler/streams.py, StreamDesk._on_attach (a plain GpufnError kind, so matched here).
+UNKNOWN_CALL = "the scheduler knows no call"
 
 
 class ClientGone(Exception):
@@ -36,9 +39,12 @@ class ClientGone(Exception):
 
 
 def submit(entry: Entry, target: Target, args: list[Any], kwargs: dict[str, Any],
-           options: dict[str, Any]) -> p.Submit:
+           options: dict[str, Any], keep: bool = False) -> p.Submit:
+    """The Submit of a JSON call; `keep` for a spawned one (its Result kept, and it
+    outlives its connection: see `FunctionCall.from_id`)."""
     frames = jsonwire.dump_call(args, kwargs)
-    return p.Submit(entry.client.new_id(), target.function_id(), options, frames=tuple(frames))
+    return p.Submit(entry.client.new_id(), target.function_id(), options, keep,
+                    frames=tuple(frames))
 
 
 async def call(entry: Entry, sub: p.Submit, name: str, receive: Receive | None) -> p.Result:
@@ -154,8 +160,21 @@ class Spawned:
     owner: str
     name: str
     future: Future[p.Result]
-    entry: Entry  # the connection it was made on (only it may cancel it)
+    entry: Entry  # the connection it was made (or found) on
     created: float = field(default_factory=time.time)
+    nbytes: int = 0  # its Result's payload, counted in its book once it ended
+
+    def lost(self) -> bool:
+        """Its connection closed before its answer (not an answer about the call)."""
+        return self.future.done() and isinstance(self.future.exception(), ConnectionLost)
+
+    def unknown(self) -> bool:
+        """The scheduler answered an attach: it knows no such call of this caller."""
+        if not self.future.done() or self.future.exception() is not None:
+            return False
+        res = self.future.result()
+        return (not res.ok and res.error_kind == kind_of(GpufnError())
+                and UNKNOWN_CALL in res.message)
 
     def view(self, running: bool | None = None) -> tuple[int, bytes]:
         """(HTTP status, body) of GET /v1/calls/{id}."""
@@ -199,23 +218,27 @@ class SpawnBook:
 
     def _finished(self, spawned: Spawned, entry: Entry) -> None:
         entry.release()
-        with contextlib.suppress(Exception):
-            self.finished_bytes += sum(len(f) for f in spawned.future.result().frames)
+        if self.calls.get(spawned.call_id) is spawned:
+            with contextlib.suppress(Exception):
+                spawned.nbytes = sum(len(f) for f in spawned.future.result().frames)
+            self.finished_bytes += spawned.nbytes
         self._trim()
 
     def _trim(self) -> None:
         done = [k for k, s in self.calls.items() if s.future.done()]
         while done and (len(done) > KEEP_CALLS or self.finished_bytes > KEEP_BYTES):
             old = self.calls.pop(done.pop(0))
-            with contextlib.suppress(Exception):
-                self.finished_bytes -= sum(len(f) for f in old.future.result().frames)
+            self.finished_bytes -= old.nbytes
 
-    def get(self, call_id: str, owner: str) -> Spawned:
-        """The caller's own call: 404 if unknown, 403 if it is another caller's."""
+    def find(self, call_id: str, owner: str) -> Spawned | None:
+        """The caller's own call if this book has it (None if not); 403 if it is another
+        caller's."""
         s = self.calls.get(call_id)
-        if s is None:
-            raise HTTPError(404, "NotFound", f"no call {call_id} was spawned through this "
-                            f"gateway (or it is no longer kept: the last {KEEP_CALLS} are)")
-        if s.owner != owner:
+        if s is not None and s.owner != owner:
             raise HTTPError(403, "Forbidden", f"call {call_id} belongs to another caller")
         return s
+
+    def forget(self, call_id: str) -> None:
+        s = self.calls.pop(call_id, None)
+        if s is not None:
+            self.finished_bytes -= s.nbytes

@@ -14,6 +14,7 @@ STATUS: dict[str, int] = {
     "InvalidSpec": 400,
     "AuthenticationError": 401,
     "NotFound": 404,
+    "RequestTimeout": 408,
     "PayloadTooLarge": 413,
     "QueueFull": 429,
     "ConnectionLost": 503,  # draining, or the scheduler is gone
@@ -26,11 +27,13 @@ STATUS: dict[str, int] = {
 class HTTPError(Exception):
     """An answer that is an error: raised anywhere in a route, rendered by the app."""
 
-    def __init__(self, status: int, type_: str, message: str, **extra: Any) -> None:
+    def __init__(self, status: int, type_: str, message: str,
+                 headers: dict[str, str] | None = None, **extra: Any) -> None:
         super().__init__(message)
         self.status = status
         self.type = type_
         self.message = message
+        self.headers = headers or {}  # of the answer (Retry-After, Connection: close)
         self.extra = extra
 
     def body(self) -> bytes:
@@ -59,8 +62,10 @@ def from_result(res: p.Result) -> HTTPError:
     """The error a failed call's Result stands for (never unpickling its frames)."""
     if res.error_kind:
         return HTTPError(STATUS.get(res.error_kind, 500), res.error_kind, res.message)
-    extra = {"traceback": res.meta.traceback} if res.meta.traceback else {}
-    return HTTPError(500, res.meta.error_type or "Exception", res.message, remote=True, **extra)
+    kind = res.meta.error_type or "Exception"
+    if res.meta.traceback:
+        return HTTPError(500, kind, res.message, remote=True, traceback=res.meta.traceback)
+    return HTTPError(500, kind, res.message, remote=True)
 
 
 def bad_request(message: str, type_: str = "BadRequest") -> HTTPError:

@@ -36,6 +36,8 @@ class Gateway(Protocol):
 
     async def body(self, request: Request) -> Any: ...
 
+    def done_reading(self, request: Request) -> None: ...
+
 JSON = "application/json"
 
 
@@ -143,6 +145,7 @@ class ChatRoutes:
         target = await Directory(entry).chat_target(model)
         target.check([], kwargs)
         sub = calls.submit(entry, target, [], kwargs, {})
+        self.gw.done_reading(request)  # only the encoded payload is kept from here
         head = {"id": f"chatcmpl-{sub.invocation_id}", "created": int(time.time()), "model": model}
         name = f"{target.app}.{target.name}"
         if body.get("stream"):

@@ -42,6 +42,7 @@ class Entry:
 
     client: Client
     owner: str  # whose calls these are: the user the scheduler names, else the token's digest
+    admin: bool = False  # the cluster's (admin) token: it sees every user's errors
     last_used: float = field(default_factory=time.monotonic)
     inflight: int = 0  # requests and spawned calls not finished
     cache: dict[Any, Any] = field(default_factory=dict)  # the directory's, per token
@@ -95,7 +96,8 @@ class ClientPool:
             raise HTTPError(503, type(e).__name__, f"the scheduler at {self.address} cannot be "
                             f"reached: {e}") from None
         user = getattr(client.info, "user", None)  # once the scheduler names its users
-        entry = Entry(client, str(user) if user else digest(token))
+        entry = Entry(client, str(user) if user else digest(token),
+                      bool(getattr(client.info, "admin", False)))
         old = self._entries.pop(token, None)
         self._entries[token] = entry
         if old is not None:

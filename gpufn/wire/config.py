@@ -228,6 +228,29 @@ def http_client_idle() -> float:
     return env_float("GPUFN_HTTP_CLIENT_IDLE", 300.0)
 
 
+def http_body_budget() -> int:
+    """GPUFN_HTTP_BODY_BUDGET: the bytes of request bodies the HTTP gateway reads and
+    parses at once, all requests together; past it a request is answered 503 with
+    Retry-After (default: GPUFN_MAX_PAYLOAD, the largest one body may be)."""
+    raw = env_str("GPUFN_HTTP_BODY_BUDGET")
+    if not raw:
+        return max_payload()
+    n = parse_memory(raw, "GPUFN_HTTP_BODY_BUDGET")
+    if n < 1:
+        raise InvalidSpec(f"GPUFN_HTTP_BODY_BUDGET={raw} must be at least 1 byte.")
+    return n
+
+
+def http_read_timeout() -> float:
+    """GPUFN_HTTP_READ_TIMEOUT: seconds the HTTP gateway waits for a client's request
+    headers, or for the next piece of its body, before it closes the connection
+    (default 30)."""
+    v = env_float("GPUFN_HTTP_READ_TIMEOUT", 30.0)
+    if not v > 0:
+        raise InvalidSpec(f"GPUFN_HTTP_READ_TIMEOUT={v} must be a positive number of seconds.")
+    return v
+
+
 def curve_forced() -> bool:
     """GPUFN_CURVE: 1 encrypts with CURVE even on a loopback bind (off loopback it always
     is); default off."""

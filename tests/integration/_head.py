@@ -51,6 +51,7 @@ class Head:
         self.extra = env
         self.proc: subprocess.Popen[str] | None = None
         self.seen: set[int] = set()  # every gpufn process this head had: none may outlive it
+        self.serve_args: tuple[str, ...] = ()  # more options of `gpufn serve` (--http-port N)
         self.starts = 0
         (home / "cwd").mkdir(parents=True, exist_ok=True)
 
@@ -73,7 +74,8 @@ class Head:
         log = open(self.home / f"serve-{self.starts}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpufn.cli.main", "serve", "--port", str(self.port),
-             "--cpu-devices", str(self.devices), "--device-memory", "8GiB", "--token", TOKEN],
+             "--cpu-devices", str(self.devices), "--device-memory", "8GiB", "--token", TOKEN,
+             *self.serve_args],
             env=self.env(), cwd=self.home / "cwd", stdout=log, stderr=subprocess.STDOUT,
             text=True)
         log.close()
@@ -100,6 +102,8 @@ class Head:
         sup = rec.get("supervisor")
         if sup:
             pids |= children(int(sup[0]))
+        if rec.get("serve"):
+            pids |= children(int(rec["serve"]))  # the HTTP gateway, with --http-port
         pids.discard(0)
         self.seen |= {p for p in pids if _alive(p)}
         return pids

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import gpufn
+from gpufn.net.cluster_file import read_cluster_file
 
 from .served import Served, gpufn_cmd
 
@@ -45,11 +46,11 @@ class ServedGateway(Served):
             assert self.proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, log_path.read_text()
             lines = [x for x in log_path.read_text().splitlines() if x.startswith("{")]
-            if lines and (self.home / "cluster.json").exists():
+            data = read_cluster_file(self.home / "cluster.json")  # None while half written
+            if lines and data is not None:
                 break
             time.sleep(0.05)
         info = json.loads(lines[-1])
-        data = json.loads((self.home / "cluster.json").read_text())
         self.address, self.token, self.url = data["address"], data["token"], info["http"]
         return self
 

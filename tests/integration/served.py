@@ -3,13 +3,14 @@ folder of its own (so its workers cannot import the tests' app files by name).""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from gpufn.net.cluster_file import read_cluster_file
 
 from ..conftest import assert_all_gone
 
@@ -57,11 +58,11 @@ class Served:
         log.close()
         deadline = time.monotonic() + 90
         path = self.home / "cluster.json"
-        while not path.exists():
+        # Until it parses: serve writes it in place, so it may be seen empty for a moment.
+        while (data := read_cluster_file(path)) is None:
             assert self.proc.poll() is None, (self.home / "serve.log").read_text()
             assert time.monotonic() < deadline, (self.home / "serve.log").read_text()
             time.sleep(0.05)
-        data = json.loads(path.read_text())
         self.address, self.token = data["address"], data["token"]
         return self
 
@@ -69,7 +70,10 @@ class Served:
         """The scheduler (started with our pid as its parent) and the workers (by port)."""
         assert self.proc is not None
         out = []
-        for pattern in (f"--parent-pid {self.proc.pid}( |$)", self.address.rsplit(":", 1)[1]):
+        patterns = [f"--parent-pid {self.proc.pid}( |$)"]
+        if self.address:  # (none yet if it failed to start)
+            patterns.append(self.address.rsplit(":", 1)[1])
+        for pattern in patterns:
             out += subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True,
                                   text=True).stdout.split()
         return sorted({int(x) for x in out})

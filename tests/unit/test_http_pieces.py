@@ -134,13 +134,34 @@ def test_a_spawned_call_is_its_callers_alone() -> None:
 
     book = SpawnBook()
     book.calls["c1"] = Spawned("c1", "alice", "t.f", Future(), entry=None)  # type: ignore[arg-type]
-    assert book.get("c1", "alice").call_id == "c1"
+    found = book.find("c1", "alice")
+    assert found is not None and found.call_id == "c1"
     with pytest.raises(HTTPError) as other:
-        book.get("c1", "bob")
+        book.find("c1", "bob")
     assert other.value.status == 403
-    with pytest.raises(HTTPError) as unknown:
-        book.get("c2", "alice")
-    assert unknown.value.status == 404
+    assert book.find("c2", "alice") is None  # not here: the gateway asks the scheduler
+
+
+def test_the_scheduler_answer_to_an_unknown_attach_is_told_apart() -> None:
+    from gpufn.http.calls import UNKNOWN_CALL, Spawned
+
+    def spawned(res: p.Result) -> Spawned:
+        fut: Future[p.Result] = Future()
+        fut.set_result(res)
+        return Spawned(res.invocation_id, "alice", "", fut, entry=None)  # type: ignore[arg-type]
+
+    assert spawned(p.Result("c", False, "GpufnError", f"{UNKNOWN_CALL} c of yours: ...")).unknown()
+    assert not spawned(p.Result("c", False, "GpufnError", "something else")).unknown()
+    assert not spawned(p.Result("c", False, "NotFound", f"{UNKNOWN_CALL} c")).unknown()
+    assert not spawned(p.Result("c", True, "", "")).unknown()
+    # The scheduler's own answer to an Attach of an id it does not know is told apart.
+    from .core_harness import Harness
+
+    h = Harness(devices=1)
+    h.start_worker(0)
+    h.hello(b"gateway", p.Role.CLIENT)
+    h.feed(b"gateway", p.Attach("nosuchcall"))
+    assert spawned(h.results(b"gateway")["nosuchcall"]).unknown()
 
 
 # --------------------------------------------------------------------------- chat

@@ -226,6 +226,9 @@ class Gateway:
         except GpufnError as e:
             raise from_gpufn(e) from None
         listed = await Directory(entry).apps(fresh=True)
+        for d in st.get("devices", []):  # a worker's last error may quote a traceback
+            if isinstance(d, dict) and d.get("last_error"):
+                d["last_error"] = public(str(d["last_error"]))
         you = st.get("you") or {}
         errors = self.errors_for(entry.owner, bool(you.get("admin", entry.admin)))
         body = {"status": st, "apps": [app_view(a) for a in listed],

@@ -43,9 +43,6 @@ def _check_params(deco: str, fn: Function[Any, Any], role: str,
     """The explicit `params=` list, checked against the function's signature."""
     if params is None:
         return None
-    if isinstance(params, str):
-        raise InvalidSpec(f"{deco}: params is a list of parameter names, e.g. "
-                          "params=['max_tokens', 'temperature'], not a string")
     names = list(params)
     for name in names:
         if not isinstance(name, str) or not _PARAM.match(name):
@@ -69,6 +66,9 @@ def _marker(role: str) -> Callable[..., Callable[[F], F]]:
         if not isinstance(name, str) or not _NAME.match(name):
             raise InvalidSpec(f"{role}_model({name!r}): a model name is 1-100 letters, digits "
                               "and '_.:/-', starting with a letter or digit, e.g. 'tiny-llama'")
+        if isinstance(params, str):
+            raise InvalidSpec(f"{deco}: params is a list of parameter names, e.g. "
+                              "params=['max_tokens', 'temperature'], not a string")
 
         def mark(fn: F) -> F:
             if not isinstance(fn, Function):

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp
 from gpufn.exceptions import GpufnError, NotJSONSerializable
 from gpufn.http import bodies, calls, dashboard, openai_routes
 from gpufn.http.calls import ClientGone, SpawnBook, Spawned
-from gpufn.http.directory import Directory, Target
+from gpufn.http.directory import Directory, Target, openai_roles
 from gpufn.http.errors import (
     HTTPError,
     RequestIds,
@@ -320,7 +320,8 @@ def app_view(a: dict[str, Any]) -> dict[str, Any]:
         i = f.get("interface") or {}
         fns.append({"name": f["name"], "params": i.get("params"), "returns": i.get("returns", ""),
                     "doc": i.get("doc", ""), "streams": bool(i.get("generator")),
-                    "chat_model": i.get("chat_model", ""), "describe": f.get("describe", ""),
+                    "chat_model": i.get("chat_model", ""),
+                    "openai": openai_roles(i), "describe": f.get("describe", ""),
                     "models": f.get("models", []), "calls_1h": f.get("calls_1h", 0),
                     "queued": f.get("queued", 0), "running": f.get("running", 0),
                     "errors": [public(str(e)) for e in f.get("errors", [])], "url": f"/v1/apps/{a['name']}/{f['name']}"})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import struct
 import sys
 from collections.abc import Iterator
@@ -268,3 +269,19 @@ def test_litellm_sync_and_streaming(served: ServedGateway, monkeypatch: pytest.M
                                   prompt="The GPU", max_tokens=4)
     assert out.choices[0].text
 
+
+
+def test_the_clients_reach_no_network_at_import() -> None:
+    """litellm fetches a model cost map at import unless LITELLM_LOCAL_MODEL_COST_MAP=True."""
+    import subprocess
+
+    pytest.importorskip("litellm")
+    pytest.importorskip("langchain_openai")
+    code = ("import socket\ncalls = []\n"
+            "def guard(self, addr):\n    calls.append(addr)\n    raise OSError('blocked')\n"
+            "socket.socket.connect = guard\n"
+            "import litellm, langchain_openai, openai\nprint(calls)\n")
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

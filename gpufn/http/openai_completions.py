@@ -24,8 +24,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufn.exceptions import GpufnError
 from gpufn.http import calls
-from gpufn.http.errors import HTTPError
+from gpufn.http.errors import HTTPError, from_gpufn
 from gpufn.http.openai_params import bad
 from gpufn.http.pool import Entry
 from gpufn.wire import jsonwire
@@ -197,11 +198,17 @@ async def stream_chunks(entry: Entry, runs: list[tuple[p.Submit, PromptCalls]], 
     queue: asyncio.Queue[tuple[PromptCalls, bytes | None, HTTPError | None]] = asyncio.Queue()
 
     async def pump(sub: p.Submit, part: PromptCalls) -> None:
-        stream = calls.Stream(entry, sub, name)
-        async with contextlib.aclosing(stream.values()) as values:
-            async for raw in values:
-                await queue.put((part, raw, None))
-        await queue.put((part, None, stream.error()))
+        try:
+            stream = calls.Stream(entry, sub, name)
+            async with contextlib.aclosing(stream.values()) as values:
+                async for raw in values:
+                    await queue.put((part, raw, None))
+            err = stream.error()
+        except HTTPError as e:
+            err = e
+        except GpufnError as e:  # the connection is gone: said, not waited for
+            err = from_gpufn(e)
+        await queue.put((part, None, err))
 
     entry.hold()
     tasks = [asyncio.ensure_future(pump(sub, part)) for sub, part in runs]

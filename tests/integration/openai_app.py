@@ -44,3 +44,10 @@ def multi(prompt: str | list[int], n: int = 1, max_tokens: int = 16) -> Iterator
     for i in range(n):
         yield {"index": i, "text": f"{prompt}#{i}", "finish_reason": "length"}
     yield {"usage": {"prompt_tokens": 1, "completion_tokens": n}}
+
+
+@gpufn.embedding_model("batchy")
+@gpufn.gpu(batch_size=64, batch_wait_ms=200)
+def batchy(input: list[Any]) -> list[dict[str, Any]]:
+    """Each input's 'embedding' is the size of the batch it ran in."""
+    return [{"embedding": [float(len(input))], "tokens": 1} for _ in input]

@@ -165,6 +165,11 @@ def test_embeddings_float_base64_dimensions_and_usage(oai: Any) -> None:
     small = oai.embeddings.create(model="mini-bert", input=[[5, 6, 7]], dimensions=16)
     assert len(small.data[0].embedding) == 16 and small.usage.prompt_tokens == 3
     assert sum(x * x for x in small.data[0].embedding) == pytest.approx(1.0, abs=1e-5)
+    # the inputs of a request are calls that dynamic batching runs together
+    sizes = [d.embedding[0] for d in oai.embeddings.create(model="batchy",
+                                                           input=[f"t{i}" for i in range(16)]).data]
+    assert max(sizes) > 1, sizes
+    refused(lambda: oai.embeddings.create(model="batchy", input="x", dimensions=4), "dimensions")
 
 
 def test_every_undeclared_parameter_is_refused_by_name(oai: Any) -> None:

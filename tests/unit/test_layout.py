@@ -25,6 +25,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "gpufn.runtime": {"gpufn.exceptions", "gpufn.wire"},
     "gpufn.api": {"gpufn.exceptions", "gpufn.wire", "gpufn.net", "gpufn.client", "gpufn.runtime"},
     "gpufn.parallel": {"gpufn.exceptions", "gpufn.runtime"},
+    "gpufn.engines": {"gpufn.exceptions", "gpufn.wire", "gpufn.runtime"},
     "gpufn.http": {"gpufn.exceptions", "gpufn.wire", "gpufn.net", "gpufn.client", "gpufn.api"},
     "gpufn.cli": {"*"},
     "gpufn.memory_pool": {"gpufn.exceptions", "gpufn.wire"},
@@ -33,7 +34,7 @@ MAY_IMPORT: dict[str, set[str]] = {
                      "gpufn.memory_pool"},
 }
 NO_ZMQ = {"gpufn.exceptions", "gpufn.wire", "gpufn.runtime", "gpufn.parallel",
-          "gpufn.memory_pool"}
+          "gpufn.memory_pool", "gpufn.engines"}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

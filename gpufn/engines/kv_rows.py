@@ -1,5 +1,6 @@
 """Per-sequence KV buffers behind transformers' `Cache` interface, and the attention that
-reads them one sequence at a time (the library's own SDPA attention, called per row)."""
+reads them one sequence at a time (the library's own SDPA attention, called per segment
+of a packed forward)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,22 @@ class SeqKV:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Positions `offset .. offset+n` of a packed forward extend `kv` by n tokens."""
+
+    kv: SeqKV
+    offset: int
+    n: int
+
+
 @dataclass
 class RowPlan:
-    """What one forward computes: row i of the batch extends `rows[i]` (None for a padding
-    row) by `q_len` positions."""
+    """What one packed forward ([1, total] tokens) computes: its segments, one per
+    sequence, and padding after them up to `total`."""
 
-    rows: list[SeqKV | None]
-    q_len: int
+    segments: list[Segment]
+    total: int
 
 
 class RowCache(Cache):
@@ -53,17 +63,15 @@ class RowCache(Cache):
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self.plan
         assert plan is not None, "RowCache.update outside a planned forward"
-        n = plan.q_len
-        for i, seq in enumerate(plan.rows):
-            if seq is None:
-                continue
+        for seg in plan.segments:
+            seq, a, n = seg.kv, seg.offset, seg.n
             if len(seq.keys) == layer_idx:
                 shape = (1, key_states.shape[1], seq.capacity, key_states.shape[3])
                 seq.keys.append(key_states.new_zeros(shape))
                 seq.values.append(value_states.new_zeros(
                     (1, value_states.shape[1], seq.capacity, value_states.shape[3])))
-            seq.keys[layer_idx][0, :, seq.length:seq.length + n] = key_states[i, :, :n]
-            seq.values[layer_idx][0, :, seq.length:seq.length + n] = value_states[i, :, :n]
+            seq.keys[layer_idx][0, :, seq.length:seq.length + n] = key_states[0, :, a:a + n]
+            seq.values[layer_idx][0, :, seq.length:seq.length + n] = value_states[0, :, a:a + n]
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -77,28 +85,27 @@ class RowCache(Cache):
 def row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
                   **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Attention of each row over its own sequence's keys and values, at that sequence's
-    exact length, through transformers' SDPA attention; without a plan (the model used
-    outside the engine), plain SDPA attention."""
+    """Attention of each segment over its own sequence's keys and values, at that
+    sequence's exact length (causal within a prompt), through transformers' SDPA attention,
+    with the segment's queries copied out so their layout never depends on the batch.
+    Without a plan (the model used outside the engine), plain SDPA attention."""
     plan: RowPlan | None = kwargs.pop(PLAN_KWARG, None)
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    n = plan.q_len
     outs: list[torch.Tensor] = []
-    pad: torch.Tensor | None = None
-    for i, seq in enumerate(plan.rows):
-        if seq is None:
-            if pad is None:
-                pad = query.new_zeros((1, n, query.shape[1], value.shape[-1]))
-            outs.append(pad)
-            continue
-        end = seq.length + n
+    used = 0
+    for seg in plan.segments:
+        end = seg.kv.length + seg.n
+        q = query[:, :, seg.offset:seg.offset + seg.n].contiguous()
         out, _ = sdpa_attention_forward(
-            module, query[i:i + 1], seq.keys[layer][:, :, :end], seq.values[layer][:, :, :end],
+            module, q, seg.kv.keys[layer][:, :, :end], seg.kv.values[layer][:, :, :end],
             None, **kwargs)
         outs.append(out)
-    return torch.cat(outs, dim=0), None
+        used += seg.n
+    if used < plan.total:
+        outs.append(query.new_zeros((1, plan.total - used, query.shape[1], value.shape[-1])))
+    return torch.cat(outs, dim=1), None
 
 
 _registered = False

@@ -16,6 +16,7 @@ from gpufn.engines.kv_rows import (
     PLAN_KWARG,
     RowCache,
     RowPlan,
+    Segment,
     SeqKV,
     cache_kwarg,
     use_row_attention,
@@ -24,15 +25,18 @@ from gpufn.engines.sampling import RowSampler, token_logprobs
 from gpufn.engines.text import IncrementalText
 from gpufn.engines.waiting import WaitingQueue
 
-# Exactness rule. A request's tokens are computed by (1) one prefill forward of its prompt
-# alone, (2) decode steps in which the row-wise ops (linear layers, norms, activations) run
-# on a batch of at least `min_rows` rows (padding rows fill it) while attention runs per
-# sequence on its own keys at its exact length, and (3) sampling on its own copied row of
-# logits with its own generator. Shapes of everything a request's numbers pass through are
-# then the same alone and in any batch, except the decode GEMMs' row count M, and BLAS
-# computes each row identically for every M >= 12 (MKL fp32 on 1-8 threads; M = 1..3 and,
-# on 2+ threads, 5..11 take other kernels). Resuming after preemption replays the
-# generated tokens through decode steps (not one long prefill) for the same reason.
+# Exactness rule. Every step is one packed forward of [1, T] tokens: the prompts of the
+# requests joining and one token of each running request, T padded to at least `min_rows`,
+# and the logits kept for at least `min_rows` positions. The row-wise ops (embedding,
+# linear layers, norms, activations, rotary) then see each token as one row of a GEMM or
+# an elementwise op with at least `min_rows` rows, and attention runs per request on its
+# own queries (copied out) against its own keys at their exact length; sampling runs on
+# the request's own copy of its logits with its own generator. So a request's numbers go
+# through the same shapes and layouts alone as in any batch, except the GEMMs' row count
+# M, and BLAS computes each row bit-identically for every M >= 12 (measured, MKL fp32 on
+# 1-8 threads: M = 1..3 and, on 2 or more threads, 5..11 take other kernels; see
+# bench/engine_exactness.py). Resuming after preemption replays the generated tokens
+# one decode step at a time (not one long prefill) for the same reason.
 MIN_ROWS = 16
 
 
@@ -63,10 +67,24 @@ class _Seq:
         return self.generated
 
 
+@dataclass
+class _Work:
+    """One request's part of a step's forward: tokens from position `start`; its logits
+    at every position (`keep_all`, for prompt logprobs) or the last; `sample` unless
+    it is replaying after a resume."""
+
+    seq: _Seq
+    tokens: list[int]
+    start: int
+    keep_all: bool
+    sample: bool
+    first_row: int = 0  # its first row in the forward's kept logits
+
+
 class TransformersEngine:
     """Steps up to `max_batch` requests of one transformers causal LM together.
-    `min_rows` pads each decode batch (see the exactness rule above; 1 turns padding off
-    and with it the guarantee). `max_len` caps prompt plus completion (default: the
+    `min_rows` pads each forward (see the exactness rule above; 1 turns padding off and
+    with it the guarantee). `max_len` caps prompt plus completion (default: the
     model's `max_position_embeddings`)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_batch: int = 32, *,
@@ -108,15 +126,15 @@ class TransformersEngine:
 
     def step(self) -> list[RequestOutput]:
         """Remove aborted requests, admit waiting ones into free slots (higher priority
-        first) and prefill each alone, then one decode step for every other running one."""
+        first), then one packed forward: the prompts of those joining and one token of
+        every other running request."""
         outputs = self._reap_aborts()
         joined = self._admit()
-        with torch.inference_mode():
-            for seq in joined:
-                self._guard(seq, outputs, self._prefill, seq, outputs)
-            decoding = [s for s in self._running if s not in joined]
-            if decoding:
-                self._decode(decoding, outputs)
+        work = [self._work_for(s, joined=True) for s in joined]
+        work += [self._work_for(s, joined=False) for s in self._running if s not in joined]
+        if work:
+            with torch.inference_mode():
+                self._run(work, outputs)
         return outputs
 
     def abort(self, request_id: str) -> None:
@@ -222,56 +240,72 @@ class TransformersEngine:
             self._waiting.remove(seq.request_id)
         seq.kv = None
 
-    # -- forwards ----------------------------------------------------------------------------
+    # -- the packed forward -----------------------------------------------------------------
 
-    def _forward(self, rows: list[SeqKV | None], input_ids: torch.Tensor,
-                 positions: torch.Tensor, keep: int = 1) -> torch.Tensor:
-        plan = RowPlan(rows, input_ids.shape[1])
+    def _work_for(self, seq: _Seq, joined: bool) -> _Work:
+        """A joining request's prompt (its KV allocated), or one token of a running one."""
+        if joined:
+            seq.kv = SeqKV(seq.capacity)
+            resumed = seq.generated is not None
+            if resumed:  # replay what it had generated, one decode step per token
+                seq.feed = list(seq.tokens())
+            else:
+                seq.generated = []
+            keep_all = seq.params.prompt_logprobs is not None and not seq.started
+            return _Work(seq, seq.prompt, 0, keep_all, sample=not resumed)
+        assert seq.feed and seq.kv is not None
+        token = seq.feed.pop(0)
+        return _Work(seq, [token], seq.kv.length, False, sample=not seq.feed)
+
+    def _run(self, work: list[_Work], outputs: list[RequestOutput]) -> None:
+        """One packed forward for every request's work, then each request's own token."""
+        ids: list[int] = []
+        pos: list[int] = []
+        keep: list[int] = []
+        segments = []
+        for w in work:
+            off, n = len(ids), len(w.tokens)
+            ids += w.tokens
+            pos += range(w.start, w.start + n)
+            segments.append(Segment(w.seq.kv, off, n))  # type: ignore[arg-type]
+            w.first_row = len(keep)
+            keep += range(off, off + n) if w.keep_all else [off + n - 1]
+        try:
+            logits = self._forward(segments, ids, pos, keep)
+        except Exception as exc:  # the forward failed: every request in it fails
+            for w in work:
+                self._fail(w.seq, outputs, f"forward failed: {exc!r}")
+            return
+        for w in work:
+            if not w.sample:
+                continue
+            if w.keep_all:
+                rows = logits[w.first_row:w.first_row + len(w.tokens)]
+                self._guard(w.seq, outputs, self._emit_first, w.seq, rows, outputs)
+            else:
+                self._guard(w.seq, outputs, self._emit, w.seq, logits[w.first_row], outputs)
+
+    def _forward(self, segments: list[Segment], ids: list[int], pos: list[int],
+                 keep: list[int]) -> torch.Tensor:
+        """Logits [len(keep), vocab] of the kept positions. The token rows and the kept
+        rows are padded to `min_rows` (the exactness rule above)."""
+        total = max(len(ids), self.min_rows)
+        pad = total - len(ids)
+        keep = keep + [0] * max(0, self.min_rows - len(keep))
+        dev = self.device
+        plan = RowPlan(segments, total)
         self._cache.plan = plan
         try:
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True,
-                             logits_to_keep=keep, **{self._cache_kwarg: self._cache,
-                                                     PLAN_KWARG: plan})
+            out = self.model(
+                input_ids=torch.tensor([ids + [0] * pad], device=dev),
+                position_ids=torch.tensor([pos + [0] * pad], device=dev), use_cache=True,
+                logits_to_keep=torch.tensor(keep, device=dev),
+                **{self._cache_kwarg: self._cache, PLAN_KWARG: plan})
         finally:
             self._cache.plan = None
-        for kv in rows:
-            if kv is not None:
-                kv.length += plan.q_len
-        return out.logits
-
-    def _prefill(self, seq: _Seq, outputs: list[RequestOutput]) -> None:
-        """The prompt alone; then its first token (or, when resuming, a replay queue)."""
-        n = len(seq.prompt)
-        seq.kv = SeqKV(seq.capacity)
-        ids = torch.tensor([seq.prompt], device=self.device)
-        want_prompt = seq.params.prompt_logprobs is not None and not seq.started
-        logits = self._forward([seq.kv], ids, torch.arange(n, device=self.device)[None],
-                               keep=0 if want_prompt else 1)
-        if seq.generated is not None:  # resumed: replay what it had generated
-            seq.feed = list(seq.generated)
-            return
-        seq.generated = []
-        prompt_lp = self._prompt_logprobs(seq, logits[0]) if want_prompt else None
-        self._emit(seq, logits[0, -1], outputs, prompt_lp)
-
-    def _decode(self, seqs: list[_Seq], outputs: list[RequestOutput]) -> None:
-        rows: list[SeqKV | None] = [s.kv for s in seqs]
-        feed = [s.feed.pop(0) if s.feed else 0 for s in seqs]
-        pos = [s.kv.length if s.kv else 0 for s in seqs]
-        pad = max(self.min_rows, len(seqs)) - len(seqs)
-        rows += [None] * pad
-        ids = torch.tensor(feed + [0] * pad, device=self.device)[:, None]
-        positions = torch.tensor(pos + [0] * pad, device=self.device)[:, None]
-        try:
-            logits = self._forward(rows, ids, positions)
-        except Exception as exc:  # the batch's forward failed: every row in it fails
-            for seq in seqs:
-                self._fail(seq, outputs, f"decode step failed: {exc!r}")
-            return
-        for i, seq in enumerate(seqs):
-            if seq.feed:  # still replaying after a resume: nothing to sample yet
-                continue
-            self._guard(seq, outputs, self._emit, seq, logits[i, -1], outputs, None)
+        for seg in segments:
+            seg.kv.length += seg.n
+        return out.logits[0]
 
     def _guard(self, seq: _Seq, outputs: list[RequestOutput], fn: Any, *args: Any) -> None:
         """Run one request's own work; an exception fails that request alone."""
@@ -289,8 +323,13 @@ class TransformersEngine:
 
     # -- one token out -------------------------------------------------------------------
 
+    def _emit_first(self, seq: _Seq, rows: torch.Tensor, outputs: list[RequestOutput]) -> None:
+        """The first token of a request that asked for its prompt's logprobs (`rows`: the
+        logits at every prompt position)."""
+        self._emit(seq, rows[-1], outputs, self._prompt_logprobs(seq, rows[:-1]))
+
     def _emit(self, seq: _Seq, row: torch.Tensor, outputs: list[RequestOutput],
-              prompt_lp: tuple[TokenLogprobs | None, ...] | None) -> None:
+              prompt_lp: tuple[TokenLogprobs | None, ...] | None = None) -> None:
         logits = row.float().clone()  # its own aligned copy: same numbers alone or batched
         raw = logits.clone() if seq.params.logprobs is not None else None
         token = seq.sampler.choose(logits)
@@ -328,9 +367,10 @@ class TransformersEngine:
             return FinishReason.LENGTH, None, text + seq.text.flush()
         return None, None, text
 
-    def _prompt_logprobs(self, seq: _Seq, logits: torch.Tensor) -> tuple[TokenLogprobs | None, ...]:
+    def _prompt_logprobs(self, seq: _Seq, rows: torch.Tensor) -> tuple[TokenLogprobs | None, ...]:
+        """From the logits at prompt positions 0..n-2 (each predicts the next token)."""
         top = seq.params.prompt_logprobs or 0
-        lps = torch.log_softmax(logits[:-1].float(), dim=-1)
+        lps = torch.log_softmax(rows.float(), dim=-1)
         rest = (token_logprobs(lps[i], t, top, self._token_text)
                 for i, t in enumerate(seq.prompt[1:]))
         return (None, *rest)
@@ -346,8 +386,7 @@ class TransformersEngine:
         """KV bytes per token, measured: one token through the model into a probe buffer."""
         probe = SeqKV(1)
         with torch.inference_mode():
-            self._forward([probe], torch.zeros((1, 1), dtype=torch.long, device=self.device),
-                          torch.zeros((1, 1), dtype=torch.long, device=self.device))
+            self._forward([Segment(probe, 0, 1)], [0], [0], [0])
         return probe.nbytes()
 
 

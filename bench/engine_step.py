@@ -13,6 +13,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ def hand_loop(model: Any, batch: list[list[int]], tokens: int) -> int:
 
 
 def timed(fn: Callable[[], int], repeats: int) -> tuple[float, float]:
-    """(min, median) output tokens/s... as seconds per run turned into rates."""
+    """(min, median) output tokens/s over `repeats` runs."""
     rates = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -86,10 +87,11 @@ def main() -> None:
         for b in (int(x) for x in args.batches.split(",")):
             batch = prompts(b, len(tok))
             engine = TransformersEngine(model, tok, max_batch=max(b, 1))
-            eng = timed(lambda: engine_run(engine, batch, args.tokens), args.repeats)
-            solo = timed(lambda: one_at_a_time(engine, batch, args.tokens), args.repeats)
+            n = args.tokens
+            eng = timed(partial(engine_run, engine, batch, n), args.repeats)
+            solo = timed(partial(one_at_a_time, engine, batch, n), args.repeats)
             model.config._attn_implementation = "sdpa"
-            hand = timed(lambda: hand_loop(model, batch, args.tokens), args.repeats)
+            hand = timed(partial(hand_loop, model, batch, n), args.repeats)
             model.config._attn_implementation = "gpufn_rows"
             print(f"{b:>5} {eng[0]:>8.0f} / {eng[1]:<7.0f} {solo[0]:>8.0f} / {solo[1]:<7.0f} "
                   f"{hand[0]:>8.0f} / {hand[1]:<7.0f} {eng[1] / solo[1]:>9.2f} "

@@ -1,6 +1,6 @@
 """`TransformersEngine`: continuous batching for any transformers causal LM, through the
 model's own forward: requests join between steps and leave alone, and batching never
-changes a request's result (the rule is in docs/engines.md and below)."""
+changes a request's result (the rule below; docs/engines.md says more)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class _State(enum.Enum):
     SUSPENDED = "suspended"
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     request_id: str
     params: SamplingParams
@@ -67,7 +67,7 @@ class _Seq:
         return self.generated
 
 
-@dataclass
+@dataclass(eq=False)
 class _Work:
     """One request's part of a step's forward: tokens from position `start`; its logits
     at every position (`keep_all`, for prompt logprobs) or the last; `sample` unless

@@ -3,7 +3,7 @@ preempts on its own; this adapter translates requests and outputs (vllm imported
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpufn.engines.base import (
@@ -24,8 +24,11 @@ class VLLMEngine:
     `EngineArgs`). Outputs are requested as deltas, so each step's text and tokens are
     new ones, as gpufn's `RequestOutput` expects."""
 
-    def __init__(self, llm_engine: Any) -> None:
+    def __init__(self, llm_engine: Any,
+                 params_factory: Callable[[SamplingParams], Any] | None = None) -> None:
         self.llm = llm_engine
+        self._to_params = params_factory or to_vllm_params
+        self._aborted: list[str] = []
         self._prompt_tokens: dict[str, int] = {}
         self._completion_tokens: dict[str, int] = {}
         self._params: dict[str, SamplingParams] = {}
@@ -40,12 +43,21 @@ class VLLMEngine:
                     priority: int = 0) -> None:
         vllm_prompt: Any = prompt if isinstance(prompt, str) \
             else {"prompt_token_ids": [int(t) for t in prompt]}
-        self.llm.add_request(request_id, vllm_prompt, to_vllm_params(params), priority=priority)
+        self.llm.add_request(request_id, vllm_prompt, self._to_params(params),
+                             priority=priority)
         self._completion_tokens[request_id] = 0
         self._params[request_id] = params
 
     def step(self) -> list[RequestOutput]:
-        outputs = []
+        outputs = [RequestOutput.aborted(rid, prompt_tokens=self._prompt_tokens.get(rid, 0),
+                                         completion_tokens=self._completion_tokens[rid])
+                   for rid in self._aborted if rid in self._completion_tokens]
+        for rid in self._aborted:
+            for book in (self._prompt_tokens, self._completion_tokens, self._params):
+                book.pop(rid, None)
+        self._aborted.clear()
+        if not self.llm.has_unfinished_requests():
+            return outputs
         for out in self.llm.step():
             rid = out.request_id
             if rid not in self._completion_tokens:
@@ -60,10 +72,13 @@ class VLLMEngine:
         return outputs
 
     def abort(self, request_id: str) -> None:
-        self.llm.abort_request([request_id])
+        """vLLM drops an aborted request silently; its 'abort' output comes from here."""
+        if request_id in self._completion_tokens and request_id not in self._aborted:
+            self.llm.abort_request([request_id])
+            self._aborted.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.llm.has_unfinished_requests())
+        return bool(self._aborted) or bool(self.llm.has_unfinished_requests())
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -94,3 +94,48 @@ def test_vllm_outputs_become_gpufn_outputs() -> None:
     assert from_vllm_output(out, 2, 9, params).finish_reason is FinishReason.ERROR
     d = vllm_param_dict(SamplingParams(stop=("x",), logit_bias={3: 1.0}, seed=4))
     assert d["stop"] == ["x"] and d["logit_bias"] == {3: 1.0} and d["seed"] == 4
+
+
+class FakeLLM:
+    """vLLM's LLMEngine surface: one token per step per request, deltas out."""
+
+    def __init__(self) -> None:
+        self.reqs: dict[str, list[int]] = {}
+
+    def add_request(self, rid: str, prompt: Any, params: dict[str, Any], priority: int = 0) -> None:
+        self.reqs[rid] = [0, params["max_tokens"], len(prompt["prompt_token_ids"])]
+
+    def step(self) -> list[SimpleNamespace]:
+        outs = []
+        for rid, st in list(self.reqs.items()):
+            st[0] += 1
+            done = st[0] >= st[1]
+            comp = SimpleNamespace(token_ids=[st[0]], text="t", logprobs=None,
+                                   finish_reason="length" if done else None, stop_reason=None)
+            outs.append(SimpleNamespace(request_id=rid, outputs=[comp], finished=done,
+                                        prompt_token_ids=[0] * st[2], prompt_logprobs=None))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+    def abort_request(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.reqs.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+
+def test_the_vllm_adapter_counts_tokens_and_reports_aborts() -> None:
+    from gpufn.engines.vllm import VLLMEngine
+
+    eng = VLLMEngine(FakeLLM(), params_factory=vllm_param_dict)
+    eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+    eng.add_request("b", [1], SamplingParams(max_tokens=9))
+    eng.step()
+    eng.abort("b")
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["b"].finish_reason is FinishReason.ABORT and outs["b"].completion_tokens == 1
+    assert outs["a"].completion_tokens == 2 and outs["a"].prompt_tokens == 3
+    last = eng.step()
+    assert [o.finish_reason for o in last] == [FinishReason.LENGTH] and not eng.has_unfinished()

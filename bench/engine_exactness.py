@@ -2,10 +2,12 @@
 (random prompts of 1-40 tokens, 1-24 output tokens, joining at random steps, some with
 stop strings) against each request run alone, comparing every token and the bits of its
 log-probability (a bitwise check of each step's logits). Run with padding (the default
-`min_rows`) and without (`--min-rows 1`) to see what the padding buys.
+`min_rows`) and without (`--min-rows 1`) to see what the padding buys. `--gemm` prints
+the rule underneath: for which row counts M a GEMM row differs from the same row at M=96.
 
     python bench/engine_exactness.py [--trials 20] [--requests 16] [--threads 1,2]
                                      [--model-seeds 0,1] [--min-rows 16]
+    python bench/engine_exactness.py --gemm [--threads 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ def trial(engine: TransformersEngine, rng: random.Random, n: int, vocab: int) ->
     return n, tokens, bad
 
 
+def gemm_sweep(threads: int) -> list[int]:
+    """Row counts M (1..96) at which some row of `linear(x[:M], W)` differs in any bit from
+    the same row computed at M = 96, over the shapes of a small transformer."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    bad: set[int] = set()
+    for k, n in [(384, 384), (384, 128), (384, 1280), (1280, 384), (384, 712), (256, 4096)]:
+        w, x = torch.randn(n, k, generator=g), torch.randn(96, k, generator=g)
+        ref = torch.nn.functional.linear(x, w)
+        bad.update(m for m in range(1, 97)
+                   if not torch.equal(torch.nn.functional.linear(x[:m], w), ref[:m]))
+    return sorted(bad)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=20)
@@ -64,7 +80,12 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--model-seeds", default="0,1")
     ap.add_argument("--min-rows", type=int, default=16)
+    ap.add_argument("--gemm", action="store_true")
     args = ap.parse_args()
+    if args.gemm:
+        for threads in (int(t) for t in args.threads.split(",")):
+            print(f"threads={threads}: GEMM rows differ at M = {gemm_sweep(threads)}")
+        return
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for mseed in (int(s) for s in args.model_seeds.split(",")):

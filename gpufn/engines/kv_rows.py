@@ -129,3 +129,23 @@ def cache_kwarg(model: Any) -> str:
     """The name the model's forward takes its cache by (`cache` from transformers 5.x)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def row_invariant_from(model: Any, max_rows: int = 256) -> int | None:
+    """The smallest row count m such that each of `model`'s linear layers computes every
+    row bit-identically at every measured row count M >= m (1..64, then up to `max_rows`),
+    as the rows of an M = `max_rows` product; None when even the largest M differ."""
+    sizes = [*range(1, 65), *range(96, max_rows + 1, 32)]
+    shapes = {(m.in_features, m.out_features): m for m in model.modules()
+              if isinstance(m, torch.nn.Linear)}
+    worst = 0
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for (fan_in, _), layer in shapes.items():
+            w = layer.weight
+            x = torch.randn(max_rows, fan_in, generator=g).to(w.device, w.dtype)
+            ref = torch.nn.functional.linear(x, w)
+            for m in sizes:
+                if m > worst and not torch.equal(torch.nn.functional.linear(x[:m], w), ref[:m]):
+                    worst = m
+    return worst + 1 if worst < sizes[-1] else None

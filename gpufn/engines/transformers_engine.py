@@ -19,6 +19,7 @@ from gpufn.engines.kv_rows import (
     Segment,
     SeqKV,
     cache_kwarg,
+    row_invariant_from,
     use_row_attention,
 )
 from gpufn.engines.sampling import RowSampler, token_logprobs
@@ -84,16 +85,17 @@ class _Work:
 class TransformersEngine:
     """Steps up to `max_batch` requests of one transformers causal LM together.
     `min_rows` pads each forward (see the exactness rule above; 1 turns padding off and
-    with it the guarantee). `max_len` caps prompt plus completion (default: the
+    with it the guarantee; "auto" measures this machine's threshold for this model's
+    layers at construction, `row_invariant_from`, and raises if there is none). `max_len` caps prompt plus completion (default: the
     model's `max_position_embeddings`)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_batch: int = 32, *,
-                 min_rows: int = MIN_ROWS, max_len: int | None = None,
+                 min_rows: int | str = MIN_ROWS, max_len: int | None = None,
                  eos_token_ids: Sequence[int] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: give at least 1")
         self.model, self.tokenizer = model, tokenizer
-        self.max_batch, self.min_rows = max_batch, max(1, min_rows)
+        self.max_batch, self.min_rows = max_batch, _min_rows(model, min_rows)
         self.device = next(model.parameters()).device
         config = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -388,6 +390,17 @@ class TransformersEngine:
         with torch.inference_mode():
             self._forward([Segment(probe, 0, 1)], [0], [0], [0])
         return probe.nbytes()
+
+
+def _min_rows(model: Any, min_rows: int | str) -> int:
+    if min_rows != "auto":
+        return max(1, int(min_rows))
+    measured = row_invariant_from(model)
+    if measured is None:
+        raise ValueError("min_rows='auto': this device's matrix products give rows that depend "
+                         "on the row count at every size measured, so batching would change "
+                         "results; give min_rows explicitly to run without that guarantee")
+    return measured
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

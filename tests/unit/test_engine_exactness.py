@@ -86,3 +86,12 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch_mates() -> Non
                                 SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9,
                                                seed=99, ignore_eos=True)))
     assert other_seed.tokens != one.tokens
+
+
+def test_min_rows_auto_measures_the_threshold_and_keeps_exactness() -> None:
+    eng = engine(max_batch=8, min_rows="auto")
+    assert 1 < eng.min_rows <= 16  # MKL fp32: rows of 1-3 take other kernels
+    reqs = mixed_requests(8, seed=5)
+    batched = drive(eng, reqs)
+    for r in reqs:
+        assert batched[r.rid].tokens == alone(eng, r).tokens, r

@@ -205,3 +205,13 @@ def test_kv_bytes_per_token_and_per_request() -> None:
     while eng.has_unfinished():
         eng.step()
     assert eng.kv_bytes_in_use == 0
+
+
+def test_text_deltas_concatenate_to_the_decoded_completion() -> None:
+    eng = engine()
+    tok = model_and_tokenizer()[1]
+    reqs = [Req(f"t{i}", p, SamplingParams(max_tokens=40, temperature=1.2, seed=i,
+                                           ignore_eos=True))
+            for i, p in enumerate(["Le petit chat", "Numbers: 0 1", "x"])]
+    for rid, res in drive(eng, reqs).items():
+        assert res.text == tok.decode(res.tokens, skip_special_tokens=True), rid

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from gpufn.engines.base import SamplingParams
+from gpufn.engines.kv_rows import cache_kwarg
 from gpufn.engines.testing import tiny_model_and_tokenizer
 from gpufn.engines.transformers_engine import TransformersEngine
 
@@ -48,12 +49,12 @@ def hand_loop(model: Any, batch: list[list[int]], tokens: int) -> int:
     """Prefill all prompts as one batch, then greedy decode steps over a DynamicCache."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    kw = {cache_kwarg(model): DynamicCache()}
     ids = torch.tensor(batch)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     for _ in range(tokens - 1):
-        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        out = model(input_ids=nxt, use_cache=True, **kw)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     return len(batch) * tokens
 

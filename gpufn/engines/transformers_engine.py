@@ -86,16 +86,20 @@ class TransformersEngine:
     """Steps up to `max_batch` requests of one transformers causal LM together.
     `min_rows` pads each forward (see the exactness rule above; 1 turns padding off and
     with it the guarantee; "auto" measures this machine's threshold for this model's
-    layers at construction, `row_invariant_from`, and raises if there is none). `max_len` caps prompt plus completion (default: the
+    layers at construction, `row_invariant_from`, and raises if there is none).
+    `prefill_tokens` bounds the prompt tokens that join in one step (so a burst of long
+    prompts does not stall the running requests for long; prompts are never split). `max_len` caps prompt plus completion (default: the
     model's `max_position_embeddings`)."""
 
     def __init__(self, model: Any, tokenizer: Any, max_batch: int = 32, *,
                  min_rows: int | str = MIN_ROWS, max_len: int | None = None,
+                 prefill_tokens: int = 2048,
                  eos_token_ids: Sequence[int] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}: give at least 1")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.min_rows = max_batch, _min_rows(model, min_rows)
+        self.prefill_tokens = prefill_tokens
         self.device = next(model.parameters()).device
         config = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -215,8 +219,15 @@ class TransformersEngine:
                                  f"(0..{v - 1})")
 
     def _admit(self) -> list[_Seq]:
-        joined = []
-        while len(self._running) < self.max_batch and (seq := self._waiting.pop()) is not None:
+        """Waiting requests into free slots, in priority order, while their prompts fit
+        `prefill_tokens` for this step (the first always joins)."""
+        joined: list[_Seq] = []
+        tokens = 0
+        while len(self._running) < self.max_batch and (seq := self._waiting.peek()) is not None:
+            if joined and tokens + len(seq.prompt) > self.prefill_tokens:
+                break
+            self._waiting.pop()
+            tokens += len(seq.prompt)
             seq.state = _State.RUNNING
             self._running.append(seq)
             joined.append(seq)

@@ -215,3 +215,15 @@ def test_text_deltas_concatenate_to_the_decoded_completion() -> None:
             for i, p in enumerate(["Le petit chat", "Numbers: 0 1", "x"])]
     for rid, res in drive(eng, reqs).items():
         assert res.text == tok.decode(res.tokens, skip_special_tokens=True), rid
+
+
+def test_prompts_joining_in_one_step_are_bounded_by_prefill_tokens() -> None:
+    eng = engine(prefill_tokens=10)
+    tok = model_and_tokenizer()[1]
+    prompt = tok.encode("The quick brown fox jumps")  # 5 tokens or more
+    assert len(prompt) >= 5
+    for i in range(4):
+        eng.add_request(f"p{i}", prompt * 2 if i == 0 else prompt, SamplingParams(max_tokens=3))
+    assert [o.request_id for o in eng.step()] == ["p0"]  # alone: longer than the budget
+    joined = {o.request_id for o in eng.step()} - {"p0"}
+    assert len(joined) == 10 // len(prompt)

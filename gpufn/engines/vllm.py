@@ -43,8 +43,10 @@ class VLLMEngine:
                     priority: int = 0) -> None:
         vllm_prompt: Any = prompt if isinstance(prompt, str) \
             else {"prompt_token_ids": [int(t) for t in prompt]}
-        self.llm.add_request(request_id, vllm_prompt, self._to_params(params),
-                             priority=priority)
+        # vLLM serves lower values first and refuses any unless its engine was built
+        # with scheduling_policy="priority"; gpufn serves higher values first.
+        extra = {"priority": -priority} if priority else {}
+        self.llm.add_request(request_id, vllm_prompt, self._to_params(params), **extra)
         self._completion_tokens[request_id] = 0
         self._params[request_id] = params
 

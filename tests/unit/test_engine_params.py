@@ -101,9 +101,11 @@ class FakeLLM:
 
     def __init__(self) -> None:
         self.reqs: dict[str, list[int]] = {}
+        self.priorities: dict[str, int] = {}
 
     def add_request(self, rid: str, prompt: Any, params: dict[str, Any], priority: int = 0) -> None:
         self.reqs[rid] = [0, params["max_tokens"], len(prompt["prompt_token_ids"])]
+        self.priorities[rid] = priority
 
     def step(self) -> list[SimpleNamespace]:
         outs = []
@@ -129,9 +131,11 @@ class FakeLLM:
 def test_the_vllm_adapter_counts_tokens_and_reports_aborts() -> None:
     from gpufn.engines.vllm import VLLMEngine
 
-    eng = VLLMEngine(FakeLLM(), params_factory=vllm_param_dict)
+    llm = FakeLLM()
+    eng = VLLMEngine(llm, params_factory=vllm_param_dict)
     eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
-    eng.add_request("b", [1], SamplingParams(max_tokens=9))
+    eng.add_request("b", [1], SamplingParams(max_tokens=9), priority=4)
+    assert llm.priorities == {"a": 0, "b": -4}  # vLLM serves lower values first
     eng.step()
     eng.abort("b")
     outs = {o.request_id: o for o in eng.step()}

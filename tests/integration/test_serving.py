@@ -49,13 +49,26 @@ def test_sixteen_concurrent_requests_each_get_their_alone_text(one_device: gpufn
     alone = _alone()
     list(complete.remote_gen("warm", 1))  # the model loaded, the code on the worker
     before = engine_steps.remote()
+    idle = one_device.status()["devices"][0]["used"]  # the model alone
     calls = [complete.spawn(prompt, n, stop) for prompt, n, stop in PROMPTS]
     with cf.ThreadPoolExecutor(len(calls)) as pool:
-        texts = list(pool.map(lambda c: "".join(c.stream()), calls))
+        streams = pool.map(lambda c: "".join(c.stream()), calls)
+        held = 0
+        while not all(c.done() for c in calls):  # what the running calls hold in the ledger
+            held = max(held, one_device.status()["devices"][0]["used"] - idle)
+            time.sleep(0.02)
+        texts = list(streams)
     steps = engine_steps.remote() - before
     assert texts == alone
     tokens = sum(n for _, n, _ in PROMPTS)
-    assert steps < tokens / 3, f"{steps} steps for {tokens} tokens: the calls did not share steps"
+    assert steps < tokens / 2, f"{steps} steps for {tokens} tokens: the calls did not share steps"
+    # Each running call holds its sequence's KV bytes (memory="4MiB") in the device's ledger.
+    assert held >= 4 * 4 * 2**20, f"the ledger held {held} bytes for the running calls"
+
+
+def test_a_request_whose_kv_cannot_fit_is_refused_at_once(one_device: gpufn.Client) -> None:
+    with pytest.raises(gpufn.Unschedulable, match="memory"):
+        list(complete.with_options(memory="64GiB").remote_gen("too big", 4))
 
 
 def test_a_failing_request_fails_alone(one_device: gpufn.Client) -> None:

@@ -98,6 +98,7 @@ class Driver:
         self._priorities: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.batch_sizes: deque[int] = deque(maxlen=1000)  # running requests per step, lately
 
     def submit(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
                priority: int = 0, preemptible: bool = False,
@@ -161,6 +162,7 @@ class Driver:
         finally:
             self.arbiter.release()
         self.steps += 1
+        self.batch_sizes.append(len(self.loop.running))
         for out in result.outputs.values():
             self._deliver(out)
 

@@ -195,7 +195,9 @@ def via_ray(wait_s: float) -> tuple[Send, Callable[[], None]]:
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # Loopback only: Ray would otherwise bind this host's interface address.
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
 
     @serve.deployment(max_ongoing_requests=4 * MAX_BATCH)
     class Batched:
@@ -203,7 +205,7 @@ def via_ray(wait_s: float) -> tuple[Send, Callable[[], None]]:
             self.model = tiny_model_and_tokenizer(seed=0, max_positions=512)[0]
 
         @serve.batch(max_batch_size=MAX_BATCH, batch_wait_timeout_s=wait_s)
-        async def __call__(self, prompts: list[list[int]], lengths: list[int]) -> Any:
+        async def batched(self, prompts: list[list[int]], lengths: list[int]) -> Any:
             import asyncio
 
             from transformers import DynamicCache
@@ -219,10 +221,14 @@ def via_ray(wait_s: float) -> tuple[Send, Callable[[], None]]:
                 out = await loop.run_in_executor(None, lambda n=nxt: self.model(
                     input_ids=n, past_key_values=cache, use_cache=True))
 
-    handle = serve.run(Batched.bind(), name=f"bench{int(wait_s * 1000)}")
+        async def generate(self, prompt: list[int], length: int) -> Any:
+            async for token in self.batched(prompt, length):
+                yield token
+
+    handle = serve.run(Batched.bind(), name=f"bench{int(wait_s * 1000)}", route_prefix=None)
 
     def send(prompt: list[int], tokens: int) -> Iterator[int]:
-        gen = handle.options(stream=True).remote(prompt, tokens)
+        gen = handle.options(stream=True).generate.remote(prompt, tokens)
         for v in gen:
             if v is StopIteration:
                 return
@@ -247,7 +253,7 @@ def main() -> None:
     if args.quick:
         args.concurrency, args.tokens, args.per_client = "1,8,32", 16, 1
         args.rates, args.open_requests = "0.8", 24
-    torch.set_num_threads(1)
+    # The ceiling steps in this process with torch's default threads, as a worker does.
     os.environ.setdefault("GPUFN_CPU_DEVICES", "1")
     os.environ.setdefault("GPUFN_PROGRESS", "0")
     systems: dict[str, Send] = {"ceiling": in_process(), "engine": via_gpufn(stepped),

@@ -1,6 +1,8 @@
 """An OpenAI chat model served by continuous batching: a Llama of ~12M parameters built from
 a config with seeded weights and a tokenizer trained locally (nothing is downloaded),
 behind gpufn's transformers engine, so every call on a device shares each decoding step.
+`tiny-llama` is both an OpenAI chat model and a completion model (with log-probabilities:
+lm-evaluation-harness's `local-completions` runs against it).
 
     pip install -e ".[http,examples]"
     gpufn serve --http-port 8000 &
@@ -36,7 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import gpufn
-from gpufn.engines import SamplingParams, chat_pieces
+from gpufn.engines import SamplingParams, chat_pieces, completion_pieces
 
 MAX_BATCH = 32
 
@@ -48,7 +50,7 @@ def tiny_llama() -> Any:
     from gpufn.engines.testing import tiny_model_and_tokenizer
 
     model, tokenizer = tiny_model_and_tokenizer(seed=0, max_positions=1024)
-    return TransformersEngine(model.to(gpufn.context().device), tokenizer, max_batch=MAX_BATCH)
+    return TransformersEngine(model.to(gpufn.current_device()), tokenizer, max_batch=MAX_BATCH)
 
 
 @gpufn.chat_model("tiny-llama")
@@ -62,6 +64,23 @@ def chat(messages: list[dict[str, Any]], max_tokens: int = 16, temperature: floa
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             stop=tuple(stop or ()), seed=seed)
     yield from chat_pieces(tiny_llama, prompt, params)
+
+
+@gpufn.completion_model("tiny-llama")
+@gpufn.gpu(models=[tiny_llama], concurrency=MAX_BATCH, memory="8MiB", timeout=600)
+def complete(prompt: str | list[int], max_tokens: int = 16, temperature: float = 0.0,
+             top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+             echo: bool = False, logprobs: int | None = None, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0,
+             logit_bias: dict[str, float] | None = None) -> Iterator[dict[str, Any]]:
+    """Complete a prompt (what lm-evaluation-harness asks for log-likelihoods: echo with
+    logprobs, max_tokens 0): text, tokens and their logprobs as the batch makes them."""
+    params = SamplingParams(max_tokens=max(max_tokens, 1), temperature=temperature,
+                            top_p=top_p, stop=tuple(stop or ()), seed=seed, logprobs=logprobs,
+                            presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty,
+                            logit_bias={int(k): v for k, v in (logit_bias or {}).items()})
+    yield from completion_pieces(tiny_llama, prompt, params, echo=echo, max_tokens=max_tokens)
 
 
 def main() -> None:  # pragma: no cover - a walk-through, checked by the tests

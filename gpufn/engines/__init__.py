@@ -19,11 +19,13 @@ from gpufn.engines.base import (
 _LAZY = {"TransformersEngine": "gpufn.engines.transformers_engine",
          "VLLMEngine": "gpufn.engines.vllm", "StepLoop": "gpufn.engines.loop",
          "generate": "gpufn.engines.driver", "text": "gpufn.engines.driver",
-         "chat_pieces": "gpufn.engines.driver", "RequestFailed": "gpufn.engines.driver"}
+         "chat_pieces": "gpufn.engines.driver", "completion_pieces": "gpufn.engines.driver",
+         "RequestFailed": "gpufn.engines.driver"}
 
 __all__ = ["Engine", "FinishReason", "KVAccounting", "Logprob", "Preemptible",
            "RequestFailed", "RequestOutput", "SamplingParams", "StepLoop", "TokenLogprobs",
-           "TransformersEngine", "VLLMEngine", "chat_pieces", "generate", "text"]
+           "TransformersEngine", "VLLMEngine", "chat_pieces", "completion_pieces", "generate",
+           "text"]
 
 
 def __getattr__(name: str) -> Any:

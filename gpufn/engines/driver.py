@@ -250,3 +250,57 @@ def chat_pieces(engine: Any, prompt: Prompt, params: SamplingParams | None = Non
         yield {"usage": {"prompt_tokens": last.prompt_tokens,
                          "completion_tokens": last.completion_tokens},
                "finish_reason": (last.finish_reason or FinishReason.STOP).value}
+
+
+def completion_pieces(engine: Any, prompt: Prompt, params: SamplingParams | None = None, *,
+                      echo: bool = False, max_tokens: int | None = None,
+                      **options: Any) -> Iterator[dict[str, Any]]:
+    """`generate` in the shape a `@gpufn.completion_model` function yields (docs/api.md):
+    with `echo`, first the prompt itself with its tokens' logprobs (None for the first),
+    then each step's text, tokens and, when `params.logprobs` is set, their logprobs;
+    last `finish_reason` and `usage`. `max_tokens=0` (log-likelihood of the prompt alone)
+    scores the prompt and generates nothing."""
+    params = params or SamplingParams()
+    if echo or max_tokens == 0:
+        params = _with(params, prompt_logprobs=params.logprobs or 0)
+    last: RequestOutput | None = None
+    for out in generate(engine, prompt, params, **options):
+        if last is None and (echo or max_tokens == 0) and out.prompt_logprobs is not None:
+            yield _echoed(engine, prompt, out)
+        last = out
+        if max_tokens == 0:
+            break  # the prompt was scored; nothing is generated
+        item: dict[str, Any] = {"text": out.text}
+        if out.logprobs is not None:
+            item["tokens"] = [lp.chosen.token for lp in out.logprobs]
+            item["token_logprobs"] = [lp.chosen.logprob for lp in out.logprobs]
+            item["top_logprobs"] = [{t.token: t.logprob for t in lp.top} for lp in out.logprobs]
+        if out.text or out.logprobs:
+            yield item
+    if last is not None:
+        done = max_tokens == 0
+        yield {"finish_reason": "length" if done else
+               (last.finish_reason or FinishReason.STOP).value,
+               "usage": {"prompt_tokens": last.prompt_tokens,
+                         "completion_tokens": 0 if done else last.completion_tokens}}
+
+
+def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, **changes)
+
+
+def _echoed(engine: Any, prompt: Prompt, out: RequestOutput) -> dict[str, Any]:
+    """The prompt as a completion's echo: its text, tokens and their logprobs."""
+    if hasattr(engine, "get") and not hasattr(engine, "step"):
+        engine = engine.get()
+    tokenizer = engine.tokenizer
+    ids = engine.prompt_ids(prompt)
+    lps = out.prompt_logprobs or ()
+    tokens = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    return {"text": "".join(tokens) if not isinstance(prompt, str) else prompt,
+            "tokens": tokens,
+            "token_logprobs": [lp.chosen.logprob if lp is not None else None for lp in lps],
+            "top_logprobs": [({t.token: t.logprob for t in lp.top} if lp is not None else None)
+                             for lp in lps]}

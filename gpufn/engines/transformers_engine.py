@@ -196,6 +196,10 @@ class TransformersEngine:
 
     # -- admission ---------------------------------------------------------------------------
 
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The token ids this engine runs for `prompt` (a string is encoded as it is)."""
+        return self._prompt_ids(prompt)
+
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))

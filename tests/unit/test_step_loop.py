@@ -4,6 +4,8 @@ real engine), deadlines, and outputs routed by request id."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from gpufn.engines.base import FinishReason, Prompt, RequestOutput, SamplingParams
@@ -174,7 +176,16 @@ def test_requests_waiting_past_their_deadline_fail_and_refused_ones_fail_alone()
         loop.submit("busy", "a", P(1))
 
 
-def test_outputs_are_routed_by_request_id_with_the_real_engine() -> None:
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared: two threads contend badly
+    yield
+    torch.set_num_threads(before)
+
+
+def test_outputs_are_routed_by_request_id_with_the_real_engine(one_thread: None) -> None:
     support = pytest.importorskip("tests.unit.engine_support")
     eng = support.engine(max_batch=4)
     budget = 4 * eng.bytes_for("The quick brown fox", SamplingParams(max_tokens=16))

@@ -104,6 +104,10 @@ class GpuSpec:
     # call runs, instead of the host's per-worker budget (0: that budget); see
     # worker/host/memory_watch.py.
     host_memory: int = 0
+    # A session or prompt-prefix key: the call goes to the device that last ran this key
+    # (whose engine may hold its cache) when that device has room and is not much busier
+    # than the least busy one; see scheduler/placement/affinity.py.
+    affinity: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
@@ -284,6 +288,14 @@ def normalize_option(name: str, value: object) -> object:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise InvalidSpec(f"batch_wait_ms={value!r} must be a non-negative number of ms.")
         return float(value)
+    if name == "affinity":
+        if value is None:
+            return ""
+        if not isinstance(value, str) or len(value) > 256:
+            raise InvalidSpec(f"affinity={value!r} must be a string of at most 256 characters "
+                              "(a session id or a prompt-prefix key), e.g. "
+                              "f.with_options(affinity=session_id).")
+        return value
     if name == "models":
         if not isinstance(value, tuple) or not all(isinstance(m, str) for m in value):
             raise InvalidSpec(f"models={value!r} must be a tuple of model names.")

@@ -28,6 +28,7 @@ from gpufn.scheduler.nouns.records import Device, Invocation
 from gpufn.scheduler.nouns.settings import SchedulerConfig
 from gpufn.scheduler.nouns.shapes import Shape
 from gpufn.scheduler.nouns.states import InvState
+from gpufn.scheduler.placement.affinity import Affinity
 from gpufn.scheduler.placement.device_fit import (
     could_ever_run,
     is_short,
@@ -109,6 +110,7 @@ class PlacementPass:
         self.models = models
         self.caps: DeviceCaps | None = None  # per-user device caps (set by the core)
         self.most_concurrency = 1  # the highest concurrency of an admitted call's function
+        self.affinity = Affinity()  # the device each affinity key last ran on
         self._open: dict[str, Device] = {}  # this pass's devices with a free slot
         self._index: OpenIndex | None = None  # the same, ordered for single-device choice
         self._estimates: dict[str, tuple[object, float, bool]] = {}  # see estimate_bounds
@@ -164,6 +166,8 @@ class PlacementPass:
                 continue  # this function is blocked for the rest of the pass
             if capped and self.caps is not None:
                 self.caps.took(inv)
+            if inv.spec.affinity and len(self._placed_on) == 1:
+                self.affinity.ran(inv.function.code_id, inv.spec.affinity, self._placed_on[0].key)
             for d in self._placed_on:  # only the devices it just used changed
                 self._drains.pop(d.key, None)
                 still = _open(d, slots)
@@ -273,6 +277,8 @@ class PlacementPass:
             usable: Callable[[Device], bool] = lambda d: inv.id not in d.running and d.key not in off  # noqa: E731
         else:
             usable = lambda d: inv.id not in d.running  # noqa: E731
+        if spec.affinity and (yield from self._affine(inv, index, limit, usable, now)):
+            return True
         plans: dict[str, Fit] = {}
         if not with_models:
             lo, uniform = estimate_bounds(fn, self._estimates)
@@ -298,6 +304,28 @@ class PlacementPass:
             chosen, plans = best[0], {best[0].key: best[1]}
         self._placed_on = (chosen,)
         yield Dispatch(inv, (chosen,), plans, batch=spec.batch_size is not None)
+        return True
+
+    def _affine(self, inv: Invocation, index: OpenIndex, limit: int,
+                usable: Callable[[Device], bool], now: float) -> Generator[Decision, None, bool]:
+        """A call naming an affinity key: to the key's device if it can take it now and
+        is not much busier than the others that could (`Affinity.choose`)."""
+        spec, fn = inv.spec, inv.function
+        with_models = bool(fn.model_keys)
+        could = [d for d in self._open.values()
+                 if d.key in index and usable(d) and index.ranks(d, spec.type, fn.code_id, limit)
+                 and (with_models or d.ledger.free >= spec.memory)]
+        home = self.affinity.choose(fn.code_id, spec.affinity, could, spec.concurrency)
+        if home is None:
+            return False
+        plans: dict[str, Fit] = {}
+        if with_models:
+            best = self.models.best_plan(inv, [home], self.devices.values(), now)
+            if best is None:
+                return False
+            plans = {home.key: best[1]}
+        self._placed_on = (home,)
+        yield Dispatch(inv, (home,), plans, batch=spec.batch_size is not None)
         return True
 
     def _nothing_ranked(self, inv: Invocation, now: float, index: OpenIndex, limit: int,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufn.cluster import gateway as http_process
+from gpufn.cluster import state_check
 from gpufn.cluster.embedded import LocalCluster
 from gpufn.cluster.head import Head
 from gpufn.exceptions import GpufnError
@@ -136,6 +137,14 @@ class ServeOptions:
             if why is not None:
                 raise bad(f"--http-port: {why}")
 
+    def check_state(self) -> None:
+        """The state directory's files, before anything reads or writes them: a damaged
+        one refuses the start (`ServeRefused`, code 1: one line naming it and the fix)."""
+        state = self.state_dir.resolve() if self.state_dir is not None else config.state_dir()
+        why = state_check.refusal(state, token_given=bool(self.token) or self.new_token)
+        if why is not None:
+            raise ServeRefused(why)
+
 
 @dataclass(frozen=True)
 class Started:
@@ -169,8 +178,12 @@ class Serve:
         # starts still stops everything it started.
         signal.signal(signal.SIGINT, lambda *_: self._interrupted.append(1))
         o.check()
+        o.check_state()
         keys = self._environment()
-        tok, token_source = serve_token(o.token, rotate=o.new_token)  # kept across restarts
+        try:
+            tok, token_source = serve_token(o.token, rotate=o.new_token)  # kept across restarts
+        except GpufnError as e:
+            raise ServeRefused(str(e)) from None
         cluster = LocalCluster(o.cpu_devices, o.device_memory, o.islands, host=o.host,
                                port=o.port, token=tok, transport="tcp", workers=o.workers,
                                keys=keys, allow_keys=o.allow_keys,
@@ -274,11 +287,15 @@ def detach(options: ServeOptions, argv: list[str]) -> dict[str, Any]:
     """Start this same `gpufn serve` (`argv`) in its own session, logging to the state
     dir; return what it said once it listens (`ServeRefused` with the tail of its log)."""
     options.check()
+    options.check_state()
     running = read_pid()
     if running is not None:
         raise ServeRefused(f"a detached gpufn server is already running (pid {running}, pid "
                            f"file {pid_file()}); stop it with `gpufn shutdown`")
-    token, _ = serve_token(options.token, rotate=options.new_token)
+    try:
+        token, _ = serve_token(options.token, rotate=options.new_token)
+    except GpufnError as e:
+        raise ServeRefused(str(e)) from None
     argv = [a for a in argv if a not in ("--detach", "-d", "--new-token")]
     config.state_dir().mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, GPUFN_TOKEN=token)  # not on the command line, where ps shows it

@@ -10,6 +10,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from gpufn.exceptions import GpufnError
 from gpufn.wire import config
 
 
@@ -87,8 +88,11 @@ def serve_token(given: str | None, rotate: bool = False) -> tuple[str, str]:
     if not token and not rotate:
         try:
             token, source = path.read_text().strip(), "kept"
-        except OSError:
+        except FileNotFoundError:
             token = ""
+        except (OSError, UnicodeDecodeError) as e:  # never taken for no token at all
+            raise GpufnError(f"cannot read the token file {path} ({e}): run `gpufn state "
+                             f"restore {path}`, or give the token with --token") from None
     if not token:
         token, source = secrets.token_hex(16), "new"
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

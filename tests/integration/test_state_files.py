@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import pytest
 from gpufn.scheduler.stores.deployments import DeploymentStore, StoredFunction, Version
 from gpufn.wire.spec import make_spec
 
-from ._head import ROOT, TOKEN, Head, free_port
+from ._head import ROOT, Head, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,6 +29,24 @@ def gpufn(home: Path, *args: str, timeout: float = 60) -> subprocess.CompletedPr
                GPUFN_LOG_DIR=str(home / "logs"), PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "gpufn.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def serve_once(home: Path) -> subprocess.CompletedProcess[str]:
+    """`gpufn serve` expected to refuse; one that starts after all is stopped with SIGINT
+    (everything it started stops with it) and fails the test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFN_")}
+    env.update(GPUFN_HOME=str(home), GPUFN_STATE_DIR=str(home / "state"),
+               GPUFN_LOG_DIR=str(home / "logs"), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "gpufn.cli.main", "serve", "--port",
+                             str(free_port()), "--cpu-devices", "1"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"gpufn serve started on a damaged state dir: {out}{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def deployed(state: Path, apps: int = 2) -> Path:
@@ -98,7 +117,7 @@ def test_serve_refuses_a_damaged_state_file_in_one_line(tmp_path: Path, case: st
     state.mkdir(mode=0o700)
     path = DAMAGE[case](state)
     before = _snapshot(path)
-    out = gpufn(tmp_path, "serve", "--port", str(free_port()), "--cpu-devices", "1")
+    out = serve_once(tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
@@ -115,7 +134,7 @@ def test_serve_refuses_a_damaged_state_file_in_one_line(tmp_path: Path, case: st
 def test_restore_puts_back_the_backup_and_serve_starts_with_every_app(tmp_path: Path) -> None:
     state = tmp_path / "state"
     path = _truncate_half(state)
-    out = gpufn(tmp_path, "serve", "--port", str(free_port()), "--cpu-devices", "1")
+    out = serve_once(tmp_path)
     assert out.returncode == 1 and "newest good backup" in out.stderr, out.stderr
     fixed = gpufn(tmp_path, "state", "restore", str(path))
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr

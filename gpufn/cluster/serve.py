@@ -26,6 +26,7 @@ from gpufn.net import address_file as addrfile
 from gpufn.net import curve as security
 from gpufn.net.cluster_file import home, load_cluster_file, serve_token, write_cluster_file
 from gpufn.net.discovery import port_holder
+from gpufn.net.private_files import open_private_append
 from gpufn.net.processes import alive
 from gpufn.wire import config
 from gpufn.wire.units import parse_memory
@@ -65,6 +66,27 @@ def forget_server(pid: int) -> None:
     saved = load_cluster_file()
     if saved is not None and saved.get("pid") == pid:
         (config.home() / "cluster.json").unlink(missing_ok=True)
+
+
+def forget_dead_server() -> list[Path]:
+    """After `gpufn shutdown --force`: the pid file and cluster file a server that died
+    left (their pid no longer runs) are removed, so nothing names a stopped server."""
+    gone = []
+    try:
+        pid: int | None = int(pid_file().read_text().strip())
+    except FileNotFoundError:
+        pid = 0
+    except (OSError, ValueError):
+        pid = None  # unreadable: it names nothing
+    if pid != 0 and (pid is None or not alive(pid)):
+        pid_file().unlink(missing_ok=True)
+        gone.append(pid_file())
+    saved = load_cluster_file()
+    cpid = saved.get("pid") if saved is not None else None
+    if isinstance(cpid, int) and not alive(cpid):
+        (config.home() / "cluster.json").unlink(missing_ok=True)
+        gone.append(config.home() / "cluster.json")
+    return gone
 
 
 def public_address(address: str, host: str) -> str:
@@ -299,7 +321,8 @@ def detach(options: ServeOptions, argv: list[str]) -> dict[str, Any]:
     argv = [a for a in argv if a not in ("--detach", "-d", "--new-token")]
     config.state_dir().mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, GPUFN_TOKEN=token)  # not on the command line, where ps shows it
-    with open(log_file(), "ab") as log:
+    # 0600: the log holds what the head says of every call and user.
+    with os.fdopen(open_private_append(log_file()), "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gpufn.cli.main", *argv], env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -230,7 +230,14 @@ class Serve:
                 self.head.stop()
                 raise ServeRefused(f"{e} (pick another --http-port, or 0 for any free one)") from None
         url = self.gateway.url if self.gateway else None
-        token_file = write_cluster_file(address, tok, url)
+        try:
+            token_file = write_cluster_file(address, tok, url)
+        except OSError as e:  # a full disk: nothing is left running
+            if self.gateway is not None:
+                self.gateway.stop()
+            self.head.stop()
+            raise ServeRefused(f"cannot write {home() / 'cluster.json'} ({e.strerror}): free "
+                               "space there and start again") from None
         if o.address_file is not None:
             addrfile.write(o.address_file, address, public_key=config.split_address(address)[1])
         return Started(address, token_file, token_source, url)

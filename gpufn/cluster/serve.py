@@ -259,10 +259,17 @@ class Serve:
         if o.curve:
             os.environ["GPUFN_CURVE"] = "1"  # the scheduler process decides by it
         keys = security.keys_dir()
+        made = [f for f in (keys / f"{security.SERVER_KEY_NAME}.key",
+                            keys / f"{security.SERVER_KEY_NAME}.key_secret") if not f.exists()]
         try:
             security.server_keys(keys, create=True)
         except security.SecurityError as e:
             raise ServeRefused(f"the scheduler did not start: {e}") from None
+        except OSError as e:  # a full state disk: no half-made key pair is left
+            for f in made:
+                f.unlink(missing_ok=True)
+            raise ServeRefused(f"cannot make the CURVE keys in {keys} ({e.strerror}): free "
+                               "space on the state directory and start again") from None
         holder = port_holder(o.host, o.port)
         if holder is not None:
             raise ServeRefused(

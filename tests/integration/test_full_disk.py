@@ -108,3 +108,32 @@ def test_a_full_state_disk_fails_deploys_and_keeps_usage(small_disk: Path,
         head.shutdown()
     finally:
         head.close()
+
+
+def test_serve_on_a_full_state_disk_refuses_in_one_line(small_disk: Path,
+                                                         tmp_path: Path) -> None:
+    """Nothing half-written, no traceback, nothing left running; the start after space
+    came back works."""
+    fill(small_disk)
+    head = Head(tmp_path / "head", devices=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpufn.cli.main", "serve", "--port", str(head.port),
+         "--cpu-devices", "1", "--token", TOKEN], env=head.env(), cwd=head.home / "cwd",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+        pytest.fail("gpufn serve started on a full state disk")
+    assert proc.returncode == 1, out + err
+    assert len(err.strip().splitlines()) == 1 and "free space" in err, err
+    assert "Traceback" not in out + err
+    assert not (small_disk / "head.json").exists()
+    assert not any(p.name.endswith(".tmp") for p in small_disk.iterdir())
+    (small_disk / "filler").unlink()
+    try:
+        head.start()
+        head.shutdown()
+    finally:
+        head.close()

@@ -1,5 +1,6 @@
 """An OpenAI-compatible chat model: a TP=2 sharded Llama behind `POST /v1/chat/completions`.
 
+    pip install -e ".[examples]"          # transformers, the OpenAI client, the gateway
     gpufn serve --http-port 8000 &
     gpufn deploy examples/openai_chat.py --name llm
     TOKEN=$(python -c 'import json, pathlib; print(json.loads((pathlib.Path.home() / ".gpufn/cluster.json").read_text())["token"])')

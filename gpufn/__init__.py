@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpufn import parallel as parallel
     from gpufn.api.calls import CallStream, FunctionCall, gather
-    from gpufn.api.chat import chat_model
+    from gpufn.api.chat import chat_model, completion_model, embedding_model
     from gpufn.api.deployment import DeployError, Deployment, deploy
     from gpufn.api.function import Function, gpu
     from gpufn.api.lookup import DeployedFunction, lookup
@@ -64,6 +64,7 @@ _PUBLIC: dict[str, str] = {
     "gpu": "gpufn.api.function", "Function": "gpufn.api.function",
     "FunctionCall": "gpufn.api.calls", "CallStream": "gpufn.api.calls", "gather": "gpufn.api.calls",
     "model": "gpufn.api.model", "Model": "gpufn.api.model", "chat_model": "gpufn.api.chat",
+    "completion_model": "gpufn.api.chat", "embedding_model": "gpufn.api.chat",
     "lookup": "gpufn.api.lookup", "DeployedFunction": "gpufn.api.lookup",
     "deploy": "gpufn.api.deployment", "Deployment": "gpufn.api.deployment",
     "DeployError": "gpufn.api.deployment",
@@ -79,8 +80,8 @@ __all__ = [  # the same names as _PUBLIC (a test holds it)
     "FunctionCall", "GpuSpec", "GpufnError", "HostOutOfMemory", "InvalidSpec", "Model", "ModelLoadError",
     "NotFound", "NotJSONSerializable", "OutOfMemory", "PayloadTooLarge", "PermissionDenied",
     "ProtocolMismatch", "QueueFull", "RemoteError", "Retries", "SerializationError", "Timeout",
-    "Unschedulable", "WorkerLost", "chat_model", "connect", "context", "current_device",
-    "deploy", "gather", "gpu", "lookup", "model",
+    "Unschedulable", "WorkerLost", "chat_model", "completion_model", "connect", "context",
+    "current_device", "deploy", "embedding_model", "gather", "gpu", "lookup", "model",
 ]
 
 if not TYPE_CHECKING:  # hidden from type checkers, which would type every unknown name as Any

@@ -155,19 +155,7 @@ class SchedulerServer:
                 timeout_ms = math.ceil(wait * 1000) if wait else (1 if self._outbox else 0)
                 ready = dict(poller.poll(timeout_ms))
                 if ready.get(sock):
-                    for _ in range(MAX_BATCH):
-                        try:
-                            frames = sockets.recv(sock, zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        peer = frames[0].bytes
-                        try:
-                            msgs = p.decode_all(frames[1:])
-                        except p.DecodeError as e:
-                            self._undecodable.warning("undecodable message from %r: %s", peer, e)
-                            self._deliver([Send(peer, p.Error(kind_of(ProtocolMismatch), str(e)))])
-                            continue
-                        events.extend(Received(peer, m) for m in msgs)
+                    self._receive(events)
                 now = time.monotonic()
                 # Time since the last round beyond the wait asked for is work, or not
                 # running at all (SIGSTOP, a frozen VM, swap). Past a second the core is
@@ -201,6 +189,22 @@ class SchedulerServer:
                 self.core.ops.tick(time.monotonic(), force=True)  # usage and logs to disk
             except Exception:
                 log.exception("could not save usage and logs")
+
+    def _receive(self, events: list[Event]) -> None:
+        """Up to MAX_BATCH waiting messages, as events; an undecodable one is answered."""
+        for _ in range(MAX_BATCH):
+            try:
+                frames = sockets.recv(self.sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer = frames[0].bytes
+            try:
+                msgs = p.decode_all(frames[1:])
+            except p.DecodeError as e:
+                self._undecodable.warning("undecodable message from %r: %s", peer, e)
+                self._deliver([Send(peer, p.Error(kind_of(ProtocolMismatch), str(e)))])
+                continue
+            events.extend(Received(peer, m) for m in msgs)
 
     def _start_store(self) -> None:
         """Host the gang rendezvous TCPStore; importing torch takes a moment, so in a thread."""

@@ -95,7 +95,7 @@ class Execute:
         return ctxmod.CallContext(
             invocation_id=self.invocation_id, function=self.name, device=device,
             devices=[device] * devices, attempt=meta.attempt_number, app=meta.app,
-            version=meta.version, rank=rank, world_size=world_size)
+            version=meta.version, rank=rank, world_size=world_size, priority=meta.priority)
 
 
 @dataclass(frozen=True, slots=True)

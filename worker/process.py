@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 
@@ -453,7 +453,7 @@ class WorkerProcess:
                 assert isinstance(a, (Interrupt, Grant, AbortGroup))
                 self._act_now(a)
         elif isinstance(msg, p.Shutdown):
-            os._exit(0)
+            self.exit_now(0)
         elif isinstance(msg, p.Welcome):
             conn.welcomed()
         elif conn.on_error(msg):
@@ -462,6 +462,21 @@ class WorkerProcess:
 
     def close(self) -> None:
         self.conn.close()
+
+    def exit_now(self, code: int = 0) -> NoReturn:
+        """End this process now: executor threads may still run user code and nobody
+        waits for them; the spmd=False helper is stopped as what it is, not left for the
+        supervisor to find as a call's leftover."""
+        helper = self.helper
+        if helper is not None:
+            from gpufn.worker.device_set.helper import stop_tracker
+
+            try:
+                helper.close(force=True)
+                stop_tracker()
+            except Exception:
+                pass
+        os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -487,14 +502,13 @@ def main(argv: list[str] | None = None) -> None:
     token = config.token() or ""
     worker = WorkerProcess(a.address, token, a.device, a.incarnation, a.kind, a.memory,
                            a.memory_fd, a.journal)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: worker.exit_now(0))
     # Exit if our supervisor dies without taking us along (e.g. started by hand).
-    processes.watch_parent(os.getppid(), lambda: os._exit(0))
+    processes.watch_parent(os.getppid(), lambda: worker.exit_now(0))
     worker.handshake()
     worker.start_control()
     try:
         worker.serve()
     finally:
         worker.close()
-    # Executor threads may still run user code; do not wait for them.
-    os._exit(0)
+    worker.exit_now(0)

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from gpufn.api.chat import chat_name
+from gpufn.api.chat import model_names, openai_interface
 from gpufn.api.function import Function
 from gpufn.api.model import Model
 from gpufn.client.client import Client
@@ -197,10 +197,11 @@ def deploy(module_or_path: ModuleType | str | Path, name: str | None = None, tag
     fns, models = _members(module)
     if not fns:
         raise DeployError(f"{source or module.__name__} has no @gpu functions to deploy")
-    chats = [chat_name(f) for f in fns.values() if chat_name(f)]
-    if len(chats) != len(set(chats)):
-        raise DeployError(f"two functions of {source or module.__name__} declare the same "
-                          f"@gpufn.chat_model name ({sorted(chats)}); give each its own")
+    for role in ("chat", "completion", "embedding"):
+        names = [model_names(f)[role] for f in fns.values() if role in model_names(f)]
+        if len(names) != len(set(names)):
+            raise DeployError(f"two functions of {source or module.__name__} declare the same "
+                              f"@gpufn.{role}_model name ({sorted(names)}); give each its own")
     folder = os.path.dirname(os.path.abspath(source)) if source else os.getcwd()
     local = app_modules(module)
     client = client or served_client("gpufn.deploy()")
@@ -227,7 +228,8 @@ def deploy(module_or_path: ModuleType | str | Path, name: str | None = None, tag
                                        json.dumps([d["name"] for d in descs]).encode())
                 described.append({"name": attr, "function_id": fid, "code_id": code_id,
                                   "spec": wire, "models": descs, "ncode": len(code),
-                                  "interface": describe(f._fn, chat_name(f))})
+                                  "interface": {**describe(f._fn, model_names(f).get("chat", "")),
+                                                "openai": openai_interface(f)}})
                 frames += code + loaders
             checked = _check(models) if check else []
         finally:

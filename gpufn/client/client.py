@@ -477,20 +477,10 @@ class Client:
                 "outstanding calls were failed. Start it again (gpufn serve) and call again")
 
     def _receive(self, sock: zmq.Socket[Any]) -> None:
-        while True:
-            try:
-                frames = sockets.recv(sock, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msgs = p.decode_all(frames)
-            except p.DecodeError as e:
-                log.warning("undecodable message from the scheduler: %s", e)
-                continue
-            for msg in msgs:
-                if not isinstance(msg, p.Error):  # refusals are not signs of life
-                    self._last_heard = time.monotonic()
-                self._dispatch(msg)
+        for msg in sockets.received(sock, log):
+            if not isinstance(msg, p.Error):  # refusals are not signs of life
+                self._last_heard = time.monotonic()
+            self._dispatch(msg)
 
     def _dispatch(self, msg: p.Message) -> None:
         if isinstance(msg, p.Item):
@@ -677,20 +667,10 @@ class _SyncChannel:
                     self._send(p.Ping(0))
                     continue
                 self.last_heard = time.monotonic()
-                while True:
-                    try:
-                        frames = sockets.recv(self.sock, zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        msgs = p.decode_all(frames)
-                    except p.DecodeError as e:
-                        log.warning("undecodable message from the scheduler: %s", e)
-                        continue
-                    for msg in msgs:
-                        if isinstance(msg, p.Result) and msg.invocation_id == inv:
-                            return msg
-                        self._other(msg, register, submit, name)
+                for msg in sockets.received(self.sock, log):
+                    if isinstance(msg, p.Result) and msg.invocation_id == inv:
+                        return msg
+                    self._other(msg, register, submit, name)
         except KeyboardInterrupt:
             self._send(p.Cancel(inv, "interrupted by the caller"))
             raise

@@ -251,8 +251,7 @@ class Serve:
             if o.http_port is not None:  # the scheduler serves the gateway's metrics too
                 self.metrics_dir = http_process.metrics_folder()
                 os.environ["GPUFN_HTTP_METRICS_DIR"] = str(self.metrics_dir)
-        if o.state_dir is not None:
-            os.environ["GPUFN_STATE_DIR"] = str(o.state_dir.resolve())
+        _use_state_dir(o)
         if o.worker_host_memory is not None:
             os.environ["GPUFN_WORKER_HOST_MEMORY"] = str(
                 parse_memory(o.worker_host_memory, "worker-host-memory"))
@@ -319,10 +318,17 @@ class Serve:
                 pid_file().unlink(missing_ok=True)
 
 
+def _use_state_dir(o: ServeOptions) -> None:
+    """--state-dir, for this process and the ones it starts (they read GPUFN_STATE_DIR)."""
+    if o.state_dir is not None:
+        os.environ["GPUFN_STATE_DIR"] = str(o.state_dir.resolve())
+
+
 def detach(options: ServeOptions, argv: list[str]) -> dict[str, Any]:
     """Start this same `gpufn serve` (`argv`) in its own session, logging to the state
     dir; return what it said once it listens (`ServeRefused` with the tail of its log)."""
     options.check()
+    _use_state_dir(options)
     options.check_state()
     running = read_pid()
     if running is not None:

@@ -1,6 +1,8 @@
 """The gateway's routes: deployed functions over HTTP (JSON calls, SSE streams, spawned calls),
 the apps they belong to, the status the dashboard reads, and the OpenAI-compatible chat
-routes (gpufn/http/openai_routes.py). Errors are `{"error": {"type", "message"}}`."""
+routes (gpufn/http/openai_routes.py). Errors are `{"error": {"type", "message"}}` (on the
+OpenAI routes, OpenAI's `{"error": {"message", "type", "param", "code"}}`), never with a
+traceback; every answer carries an `x-request-id`."""
 
 from __future__ import annotations
 
@@ -23,8 +25,16 @@ from starlette.types import ASGIApp
 from gpufn.exceptions import GpufnError, NotJSONSerializable
 from gpufn.http import bodies, calls, dashboard, openai_routes
 from gpufn.http.calls import ClientGone, SpawnBook, Spawned
-from gpufn.http.directory import Directory, Target
-from gpufn.http.errors import HTTPError, bad_request, error_body, from_gpufn
+from gpufn.http.directory import Directory, Target, openai_roles
+from gpufn.http.errors import (
+    HTTPError,
+    RequestIds,
+    bad_request,
+    error_body,
+    from_gpufn,
+    public,
+    request_id,
+)
 from gpufn.http.events import EventStream, event
 from gpufn.http.metrics import RequestMetrics, recorder
 from gpufn.http.pool import ClientPool, Entry, ask
@@ -216,6 +226,9 @@ class Gateway:
         except GpufnError as e:
             raise from_gpufn(e) from None
         listed = await Directory(entry).apps(fresh=True)
+        for d in st.get("devices", []):  # a worker's last error may quote a traceback
+            if isinstance(d, dict) and d.get("last_error"):
+                d["last_error"] = public(str(d["last_error"]))
         you = st.get("you") or {}
         errors = self.errors_for(entry.owner, bool(you.get("admin", entry.admin)))
         body = {"status": st, "apps": [app_view(a) for a in listed],
@@ -307,10 +320,11 @@ def app_view(a: dict[str, Any]) -> dict[str, Any]:
         i = f.get("interface") or {}
         fns.append({"name": f["name"], "params": i.get("params"), "returns": i.get("returns", ""),
                     "doc": i.get("doc", ""), "streams": bool(i.get("generator")),
-                    "chat_model": i.get("chat_model", ""), "describe": f.get("describe", ""),
+                    "chat_model": i.get("chat_model", ""),
+                    "openai": openai_roles(i), "describe": f.get("describe", ""),
                     "models": f.get("models", []), "calls_1h": f.get("calls_1h", 0),
                     "queued": f.get("queued", 0), "running": f.get("running", 0),
-                    "errors": f.get("errors", []), "url": f"/v1/apps/{a['name']}/{f['name']}"})
+                    "errors": [public(str(e)) for e in f.get("errors", [])], "url": f"/v1/apps/{a['name']}/{f['name']}"})
     return {"name": a["name"], "version": a["version"], "state": a.get("state", "active"),
             "tag": a.get("tag", ""), "created": a.get("created"), "who": a.get("who", ""),
             "broken": a.get("broken", False), "functions": fns}
@@ -377,8 +391,9 @@ def create_app(address: str, idle_s: float | None = None) -> ASGIApp:
         headers = dict(err.headers)
         if err.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
-        return Response(err.body(), status_code=err.status, media_type=JSON,
-                        headers=headers or None)
+        body = (err.openai_body() if openai_routes.is_openai(request.url.path)
+                else err.body())
+        return Response(body, status_code=err.status, media_type=JSON, headers=headers or None)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPError)
@@ -396,8 +411,12 @@ def create_app(address: str, idle_s: float | None = None) -> ASGIApp:
         return json_error(request, from_gpufn(exc))
 
     async def on_other(request: Request, exc: Exception) -> Response:
-        log.exception("the gateway failed on %s %s", request.method, request.url.path)
-        return json_error(request, HTTPError(500, type(exc).__name__, f"the gateway failed: {exc}"))
+        rid = request_id.get() or "-"
+        log.exception("request %s: the gateway failed on %s %s", rid, request.method,
+                      request.url.path)
+        return json_error(request, HTTPError(500, "GatewayError", "the gateway failed on this "
+                                             f"request ({type(exc).__name__}); its log has "
+                                             f"the details under request id {rid}"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -423,7 +442,7 @@ def create_app(address: str, idle_s: float | None = None) -> ASGIApp:
         HTTPError: on_http_error, HTTPException: on_starlette, GpufnError: on_gpufn,
         Exception: on_other})
     app.state.gateway = gw
-    return RequestMetrics(bodies.ReleaseLeases(app), recorder())
+    return RequestIds(RequestMetrics(bodies.ReleaseLeases(app), recorder()))
 
 
 __all__ = ["Gateway", "Target", "create_app", "error_body"]

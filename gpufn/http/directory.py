@@ -1,5 +1,5 @@
 """What is deployed, as the gateway needs it: apps, current versions, and each function's
-recorded interface (parameters, streaming, chat model), listed from the scheduler at most
+recorded interface (parameters, streaming, the OpenAI models it serves), listed from the scheduler at most
 once a second per token, and a pinned version's looked up once."""
 
 from __future__ import annotations
@@ -146,29 +146,42 @@ class Directory:
                                  for a in await self.apps()}
         return err
 
-    async def chat_models(self) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-        """Chat model id -> (app, function): a name declared by one app is its id; one
-        declared by several apps is `app/name` for each."""
-        by_name: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    async def openai_models(self) -> dict[str, dict[str, tuple[dict[str, Any], dict[str, Any]]]]:
+        """OpenAI model id -> role (chat, completion, embedding) -> (app, function): a name
+        declared by one app is its id; one declared by several apps is `app/name` for each."""
+        by_name: dict[str, dict[str, dict[str, tuple[dict[str, Any], dict[str, Any]]]]] = {}
         for a in await self.apps():
             if a.get("state", "active") != "active":
                 continue
             for fn in a["functions"]:
-                name = (fn.get("interface") or {}).get("chat_model")
-                if name:
-                    by_name.setdefault(str(name), []).append((a, fn))
+                for role, name in openai_roles(fn.get("interface") or {}).items():
+                    by_name.setdefault(name, {}).setdefault(a["name"], {})[role] = (a, fn)
         out = {}
-        for name, found in by_name.items():
-            for a, fn in found:
-                out[name if len(found) == 1 else f"{a['name']}/{name}"] = (a, fn)
+        for name, apps in by_name.items():
+            for app, roles in apps.items():
+                out[name if len(apps) == 1 else f"{app}/{name}"] = roles
         return out
 
-    async def chat_target(self, model: str) -> Target:
-        models = await self.chat_models()
-        hit = models.get(model)
+    async def openai_target(self, model: str, role: str) -> Target:
+        """The function serving `model` in `role`; 404 naming the models there are."""
+        models = await self.openai_models()
+        hit = models.get(model, {}).get(role)
         if hit is None:
-            raise HTTPError(404, "NotFound", f"no chat model {model!r} is deployed; models: "
-                            f"{', '.join(sorted(models)) or 'none (declare one with @gpufn.chat_model)'}",
-                            models=sorted(models))
+            have = sorted(m for m, roles in models.items() if role in roles)
+            other = sorted(models.get(model, {}))
+            why = (f"{model!r} is a {' and '.join(other)} model, not a {role} model" if other
+                   else f"no model {model!r} is deployed")
+            raise HTTPError(404, "NotFound", f"{why}; {role} models: "
+                            f"{', '.join(have) or f'none (declare one with @gpufn.{role}_model)'}",
+                            param="model", code="model_not_found")
         a, fn = hit
         return _target(a["name"], fn, int(a["version"]), False)
+
+
+def openai_roles(interface: dict[str, Any]) -> dict[str, str]:
+    """The OpenAI model names a recorded function serves, by role."""
+    roles = {r: str(n) for r, n in (interface.get("openai") or {}).items()
+             if r in ("chat", "completion", "embedding") and n}
+    if not roles and interface.get("chat_model"):  # recorded before the other roles
+        roles["chat"] = str(interface["chat_model"])
+    return roles

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
 from gpufn.wire import config
+from gpufn.wire import protocol as p
 
 RECONNECT_MS = 100
 RECONNECT_MAX_MS = 2000
@@ -66,3 +69,19 @@ def recv(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
         frame = sock.recv(flags, copy=False)
         parts.append(frame)
     return parts
+
+
+def received(sock: zmq.Socket[Any], log: logging.Logger) -> Iterator[p.Message]:
+    """Every message waiting on `sock`, without blocking (a batch's one by one); an
+    undecodable one is logged and skipped."""
+    while True:
+        try:
+            frames = recv(sock, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            msgs = p.decode_all(frames)
+        except p.DecodeError as e:
+            log.warning("undecodable message from the scheduler: %s", e)
+            continue
+        yield from msgs

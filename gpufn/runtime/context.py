@@ -24,6 +24,7 @@ class CallContext:
     attempt: int = 1
     app: str = ""  # a deployed function's app and version ("", 0 otherwise): calls it
     version: int = 0  # makes to functions of the same app stay on this version
+    priority: int = 0  # the call's priority (`@gpu(priority=)` or its options)
     _mesh: Any = None
 
     @property

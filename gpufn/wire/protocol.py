@@ -33,7 +33,7 @@ __all__ = ["BATCH_TAG", "PROTOCOL_VERSION", "DecodeError", "Frame", "Message", "
            "as_bytes", "batch_frames", "decode", "decode_all", "encode", "encode_batch",
            "message", "message_types", "struct"]
 
-PROTOCOL_VERSION = 4  # 4: an Item carries a burst of values (its `sizes`)
+PROTOCOL_VERSION = 5  # 5: a Run's meta carries the call's priority (4: Item bursts)
 
 class Role:
     CLIENT = "client"
@@ -304,6 +304,7 @@ class RunMeta:
     retry_on: list[str] | None = None  # Retries(on=...): "module.qualname" of each class
     shm_owner: int = 0  # the caller's pid if big results go to it through shared memory
     host_memory: int = 0  # @gpu(host_memory=): the worker's host-memory limit while it runs
+    priority: int = 0  # the call's priority (a stepped engine joins requests by it)
 
 
 @message(21, structs={"meta": RunMeta})

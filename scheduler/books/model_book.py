@@ -69,6 +69,7 @@ class ModelRecord:
     offloads: int = 0
     evictions: int = 0
     failures: int = 0
+    failing: int = 0  # load failures since its last successful load (0: healthy)
     last_error: str = ""  # the last load failure's message (shown by `gpufn app list`)
     count: int = 1  # devices a sharded model spans (1: a whole model per device)
     holder: Holder | None = None
@@ -485,6 +486,7 @@ class ModelBook:
                             nbytes = max(nbytes, rec.measured)  # the largest shard plans the gang
                         resized = rec.measured != nbytes
                         rec.measured = nbytes
+                        rec.failing = 0  # loaded: no longer broken
                         if lead:
                             rec.loads += 1
                             rec.load_seconds += msg.seconds
@@ -502,6 +504,7 @@ class ModelBook:
                     resized = True
                 elif rec is not None:
                     rec.failures += 1
+                    rec.failing += 1
                     rec.last_error = msg.message
                 log.warning("model %s on %s: %s", msg.model, d.key, msg.message.splitlines()[0])
             elif msg.state is p.ModelState.OFFLOADED and entry is not None:

@@ -150,7 +150,7 @@ class Transitions:
                          inline=is_short(inv, self.config.short_call_seconds),
                          app=inv.function.app, version=inv.function.version,
                          retry_on=list(spec.retry_on) or None, host_memory=spec.host_memory,
-                         shm_owner=self._shm_owner(inv, devices[0]))
+                         shm_owner=self._shm_owner(inv, devices[0]), priority=spec.priority)
         if inv.shape is Shape.BATCH:
             base.batch = [len(m.frames) for m in inv.members]
             base.members = [m.id for m in inv.members]

@@ -378,8 +378,8 @@ class AppBook:
         out = []
         for key in rec.model_keys:
             m = self.core.models.models.get(key)
-            if m is not None and m.failures:
-                out.append(f"model {m.name} failed to load ({m.failures}x): "
+            if m is not None and m.failing:  # a load since the last failure heals it
+                out.append(f"model {m.name} failed to load ({m.failing}x): "
                            f"{getattr(m, 'last_error', '')}".rstrip(": "))
         return out
 

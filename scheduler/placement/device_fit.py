@@ -105,12 +105,15 @@ def rank_devices(
     slow every rank.
     `drains`, when given, caches `drain_seconds` per device key for this `now`;
     `shared_only`: the caller passes no device that runs a multi-device call.
+    `slots` bounds the calls on a device, raised to this function's `concurrency` (the
+    calls of a stepped engine share its steps: its batch, not a thread each, is the bound).
     Preference: the earliest acceptable type, then the earliest expected finish (what
     runs there, drained by measured run times, plus this call's run time measured on
     that device: faster devices get more calls), then fewer calls, then free memory.
     """
     scored = []
     code, limit, types, memory = fn.code_id, spec.concurrency + pipeline_depth, spec.type, spec.memory
+    slots = max(slots, spec.concurrency)  # a stepped engine's calls: as many as its batch
     for d in devices:
         running = d.running
         if len(running) >= slots or not d.takes_work:

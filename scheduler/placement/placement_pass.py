@@ -108,6 +108,7 @@ class PlacementPass:
         self.queue = queue
         self.models = models
         self.caps: DeviceCaps | None = None  # per-user device caps (set by the core)
+        self.most_concurrency = 1  # the highest concurrency of an admitted call's function
         self._open: dict[str, Device] = {}  # this pass's devices with a free slot
         self._index: OpenIndex | None = None  # the same, ordered for single-device choice
         self._estimates: dict[str, tuple[object, float, bool]] = {}  # see estimate_bounds
@@ -128,7 +129,7 @@ class PlacementPass:
             self._unhold()  # with no cap left (changed, or the user revoked) all go back
         # The devices with a free slot, once per pass (O(devices)); every choice below
         # looks only at these, and a device leaves the list as it fills.
-        slots = self.config.slots_per_device
+        slots = self.slots()
         self._open = {d.key: d for d in self.devices.values() if _open(d, slots)}
         self._index = None  # built when first needed
         self._preemptible = None  # computed when first needed
@@ -206,6 +207,17 @@ class PlacementPass:
         if self._index is None:
             self._index = OpenIndex(list(self._open.values()), now, self._drains)
         return self._index
+
+    def admitted(self, concurrency: int) -> None:
+        """A call of a function declared with this `concurrency` was admitted."""
+        if concurrency > self.most_concurrency:
+            self.most_concurrency = concurrency
+
+    def slots(self) -> int:
+        """A device is open below this many calls: the configured slots, or more for a
+        function declared with a higher concurrency (`rank_devices` holds each function
+        to its own bound)."""
+        return max(self.config.slots_per_device, self.most_concurrency)
 
     def _full(self) -> bool:
         """Every device is full and nothing could be preempted: no call can start."""

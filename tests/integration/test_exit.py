@@ -115,3 +115,42 @@ def test_scheduler_whose_starter_is_gone_stops_quietly(tmp_path: Path) -> None:
     assert proc.returncode == 0, out + err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert not sock.exists()
+
+
+SPMD_SCRIPT = textwrap.dedent("""
+    import gpufn
+
+    @gpufn.gpu(count=2, spmd=False)
+    def whole(x):
+        return x + 1
+
+    print("result", whole.remote(1), flush=True)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_a_script_that_ran_a_device_set_call_exits_without_warnings(tmp_path: Path) -> None:
+    """The spmd=False helper (and multiprocessing's resource tracker it started) stop with
+    their worker, as what they are: the supervisor finds no call's leftovers at exit."""
+    mark = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFN_")}
+    env.update(GPUFN_TEST_EXIT_MARK=mark, GPUFN_CPU_DEVICES="2", GPUFN_HOME=str(tmp_path / "h"),
+               GPUFN_LOG_DIR=str(tmp_path))
+    script = tmp_path / "device_set.py"
+    script.write_text(SPMD_SCRIPT)
+    try:
+        r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                           text=True, timeout=150, cwd=tmp_path)
+        deadline = time.monotonic() + 20
+        while _marked_pids(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _marked_pids(mark)
+    finally:
+        for pid in _marked_pids(mark):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert r.returncode == 0 and "result 2" in r.stdout, r.stdout + r.stderr
+    assert "left running" not in r.stderr and "WARNING" not in r.stderr, r.stderr
+    assert not left, f"gpufn processes left behind: {left}"

@@ -121,7 +121,8 @@ def test_error_statuses() -> None:
         "ConnectionLost": 503, "Timeout": 504}
     user = from_result(p.Result("i", False, "", "bad", p.ResultMeta(error_type="KeyError",
                                                                     traceback="tb")))
-    assert (user.status, user.type, user.extra["traceback"]) == (500, "KeyError", "tb")
+    assert (user.status, user.type, user.extra) == (500, "KeyError", {"remote": True})
+    assert b"tb" not in user.body() and user.openai()["message"] == "KeyError: bad"
     ours = from_result(p.Result("i", False, "NotJSONSerializable", "holds a set"))
     assert (ours.status, ours.type) == (500, "NotJSONSerializable")
     assert json.loads(ours.body()) == {"error": {"type": "NotJSONSerializable",
@@ -169,22 +170,27 @@ def test_the_scheduler_answer_to_an_unknown_attach_is_told_apart() -> None:
 
 def test_chat_requests_become_keyword_arguments() -> None:
     from gpufn.http.errors import HTTPError
-    from gpufn.http.openai_routes import chat_params
+    from gpufn.http.openai_params import function_kwargs
+
+    declared = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed"})
+
+    def chat_params(body: dict[str, Any]) -> dict[str, Any]:
+        return function_kwargs(body, "chat", declared, "m")
 
     msgs = [{"role": "user", "content": "hi"}]
-    assert chat_params({"messages": msgs}) == {"messages": msgs}
+    assert chat_params({"messages": msgs}) == {}
     assert chat_params({"messages": msgs, "max_tokens": 5, "temperature": 0.5, "top_p": 1,
                         "stop": "x", "seed": 3, "user": "ignored"}) == {
-        "messages": msgs, "max_tokens": 5, "temperature": 0.5, "top_p": 1.0, "stop": ["x"],
-        "seed": 3}
+        "max_tokens": 5, "temperature": 0.5, "top_p": 1.0, "stop": ["x"], "seed": 3}
     assert chat_params({"messages": msgs, "max_completion_tokens": 7})["max_tokens"] == 7
-    for bad in ({"messages": []}, {"messages": [{"content": "no role"}]},
-                {"messages": msgs, "n": 2}, {"messages": msgs, "max_tokens": 0},
-                {"messages": msgs, "temperature": 3}, {"messages": msgs, "stop": [1]},
-                {"messages": msgs, "seed": "s"}):
+    for bad, param in (({"messages": msgs, "n": 2}, "n"),
+                       ({"messages": msgs, "max_tokens": 0}, "max_tokens"),
+                       ({"messages": msgs, "temperature": 3}, "temperature"),
+                       ({"messages": msgs, "stop": [1]}, "stop"),
+                       ({"messages": msgs, "seed": "s"}, "seed")):
         with pytest.raises(HTTPError) as e:
             chat_params(bad)
-        assert e.value.status == 400
+        assert (e.value.status, e.value.param) == (400, param)
 
 
 def test_completion_takes_text_pieces_usage_and_finish() -> None:
@@ -192,9 +198,9 @@ def test_completion_takes_text_pieces_usage_and_finish() -> None:
     from gpufn.http.openai_routes import Completion
 
     c = Completion()
-    assert c.add(b'"Hel"') == "Hel" and c.add(b'{"text": "lo"}') == "lo"
+    assert c.add(b'"Hel"') == {"content": "Hel"} and c.add(b'{"text": "lo"}') == {"content": "lo"}
     assert c.add(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 2}, '
-                 b'"finish_reason": "length"}') == ""
+                 b'"finish_reason": "length"}') == {}
     assert ("".join(c.text), c.finish) == ("Hello", "length")
     assert c.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     with pytest.raises(HTTPError):

@@ -27,6 +27,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "gpufn.api": {"gpufn.exceptions", "gpufn.wire", "gpufn.net", "gpufn.cluster", "gpufn.client",
                   "gpufn.runtime"},
     "gpufn.parallel": {"gpufn.exceptions", "gpufn.runtime"},
+    "gpufn.engines": {"gpufn.exceptions", "gpufn.wire", "gpufn.runtime"},
     "gpufn.http": {"gpufn.exceptions", "gpufn.wire", "gpufn.net", "gpufn.cluster", "gpufn.client",
                    "gpufn.api"},
     "gpufn.cli": {"*"},
@@ -36,7 +37,7 @@ MAY_IMPORT: dict[str, set[str]] = {
                      "gpufn.memory_pool"},
 }
 NO_ZMQ = {"gpufn.exceptions", "gpufn.wire", "gpufn.runtime", "gpufn.parallel",
-          "gpufn.memory_pool"}
+          "gpufn.memory_pool", "gpufn.engines"}
 
 
 # Sub-rooms inside a room: sub-room -> the sibling sub-rooms it may import ("" is the room's

@@ -174,3 +174,15 @@ class DeviceSetHelper:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(2)
+
+
+def stop_tracker() -> None:
+    """At the worker's exit, after its helper is gone: multiprocessing's resource tracker,
+    which the first spawned helper started, goes too (else the supervisor finds it in the
+    worker's session and stops it as a call's leftover)."""
+    from multiprocessing import resource_tracker
+
+    try:
+        resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+    except Exception:  # not running, or a Python whose tracker has no _stop: it exits by itself
+        pass

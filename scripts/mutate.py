@@ -7,7 +7,7 @@ mutation survives or is stale. A mutation no test can tell from the original say
 `equivalent` (it is checked for staleness only), so the audit of a rule is kept. The
 mutations live in `mutation_table.py` (the first releases' and issue 23's list),
 `mutations_scheduler.py`, `mutations_edges.py`, `mutations_users.py`, `mutations_hotpath.py`, `mutations_holes.py`,
-`mutations_restart.py` and `mutations_http.py`.
+`mutations_restart.py`, `mutations_http.py` and `mutations_state.py`.
 
     python scripts/mutate.py            # every mutation
     python scripts/mutate.py -k aging   # those whose name contains "aging"
@@ -34,11 +34,13 @@ from mutations_hotpath import HOTPATH  # noqa: E402
 from mutations_http import HTTP  # noqa: E402
 from mutations_restart import RESTART  # noqa: E402
 from mutations_scheduler import SCHEDULER  # noqa: E402
+from mutations_state import STATE  # noqa: E402
 from mutations_users import USERS  # noqa: E402
 
 TABLES: dict[str, tuple[Mutation, ...]] = {
     "listed": LISTED, "scheduler": SCHEDULER, "edges": EDGES, "users": USERS,
     "hotpath": HOTPATH, "holes": HOLES, "restart": RESTART, "http": HTTP,
+    "state": STATE,
 }
 MUTATIONS: tuple[Mutation, ...] = tuple(m for table in TABLES.values() for m in table)
 

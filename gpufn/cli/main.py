@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from gpufn.cli import apps, ops, plan, tokens
+from gpufn.cli import apps, ops, plan, state, tokens
 from gpufn.cli.common import fail
 from gpufn.exceptions import GpufnError
 from gpufn.net import address_file as addrfile
@@ -174,6 +174,7 @@ def worker(
 ops.register(app)
 plan.register(app)
 tokens.register(app)  # gpufn token ...
+state.register(app)  # gpufn state check|restore
 
 
 apps.register(app)  # gpufn deploy, gpufn app ...

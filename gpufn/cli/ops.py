@@ -15,7 +15,7 @@ from rich.console import Console
 
 from gpufn.cli import common, render
 from gpufn.cli.common import ADDRESS_HELP, TOKEN_HELP, fail
-from gpufn.cluster.serve import read_pid
+from gpufn.cluster.serve import forget_dead_server, read_pid
 from gpufn.exceptions import GpufnError
 from gpufn.net.processes import alive
 
@@ -183,6 +183,8 @@ def shutdown(
         finally:
             client.close()
     stopped = _wait_gone(addr, tok, pid if isinstance(pid, int) else None, grace + 30)
+    if ack.get("forced"):  # a server that crashed cleans up nothing: its files go here
+        forget_dead_server()
     if not stopped:
         fail(f"the scheduler at {addr} accepted the shutdown but is still running after "
              f"{grace + 30:.0f}s")

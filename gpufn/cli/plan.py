@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -87,8 +88,11 @@ def plan(
     console.print(head, soft_wrap=True)
     shown = [lay for lay in result.layouts if show_all or lay.fits]
     if shown:
-        table = Table("TP", "PP", "devs", "weights", "KV", "activ.", "free", "all-red./tok",
-                      "p2p/tok", "fits", caption="memory in GiB per device")
+        # Every column whole at 80 columns (COLUMNS=80): no cell is cut, so no vertical rules.
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+        for col in ("TP", "PP", "devs", "weights", "KV", "activ.", "free", "AR/tok", "p2p/tok",
+                    "fits"):
+            table.add_column(col, no_wrap=True)
         for lay in shown:
             mark = "[bold green]recommended[/]" if lay is best else ("yes" if lay.fits else "[red]no[/]")
             table.add_row(str(lay.tp), str(lay.pp), str(lay.devices), _gib(lay.weights),
@@ -96,6 +100,8 @@ def plan(
                           _bytes(lay.allreduce_bytes_per_token), _bytes(lay.p2p_bytes_per_token),
                           mark)
         console.print(table)
+        console.print("memory in GiB per device; AR/tok, p2p/tok: all-reduce and "
+                      "point-to-point bytes per token", style="dim")
     if best is not None:
         replicas = devices // best.devices
         console.print(f"recommended: TP={best.tp} PP={best.pp} on {best.devices} device(s)"

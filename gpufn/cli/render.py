@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from datetime import datetime
 from typing import Any
 
@@ -15,6 +16,17 @@ _STATE_STYLE = {"ready": "green", "starting": "yellow", "restarting": "yellow", 
                 "gone": "dim"}
 
 
+def key_column(t: Table, header: str) -> None:
+    """A column that names what a row is (a device, a function, a user): never cut with
+    an ellipsis at narrow widths, folded onto more lines instead."""
+    t.add_column(header, overflow="fold")
+
+
+def narrow() -> bool:
+    """A terminal under 100 columns (COLUMNS=80): tables leave out their decorations."""
+    return shutil.get_terminal_size().columns < 100
+
+
 def memory_bar(used: int, capacity: int, width: int = 10) -> str:
     """A text bar (markup) for a device's memory: green, yellow over 70%, red over 90%."""
     frac = min(1.0, used / capacity) if capacity else 0.0
@@ -25,8 +37,13 @@ def memory_bar(used: int, capacity: int, width: int = 10) -> str:
 
 def devices_table(status: dict[str, Any]) -> Table:
     t = Table(title="devices", title_justify="left")
-    for col in ("device", "name", "state", "memory", "used / total", "running", "done", "restarts"):
-        t.add_column(col, justify="right" if col in ("done", "restarts") else "left")
+    bar = not narrow()  # the memory bar repeats the percentage: left out under 100 columns
+    key_column(t, "device")
+    for col in ("name", "state", *(("memory",) if bar else ()), "used / total"):
+        t.add_column(col)
+    key_column(t, "running")
+    for col in ("done", "restarts"):
+        t.add_column(col, justify="right", no_wrap=True)
     for d in status.get("devices", []):
         running = ", ".join(f"{r['function']} {r['id']} ({r['seconds']:.1f}s)"
                             for r in d.get("running", [])) or "-"
@@ -34,7 +51,7 @@ def devices_table(status: dict[str, Any]) -> Table:
         style = _STATE_STYLE.get(state, "")
         pct = 100.0 * d["used"] / d["capacity"] if d["capacity"] else 0.0
         t.add_row(d["key"], d["name"], f"[{style}]{state}[/]" if style else state,
-                  memory_bar(d["used"], d["capacity"]),
+                  *((memory_bar(d["used"], d["capacity"]),) if bar else ()),
                   f"{format_bytes(d['used'])} / {format_bytes(d['capacity'])} ({pct:.0f}%)",
                   running, str(d.get("completed", 0)), str(d.get("restarts", 0)))
     return t
@@ -45,7 +62,9 @@ def models_table(status: dict[str, Any]) -> Table | None:
     if not rows:
         return None
     t = Table(title="models", title_justify="left")
-    for col in ("device", "model", "state", "bytes", "users", "in use", "uses"):
+    key_column(t, "device")
+    key_column(t, "model")
+    for col in ("state", "bytes", "users", "in use", "uses"):
         t.add_column(col)
     shown: set[str] = set()
     for key, m in rows:
@@ -80,9 +99,14 @@ def model_counters_table(status: dict[str, Any]) -> Table | None:
     functions = status.get("functions", [])
     apps = any(f.get("app") for f in functions)
     t = Table(title=f"model pool (policy: {status.get('policy', '?')})", title_justify="left")
-    for col in ("model", *(("app",) if apps else ()), "bytes", "loads", "mean load", "restores",
-                "mean restore", "offloads", "evictions", "failures"):
-        t.add_column(col, justify="left" if col in ("model", "app") else "right")
+    key_column(t, "model")
+    if apps:
+        key_column(t, "app")
+    # Under 100 columns the host-memory counters are left out: the model keeps its room.
+    cols = ("bytes", "loads", "mean load", *(() if narrow() else (
+        "restores", "mean restore", "offloads")), "evictions", "failures")
+    for col in cols:
+        t.add_column(col, justify="right")
 
     def secs(v: Any) -> str:
         return f"{v * 1000:.0f} ms" if isinstance(v, (int, float)) else "-"
@@ -92,9 +116,12 @@ def model_counters_table(status: dict[str, Any]) -> Table | None:
         if r.get("count", 1) > 1:
             name += f" (TP={r['count']}" + (f" on {', '.join(r['gang'])})" if r.get("gang") else ")")
         where = (_app_versions(functions, r.get("key", "")),) if apps else ()
-        t.add_row(name, *where, format_bytes(r["bytes"]) + (" per device" if r.get("count", 1) > 1 else ""), str(r["loads"]), secs(r["mean_load_s"]),
-                  str(r["restores"]), secs(r["mean_restore_s"]), str(r["offloads"]),
-                  str(r["evictions"]), str(r["failures"]))
+        per = " per device" if r.get("count", 1) > 1 else ""
+        cells = {"bytes": format_bytes(r["bytes"]) + per, "loads": str(r["loads"]),
+                 "mean load": secs(r["mean_load_s"]), "restores": str(r["restores"]),
+                 "mean restore": secs(r["mean_restore_s"]), "offloads": str(r["offloads"]),
+                 "evictions": str(r["evictions"]), "failures": str(r["failures"])}
+        t.add_row(name, *where, *(cells[c] for c in cols))
     return t
 
 
@@ -104,7 +131,9 @@ def functions_table(status: dict[str, Any]) -> Table | None:
         return None
     apps = any(f.get("app") for f in fns)
     t = Table(title="functions", title_justify="left")
-    for col in ("function", *(("app", "version") if apps else ()), "queued", "calls", "mean run time"):
+    for col in ("function", *(("app",) if apps else ())):
+        key_column(t, col)
+    for col in (*(("version",) if apps else ()), "queued", "calls", "mean run time"):
         t.add_column(col)
     order = sorted(fns, key=lambda f: (f.get("app") or "", f["name"], f.get("version") or 0))
     for f in order:
@@ -120,8 +149,9 @@ def queue_table(status: dict[str, Any]) -> Table | None:
     if not rows:
         return None
     t = Table(title="queue by priority", title_justify="left")
-    for col in ("priority", "function", "queued"):
-        t.add_column(col, justify="right" if col != "function" else "left")
+    t.add_column("priority", justify="right")
+    key_column(t, "function")
+    t.add_column("queued", justify="right")
     for r in rows:
         name = f"{r['app']}.{r['function']}" if r.get("app") else r["function"]
         t.add_row(str(r["priority"]), name, str(r["queued"]))
@@ -133,7 +163,8 @@ def hosts_table(status: dict[str, Any]) -> Table | None:
     if not hosts:
         return None
     t = Table(title="hosts", title_justify="left")
-    for col in ("host", "connected", "devices", "workers"):
+    key_column(t, "host")
+    for col in ("connected", "devices", "workers"):
         t.add_column(col)
     for h in hosts:
         workers = ", ".join(f"{n} {state}" for state, n in sorted(h["workers"].items()))
@@ -167,7 +198,8 @@ def status_view(status: dict[str, Any]) -> Group:
 def users_table(users: list[dict[str, Any]]) -> Table:
     """`gpufn token list`: users and what they may do (tokens are never shown)."""
     t = Table(title="users", title_justify="left")
-    for col in ("user", "may", "max priority", "max devices", "connections", "created"):
+    key_column(t, "user")
+    for col in ("may", "max priority", "max devices", "connections", "created"):
         t.add_column(col, justify="right" if col == "connections" else "left")
     for u in users:
         may = ("everything (the cluster's token)" if u.get("admin") else
@@ -183,9 +215,10 @@ def users_table(users: list[dict[str, Any]]) -> Table:
 
 def usage_table(rows: list[dict[str, Any]], by: str, since: str) -> Table:
     t = Table(title=f"usage by {by} (since {since})", title_justify="left")
-    first = {"app": "app", "user": "user"}.get(by, "function")
-    for col in (first, "calls", "device-seconds", "device-hours", "mean queue wait", "outcomes"):
-        t.add_column(col, justify="left" if col in (first, "outcomes") else "right")
+    key_column(t, {"app": "app", "user": "user"}.get(by, "function"))
+    for col in ("calls", "device-s", "device-h", "mean wait"):  # short: the key keeps room
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("outcomes")
     for r in rows:
         if by == "function":
             name = f"{r['app']}.{r['function']}" if r["app"] else r["function"]

@@ -68,6 +68,7 @@ class Client:
         self.target = target  # where the address came from (gpufn.net.discovery)
         self.pid = os.getpid()
         self.head_grace = config.head_grace()  # a scheduler away longer fails our calls
+        self._print_calls = config.print_call_output()  # off in the HTTP gateway
         self._prefix = os.urandom(4).hex()
         self._counter = itertools.count(1)
         self._calls: dict[str, _Pending] = {}
@@ -598,6 +599,8 @@ class Client:
                     "call does not resume on the next scheduler. Call it again"))
 
     def _print_output(self, msg: p.Output, name: str | None = None) -> None:
+        if not self._print_calls:
+            return
         if name is None:
             pend = self._calls.get(msg.invocation_id)
             name = pend.name if pend else "?"

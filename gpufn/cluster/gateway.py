@@ -170,8 +170,10 @@ def metrics_folder() -> Path:
 
 def gateway_env(metrics: Path | None, keys: Path | None, allow_keys: Path | None) -> dict[str, str]:
     """The gateway's environment beside the server's own: its metrics folder, and with an
-    allow-list the head's own client key (its connections get in like the local workers)."""
-    env: dict[str, str] = {}
+    allow-list the head's own client key (its connections get in like the local workers).
+    It prints none of its callers' output (it would land in serve.log, for anyone who
+    reads that: each caller reads their own with `gpufn logs`)."""
+    env: dict[str, str] = {"GPUFN_PRINT_CALL_OUTPUT": "0"}
     if metrics is not None:
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
     if allow_keys is not None and keys is not None:

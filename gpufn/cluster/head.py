@@ -131,7 +131,12 @@ class Head:
             assert self.cluster.supervisor is not None
             pid = self.cluster.supervisor.pid
             self.supervisor = (pid, processes.start_time(pid))
-        self._write(address, token)
+        try:
+            self._write(address, token)
+        except OSError as e:  # a full state disk: nothing is left running
+            self.stop()
+            raise GpufnError(f"cannot write {self.state_dir / RECORD} ({e.strerror}): free "
+                             "space on the state directory and start again") from None
         return address, token
 
     def _worker_options(self) -> dict[str, Any]:
@@ -167,9 +172,12 @@ class Head:
         path = self.state_dir / RECORD
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ run
 
@@ -200,7 +208,11 @@ class Head:
             except GpufnError as e:
                 log.error("the scheduler did not start again: %s", e)
                 continue  # counted: a few more tries, then give up
-            self._write(address, self.cluster.token)
+            try:
+                self._write(address, self.cluster.token)
+            except OSError as e:  # a full state disk must not stop the head
+                log.error("could not write %s (%s): a gpufn serve started after this one "
+                          "cannot adopt this host's workers", self.state_dir / RECORD, e)
 
     # ------------------------------------------------------------------ stop
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufn.cluster import gateway as http_process
+from gpufn.cluster import state_check
 from gpufn.cluster.embedded import LocalCluster
 from gpufn.cluster.head import Head
 from gpufn.exceptions import GpufnError
@@ -25,6 +26,7 @@ from gpufn.net import address_file as addrfile
 from gpufn.net import curve as security
 from gpufn.net.cluster_file import home, load_cluster_file, serve_token, write_cluster_file
 from gpufn.net.discovery import port_holder
+from gpufn.net.private_files import open_private_append
 from gpufn.net.processes import alive
 from gpufn.wire import config
 from gpufn.wire.units import parse_memory
@@ -64,6 +66,27 @@ def forget_server(pid: int) -> None:
     saved = load_cluster_file()
     if saved is not None and saved.get("pid") == pid:
         (config.home() / "cluster.json").unlink(missing_ok=True)
+
+
+def forget_dead_server() -> list[Path]:
+    """After `gpufn shutdown --force`: the pid file and cluster file a server that died
+    left (their pid no longer runs) are removed, so nothing names a stopped server."""
+    gone = []
+    try:
+        pid: int | None = int(pid_file().read_text().strip())
+    except FileNotFoundError:
+        pid = 0
+    except (OSError, ValueError):
+        pid = None  # unreadable: it names nothing
+    if pid != 0 and (pid is None or not alive(pid)):
+        pid_file().unlink(missing_ok=True)
+        gone.append(pid_file())
+    saved = load_cluster_file()
+    cpid = saved.get("pid") if saved is not None else None
+    if isinstance(cpid, int) and not alive(cpid):
+        (config.home() / "cluster.json").unlink(missing_ok=True)
+        gone.append(config.home() / "cluster.json")
+    return gone
 
 
 def public_address(address: str, host: str) -> str:
@@ -136,6 +159,14 @@ class ServeOptions:
             if why is not None:
                 raise bad(f"--http-port: {why}")
 
+    def check_state(self) -> None:
+        """The state directory's files, before anything reads or writes them: a damaged
+        one refuses the start (`ServeRefused`, code 1: one line naming it and the fix)."""
+        state = self.state_dir.resolve() if self.state_dir is not None else config.state_dir()
+        why = state_check.refusal(state, token_given=bool(self.token) or self.new_token)
+        if why is not None:
+            raise ServeRefused(why)
+
 
 @dataclass(frozen=True)
 class Started:
@@ -169,8 +200,12 @@ class Serve:
         # starts still stops everything it started.
         signal.signal(signal.SIGINT, lambda *_: self._interrupted.append(1))
         o.check()
+        o.check_state()
         keys = self._environment()
-        tok, token_source = serve_token(o.token, rotate=o.new_token)  # kept across restarts
+        try:
+            tok, token_source = serve_token(o.token, rotate=o.new_token)  # kept across restarts
+        except GpufnError as e:
+            raise ServeRefused(str(e)) from None
         cluster = LocalCluster(o.cpu_devices, o.device_memory, o.islands, host=o.host,
                                port=o.port, token=tok, transport="tcp", workers=o.workers,
                                keys=keys, allow_keys=o.allow_keys,
@@ -195,7 +230,14 @@ class Serve:
                 self.head.stop()
                 raise ServeRefused(f"{e} (pick another --http-port, or 0 for any free one)") from None
         url = self.gateway.url if self.gateway else None
-        token_file = write_cluster_file(address, tok, url)
+        try:
+            token_file = write_cluster_file(address, tok, url)
+        except OSError as e:  # a full disk: nothing is left running
+            if self.gateway is not None:
+                self.gateway.stop()
+            self.head.stop()
+            raise ServeRefused(f"cannot write {home() / 'cluster.json'} ({e.strerror}): free "
+                               "space there and start again") from None
         if o.address_file is not None:
             addrfile.write(o.address_file, address, public_key=config.split_address(address)[1])
         return Started(address, token_file, token_source, url)
@@ -216,10 +258,17 @@ class Serve:
         if o.curve:
             os.environ["GPUFN_CURVE"] = "1"  # the scheduler process decides by it
         keys = security.keys_dir()
+        made = [f for f in (keys / f"{security.SERVER_KEY_NAME}.key",
+                            keys / f"{security.SERVER_KEY_NAME}.key_secret") if not f.exists()]
         try:
             security.server_keys(keys, create=True)
         except security.SecurityError as e:
             raise ServeRefused(f"the scheduler did not start: {e}") from None
+        except OSError as e:  # a full state disk: no half-made key pair is left
+            for f in made:
+                f.unlink(missing_ok=True)
+            raise ServeRefused(f"cannot make the CURVE keys in {keys} ({e.strerror}): free "
+                               "space on the state directory and start again") from None
         holder = port_holder(o.host, o.port)
         if holder is not None:
             raise ServeRefused(
@@ -280,15 +329,20 @@ def detach(options: ServeOptions, argv: list[str]) -> dict[str, Any]:
     dir; return what it said once it listens (`ServeRefused` with the tail of its log)."""
     options.check()
     _use_state_dir(options)
+    options.check_state()
     running = read_pid()
     if running is not None:
         raise ServeRefused(f"a detached gpufn server is already running (pid {running}, pid "
                            f"file {pid_file()}); stop it with `gpufn shutdown`")
-    token, _ = serve_token(options.token, rotate=options.new_token)
+    try:
+        token, _ = serve_token(options.token, rotate=options.new_token)
+    except GpufnError as e:
+        raise ServeRefused(str(e)) from None
     argv = [a for a in argv if a not in ("--detach", "-d", "--new-token")]
     config.state_dir().mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, GPUFN_TOKEN=token)  # not on the command line, where ps shows it
-    with open(log_file(), "ab") as log:
+    # 0600: the log holds what the head says of every call and user.
+    with os.fdopen(open_private_append(log_file()), "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gpufn.cli.main", *argv], env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

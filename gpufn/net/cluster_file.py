@@ -10,6 +10,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from gpufn.exceptions import GpufnError
 from gpufn.wire import config
 
 
@@ -17,15 +18,27 @@ def home() -> Path:
     return config.home()
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write `path` (0600) whole or not at all: a full disk leaves the old file, never a
+    truncated one (OSError)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that existed already
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_cluster_file(address: str, token: str, http: str | None = None) -> Path:
-    d = home()
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = d / "cluster.json"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that existed already
-    with os.fdopen(fd, "w") as f:
-        json.dump({"address": address, "token": token, "pid": os.getpid(),
-                   **({"http": http} if http else {})}, f)
+    path = home() / "cluster.json"
+    _write_private(path, json.dumps({"address": address, "token": token, "pid": os.getpid(),
+                                     **({"http": http} if http else {})}))
     return path
 
 
@@ -87,13 +100,19 @@ def serve_token(given: str | None, rotate: bool = False) -> tuple[str, str]:
     if not token and not rotate:
         try:
             token, source = path.read_text().strip(), "kept"
-        except OSError:
+        except FileNotFoundError:
             token = ""
+        except (OSError, UnicodeDecodeError) as e:  # never taken for no token at all
+            raise GpufnError(f"cannot read the token file {path} ({e}): run `gpufn state "
+                             f"restore {path}`, or give the token with --token") from None
     if not token:
         token, source = secrets.token_hex(16), "new"
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    try:
+        if source == "kept":
+            os.chmod(path, 0o600)  # already there, whole: only its mode is checked
+        else:
+            _write_private(path, token + "\n")
+    except OSError as e:
+        raise GpufnError(f"cannot write the token file {path} ({e.strerror}): free space "
+                         "on the state directory and start again") from None
     return token, source

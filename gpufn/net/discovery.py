@@ -180,18 +180,36 @@ def other_serves() -> list[ServeProcess]:
     return [s for s in serve_processes() if not _same(s.home, here)]
 
 
+def _owned(home: Path) -> bool:
+    """Whether this user owns the folder `home` (or, if it is gone, its parent): only such
+    a folder is named in a message (another user's serve, as root, or under a shared
+    uid, is someone else's to name)."""
+    for d in (home, home.parent):
+        try:
+            return d.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+    return False
+
+
 def _other_servers() -> tuple[str, str]:
-    """(notice, advice) if a `gpufn serve` of another GPUFN_HOME runs while this one has none."""
+    """(notice, advice) if a `gpufn serve` of another GPUFN_HOME runs while this one has
+    none. One that serves a folder of this user's is named; others are only counted."""
     here = cluster_file.home()
     others = other_serves()
     if not others:
         return "", ""
-    s = others[0]
-    at = f" at {s.address}" if s.address else ""
-    more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
-    return (f"no `gpufn serve` runs for GPUFN_HOME={here}, but one of another GPUFN_HOME "
-            f"does{at} (pid {s.pid}, GPUFN_HOME={s.home}){more}",
-            f"to use it, set GPUFN_HOME={s.home} or GPUFN_ADDRESS")
+    mine = [s for s in others if _owned(s.home)]
+    if len(mine) == 1:
+        s = mine[0]
+        at = f" at {s.address}" if s.address else ""
+        more = f" (and {len(others) - 1} of other folders)" if len(others) > 1 else ""
+        return (f"no `gpufn serve` runs for GPUFN_HOME={here}, but one of another GPUFN_HOME "
+                f"of yours does{at} (pid {s.pid}, GPUFN_HOME={s.home}){more}",
+                f"to use it, set GPUFN_HOME={s.home} or GPUFN_ADDRESS")
+    return (f"no `gpufn serve` runs for GPUFN_HOME={here}; {len(others)} of another "
+            "GPUFN_HOME run on this machine (their folders are not named: not all yours)",
+            "to use one, set GPUFN_ADDRESS=<its address> or GPUFN_HOME=<its folder>")
 
 
 _announced: set[str] = set()
@@ -260,7 +278,8 @@ def port_holder(host: str, port: int) -> str | None:
         return None
     for s in serve_processes():
         if s.address and config.split_address(s.address)[0].rsplit(":", 1)[-1] == str(port):
-            return f"the `gpufn serve` of GPUFN_HOME={s.home} (pid {s.pid})"
+            return (f"the `gpufn serve` of GPUFN_HOME={s.home} (pid {s.pid})" if _owned(s.home)
+                    else f"a `gpufn serve` of another GPUFN_HOME (pid {s.pid})")
     if _speaks_gpufn(host, port):
         return "a gpufn scheduler"
     return "another program"

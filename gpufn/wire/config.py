@@ -161,6 +161,13 @@ def give_up_retry_seconds() -> float:
     return env_float("GPUFN_GIVE_UP_RETRY", 60.0)
 
 
+def print_call_output() -> bool:
+    """GPUFN_PRINT_CALL_OUTPUT: whether a client prints what its calls print (default yes).
+    `gpufn serve` turns it off for its HTTP gateway: its callers' output is theirs (kept for
+    `gpufn logs`), not the server log's."""
+    return env_bool("GPUFN_PRINT_CALL_OUTPUT", True)
+
+
 def head_grace() -> float:
     """GPUFN_HEAD_GRACE: seconds a head restart may take (default 60). Clients keep their
     calls while the scheduler is away this long, then fail them with ConnectionLost; the

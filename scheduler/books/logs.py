@@ -20,6 +20,7 @@ MAX_BYTES = 2 * 2**20  # per function
 MAX_FUNCTIONS = 512
 MAX_LINE = 8192  # longer lines are cut (a progress bar without newlines)
 RETENTION_S = 7 * 86400.0  # lines older than this are not kept on disk
+MAX_UNSAVED = 100_000  # lines kept for the disk while it cannot be written (the newest)
 
 
 @dataclass(slots=True)
@@ -85,6 +86,18 @@ class LogStore:
         dropped, self._dropped = self._dropped, []
         self._touched.clear()
         return new, oldest, dropped
+
+    def give_back(self, new: list[LogRow], oldest: dict[tuple[str, str], int],
+                  dropped: list[tuple[str, str]]) -> int:
+        """`take_new`'s answer was not written (a full disk): taken again next time. At
+        most `MAX_UNSAVED` lines wait (the oldest go first); returns how many went."""
+        self._new = new + self._new
+        self._touched.update(oldest)
+        self._dropped = dropped + self._dropped
+        over = max(0, len(self._new) - MAX_UNSAVED)
+        if over:
+            del self._new[:over]
+        return over
 
     def _trim(self, ring: _Ring) -> None:
         while ring.lines and (len(ring.lines) > self.max_lines or ring.nbytes > self.max_bytes):

@@ -85,6 +85,12 @@ class UsageMeter:
         self._dirty.clear()
         return out
 
+    def give_back(self, rows: list[UsageRow]) -> None:
+        """`take_dirty`'s rows were not written (a full disk): they are taken again next
+        time, whole (their cells are in memory anyway: this costs no more than the meter)."""
+        for r in rows:
+            self._dirty.add((r.minute, Key(r.app, r.function, r.version, r.user)))
+
     def oldest_minute(self, now: float) -> int:
         return int(now // BUCKET_S) - int(self.retention // BUCKET_S)
 

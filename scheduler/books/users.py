@@ -9,6 +9,7 @@ admin's and is never stored here; with no store (an embedded cluster) it is the 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufn.exceptions import GpufnError, InvalidSpec, NotFound
+from gpufn.net import backups
 from gpufn.scheduler.nouns.records import Device, Invocation, Peer
 from gpufn.wire.spec import GpuSpec
 
@@ -125,17 +127,24 @@ class UserStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         data = {"version": 1, "users": [asdict(u) for u in self._users.values()]}
+        text = json.dumps(data, indent=1)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.fchmod(fd, 0o600)
             with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
+                f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            raise UserStoreError(f"cannot write the user store {self.path}: {e}") from None
+            raise UserStoreError(f"cannot write the user store {self.path}: {e}"
+                                 + (" (no space left on the state directory's disk)"
+                                    if e.errno == errno.ENOSPC else "")) from None
+        try:  # for `gpufn state restore` (docs/reliability.md, "A damaged state file")
+            backups.backup_bytes(text.encode(), self.path)
+        except OSError as e:
+            log.warning("could not back up %s: %s", self.path, e)
 
     # ------------------------------------------------------------------ reading
 

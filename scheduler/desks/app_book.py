@@ -289,6 +289,8 @@ class AppBook:
             return self._record_by_id(function_id)
         except NotFound:
             return unknown
+        except GpufnError as e:  # the store cannot be read (StateWriteError): the call fails
+            return e
 
     def noted_function(self, function_id: str, invocation_id: str) -> FunctionRecord:
         """The deployed function (its own id: its version) of a call admitted again after a

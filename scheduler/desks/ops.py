@@ -5,6 +5,8 @@ belong: `refusal` before a Submit is admitted (nothing is admitted while drainin
 `output` for each line a call prints, `tick` to save the books. As a `RunObserver` it
 meters every run that ends. Logs and usage are kept in wall-clock time and, with a
 durable `OpsStore`, saved once a second (and on a clean stop) and read back at start.
+When the disk cannot take them (full), they stay in memory (usage whole, the newest
+`logs.MAX_UNSAVED` lines) and are written once it can; the log says so once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gpufn.scheduler.calls.transitions import RunObserver
 from gpufn.scheduler.desks.surface import CoreView
 from gpufn.scheduler.nouns.records import Invocation
 from gpufn.scheduler.nouns.states import InvState
+from gpufn.scheduler.stores.disk import OnceLog, StateWriteError
 from gpufn.scheduler.stores.ops import OpsStore
 from gpufn.wire import protocol as p
 
@@ -43,6 +46,7 @@ class OpsDesk(RunObserver):
         self._pruned_at = -PRUNE_SECONDS
         self._devices_at = -DEVICES_SECONDS
         self._devices_saved: set[str] = set()
+        self._unsaved = OnceLog(f"usage and logs ({self.store.path})")
         if self.store.durable:
             self.logs.track = self.usage.track = True
             self.usage.load(self.store.usage(0))  # what is on disk is within retention
@@ -78,18 +82,36 @@ class OpsDesk(RunObserver):
         if not force and self._saved_at is not None and now - self._saved_at < SAVE_SECONDS:
             return
         self._saved_at = now
+        try:
+            self._save(now)
+        except StateWriteError as e:
+            self._unsaved.failed(e, "usage is kept in memory until it can be (log lines: the "
+                                f"newest {logbook.MAX_UNSAVED:,})")
+        else:
+            self._unsaved.worked()
+
+    def _save(self, now: float) -> None:
+        """Write what changed; what a failed write held is given back to its book."""
         wall = self.core.wall(now)
         prune = now - self._pruned_at >= PRUNE_SECONDS
-        if prune:
-            self._pruned_at = now
         rows = self.usage.take_dirty()
         if rows or prune:
-            self.store.save_usage(rows, (self.usage.oldest_minute(wall), meter.MAX_ROWS)
-                                  if prune else None)
+            try:
+                self.store.save_usage(rows, (self.usage.oldest_minute(wall), meter.MAX_ROWS)
+                                      if prune else None)
+            except StateWriteError:
+                self.usage.give_back(rows)
+                raise
         lines, oldest, dropped = self.logs.take_new()
         if lines or dropped or prune:
-            self.store.save_logs(lines, oldest, dropped,
-                                 wall - logbook.RETENTION_S if prune else None)
+            try:
+                self.store.save_logs(lines, oldest, dropped,
+                                     wall - logbook.RETENTION_S if prune else None)
+            except StateWriteError:
+                self.logs.give_back(lines, oldest, dropped)
+                raise
+        if prune:
+            self._pruned_at = now
         live = {k for k, d in self.core.devices.items() if d.state.schedulable_later}
         if live != self._devices_saved or now - self._devices_at >= DEVICES_SECONDS:
             # A device that left (its supervisor went, or it cannot start) is not waited for.

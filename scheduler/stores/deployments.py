@@ -2,7 +2,10 @@
 in the scheduler's state directory, so deployments survive a scheduler restart.
 
 It stores opaque pickled frames by content hash and never unpickles them. The file (and
-sqlite's -wal and -shm files, which take its mode) is 0600 in a 0700 folder.
+sqlite's -wal and -shm files, which take its mode) is 0600 in a 0700 folder. After each
+change of the apps a consistent copy goes to `backups/` (the newest 3, gpufn/net/backups.py)
+for `gpufn state restore`. A write that fails (a full disk) raises `StateWriteError`
+naming the state directory, and the deploy that asked for it fails with it.
 """
 
 from __future__ import annotations
@@ -11,12 +14,16 @@ import hashlib
 import json
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpufn.exceptions import GpufnError
+from gpufn.net import backups
 from gpufn.net.private_files import open_private
+from gpufn.scheduler.stores.disk import OnceLog, write_error
 from gpufn.wire.codec import as_bytes
 
 SCHEMA = """
@@ -101,22 +108,60 @@ class DeploymentStore:
         self._memory = str(path) == ":memory:"
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
+        self._backups = OnceLog(f"the backup of {self.path}")
+        self._unpins = OnceLog(f"a call's version binding in {self.path}")
 
     @property
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
-            if not self._memory:
-                open_private(self.path)
-            db = sqlite3.connect(":memory:" if self._memory else str(self.path),
-                                 check_same_thread=False, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.executescript(SCHEMA)
-            columns = {r[1] for r in db.execute("PRAGMA table_info(functions)")}
-            if "interface" not in columns:  # a store written before interfaces were recorded
-                db.execute("ALTER TABLE functions ADD COLUMN interface TEXT NOT NULL DEFAULT '{}'")
+            db = None
+            try:
+                if not self._memory:
+                    open_private(self.path)
+                db = sqlite3.connect(":memory:" if self._memory else str(self.path),
+                                     check_same_thread=False, isolation_level=None)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.executescript(SCHEMA)
+                columns = {r[1] for r in db.execute("PRAGMA table_info(functions)")}
+                if "interface" not in columns:  # written before interfaces were recorded
+                    db.execute("ALTER TABLE functions ADD COLUMN interface TEXT NOT NULL "
+                               "DEFAULT '{}'")
+            except (OSError, sqlite3.Error) as e:  # a full disk: the file cannot be made
+                if db is not None:
+                    db.close()
+                raise write_error(self.path, e) from None
             self._conn = db
         return self._conn
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Cursor]:
+        """One write transaction; a failed write raises `StateWriteError` (rolled back)."""
+        with self._lock:
+            db = self._db
+            cur = db.cursor()
+            try:
+                cur.execute("BEGIN IMMEDIATE")
+                yield cur
+                cur.execute("COMMIT")
+            except BaseException as e:
+                if db.in_transaction:  # sqlite may have rolled back already (SQLITE_FULL)
+                    cur.execute("ROLLBACK")
+                if isinstance(e, (OSError, sqlite3.Error)):
+                    raise write_error(self.path, e) from None
+                raise
+
+    def _backup(self) -> None:
+        """A copy for `gpufn state restore`; one that fails is said, not fatal (the
+        change itself is written)."""
+        if self._memory:
+            return
+        try:
+            backups.backup_sqlite(self._db, self.path)
+        except (OSError, sqlite3.Error) as e:
+            self._backups.failed(e, "the previous backups stay")
+        else:
+            self._backups.worked()
 
     @classmethod
     def in_state_dir(cls, state_dir: str) -> DeploymentStore:
@@ -191,37 +236,31 @@ class DeploymentStore:
 
     def add_version(self, v: Version, functions: list[StoredFunction]) -> None:
         """Store a version and its functions (frames as blobs) and make it current."""
-        with self._lock:
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                for fn in functions:
-                    hashes = []
-                    for frame in fn.frames:
-                        data = as_bytes(frame)
-                        h = hashlib.blake2b(data, digest_size=20).hexdigest()
-                        cur.execute("INSERT OR IGNORE INTO blobs (hash, data) VALUES (?, ?)",
-                                    (h, data))
-                        hashes.append(h)
-                    cur.execute(
-                        "INSERT INTO functions (app, version, name, function_id, code_id, spec, "
-                        "models, ncode, frames, interface) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (v.app, v.version, fn.name, fn.function_id, fn.code_id,
-                         json.dumps(fn.spec), json.dumps(fn.models), fn.ncode, json.dumps(hashes),
-                         json.dumps(fn.interface)))
+        with self._transaction() as cur:
+            for fn in functions:
+                hashes = []
+                for frame in fn.frames:
+                    data = as_bytes(frame)
+                    h = hashlib.blake2b(data, digest_size=20).hexdigest()
+                    cur.execute("INSERT OR IGNORE INTO blobs (hash, data) VALUES (?, ?)",
+                                (h, data))
+                    hashes.append(h)
                 cur.execute(
-                    "INSERT INTO versions (app, version, created, code_hash, who, tag, git_commit, "
-                    "git_dirty, rollback_of, strategy, source) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                    (v.app, v.version, v.created, v.code_hash, v.who, v.tag, v.git_commit,
-                     int(v.git_dirty), v.rollback_of, v.strategy, v.source))
-                cur.execute(
-                    "INSERT INTO apps (name, current, state, created) VALUES (?, ?, 'active', ?) "
-                    "ON CONFLICT(name) DO UPDATE SET current=excluded.current, state='active'",
-                    (v.app, v.version, v.created))
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
+                    "INSERT INTO functions (app, version, name, function_id, code_id, spec, "
+                    "models, ncode, frames, interface) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (v.app, v.version, fn.name, fn.function_id, fn.code_id,
+                     json.dumps(fn.spec), json.dumps(fn.models), fn.ncode, json.dumps(hashes),
+                     json.dumps(fn.interface)))
+            cur.execute(
+                "INSERT INTO versions (app, version, created, code_hash, who, tag, git_commit, "
+                "git_dirty, rollback_of, strategy, source) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (v.app, v.version, v.created, v.code_hash, v.who, v.tag, v.git_commit,
+                 int(v.git_dirty), v.rollback_of, v.strategy, v.source))
+            cur.execute(
+                "INSERT INTO apps (name, current, state, created) VALUES (?, ?, 'active', ?) "
+                "ON CONFLICT(name) DO UPDATE SET current=excluded.current, state='active'",
+                (v.app, v.version, v.created))
+        self._backup()
 
     def pins(self) -> dict[str, tuple[str, str]]:
         """invocation id -> (app, deployed function id): the calls in flight when their
@@ -233,25 +272,27 @@ class DeploymentStore:
 
     def set_pins(self, app: str, pins: dict[str, str]) -> None:
         """The app's pinned calls are now exactly `pins` (the others ended)."""
-        with self._lock:
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                cur.execute("DELETE FROM pins WHERE app=?", (app,))
-                cur.executemany("INSERT OR REPLACE INTO pins (invocation_id, app, function_id) "
-                                "VALUES (?, ?, ?)", [(i, app, f) for i, f in pins.items()])
-                cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
+        with self._transaction() as cur:
+            cur.execute("DELETE FROM pins WHERE app=?", (app,))
+            cur.executemany("INSERT OR REPLACE INTO pins (invocation_id, app, function_id) "
+                            "VALUES (?, ?, ?)", [(i, app, f) for i, f in pins.items()])
 
     def unpin(self, invocation_id: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM pins WHERE invocation_id=?", (invocation_id,))
+        """The call is bound again (it was resubmitted). On a call's path, so a write
+        that fails is said once, not raised: a binding left on disk names a call that
+        ended, and no new call has its id."""
+        try:
+            with self._transaction() as cur:
+                cur.execute("DELETE FROM pins WHERE invocation_id=?", (invocation_id,))
+        except GpufnError as e:
+            self._unpins.failed(e, "the binding stays on disk")
+        else:
+            self._unpins.worked()
 
     def set_state(self, app: str, state: str) -> None:
-        with self._lock:
-            self._db.execute("UPDATE apps SET state=? WHERE name=?", (state, app))
+        with self._transaction() as cur:
+            cur.execute("UPDATE apps SET state=? WHERE name=?", (state, app))
+        self._backup()
 
     def next_version(self, app: str) -> int:
         (n,) = self._db.execute("SELECT COALESCE(MAX(version), 0) FROM versions WHERE app=?",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufn.net.private_files import open_private
+from gpufn.scheduler.stores.disk import OnceLog
 from gpufn.wire import protocol as p
 
 log = logging.getLogger("gpufn.scheduler")
@@ -132,6 +133,7 @@ class KeptResults:
         self._conn: sqlite3.Connection | None = None
         self._writes: queue.Queue[tuple[str, Any] | None] | None = None
         self._writer: threading.Thread | None = None
+        self._failing = OnceLog(f"kept results ({self.path})")
         if self.path is not None and self.path.exists():
             self._load_index()
 
@@ -188,9 +190,17 @@ class KeptResults:
                     self._save_calls(db, *arg)
                 else:
                     self._delete(db, arg)
-            except Exception:  # a full disk must not take the scheduler down
+            except (OSError, sqlite3.Error) as e:  # a full disk: said once, not fatal
+                self._failing.failed(e, "a result not written is served from memory until "
+                                     "the scheduler stops")
+                if kind == "put":  # kept in memory (the book bounds its bytes)
+                    with self._lock:
+                        self._memory[arg.result.invocation_id] = arg
+            except Exception:
                 log.exception("could not %s kept results", {"put": "store", "calls": "note the "
                               "calls of"}.get(kind, "drop"))
+            else:
+                self._failing.worked()
             finally:
                 if kind == "put":
                     with self._lock:
@@ -214,7 +224,8 @@ class KeptResults:
             cur.execute("DELETE FROM call_frames WHERE id=?", (rid,))
             cur.execute("COMMIT")
         except BaseException:
-            cur.execute("ROLLBACK")
+            if db.in_transaction:  # sqlite may have rolled back already (SQLITE_FULL)
+                cur.execute("ROLLBACK")
             raise
 
     @staticmethod
@@ -232,17 +243,23 @@ class KeptResults:
                 _put_frames(cur, "call_frames", c.invocation_id, c.frames)
             cur.execute("COMMIT")
         except BaseException:
-            cur.execute("ROLLBACK")
+            if db.in_transaction:  # sqlite may have rolled back already (SQLITE_FULL)
+                cur.execute("ROLLBACK")
             raise
 
     @staticmethod
     def _delete(db: sqlite3.Connection, ids: list[str]) -> None:
         cur = db.cursor()
         cur.execute("BEGIN IMMEDIATE")
-        for rid in ids:
-            cur.execute("DELETE FROM results WHERE id=?", (rid,))
-            cur.execute("DELETE FROM frames WHERE id=?", (rid,))
-        cur.execute("COMMIT")
+        try:
+            for rid in ids:
+                cur.execute("DELETE FROM results WHERE id=?", (rid,))
+                cur.execute("DELETE FROM frames WHERE id=?", (rid,))
+            cur.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                cur.execute("ROLLBACK")
+            raise
 
     # ------------------------------------------------------------------ calls not ended
 
@@ -299,8 +316,8 @@ class KeptResults:
             return None
         if self.path is None:
             return self._memory.get(invocation_id)
-        with self._lock:
-            rec = self._pending.get(invocation_id)
+        with self._lock:  # not written yet, or not writable (a full disk)
+            rec = self._pending.get(invocation_id) or self._memory.get(invocation_id)
         return rec if rec is not None else self._read(invocation_id)
 
     def owner(self, invocation_id: str) -> str | None:

@@ -4,7 +4,9 @@ that `gpufn usage` and `gpufn logs` after a restart include what ran before it, 
 next scheduler knows which workers to wait for.
 
 The shell passes it in (like the `DeploymentStore`); the operations desk writes to it
-once a second at most, never on a call's path. Times are wall-clock seconds.
+once a second at most, never on a call's path. Times are wall-clock seconds. A write
+that fails (a full disk) raises `StateWriteError`; the desk keeps what it could not
+write in memory and tries again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufn.net.private_files import private_dir, private_file
+from gpufn.scheduler.stores.disk import write_error
 
 FILE = "ops.sqlite"
 SCHEMA = """
@@ -81,16 +84,22 @@ class OpsStore:
     @property
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
-            if self.durable:
-                # Made (or tightened to) 0600 in a 0700 folder before sqlite opens it; its
-                # -wal and -shm files take its mode.
-                private_dir(self.path.parent)
-                private_file(self.path)
-            db = sqlite3.connect(str(self.path) if self.durable else ":memory:",
-                                 check_same_thread=False, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.executescript(SCHEMA)
+            db = None
+            try:
+                if self.durable:
+                    # Made (or tightened to) 0600 in a 0700 folder before sqlite opens it;
+                    # its -wal and -shm files take its mode.
+                    private_dir(self.path.parent)
+                    private_file(self.path)
+                db = sqlite3.connect(str(self.path) if self.durable else ":memory:",
+                                     check_same_thread=False, isolation_level=None)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.executescript(SCHEMA)
+            except (OSError, sqlite3.Error) as e:  # a full disk: the file cannot be made
+                if db is not None:
+                    db.close()
+                raise write_error(self.path, e) from None
             self._conn = db
         return self._conn
 
@@ -103,16 +112,21 @@ class OpsStore:
             self._conn = None
 
     def _write(self, statements: Iterable[tuple[str, Iterable[Any]]]) -> None:
-        """Run (sql, rows) pairs (executemany) in one transaction."""
+        """Run (sql, rows) pairs (executemany) in one transaction (`StateWriteError` if
+        it cannot be written; nothing of it is then)."""
         with self._lock:
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
+            db = self._db
+            cur = db.cursor()
             try:
+                cur.execute("BEGIN IMMEDIATE")
                 for sql, rows in statements:
                     cur.executemany(sql, rows)
                 cur.execute("COMMIT")
-            except BaseException:
-                cur.execute("ROLLBACK")
+            except BaseException as e:
+                if db.in_transaction:  # sqlite may have rolled back already (SQLITE_FULL)
+                    cur.execute("ROLLBACK")
+                if isinstance(e, (OSError, sqlite3.Error)):
+                    raise write_error(self.path, e) from None
                 raise
 
     # ------------------------------------------------------------------ usage

@@ -150,16 +150,21 @@ def test_the_store_and_its_wal_files_are_owner_only(tmp_path: Path) -> None:
     s = DeploymentStore.in_state_dir(str(state))
     s.add_version(Version("a", 1, 1.0, "h"), [StoredFunction("a", 1, "f", "d1", "c", {}, [], 1,
                                                              (b"x",))])
-    files = sorted(f.name for f in state.iterdir())
+    files = sorted(f.name for f in state.iterdir() if f.name != "backups")
     assert files == ["deployments.sqlite", "deployments.sqlite-shm", "deployments.sqlite-wal"]
     for name in files:
         assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    [copy] = (state / "backups").iterdir()  # the head's backup of it: owner-only too
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o600
+    assert stat.S_IMODE((state / "backups").stat().st_mode) == 0o700
     s.close()
     for f in state.iterdir():
-        os.chmod(f, 0o644)  # made by an older version: tightened when opened again
+        if f.is_file():
+            os.chmod(f, 0o644)  # made by an older version: tightened when opened again
     s = DeploymentStore.in_state_dir(str(state))
     assert s.apps()
-    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in state.iterdir() if f.exists())
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in state.iterdir()
+               if f.is_file())
     assert old.exists()
     s.close()

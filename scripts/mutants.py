@@ -6,6 +6,8 @@ listed with their diffs, minus the ones `mutants_equivalent.py` says no test can
     python scripts/mutants.py --list                 # the rooms, their modules and tests
     python scripts/mutants.py --room users           # one room (every module in it)
     python scripts/mutants.py --room users --resume  # go on with an interrupted run
+    python scripts/mutants.py --room users --survivors  # only the last run's survivors again
+    python scripts/mutants.py --room users --report  # the last run's score and survivors
 
 cosmic-ray edits the module on disk, runs the test command as a subprocess and puts the
 file back; so the editable install (`scheduler/` is `gpufn.scheduler` through
@@ -131,6 +133,15 @@ def _cr(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "cosmic_ray.cli", *args], cwd=ROOT, check=True)
 
 
+def forget_survivors(db: Path) -> None:
+    """Mark the last session's survivors to be run again (after new tests were added)."""
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        con.execute("DELETE FROM work_results WHERE worker_outcome = 'NORMAL' "
+                    "AND test_outcome = 'SURVIVED'")
+
+
 def run_module(module: str, room: Room, deadline: float, resume: bool) -> dict[str, object]:
     cfg = config_for(module, room)
     db = WORK / f"{slug(module)}.sqlite"
@@ -232,6 +243,8 @@ def main() -> int:
     ap.add_argument("--room", action="append", choices=sorted(ROOMS), default=[])
     ap.add_argument("--budget", type=float, default=None, help="minutes per room")
     ap.add_argument("--resume", action="store_true", help="go on with the last session")
+    ap.add_argument("--survivors", action="store_true",
+                    help="run the last session's survivors again")
     ap.add_argument("--report", action="store_true", help="only report the last session")
     ap.add_argument("--list", action="store_true")
     a = ap.parse_args()
@@ -249,8 +262,10 @@ def main() -> int:
         deadline = time.monotonic() + 60 * (a.budget or room.budget)
         for module in room.modules:
             db = WORK / f"{slug(module)}.sqlite"
+            if a.survivors:
+                forget_survivors(db)
             out = (summarize(module, db) if a.report
-                   else run_module(module, room, deadline, a.resume))
+                   else run_module(module, room, deadline, a.resume or a.survivors))
             report(out)
             worst = min(worst, float(out["score"]))  # type: ignore[arg-type]
     return 0 if worst >= 90.0 else 1

@@ -183,11 +183,17 @@ def test_the_by_reference_cache_is_cleared_only_past_4096(monkeypatch: pytest.Mo
     assert len(cache) == 1  # cleared once past it
 
 
-def test_a_complex_nan_and_a_float_nan_keep_one_key() -> None:
-    glob: dict[str, Any] = {"C": complex(float("nan"), 1), "F": float("nan")}
+def test_a_complex_zero_rebound_to_minus_zero_changes_the_key() -> None:
+    glob: dict[str, Any] = {"C": complex(0.0, 0.0), "F": float("nan")}
     exec("def reads():\n    return C, F\n", glob)
-    a, b = fingerprint(glob["reads"]), fingerprint(glob["reads"])
-    assert a is not None and b is not None and a.key == b.key
+    a = fingerprint(glob["reads"])
+    glob["C"] = complex(-0.0, 0.0)  # equal to 0j, but not the same value
+    b = fingerprint(glob["reads"])
+    assert a is not None and b is not None and a.key != b.key
+    glob["F"] = float("nan")  # another NaN object: the same value, the same key
+    glob["C"] = complex(-0.0, 0.0)
+    c = fingerprint(glob["reads"])
+    assert c is not None and c.key == b.key
 
 
 def test_a_global_tensor_is_fingerprinted_by_identity_and_version() -> None:

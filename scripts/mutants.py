@@ -106,6 +106,47 @@ EXCLUDED_OPERATORS = (
 )
 
 
+def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Where the module's annotations are ((line, col) to (line, col)): with `from
+    __future__ import annotations` they are never evaluated, so a mutant inside one
+    (`int | None` -> `int & None`) is equivalent by construction and is not run."""
+    import ast
+
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        notes: list[ast.expr | None] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            notes = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs,
+                                            *(x for x in (a.vararg, a.kwarg) if x))]
+            notes.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            notes = [node.annotation]
+        for n in notes:
+            if n is not None and n.end_lineno is not None and n.end_col_offset is not None:
+                spans.append(((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)))
+    return spans
+
+
+def in_annotation(pos: tuple[int, int], spans: list[tuple[tuple[int, int], tuple[int, int]]]) -> bool:
+    return any(start <= tuple(pos) < end for start, end in spans)
+
+
+def skip_annotations(module: str, db: Path) -> None:
+    """Mark the mutants inside annotations skipped (see `annotation_spans`)."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    source = (ROOT / module).read_text()
+    if "from __future__ import annotations" not in source:
+        return
+    spans = annotation_spans(source)
+    with use_db(str(db), WorkDB.Mode.open) as work:
+        skip = [item.job_id for item in work.pending_work_items
+                if in_annotation(item.mutations[0].start_pos, spans)]
+        work.set_multiple_results(skip, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+
+
 def slug(module: str) -> str:
     return module.removesuffix(".py").replace("/", ".")
 
@@ -152,6 +193,7 @@ def run_module(module: str, room: Room, deadline: float, resume: bool) -> dict[s
                         str(db), str(cfg)], cwd=ROOT, check=True)
         subprocess.run([sys.executable, "-m", "cosmic_ray.tools.filters.pragma_no_mutate",
                         str(db)], cwd=ROOT, check=True)
+        skip_annotations(module, db)
     source = ROOT / module
     saved = source.read_bytes()
     left = deadline - time.monotonic()
@@ -196,6 +238,9 @@ def summarize(module: str, db: Path) -> dict[str, object]:
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
     equivalent = {(e.module, e.before, e.after) for e in EQUIVALENT}
+    source = (ROOT / module).read_text()
+    spans = (annotation_spans(source) if "from __future__ import annotations" in source
+             else [])
     killed = incompetent = pending = 0
     survivors: list[dict[str, str]] = []
     eq = 0
@@ -213,7 +258,8 @@ def summarize(module: str, db: Path) -> dict[str, object]:
         before, after = _changed(result.diff or "")
         if result.test_outcome == TestOutcome.KILLED:
             killed += 1
-        elif (module, before, after) in equivalent:
+        elif ((module, before, after) in equivalent
+              or in_annotation(item.mutations[0].start_pos, spans)):
             eq += 1
         else:
             m = item.mutations[0]

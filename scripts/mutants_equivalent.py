@@ -15,11 +15,11 @@ class Equivalent:
     why: str
 
 
+# Mutants inside annotations are not listed: scripts/mutants.py skips them (never evaluated
+# under `from __future__ import annotations`).
 _FP = "gpufn/wire/fingerprint.py"
+_USERS = "scheduler/books/users.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
-    Equivalent(_FP, "def fingerprint(target: Any) -> Fingerprint | None:",
-               "def fingerprint(target: Any) -> Fingerprint & None:",
-               "an annotation: never evaluated (from __future__ import annotations)"),
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
     Equivalent(_FP, "except ImportError:  # pragma: no cover - another cloudpickle layout: "
@@ -27,4 +27,14 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "another cloudpickle layout: always re-pickle",
                "the import succeeds with every cloudpickle gpufn installs; the fallback's "
                "behaviour (None: pickle every time) is tested by setting the helpers to None"),
+    Equivalent(_USERS, "if path.stat().st_mode & 0o077:", "if path.stat().st_mode | 0o077:",
+               "the file is then always chmod 0600: a file already 0600 is unchanged; the "
+               "test checks a 0644 file is made 0600"),
+    Equivalent(_USERS, "tmp.unlink(missing_ok=True)", "tmp.unlink(missing_ok=False)",
+               "inside the try the temporary file always exists: os.open, which creates "
+               "it, is before the try"),
+    Equivalent(_USERS, "user = store.resolve(token) if token and len(store) else None",
+               "user = store.resolve(token) if token or len(store) else None",
+               "resolving an empty token, or on an empty store, finds nobody (None): the "
+               "guard only saves a hash"),
 )

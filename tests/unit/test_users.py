@@ -286,3 +286,42 @@ def test_raising_the_cap_lets_waiting_calls_go_at_once() -> None:
     h.feed(b"cli", p.UserCommand(1, "update", {"name": "bob", "max_devices": None}))
     assert {r.invocation_id for r in h.runs()} == {b1, b2}
     assert len(h.core.queue) == 0
+
+
+# --- pieces cosmic-ray's mutants showed unpinned (scripts/mutants.py --room users) ---
+
+
+def test_limits_at_their_bounds() -> None:
+    from gpufn.scheduler.books.users import MAX_PRIORITY_BOUND, check_limit
+
+    assert MAX_PRIORITY_BOUND == 10**6
+    assert check_limit("max_priority", 10**6) == 10**6
+    assert check_limit("max_priority", -(10**6)) == -(10**6)
+    for bad in (10**6 + 1, -(10**6) - 1):
+        with pytest.raises(InvalidSpec, match="out of range"):
+            check_limit("max_priority", bad)
+    assert check_limit("max_devices", 10**7) == 10**7  # the priority bound is priority's only
+
+
+def test_the_store_file_is_0600_also_when_found_wider(tmp_path: Path) -> None:
+    store = UserStore.in_state_dir(str(tmp_path))
+    store.create("alice", 0.0)
+    assert store.path is not None
+    assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
+    store.path.chmod(0o644)
+    UserStore.in_state_dir(str(tmp_path))
+    assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
+
+
+def test_a_batch_charges_each_member_its_share_of_the_devices() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from gpufn.scheduler.books.users import device_share
+
+    batch: Any = SimpleNamespace(devices=["d0"], carrier=None, user="alice",
+                                 members=[SimpleNamespace(user="alice"),
+                                          SimpleNamespace(user="bob")])
+    assert sorted(device_share(batch)) == [("alice", 0.5), ("bob", 0.5)]
+    single: Any = SimpleNamespace(devices=["d0", "d1"], carrier=None, user="carol", members=[])
+    assert list(device_share(single)) == [("carol", 2.0)]

@@ -37,4 +37,6 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "user = store.resolve(token) if token or len(store) else None",
                "resolving an empty token, or on an empty store, finds nobody (None): the "
                "guard only saves a hash"),
+    Equivalent(_USERS, "json.dump(data, f, indent=1)", "json.dump(data, f, indent= 0)",
+               "only the whitespace of the JSON file changes"),
 )

@@ -325,3 +325,38 @@ def test_a_batch_charges_each_member_its_share_of_the_devices() -> None:
     assert sorted(device_share(batch)) == [("alice", 0.5), ("bob", 0.5)]
     single: Any = SimpleNamespace(devices=["d0", "d1"], carrier=None, user="carol", members=[])
     assert list(device_share(single)) == [("carol", 2.0)]
+
+
+def test_a_capped_user_gets_one_dispatch_per_free_device_of_their_cap_in_one_pass() -> None:
+    """Capped at one device, three calls queued, two devices free in one pass: the pass
+    dispatches exactly one (the first it took counts against the cap at once)."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from gpufn.scheduler.books.users import DeviceCaps
+
+    store = UserStore()
+    store.create("alice", 0.0, max_devices=1)
+    caps = DeviceCaps(store)
+    assert caps.begin([]) is True
+    calls: list[Any] = [SimpleNamespace(user="alice", spec=SimpleNamespace(count=1))
+                        for _ in range(3)]
+    dispatched = []
+    for inv in calls:
+        if caps.admits(inv):
+            caps.took(inv)
+            dispatched.append(inv)
+    assert len(dispatched) == 1
+
+
+def test_the_store_file_format(tmp_path: Path) -> None:
+    store = UserStore.in_state_dir(str(tmp_path))
+    store.create("alice", 0.0)
+    assert store.path is not None
+    data = json.loads(store.path.read_text())
+    assert data["version"] == 1
+    # A user written before `operator` existed is not an operator.
+    data["users"][0].pop("operator")
+    store.path.write_text(json.dumps(data))
+    again = UserStore.in_state_dir(str(tmp_path)).get("alice")
+    assert again is not None and again.operator is False

@@ -354,13 +354,18 @@ def test_ctrl_c_while_serve_starts_stops_everything_it_started(head: Head, delay
          "--cpu-devices", "1", "--token", "restart-test-token"],
         env=head.env(), cwd=head.home / "cwd", stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL)
+    head.proc = proc  # the fixture stops it (and says so) if this test fails first
     time.sleep(delay)
     rec = head.record()
     proc.send_signal(signal.SIGINT)
     # -SIGINT: it landed while Python still imported, before serve's own handler (an
     # uncaught KeyboardInterrupt ends the interpreter by SIGINT): nothing had started yet.
     assert proc.wait(60) in (0, 1, 130, -signal.SIGINT)
+    left = head.record()  # a serve that stopped for good removes its record
+    assert not left, f"gpufn serve ended but left its head record: {left}"
     pids = [int(rec[k][0]) for k in ("scheduler", "supervisor") if rec.get(k)]
-    found = subprocess.run(["pgrep", "-f", f"127.0.0.1:{head.port}"], capture_output=True,
-                           text=True).stdout.split()
+    # Every process of this head names its port: the scheduler `--port N`, the supervisor
+    # and the workers `--address tcp://127.0.0.1:N`.
+    found = subprocess.run(["pgrep", "-f", f"127.0.0.1:{head.port}|--port {head.port} "],
+                           capture_output=True, text=True).stdout.split()
     assert_all_gone(sorted({*pids, *map(int, found)}), timeout=30)

@@ -257,6 +257,21 @@ def test_a_restart_with_other_device_options_replaces_the_workers(head: Head) ->
     assert_all_gone([before], timeout=30)
 
 
+def test_a_restart_with_another_token_replaces_the_workers(head: Head) -> None:
+    """A new `gpufn serve` with a different token does not adopt the workers the last one
+    left (they hold the old token): it stops them and starts its own."""
+    head.start()
+    _connect(head)
+    before = head.supervisor()
+    head.kill(signal.SIGKILL)
+    client_mod._shutdown_default()
+    head.serve_args = ("--token", "another-restart-token")  # the last --token wins
+    head.start()
+    assert head.supervisor() != before
+    assert "replaced: the token" in head.log()
+    assert_all_gone([before], timeout=30)
+
+
 EVALS = """
 import os
 import time

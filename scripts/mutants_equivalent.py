@@ -39,4 +39,25 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "guard only saves a hash"),
     Equivalent(_USERS, "json.dump(data, f, indent=1)", "json.dump(data, f, indent= 0)",
                "only the whitespace of the JSON file changes"),
+    Equivalent(_USERS, "json.dump(data, f, indent=1)", "json.dump(data, f, indent= 2)",
+               "only the whitespace of the JSON file changes"),
+    Equivalent(_USERS, "if user is None or user.max_priority is None or spec.priority <= "
+               "user.max_priority:", "if user is None or user.max_priority is None or "
+               "spec.priority < user.max_priority:",
+               "at the ceiling the spec is replaced by an equal one (the same priority)"),
+    Equivalent(_USERS, "@dataclass(frozen=True, slots=True)", "@dataclass(frozen=False, slots=True)",
+               "nothing assigns to or hashes an Identity; frozen only guards against it"),
+    Equivalent(_USERS, "@dataclass(frozen=True, slots=True)", "@dataclass(frozen=True, slots=False)",
+               "slots only save memory"),
+    Equivalent(_USERS, "@dataclass(slots=True)", "@dataclass(slots=False)",
+               "slots only save memory; no attribute is set outside the fields"),
+    Equivalent(_USERS, "return False", "return True",
+               "DeviceCaps.begin with no capped user: checking caps then finds no cap "
+               "(room is infinite); False only saves the work"),
+    Equivalent(_USERS, "fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)",
+               "fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 385)",
+               "os.fchmod(fd, 0o600) on the next line sets the mode either way"),
+    Equivalent(_USERS, "fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)",
+               "fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 383)",
+               "os.fchmod(fd, 0o600) on the next line sets the mode either way"),
 )

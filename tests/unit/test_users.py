@@ -308,9 +308,10 @@ def test_the_store_file_is_0600_also_when_found_wider(tmp_path: Path) -> None:
     store.create("alice", 0.0)
     assert store.path is not None
     assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
-    store.path.chmod(0o644)
-    UserStore.in_state_dir(str(tmp_path))
-    assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
+    for wider in (0o644, 0o601, 0o610):
+        store.path.chmod(wider)
+        UserStore.in_state_dir(str(tmp_path))
+        assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
 
 
 def test_a_batch_charges_each_member_its_share_of_the_devices() -> None:
@@ -347,6 +348,11 @@ def test_a_capped_user_gets_one_dispatch_per_free_device_of_their_cap_in_one_pas
             caps.took(inv)
             dispatched.append(inv)
     assert len(dispatched) == 1
+    store.update("alice", {"max_devices": 2})
+    assert caps.begin([]) is True
+    assert sum(1 for inv in calls if caps.admits(inv) and caps.took(inv) is None) == 2
+    two: Any = SimpleNamespace(user="alice", spec=SimpleNamespace(count=3))
+    assert caps.begin([]) and not caps.admits(two)  # 3 devices at once, cap 2, none held
 
 
 def test_the_store_file_format(tmp_path: Path) -> None:
@@ -357,6 +363,37 @@ def test_the_store_file_format(tmp_path: Path) -> None:
     assert data["version"] == 1
     # A user written before `operator` existed is not an operator.
     data["users"][0].pop("operator")
+    data["users"][0].pop("created")
     store.path.write_text(json.dumps(data))
     again = UserStore.in_state_dir(str(tmp_path)).get("alice")
-    assert again is not None and again.operator is False
+    assert again is not None and again.operator is False and again.created == 0.0
+
+
+def test_store_edges(tmp_path: Path) -> None:
+    from gpufn.scheduler.books.users import new_token
+
+    assert len(new_token()) == 48
+    deep = UserStore.in_state_dir(str(tmp_path / "a" / "b"))  # its folders are made
+    deep.create("alice", 0.0)
+    with pytest.raises(NotFound, match="users: none yet"):
+        UserStore().revoke("carol")
+    blocked = UserStore(tmp_path / "blocked" / "users.json")
+    (tmp_path / "blocked" / "users.json").mkdir(parents=True)  # a folder where it goes
+    with pytest.raises(UserStoreError, match="cannot write the user store"):
+        blocked.create("alice", 0.0)
+    assert [p.name for p in (tmp_path / "blocked").iterdir()] == ["users.json"]  # no tmp left
+
+
+def test_held_devices_counts_a_gang_once_and_every_call_after_it() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from gpufn.scheduler.books.users import held_devices
+
+    def call(cid: str, user: str, devices: list[str]) -> Any:
+        return SimpleNamespace(id=cid, user=user, devices=devices, members=[], carrier=None)
+
+    gang = call("g", "alice", ["d0", "d1"])
+    d0: Any = SimpleNamespace(running={"g": gang})
+    d1: Any = SimpleNamespace(running={"g": gang, "s": call("s", "bob", ["d1"])})
+    assert held_devices([d0, d1]) == {"alice": 2.0, "bob": 1.0}

@@ -19,6 +19,7 @@ class Equivalent:
 # under `from __future__ import annotations`).
 _FP = "gpufn/wire/fingerprint.py"
 _USERS = "scheduler/books/users.py"
+_HELD = "worker/host/held.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -60,4 +61,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_USERS, "fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)",
                "fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 383)",
                "os.fchmod(fd, 0o600) on the next line sets the mode either way"),
+    Equivalent(_HELD, "size += len(f) if type(f) is bytes else _nbytes((f,))",
+               "size += len(f) if type(f) is not bytes else _nbytes((f,))",
+               "_nbytes counts bytes by len too: the `is bytes` test only saves a call"),
+    Equivalent(_HELD, "size += len(f) if type(f) is bytes else _nbytes((f,))",
+               "size += len(f) if not type(f) is bytes else _nbytes((f,))",
+               "_nbytes counts bytes by len too: the `is bytes` test only saves a call"),
 )

@@ -35,7 +35,7 @@ def test_payload_sizes_count_bytes_bytearrays_and_buffers() -> None:
     assert h.nbytes == 1 + 10 + 1 + 20  # every frame, the header's too
     h.add(_result("a", b"y" * 5), 2)  # sent again: one entry, counted once
     assert h.nbytes == 1 + 20 + 1 + 5
-    h.add(_result("c", b""), 1, [p.Output("c", 1, "printed")])
+    h.add(_result("c", b""), 1, [p.Output("c", "stdout", "printed")])
     assert h.nbytes == 1 + 20 + 1 + 5 + 1 + len("printed")
 
 

@@ -72,7 +72,7 @@ ROOMS: dict[str, Room] = {
     "model_book": Room(("scheduler/books/model_book.py",),
                        (f"{UNIT}/test_scheduler_pieces.py", f"{UNIT}/test_open_index.py",
                         f"{UNIT}/test_residency.py", f"{UNIT}/test_eviction.py")),
-    "held": Room(("worker/host/held.py",), (f"{UNIT}/test_restart.py",)),
+    "held": Room(("worker/host/held.py",), (f"{UNIT}/test_held.py", f"{UNIT}/test_restart.py")),
     "proc_table": Room(("worker/host/proc_table.py",), (f"{UNIT}/test_memory_watch.py",)),
     "memory_watch": Room(("worker/host/memory_watch.py",), (f"{UNIT}/test_memory_watch.py",)),
     "children": Room(("worker/host/children.py",),

@@ -368,7 +368,7 @@ def test_ctrl_c_while_serve_starts_stops_everything_it_started(head: Head, delay
         [sys.executable, "-m", "gpufn.cli.main", "serve", "--port", str(head.port),
          "--cpu-devices", "1", "--token", "restart-test-token"],
         env=head.env(), cwd=head.home / "cwd", stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+        stderr=subprocess.DEVNULL, text=True)
     head.proc = proc  # the fixture stops it (and says so) if this test fails first
     time.sleep(delay)
     rec = head.record()

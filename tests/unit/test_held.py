@@ -114,3 +114,29 @@ def test_a_slot_that_is_not_utf8_is_skipped_and_the_rest_read(tmp_path: Path) ->
     path.write_bytes(bytes(data))
     assert RunJournal.read(path) == ["x", "\x00"]
     assert RunJournal.read(tmp_path / "none") == []
+
+
+def test_bytes_stay_exact_when_a_let_go_call_is_sent_again_or_forgotten() -> None:
+    h = HeldResults(max_bytes=15, max_ids=2)
+    h.add(_result("a", b"x" * 9), 1)
+    h.add(_result("b", b"x" * 9), 1)  # a's payload let go
+    assert h.nbytes == 10
+    h.add(_result("a", b"x" * 4), 2)  # a Resend of a call whose payload was let go
+    assert h.nbytes == 15
+    h.add(_result("c", b"x" * 9), 1)  # b forgotten past max_ids, after its payload went
+    assert h.nbytes == 15 and h.report() == ({"a": [1, 2, 250], "c": [1, 1, 250]}, [])
+
+
+def test_a_trailing_partial_slot_is_not_read_and_clear_makes_an_owner_only_file(
+        tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    data = bytearray(2 * held.SLOT - 1)
+    data[0], data[1] = 1, ord("a")
+    data[held.SLOT], data[held.SLOT + 1] = 1, ord("b")  # in a slot one byte short
+    path.write_bytes(bytes(data))
+    assert RunJournal.read(path) == ["a"]
+    fresh = tmp_path / "fresh"
+    RunJournal.clear(fresh)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o600
+    assert fresh.stat().st_size == held.JOURNAL_SLOTS * held.SLOT
+    RunJournal.clear(tmp_path / "no" / "such" / "folder")  # cannot: nothing to clear

@@ -91,7 +91,7 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "only a kill between this write and the id's tells (a torn slot then reads as "
                "a 1-byte id); no test can stop a process between two memory writes"),
     Equivalent(_OPEN, 'lo, uniform = min(0.0, min(rbd.values(), default=0.0)), not rbd',
-               'lo, uniform = min(0.0, min(rbd.values(), default=0.0)), rbd',
+               'lo, uniform = min(0.0, min(rbd.values(), default=0.0)),  rbd',
                'nothing measured: runtime_by_device is empty too (a measure sets the mean first), so lo is 0 or lower and uniform False at worst; a lower bound and no skipping only walk further, to the same device'),
     Equivalent(_OPEN, 'lo, uniform = min(0.0, min(rbd.values(), default=0.0)), not rbd',
                'lo, uniform = min( 1.0, min(rbd.values(), default=0.0)), not rbd',

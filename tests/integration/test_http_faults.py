@@ -235,6 +235,21 @@ def test_each_user_sees_only_their_own_errors(served: ServedGateway, http: Any) 
 # --------------------------------------------------------------------------- spawned calls
 
 
+def test_another_users_delete_is_refused_and_the_call_keeps_running(
+        served: ServedGateway, http: Any) -> None:
+    call_id = http.post("/v1/apps/t/sleepy/spawn", json={"args": [60]}).json()["call_id"]
+    wait_for(lambda: http.get(f"/v1/calls/{call_id}").json()["state"] == "running", 30,
+             "the call to run")
+    dave = {"Authorization": f"Bearer {_token(served, 'dave')}"}
+    r = httpx.delete(f"{served.url}/v1/calls/{call_id}", headers=dave, timeout=30)
+    assert r.status_code in (403, 404), r.text
+    r = httpx.delete(f"{served.url}/v1/calls/nosuchcall", headers=dave, timeout=30)
+    assert r.status_code == 404, r.text
+    time.sleep(1.0)
+    assert http.get(f"/v1/calls/{call_id}").json()["state"] == "running"
+    assert http.delete(f"/v1/calls/{call_id}").json()["cancelled"] is True  # its owner may
+
+
 def test_a_spawned_call_survives_a_kill_of_the_gateway(served: ServedGateway, http: Any) -> None:
     call_id = http.post("/v1/apps/t/sleepy/spawn", json={"args": [3]}).json()["call_id"]
     done = http.post("/v1/apps/t/echo/spawn", json={"args": ["kept"]}).json()["call_id"]

@@ -257,6 +257,21 @@ def test_a_restart_with_other_device_options_replaces_the_workers(head: Head) ->
     assert_all_gone([before], timeout=30)
 
 
+def test_a_restart_with_another_token_replaces_the_workers(head: Head) -> None:
+    """A new `gpufn serve` with a different token does not adopt the workers the last one
+    left (they hold the old token): it stops them and starts its own."""
+    head.start()
+    _connect(head)
+    before = head.supervisor()
+    head.kill(signal.SIGKILL)
+    client_mod._shutdown_default()
+    head.serve_args = ("--token", "another-restart-token")  # the last --token wins
+    head.start()
+    assert head.supervisor() != before
+    assert "replaced: the token" in head.log()
+    assert_all_gone([before], timeout=30)
+
+
 EVALS = """
 import os
 import time
@@ -353,14 +368,19 @@ def test_ctrl_c_while_serve_starts_stops_everything_it_started(head: Head, delay
         [sys.executable, "-m", "gpufn.cli.main", "serve", "--port", str(head.port),
          "--cpu-devices", "1", "--token", "restart-test-token"],
         env=head.env(), cwd=head.home / "cwd", stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+        stderr=subprocess.DEVNULL, text=True)
+    head.proc = proc  # the fixture stops it (and says so) if this test fails first
     time.sleep(delay)
     rec = head.record()
     proc.send_signal(signal.SIGINT)
     # -SIGINT: it landed while Python still imported, before serve's own handler (an
     # uncaught KeyboardInterrupt ends the interpreter by SIGINT): nothing had started yet.
     assert proc.wait(60) in (0, 1, 130, -signal.SIGINT)
+    left = head.record()  # a serve that stopped for good removes its record
+    assert not left, f"gpufn serve ended but left its head record: {left}"
     pids = [int(rec[k][0]) for k in ("scheduler", "supervisor") if rec.get(k)]
-    found = subprocess.run(["pgrep", "-f", f"127.0.0.1:{head.port}"], capture_output=True,
-                           text=True).stdout.split()
+    # Every process of this head names its port: the scheduler `--port N`, the supervisor
+    # and the workers `--address tcp://127.0.0.1:N`.
+    found = subprocess.run(["pgrep", "-f", f"127.0.0.1:{head.port}|--port {head.port} "],
+                           capture_output=True, text=True).stdout.split()
     assert_all_gone(sorted({*pids, *map(int, found)}), timeout=30)

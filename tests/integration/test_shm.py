@@ -209,6 +209,25 @@ def test_an_argument_file_carries_the_result_back_and_is_reused(
     assert left() == []
 
 
+@gpufn.gpu
+def two_from_one(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = t + 1, t * 2
+    del t  # the argument's file is free: one result may be written into it, not both
+    return a, b
+
+
+def test_a_dropped_argument_and_two_big_results_come_back_different_and_right(
+        fresh_cluster: Callable[..., gpufn.Client]) -> None:
+    fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)
+    x = torch.arange(2 * MiB, dtype=torch.float32)
+    for _ in range(2):  # the second call reuses the pool's files
+        a, b = two_from_one.remote(x)
+        assert torch.equal(a, x + 1) and torch.equal(b, x * 2)
+        assert a.data_ptr() != b.data_ptr()
+        del a, b
+    assert torch.equal(x, torch.arange(2 * MiB, dtype=torch.float32))
+
+
 def test_a_kept_argument_is_never_written_again_and_its_result_is_a_copy(
         fresh_cluster: Callable[..., gpufn.Client]) -> None:
     fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)

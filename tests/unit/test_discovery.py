@@ -189,3 +189,18 @@ def test_port_holder_names_what_holds_a_port(listener: socket.socket) -> None:
         free = s.getsockname()[1]
     assert discovery.port_holder("127.0.0.1", free) is None
     assert discovery.port_holder("127.0.0.1", 0) is None
+
+
+def test_an_address_naming_the_local_serve_without_a_token_uses_its_saved_token(
+        home: Path, listener: socket.socket, monkeypatch: pytest.MonkeyPatch) -> None:
+    served = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    _cluster_file(home, served, os.getpid(), token="saved")
+    monkeypatch.setenv("GPUFN_ADDRESS", served)
+    t = discovery.resolve()
+    assert (t.source, t.address, t.token) == (Source.ENVIRONMENT, served, "saved")
+    monkeypatch.delenv("GPUFN_ADDRESS")
+    t = discovery.resolve(served, label="--address")
+    assert (t.source, t.token) == (Source.ARGUMENT, "saved")
+    # Another address is not that serve: its token is not given away.
+    monkeypatch.setenv("GPUFN_ADDRESS", "tcp://10.9.9.9:7555")
+    assert discovery.resolve().token is None

@@ -129,3 +129,141 @@ def test_closures_defaults_and_options_are_part_of_the_key(pickles: list[str]) -
     fast = closes.with_options(autocast="bf16")
     assert fast.register_message().code_id not in {a, b, c}
     assert len(pickles) == 4
+
+
+# --- the pieces, each seen surviving a mutant cosmic-ray picked (scripts/mutants.py) ---
+
+from gpufn.wire import fingerprint as fp_mod  # noqa: E402
+
+
+def _leaves(n: int) -> Any:
+    """A function reading one global tuple of `n` ints: 1 + n values walked."""
+    glob: dict[str, Any] = {"BIG": tuple(range(n))}
+    exec("def reads():\n    return BIG\n", glob)
+    return glob["reads"]
+
+
+def test_the_walk_stops_after_exactly_its_budget() -> None:
+    assert fp_mod.BUDGET == 2000
+    assert fingerprint(_leaves(fp_mod.BUDGET - 1)) is not None  # 2000 values walked
+    assert fingerprint(_leaves(fp_mod.BUDGET)) is None  # 2001
+
+
+def test_the_by_reference_rule_is_remembered_per_object_and_generation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[Any] = []
+
+    def by_reference(obj: Any) -> bool:
+        asked.append(obj)
+        return True
+
+    monkeypatch.setattr(fp_mod, "_by_reference", by_reference)
+    monkeypatch.setattr(fp_mod, "_REF_CACHE", {})
+
+    class A:
+        pass
+
+    assert fp_mod._pickled_by_reference(A) is True
+    assert fp_mod._pickled_by_reference(A) is True
+    assert asked == [A]  # the second answer came from the cache
+    monkeypatch.setattr(fp_mod.byvalue, "_generation", fp_mod.byvalue.generation() + 1)
+    assert fp_mod._pickled_by_reference(A) is True
+    assert asked == [A, A]  # the by-value set changed: asked again
+
+
+def test_the_by_reference_cache_is_cleared_only_past_4096(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp_mod, "_by_reference", lambda obj: True)
+    cache: dict[int, Any] = {}
+    monkeypatch.setattr(fp_mod, "_REF_CACHE", cache)
+    objs = [object() for _ in range(4098)]
+    for o in objs[:4097]:
+        fp_mod._pickled_by_reference(o)
+    assert len(cache) == 4097  # not cleared at 4096
+    fp_mod._pickled_by_reference(objs[4097])
+    assert len(cache) == 1  # cleared once past it
+
+
+def test_a_complex_zero_rebound_to_minus_zero_changes_the_key() -> None:
+    glob: dict[str, Any] = {"C": complex(0.0, 0.0), "F": float("nan")}
+    exec("def reads():\n    return C, F\n", glob)
+    a = fingerprint(glob["reads"])
+    glob["C"] = complex(-0.0, 0.0)  # equal to 0j, but not the same value
+    b = fingerprint(glob["reads"])
+    assert a is not None and b is not None and a.key != b.key
+    glob["F"] = float("nan")  # another NaN object: the same value, the same key
+    glob["C"] = complex(-0.0, 0.0)
+    c = fingerprint(glob["reads"])
+    assert c is not None and c.key == b.key
+
+
+def test_a_global_tensor_is_fingerprinted_by_identity_and_version() -> None:
+    glob: dict[str, Any] = {"W": torch.zeros(2)}
+    exec("def reads():\n    return W\n", glob)
+    first = fingerprint(glob["reads"])
+    assert first is not None
+    glob["W"] = torch.ones(2)  # a new tensor at the same version
+    second = fingerprint(glob["reads"])
+    assert second is not None and second.key != first.key
+    glob["W"].add_(1)
+    assert fingerprint(glob["reads"]).key != second.key  # type: ignore[union-attr]
+
+
+def test_a_function_attribute_is_part_of_the_key() -> None:
+    def tagged() -> int:
+        return 1
+
+    tagged.tag = 1  # type: ignore[attr-defined]
+    a = fingerprint(tagged)
+    tagged.tag = 2  # type: ignore[attr-defined]
+    b = fingerprint(tagged)
+    assert a is not None and b is not None and a.key != b.key
+
+
+def test_an_empty_closure_cell_is_fingerprinted() -> None:
+    def outer() -> Any:
+        def inner() -> int:
+            return later
+
+        got = fingerprint(inner)
+        later = 1
+        assert inner() == later
+        return got
+
+    assert outer() is not None
+
+
+def test_without_cloudpickle_helpers_nothing_is_fingerprinted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def plain() -> int:
+        return 1
+
+    assert fingerprint(plain) is not None
+    monkeypatch.setattr(fp_mod, "_code_globals", None)
+    assert fingerprint(plain) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(fp_mod, "_by_reference", None)
+    assert fingerprint(plain) is None
+
+
+def test_modules_and_classes_by_reference_are_keys_by_value_ones_are_not() -> None:
+    import math
+    from collections import OrderedDict
+
+    class Local:
+        pass
+
+    glob: dict[str, Any] = {"math": math, "OrderedDict": OrderedDict, "Local": Local}
+    exec("def by_ref():\n    return math.pi, OrderedDict\n"
+         "def by_value():\n    return Local\n", glob)
+    assert fingerprint(glob["by_ref"]) is not None
+    assert fingerprint(glob["by_value"]) is None  # a class pickled by value: every time
+
+
+def test_keyword_only_defaults_are_part_of_the_key() -> None:
+    def kw(*, x: list[int] = [0]) -> int:  # noqa: B006 - the default is the point
+        return x[0]
+
+    a = fingerprint(kw)
+    kw.__kwdefaults__["x"][0] = 5  # type: ignore[index]
+    b = fingerprint(kw)
+    assert a is not None and b is not None and a.key != b.key

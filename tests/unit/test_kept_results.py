@@ -139,6 +139,25 @@ def test_kept_results_survive_a_new_scheduler(tmp_path: Path) -> None:
     again.core.streams.close()
 
 
+def test_after_a_restart_a_user_reads_their_own_kept_result_and_no_one_else_does(
+        tmp_path: Path) -> None:
+    h, w, alias = _harness(tmp_path)
+    _client(h, b"alice", "alice")
+    inv = h.submit(alias, client=b"alice", keep=True)
+    h.finish(w, inv)
+    h.core.streams.close()
+    again = Harness(devices=1, state_dir=str(tmp_path), users=h.core.users.store)
+    _client(again, b"mallory", "mallory")
+    again.feed(b"mallory", p.Attach(inv))
+    [theirs] = [s.msg for s in again.sent if s.peer == b"mallory" and isinstance(s.msg, p.Result)]
+    assert not theirs.ok
+    _client(again, b"alice2", "alice")
+    again.feed(b"alice2", p.Attach(inv))
+    [mine] = [s.msg for s in again.sent if s.peer == b"alice2" and isinstance(s.msg, p.Result)]
+    assert mine.ok and mine.frames == (b"value",)
+    again.core.streams.close()
+
+
 def test_the_book_on_disk_is_owner_only_bounded_and_expires(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kr, "CHUNK", 7)  # frames larger than a piece are split and joined

@@ -86,6 +86,9 @@ def _check_all(index: OpenIndex, devs: list[Device], fns: list[FunctionRecord], 
         assert {d.key for d in walked} == {d.key for d in ranked}
         drains_walked = [drain_seconds(d, now) for d in walked]
         assert drains_walked == sorted(drains_walked)
+        kept = [d for _, d in index.by_drain(spec.type, fn.code_id, spec.concurrency,
+                                             lambda d, avoid=avoid: d.key not in avoid)]
+        assert kept == [d for d in walked if d.key not in avoid]  # `usable` filters the walk
         for d in devs:
             assert index.ranks(d, spec.type, fn.code_id, spec.concurrency) == (d in ranked)
 

@@ -8,6 +8,7 @@ import gc
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,26 @@ def test_a_worker_reports_only_the_files_nothing_views_and_copies_one_still_view
     finally:
         for n in names:
             shm._unlink(n)
+
+
+def test_the_sweep_removes_only_dead_owners_files(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor's sweep: the files of a caller that died go; a live caller's stay
+    (unless it is the owner named); names that are not gpufn's, or name no pid, stay."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getpid()
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    names = [f"{shm.PREFIX}{live}-{shm.POOLED}a", f"{shm.PREFIX}{live}-b",
+             f"{shm.PREFIX}{dead.pid}-c", f"{shm.PREFIX}{dead.pid}-{shm.POOLED}d",
+             f"{shm.PREFIX}x-e", "other-1-f"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    assert shm.sweep() == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [names[0], names[1], names[4], names[5]])
+    assert shm.sweep(owner=live) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[4], names[5]])

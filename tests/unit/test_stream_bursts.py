@@ -212,3 +212,21 @@ def _drive(driver: Any, call: Any, gen: Any) -> None:
         driver.drive(call, gen)
     except BaseException:
         pass
+
+
+def test_a_fast_producer_s_small_values_never_pile_into_one_unbounded_item() -> None:
+    """Values yielded faster than the main loop drains go as bursts of at most ITEM_BYTES
+    each, so the first values reach the consumer without waiting for the rest."""
+    from gpufn.worker.streaming import ITEM_BYTES, PACK_MAX, ItemOutbox
+
+    box = ItemOutbox(lambda: None)
+    value = b"v" * (PACK_MAX // 2)
+    frames = ser.dumps(value)
+    size = ser.payload_bytes(frames)
+    n = 3 * ITEM_BYTES // size + 1
+    for seq in range(n):
+        box.add("inv", 1, seq, frames, size)
+    items = box.drain()
+    assert len(items) >= 3
+    assert all(sum(i.sizes) <= ITEM_BYTES for i in items)
+    assert sum(i.values() for i in items) == n and items[0].seq == 0

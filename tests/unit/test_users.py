@@ -286,3 +286,114 @@ def test_raising_the_cap_lets_waiting_calls_go_at_once() -> None:
     h.feed(b"cli", p.UserCommand(1, "update", {"name": "bob", "max_devices": None}))
     assert {r.invocation_id for r in h.runs()} == {b1, b2}
     assert len(h.core.queue) == 0
+
+
+# --- pieces cosmic-ray's mutants showed unpinned (scripts/mutants.py --room users) ---
+
+
+def test_limits_at_their_bounds() -> None:
+    from gpufn.scheduler.books.users import MAX_PRIORITY_BOUND, check_limit
+
+    assert MAX_PRIORITY_BOUND == 10**6
+    assert check_limit("max_priority", 10**6) == 10**6
+    assert check_limit("max_priority", -(10**6)) == -(10**6)
+    for bad in (10**6 + 1, -(10**6) - 1):
+        with pytest.raises(InvalidSpec, match="out of range"):
+            check_limit("max_priority", bad)
+    assert check_limit("max_devices", 10**7) == 10**7  # the priority bound is priority's only
+
+
+def test_the_store_file_is_0600_also_when_found_wider(tmp_path: Path) -> None:
+    store = UserStore.in_state_dir(str(tmp_path))
+    store.create("alice", 0.0)
+    assert store.path is not None
+    assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
+    for wider in (0o644, 0o601, 0o610):
+        store.path.chmod(wider)
+        UserStore.in_state_dir(str(tmp_path))
+        assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
+
+
+def test_a_batch_charges_each_member_its_share_of_the_devices() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from gpufn.scheduler.books.users import device_share
+
+    batch: Any = SimpleNamespace(devices=["d0"], carrier=None, user="alice",
+                                 members=[SimpleNamespace(user="alice"),
+                                          SimpleNamespace(user="bob")])
+    assert sorted(device_share(batch)) == [("alice", 0.5), ("bob", 0.5)]
+    single: Any = SimpleNamespace(devices=["d0", "d1"], carrier=None, user="carol", members=[])
+    assert list(device_share(single)) == [("carol", 2.0)]
+
+
+def test_a_capped_user_gets_one_dispatch_per_free_device_of_their_cap_in_one_pass() -> None:
+    """Capped at one device, three calls queued, two devices free in one pass: the pass
+    dispatches exactly one (the first it took counts against the cap at once)."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from gpufn.scheduler.books.users import DeviceCaps
+
+    store = UserStore()
+    store.create("alice", 0.0, max_devices=1)
+    caps = DeviceCaps(store)
+    assert caps.begin([]) is True
+    calls: list[Any] = [SimpleNamespace(user="alice", spec=SimpleNamespace(count=1))
+                        for _ in range(3)]
+    dispatched = []
+    for inv in calls:
+        if caps.admits(inv):
+            caps.took(inv)
+            dispatched.append(inv)
+    assert len(dispatched) == 1
+    store.update("alice", {"max_devices": 2})
+    assert caps.begin([]) is True
+    assert sum(1 for inv in calls if caps.admits(inv) and caps.took(inv) is None) == 2
+    two: Any = SimpleNamespace(user="alice", spec=SimpleNamespace(count=3))
+    assert caps.begin([]) and not caps.admits(two)  # 3 devices at once, cap 2, none held
+
+
+def test_the_store_file_format(tmp_path: Path) -> None:
+    store = UserStore.in_state_dir(str(tmp_path))
+    store.create("alice", 0.0)
+    assert store.path is not None
+    data = json.loads(store.path.read_text())
+    assert data["version"] == 1
+    # A user written before `operator` existed is not an operator.
+    data["users"][0].pop("operator")
+    data["users"][0].pop("created")
+    store.path.write_text(json.dumps(data))
+    again = UserStore.in_state_dir(str(tmp_path)).get("alice")
+    assert again is not None and again.operator is False and again.created == 0.0
+
+
+def test_store_edges(tmp_path: Path) -> None:
+    from gpufn.scheduler.books.users import new_token
+
+    assert len(new_token()) == 48
+    deep = UserStore.in_state_dir(str(tmp_path / "a" / "b"))  # its folders are made
+    deep.create("alice", 0.0)
+    with pytest.raises(NotFound, match="users: none yet"):
+        UserStore().revoke("carol")
+    blocked = UserStore(tmp_path / "blocked" / "users.json")
+    (tmp_path / "blocked" / "users.json").mkdir(parents=True)  # a folder where it goes
+    with pytest.raises(UserStoreError, match="cannot write the user store"):
+        blocked.create("alice", 0.0)
+    assert [p.name for p in (tmp_path / "blocked").iterdir()] == ["users.json"]  # no tmp left
+
+
+def test_held_devices_counts_a_gang_once_and_every_call_after_it() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from gpufn.scheduler.books.users import held_devices
+
+    def call(cid: str, user: str, devices: list[str]) -> Any:
+        return SimpleNamespace(id=cid, user=user, devices=devices, members=[], carrier=None)
+
+    gang = call("g", "alice", ["d0", "d1"])
+    d0: Any = SimpleNamespace(running={"g": gang})
+    d1: Any = SimpleNamespace(running={"g": gang, "s": call("s", "bob", ["d1"])})
+    assert held_devices([d0, d1]) == {"alice": 2.0, "bob": 1.0}

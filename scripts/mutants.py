@@ -1,0 +1,321 @@
+"""Mutants picked by a tool (cosmic-ray), one room at a time: every mutant of a module's
+code that the tool's operators make, the room's tests run against each, the survivors
+listed with their diffs, minus the ones `mutants_equivalent.py` says no test can tell.
+
+    pip install -e ".[mutation]"
+    python scripts/mutants.py --list                 # the rooms, their modules and tests
+    python scripts/mutants.py --room users           # one room (every module in it)
+    python scripts/mutants.py --room users --resume  # go on with an interrupted run
+    python scripts/mutants.py --room users --survivors  # only the last run's survivors again
+    python scripts/mutants.py --room users --report  # the last run's score and survivors
+
+cosmic-ray edits the module on disk, runs the test command as a subprocess and puts the
+file back; so the editable install (`scheduler/` is `gpufn.scheduler` through
+package-dir) and every process a test starts (scheduler, supervisor, workers) import the
+mutant. Run it only in a worktree of your own, never where others work. Each mutant's
+test run has a timeout (a hang counts as killed), and each room a budget (minutes,
+`--budget`); what is left is reported as pending and `--resume` goes on. The sessions
+(sqlite) and reports live in `.mutation/` (ignored by git). Not part of `.ci/run`.
+
+Operators: cosmic-ray's core set, less the replacements that make no plausible one-line
+bug and only cost time (`x is None` -> `x > None` is a TypeError any test kills; `a | b`
+-> `a ** b`): comparisons are swapped with their negation or their boundary neighbour
+only, binary operators with their arithmetic inverse only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mutants_equivalent import EQUIVALENT  # noqa: E402
+
+WORK = ROOT / ".mutation"
+UNIT = "tests/unit"
+
+
+@dataclass(frozen=True)
+class Room:
+    """Modules mutated together, the tests run against each mutant, a bound per run."""
+
+    modules: tuple[str, ...]
+    tests: tuple[str, ...]
+    timeout: float = 60.0  # seconds, one mutant's test run (a hang is killed)
+    budget: float = 20.0  # minutes, the whole room
+
+
+ROOMS: dict[str, Room] = {
+    "fingerprint": Room(("gpufn/wire/fingerprint.py",),
+                        (f"{UNIT}/test_fingerprint.py", f"{UNIT}/test_serialization.py")),
+    "users": Room(("scheduler/books/users.py",),
+                  (f"{UNIT}/test_users.py", f"{UNIT}/test_kept_results.py", f"{UNIT}/test_ops.py")),
+    "user_desk": Room(("scheduler/desks/user_desk.py",),
+                      (f"{UNIT}/test_users.py", f"{UNIT}/test_ops.py")),
+    "recovery": Room(("scheduler/calls/recovery.py",),
+                     (f"{UNIT}/test_restart.py", f"{UNIT}/test_core_guards.py",
+                      f"{UNIT}/test_open_index.py")),
+    "kept_results": Room(("scheduler/stores/kept_results.py",),
+                         (f"{UNIT}/test_kept_results.py", f"{UNIT}/test_detached_restart.py")),
+    "open_index": Room(("scheduler/placement/open_index.py",),
+                       (f"{UNIT}/test_open_index.py", f"{UNIT}/test_queues_placement.py")),
+    "model_book": Room(("scheduler/books/model_book.py",),
+                       (f"{UNIT}/test_scheduler_pieces.py", f"{UNIT}/test_open_index.py",
+                        f"{UNIT}/test_residency.py", f"{UNIT}/test_eviction.py")),
+    "held": Room(("worker/host/held.py",), (f"{UNIT}/test_held.py", f"{UNIT}/test_restart.py")),
+    "proc_table": Room(("worker/host/proc_table.py",), (f"{UNIT}/test_memory_watch.py",)),
+    "memory_watch": Room(("worker/host/memory_watch.py",), (f"{UNIT}/test_memory_watch.py",)),
+    "children": Room(("worker/host/children.py",),
+                     (f"{UNIT}/test_memory_watch.py",
+                      "tests/integration/test_call_children.py"), timeout=180.0),
+    "shm": Room(("gpufn/wire/shm.py",),
+                (f"{UNIT}/test_shm_pool.py", "tests/integration/test_shm.py"), timeout=240.0),
+    "discovery": Room(("gpufn/net/discovery.py",),
+                      (f"{UNIT}/test_discovery.py", "tests/integration/test_discovery_cli.py"),
+                      timeout=240.0),
+    "head": Room(("gpufn/cluster/head.py",),
+                 (f"{UNIT}/test_launchers.py", "tests/integration/test_restart.py"),
+                 timeout=400.0),
+    "streaming": Room(("worker/streaming.py",),
+                      (f"{UNIT}/test_stream_bursts.py", f"{UNIT}/test_streams_retries.py",
+                       "tests/integration/test_streaming.py"), timeout=300.0),
+    "http": Room(tuple(f"gpufn/http/{m}.py" for m in ("calls", "events", "directory", "pool")),
+                 (f"{UNIT}/test_http_pieces.py", "tests/integration/test_http_faults.py"),
+                 timeout=400.0),
+}
+
+_COMPARE_KEPT = ("Eq_NotEq", "NotEq_Eq", "Is_IsNot", "IsNot_Is", "In_NotIn", "NotIn_In",
+                 "Lt_LtE", "LtE_Lt", "Gt_GtE", "GtE_Gt", "Lt_Gt", "Gt_Lt", "LtE_GtE", "GtE_LtE")
+_BINARY_KEPT = ("Add_Sub", "Sub_Add", "Mul_Div", "Div_Mul", "FloorDiv_Mul", "Mod_FloorDiv",
+                "BitOr_BitAnd", "BitAnd_BitOr")
+EXCLUDED_OPERATORS = (
+    f"core/ReplaceComparisonOperator_(?!({'|'.join(_COMPARE_KEPT)})$)",
+    f"core/ReplaceBinaryOperator_(?!({'|'.join(_BINARY_KEPT)})$)",
+    "core/ReplaceUnaryOperator_(?!(Delete_Not|USub_UAdd)$)",
+    "core/RemoveDecorator",  # @dataclass, @property, @staticmethod: any use fails
+)
+
+
+def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Where the module's annotations are ((line, col) to (line, col)): with `from
+    __future__ import annotations` they are never evaluated, so a mutant inside one
+    (`int | None` -> `int & None`) is equivalent by construction and is not run."""
+    import ast
+
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        notes: list[ast.expr | None] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            notes = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs,
+                                            *(x for x in (a.vararg, a.kwarg) if x))]
+            notes.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            notes = [node.annotation]
+        for n in notes:
+            if n is not None and n.end_lineno is not None and n.end_col_offset is not None:
+                spans.append(((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)))
+    return spans
+
+
+def in_annotation(pos: tuple[int, int], spans: list[tuple[tuple[int, int], tuple[int, int]]]) -> bool:
+    return any(start <= tuple(pos) < end for start, end in spans)
+
+
+def skip_annotations(module: str, db: Path) -> None:
+    """Mark the mutants inside annotations skipped (see `annotation_spans`)."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    source = (ROOT / module).read_text()
+    if "from __future__ import annotations" not in source:
+        return
+    spans = annotation_spans(source)
+    with use_db(str(db), WorkDB.Mode.open) as work:
+        skip = [item.job_id for item in work.pending_work_items
+                if in_annotation(item.mutations[0].start_pos, spans)]
+        work.set_multiple_results(skip, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+
+
+def slug(module: str) -> str:
+    return module.removesuffix(".py").replace("/", ".")
+
+
+def config_for(module: str, room: Room) -> Path:
+    """The cosmic-ray config of one module (written into .mutation/)."""
+    tests = " ".join(room.tests)
+    # -p no:cacheprovider: the mutant's run leaves nothing behind; -x: the first failure kills
+    command = f"{sys.executable} -m pytest -x -q -p no:cacheprovider -o addopts= -m 'not slow' {tests}"
+    excluded = ", ".join(json.dumps(e) for e in EXCLUDED_OPERATORS)
+    path = WORK / f"{slug(module)}.toml"
+    path.write_text(
+        "[cosmic-ray]\n"
+        f"module-path = {json.dumps(module)}\n"
+        f"timeout = {room.timeout}\n"
+        "excluded-modules = []\n"
+        f"test-command = {json.dumps(command)}\n\n"
+        "[cosmic-ray.distributor]\nname = \"local\"\n\n"
+        "[cosmic-ray.filters.operators-filter]\n"
+        f"exclude-operators = [{excluded}]\n")
+    return path
+
+
+def _cr(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "cosmic_ray.cli", *args], cwd=ROOT, check=True)
+
+
+def forget_survivors(db: Path) -> None:
+    """Mark the last session's survivors to be run again (after new tests were added)."""
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        con.execute("DELETE FROM work_results WHERE worker_outcome = 'NORMAL' "
+                    "AND test_outcome = 'SURVIVED'")
+
+
+def run_module(module: str, room: Room, deadline: float, resume: bool) -> dict[str, object]:
+    cfg = config_for(module, room)
+    db = WORK / f"{slug(module)}.sqlite"
+    if not (resume and db.exists()):
+        db.unlink(missing_ok=True)
+        _cr("init", str(cfg), str(db))
+        subprocess.run([sys.executable, "-m", "cosmic_ray.tools.filters.operators_filter",
+                        str(db), str(cfg)], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "cosmic_ray.tools.filters.pragma_no_mutate",
+                        str(db)], cwd=ROOT, check=True)
+        skip_annotations(module, db)
+    source = ROOT / module
+    saved = source.read_bytes()
+    left = deadline - time.monotonic()
+    proc = subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "cosmic_ray.cli", "exec",
+                             str(cfg), str(db)], cwd=ROOT, start_new_session=True)
+    try:
+        proc.wait(max(1.0, left))
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+        why = "the room's budget is spent" if isinstance(e, subprocess.TimeoutExpired) else "Ctrl-C"
+        print(f"{module}: {why}; stopping (--resume goes on)")
+        _stop(proc)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+    finally:
+        if source.read_bytes() != saved:  # never leave a mutant on disk
+            source.write_bytes(saved)
+    return summarize(module, db)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop cosmic-ray (its own session): SIGINT, so it puts the module back on the way out."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+def _changed(diff: str) -> tuple[str, str]:
+    """The removed and the added line of a one-line mutant's diff."""
+    lines = diff.splitlines()
+    old = [x[1:].strip() for x in lines if x.startswith("-") and not x.startswith("---")]
+    new = [x[1:].strip() for x in lines if x.startswith("+") and not x.startswith("+++")]
+    return " / ".join(old), " / ".join(new)
+
+
+def summarize(module: str, db: Path) -> dict[str, object]:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    equivalent = {(e.module, e.before, e.after) for e in EQUIVALENT}
+    source = (ROOT / module).read_text()
+    spans = (annotation_spans(source) if "from __future__ import annotations" in source
+             else [])
+    killed = incompetent = pending = 0
+    survivors: list[dict[str, str]] = []
+    eq = 0
+    with use_db(str(db), WorkDB.Mode.open) as work:
+        done = list(work.completed_work_items)
+        pending = sum(1 for _ in work.pending_work_items)
+    for item, result in done:
+        if result.worker_outcome == WorkerOutcome.SKIPPED:
+            continue  # filtered out (an excluded operator, a pragma)
+        if result.worker_outcome == WorkerOutcome.NO_TEST:
+            continue
+        if result.test_outcome == TestOutcome.INCOMPETENT:
+            incompetent += 1
+            continue
+        before, after = _changed(result.diff or "")
+        if result.test_outcome == TestOutcome.KILLED:
+            killed += 1
+        elif ((module, before, after) in equivalent
+              or in_annotation(item.mutations[0].start_pos, spans)):
+            eq += 1
+        else:
+            m = item.mutations[0]
+            survivors.append({"operator": m.operator_name, "line": str(m.start_pos[0]),
+                              "before": before, "after": after})
+    total = killed + len(survivors)
+    score = 100.0 * killed / total if total else 100.0
+    out: dict[str, object] = {"module": module, "killed": killed, "total": total,
+                              "equivalent": eq, "incompetent": incompetent,
+                              "pending": pending, "score": round(score, 1),
+                              "survivors": survivors}
+    (WORK / f"{slug(module)}.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def report(out: dict[str, object]) -> None:
+    print(f"\n{out['module']}: {out['killed']}/{out['total']} killed ({out['score']}%), "
+          f"{out['equivalent']} equivalent, {out['incompetent']} incompetent, "
+          f"{out['pending']} not run")
+    for s in out["survivors"]:  # type: ignore[attr-defined]
+        print(f"  SURVIVED line {s['line']} {s['operator']}:\n    - {s['before']}\n"
+              f"    + {s['after']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--room", action="append", choices=sorted(ROOMS), default=[])
+    ap.add_argument("--budget", type=float, default=None, help="minutes per room")
+    ap.add_argument("--resume", action="store_true", help="go on with the last session")
+    ap.add_argument("--survivors", action="store_true",
+                    help="run the last session's survivors again")
+    ap.add_argument("--report", action="store_true", help="only report the last session")
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args()
+    if a.list or not a.room:
+        for name, room in ROOMS.items():
+            print(f"{name:14} {' '.join(room.modules)}\n{'':14} tests: {' '.join(room.tests)}")
+        return 0
+    if shutil.which("nice") is None:
+        print("needs nice(1)", file=sys.stderr)
+        return 2
+    WORK.mkdir(exist_ok=True)
+    worst = 100.0
+    for name in a.room:
+        room = ROOMS[name]
+        deadline = time.monotonic() + 60 * (a.budget or room.budget)
+        for module in room.modules:
+            db = WORK / f"{slug(module)}.sqlite"
+            if a.survivors:
+                forget_survivors(db)
+            out = (summarize(module, db) if a.report
+                   else run_module(module, room, deadline, a.resume or a.survivors))
+            report(out)
+            worst = min(worst, float(out["score"]))  # type: ignore[arg-type]
+    return 0 if worst >= 90.0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

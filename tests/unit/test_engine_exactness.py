@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from gpufn.engines.base import FinishReason, SamplingParams
 from tests.unit.engine_support import Req, alone, drive, engine, one_thread  # noqa: F401
 
 PROMPTS = ["The quick brown fox", "Hello! How are you today?", "One, two, three,",
            "Call me Ishmael.", "GPUs decode many sequences at once because", "x",
            "def add(a, b):\n", "Le petit chat dort sur le canape."]
+
+# Real decoding at one thread: 15 s alone, several minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(600)
 
 
 def mixed_requests(n: int, seed: int) -> list[Req]:

@@ -21,6 +21,9 @@ from tests.unit.engine_support import (  # noqa: F401
 
 LONG = SamplingParams(max_tokens=30, ignore_eos=True)
 
+# Real decoding at one thread: 15 s alone, several minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(600)
+
 
 def test_requests_join_and_leave_without_waiting_for_each_other() -> None:
     eng = engine()

@@ -185,6 +185,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.mark.timeout(600)  # real decoding: minutes on a loaded 2-core machine
 def test_outputs_are_routed_by_request_id_with_the_real_engine(one_thread: None) -> None:
     support = pytest.importorskip("tests.unit.engine_support")
     eng = support.engine(max_batch=4)

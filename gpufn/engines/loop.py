@@ -118,6 +118,13 @@ class StepLoop:
                 if out.finished:
                     finished.append(out.request_id)
                     self._finish(out.request_id)
+        if self._aborting and not self.engine.has_unfinished():
+            # An engine with nothing left that never said 'abort' for a cancelled request
+            # (against the protocol): its last output is made here, so the loop ends.
+            for rid in list(self._aborting):
+                outputs[rid] = RequestOutput.aborted(rid)
+                finished.append(rid)
+                self._finish(rid)
         return StepResult(outputs, tuple(joined), tuple(preempted), tuple(finished))
 
     @property

@@ -108,3 +108,9 @@ def test_closing_the_iterator_leaves_the_batch() -> None:
     while engine.reqs and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not engine.reqs, "the closed request stayed in the engine"
+    # This engine never says 'abort' for it: the loop ends the request itself, so the
+    # driver thread goes idle instead of stepping an empty engine for ever.
+    loop = driver_for(engine).loop
+    while loop.has_work() and time.monotonic() < deadline + 5:
+        time.sleep(0.01)
+    assert not loop.has_work(), "the driver spins on a request its engine forgot"

@@ -28,11 +28,10 @@ STATE: tuple[Mutation, ...] = (
         why="a deployments.sqlite truncated to 0 bytes is taken for no apps",
     ),
     Mutation(
-        "full-disk-deploy-unanswered", "scheduler/stores/deployments.py",
-        "                if isinstance(e, (OSError, sqlite3.Error)):\n"
-        "                    raise write_error(self.path, e) from None\n"
-        "                raise\n\n    def _backup",
-        "                raise\n\n    def _backup",
+        "full-disk-deploy-unanswered", "scheduler/stores/disk.py",
+        "            if isinstance(e, (OSError, sqlite3.Error)):\n"
+        "                raise write_error(path, e) from None\n",
+        "",
         (f"{UF}::test_a_deploy_on_a_full_disk_names_the_state_dir_and_writes_nothing",),
         why="a deploy on a full disk is never answered (its error is not a GpufnError)",
     ),

@@ -23,7 +23,7 @@ from typing import Any
 from gpufn.exceptions import GpufnError
 from gpufn.net import backups
 from gpufn.net.private_files import open_private
-from gpufn.scheduler.stores.disk import OnceLog, write_error
+from gpufn.scheduler.stores.disk import OnceLog, transaction, write_error
 from gpufn.wire.codec import as_bytes
 
 SCHEMA = """
@@ -137,19 +137,8 @@ class DeploymentStore:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Cursor]:
         """One write transaction; a failed write raises `StateWriteError` (rolled back)."""
-        with self._lock:
-            db = self._db
-            cur = db.cursor()
-            try:
-                cur.execute("BEGIN IMMEDIATE")
-                yield cur
-                cur.execute("COMMIT")
-            except BaseException as e:
-                if db.in_transaction:  # sqlite may have rolled back already (SQLITE_FULL)
-                    cur.execute("ROLLBACK")
-                if isinstance(e, (OSError, sqlite3.Error)):
-                    raise write_error(self.path, e) from None
-                raise
+        with transaction(self._db, self._lock, self.path) as cur:
+            yield cur
 
     def _backup(self) -> None:
         """A copy for `gpufn state restore`; one that fails is said, not fatal (the

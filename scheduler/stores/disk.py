@@ -12,6 +12,9 @@ import errno
 import logging
 import shutil
 import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from gpufn.exceptions import GpufnError
@@ -61,3 +64,22 @@ class OnceLog:
         if self.failing is not None:
             log.warning("%s written again (it had failed: %s)", self.what, self.failing)
             self.failing = None
+
+
+@contextmanager
+def transaction(db: sqlite3.Connection, lock: threading.Lock,
+                path: Path) -> Iterator[sqlite3.Cursor]:
+    """One write transaction on a store's file; a failed write raises `StateWriteError`
+    naming `path`, and nothing of it is written."""
+    with lock:
+        cur = db.cursor()
+        try:
+            cur.execute("BEGIN IMMEDIATE")
+            yield cur
+            cur.execute("COMMIT")
+        except BaseException as e:
+            if db.in_transaction:  # sqlite may have rolled back already (SQLITE_FULL)
+                cur.execute("ROLLBACK")
+            if isinstance(e, (OSError, sqlite3.Error)):
+                raise write_error(path, e) from None
+            raise

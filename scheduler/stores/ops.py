@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufn.net.private_files import private_dir, private_file
-from gpufn.scheduler.stores.disk import write_error
+from gpufn.scheduler.stores.disk import transaction, write_error
 
 FILE = "ops.sqlite"
 SCHEMA = """
@@ -114,20 +114,9 @@ class OpsStore:
     def _write(self, statements: Iterable[tuple[str, Iterable[Any]]]) -> None:
         """Run (sql, rows) pairs (executemany) in one transaction (`StateWriteError` if
         it cannot be written; nothing of it is then)."""
-        with self._lock:
-            db = self._db
-            cur = db.cursor()
-            try:
-                cur.execute("BEGIN IMMEDIATE")
-                for sql, rows in statements:
-                    cur.executemany(sql, rows)
-                cur.execute("COMMIT")
-            except BaseException as e:
-                if db.in_transaction:  # sqlite may have rolled back already (SQLITE_FULL)
-                    cur.execute("ROLLBACK")
-                if isinstance(e, (OSError, sqlite3.Error)):
-                    raise write_error(self.path, e) from None
-                raise
+        with transaction(self._db, self._lock, self.path) as cur:
+            for sql, rows in statements:
+                cur.executemany(sql, rows)
 
     # ------------------------------------------------------------------ usage
 

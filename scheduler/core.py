@@ -38,6 +38,7 @@ from gpufn.scheduler.calls.timers import Timers
 from gpufn.scheduler.calls.transitions import Transitions
 from gpufn.scheduler.desks import report
 from gpufn.scheduler.desks.app_book import AppBook
+from gpufn.scheduler.desks.lease_desk import LeaseDesk, is_lease
 from gpufn.scheduler.desks.ops import OpsDesk
 from gpufn.scheduler.desks.streams import NO_CLIENT, StreamDesk
 from gpufn.scheduler.desks.user_desk import UserDesk
@@ -129,6 +130,7 @@ class SchedulerCore:
         self.adoption = Adoption(self.recovery, self.tx, self.devices, self.invocations, self._out)
         self.apps = AppBook(self, deployments or DeploymentStore(":memory:"))
         self.ops = OpsDesk(self, ops_store)  # logs, usage and drain
+        self.leases = LeaseDesk(self, self.ops)  # repeat calls straight to a worker
         self.streams = StreamDesk(self, results,  # streamed values, from_id callers, kept results
                                   ops_store.durable)
         self.tx.observers += [self.ops, self.streams]  # usage first, then attached callers
@@ -257,6 +259,7 @@ class SchedulerCore:
         self.tx.sweep_shards(now)  # stale shards of sharded models leave first
         for decision in self.placement.run(now, self.tx.rendezvous_port):
             self._apply(decision, now)
+        self.leases.revoke_if_waiting(now)  # a call waits: leases stop taking calls
 
     def _apply(self, decision: Decision, now: float) -> None:
         if isinstance(decision, Dispatch):
@@ -412,6 +415,7 @@ class SchedulerCore:
         inv = Invocation(msg.invocation_id, fn, peer, spec, tuple(msg.frames), now, self._seq)
         inv.user = self.peers[peer].user  # from its token, never the client's claim
         inv.shm = msg.shm
+        inv.wants_lease = msg.lease
         self._admit(inv, msg.keep, self.recovery.not_before(peer, now), now)
 
     def _admit(self, inv: Invocation, keep: bool, not_before: float, now: float) -> None:
@@ -472,6 +476,9 @@ class SchedulerCore:
 
     def _on_worker_result(self, peer: bytes, msg: p.Result, now: float) -> None:
         d = self.device_of(peer)
+        if is_lease(msg.invocation_id):
+            self.leases.on_result(d, msg, now)
+            return
         inv = d.running.get(msg.invocation_id) if d is not None else None
         if d is None or inv is None:
             self.counters.stale_results += 1
@@ -510,7 +517,10 @@ class SchedulerCore:
             return
         result = p.Result(inv.id, msg.ok, msg.error_kind, msg.message,
                           self.tx.meta(inv, now, msg.meta, owned=True), msg.frames)
+        lease = self.leases.grant(inv, d, now) if msg.ok else None  # ahead of the Result
         self.tx.retry_or_fail(inv, now, result)  # a Retries(on=...) match queues it again
+        if lease is not None:
+            self.leases.start(lease, d, now)
 
     def _on_rank_result(self, inv: Invocation, d: Device, msg: p.Result, now: float) -> None:
         """One process of a multi-device call reported. A failure stops the others; the
@@ -532,6 +542,11 @@ class SchedulerCore:
             return
         d = self.device_of(peer)
         carrier = d.running.get(msg.invocation_id) if d is not None else None
+        if carrier is None and d is not None:  # printed by a call under a lease on d
+            carrier = next((i for i in d.running.values() if i.lease is not None), None)
+            if carrier is not None:
+                self.ops.output(carrier, msg, now)
+                return
         if carrier is not None:  # printed by a batch: every caller in it sees it
             self.ops.output(carrier, msg, now)
             for m in carrier.members:
@@ -560,7 +575,9 @@ class SchedulerCore:
         supervisor's words) it was stopped over its host-memory limit: what ran there
         fails with HostOutOfMemory. Membership resets the device next."""
         for inv in list(d.running.values()):
-            if inv.state is InvState.RUNNING and d.key in inv.devices and oom:
+            if inv.lease is not None and inv.state is InvState.RUNNING:
+                self.leases.lost(inv, d, now, reason)
+            elif inv.state is InvState.RUNNING and d.key in inv.devices and oom:
                 self.tx.failed_with_worker(inv, d, now, HostOutOfMemory(
                     f"{inv.function.name} call {inv.id} on device {d.key}: {oom}"))
             elif inv.state is InvState.RUNNING and d.key in inv.devices:

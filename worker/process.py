@@ -57,6 +57,7 @@ from gpufn.worker.core import (
 from gpufn.worker.executor import Call, Executor
 from gpufn.worker.host.held import HeldResults, RunJournal
 from gpufn.worker.host.memory_watch import Reports
+from gpufn.worker.leases import Ended, LeaseAction, LeaseBook, Refuse, Start
 from gpufn.worker.output import OutputRouter
 
 log = logging.getLogger("gpufn.worker")
@@ -77,6 +78,40 @@ def _torch_device(kind: str) -> Any:
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
     return torch.device("cpu")
+
+
+def _bind_direct(ctx: zmq.Context[Any], address: str) -> tuple[zmq.Socket[Any], str]:
+    """The socket clients holding a lease send calls to, on the address this host reaches
+    the scheduler from (so whoever reaches the scheduler's network may reach it), CURVE
+    encrypted off loopback with a key pair made for this process; its endpoint as
+    `tcp://ip:port[?key=PUBLIC]` (the scheduler passes it on in a LeaseGrant)."""
+    from gpufn.net import curve
+
+    host = _local_ip_towards(_host_of(address))
+    sock = ctx.socket(zmq.ROUTER)
+    sockets.configure(sock, router=True)
+    key = ""
+    if curve.needs_curve(host):
+        public, secret = zmq.curve_keypair()
+        sock.curve_server = True
+        sock.curve_secretkey = secret
+        key = "?key=" + public.decode()
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return sock, f"tcp://{host}:{port}{key}"
+
+
+def _local_ip_towards(host: str) -> str:
+    """This host's address on the route to `host` (loopback for a local scheduler)."""
+    import socket
+
+    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet is sent: this only picks the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 def _host_of(address: str) -> str:
@@ -114,6 +149,10 @@ class WorkerProcess:
         self.helper: Any = None  # DeviceSetHelper of the last spmd=False call
         self.ctx = zmq.Context()
         self.identity = f"w/{device_key}/{incarnation}/{os.getpid()}"
+        # Calls under a lease come straight from their clients (worker/leases.py).
+        self.leases = LeaseBook()
+        self.direct, self.direct_endpoint = _bind_direct(self.ctx, address)
+        self._direct_out: list[tuple[bytes, list[p.Message]]] = []
         self.conn = self._connection("work", self.identity)
         self.sock = self.conn.sock
         self._running = True
@@ -135,9 +174,11 @@ class WorkerProcess:
     # ------------------------------------------------------------------ main thread
 
     def _connection(self, channel: str, identity: str) -> Connection:
+        direct = self.direct_endpoint if channel == "work" else ""
         return Connection(self.ctx, ConnectionConfig(self.address, self.token), identity,
                           p.Role.WORKER, p.HelloInfo(device=self.device_key,
-                                                     incarnation=self.incarnation, channel=channel))
+                                                     incarnation=self.incarnation,
+                                                     channel=channel, direct=direct))
 
     def handshake(self) -> None:
         """Say Hello until welcomed (work may follow the Welcome at once). A refusal
@@ -175,6 +216,13 @@ class WorkerProcess:
         if self._outgoing:
             msgs, self._outgoing = self._outgoing, []
             sockets.send(self.sock, p.encode_batch(msgs))
+        if self._direct_out:
+            out, self._direct_out = self._direct_out, []
+            for peer, batch in out:
+                try:
+                    sockets.send(self.direct, [peer, *p.encode_batch(batch)], zmq.NOBLOCK)
+                except zmq.ZMQError as e:  # its client is gone (or full): it asks the head
+                    log.info("a leased call's answer could not reach its client: %s", e)
 
     def _act(self, actions: list[Action]) -> None:
         for a in actions:
@@ -185,6 +233,8 @@ class WorkerProcess:
                                 else (a.invocation_id,)):
                         self.journal.started(inv)
                 self._execute(a)
+            elif isinstance(a, Emit) and isinstance(a.msg, p.Result) and self._leased(a.msg):
+                continue
             elif isinstance(a, Emit):
                 if isinstance(a.msg, p.Result):  # its values and output first, then the result
                     self._outgoing.extend(self._items.drain(a.msg.invocation_id))
@@ -208,11 +258,60 @@ class WorkerProcess:
                 log.info("worker %s exiting: %s", self.device_key, a.reason)
                 self._running = False
 
+    def _leased(self, result: p.Result) -> bool:
+        """A call under a lease ended: its output and Result go straight to its client
+        (the output to the scheduler too, for `gpufn logs`); the lease goes on."""
+        peer = self.leases.finished(result, result.meta.duration, time.monotonic())
+        if peer is None:
+            return False
+        result.meta.devices, result.meta.attempts = [self.device_key], 1
+        output = self.router.drain(result.invocation_id)
+        self._outgoing.extend(output)
+        self._direct_out.append((peer, [*output, result]))
+        self._lease_act(self.leases.step(time.monotonic()))
+        return True
+
+    def _lease_act(self, actions: list[LeaseAction]) -> None:
+        for a in actions:
+            if isinstance(a, Refuse):
+                self._direct_out.append((a.peer, [a.msg]))
+            elif isinstance(a, Ended):
+                self._queue(a.result)
+            elif isinstance(a, Start):
+                actions_ = self.core.handle(a.run)
+                self.core.running.pop(a.run.invocation_id, None)  # not the scheduler's call
+                self._act(actions_)
+
+    def _direct_receive(self) -> None:
+        """DirectRuns (and probes) from clients holding a lease."""
+        now = time.monotonic()
+        while True:
+            try:
+                frames = sockets.recv(self.direct, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) < 2:
+                continue
+            peer = frames[0].bytes
+            try:
+                msgs = p.decode_all(frames[1:])
+            except p.DecodeError as e:
+                log.warning("undecodable message from a leasing client: %s", e)
+                continue
+            for msg in msgs:
+                if isinstance(msg, p.DirectRun):
+                    self._lease_act(self.leases.offer(peer, msg, now))
+                elif isinstance(msg, p.Ping):
+                    self._direct_out.append((peer, [p.Pong(msg.seq)]))
+
     def _act_now(self, a: Interrupt | Grant | AbortGroup) -> None:
         """From either thread: the executor and the group manager are thread-safe, and an
         interrupt or abort must land while the main thread runs user code, so the control
         thread carries these out itself instead of queueing them for the main thread."""
         if isinstance(a, Interrupt):
+            if self.leases.revoke(a.invocation_id, "revoked by the scheduler"):
+                self._wake.wake()  # the main thread refuses what waits and ends it
+                return
             self.executor.interrupt(a.invocation_id, a.dispatch_token)  # or refused when it starts
         elif isinstance(a, Grant):
             self.executor.grant(a.invocation_id, a.dispatch_token, a.allowed)
@@ -307,6 +406,7 @@ class WorkerProcess:
         scheduler takes those calls over), the Results held (it asks for those its
         callers still wait for), the calls that ran (they count as run) and the resident
         models (they stay). Calls it cannot take over are stopped."""
+        self.leases.revoke_all("the scheduler restarted")  # the next one holds no slot for them
         running, ran, stop = self.core.restart_report()
         for inv in stop:
             self.executor.interrupt(inv)
@@ -341,6 +441,7 @@ class WorkerProcess:
         poller.register(self.sock, zmq.POLLIN)
         wake_fd = self._wake.fileno()
         poller.register(wake_fd, zmq.POLLIN)
+        poller.register(self.direct, zmq.POLLIN)
         while self._running:
             try:
                 again = self._hello_again_at is not None and time.monotonic() >= self._hello_again_at
@@ -353,12 +454,19 @@ class WorkerProcess:
                     self._receive()
                     self._flush()
                 wait = OUTPUT_FLUSH_SECONDS if self.router.pending() else HEARTBEAT_SECONDS
+                ends = self.leases.next_deadline()
+                if ends is not None:
+                    wait = min(wait, max(0.0, ends - time.monotonic()) + 0.001)
                 ready = dict(poller.poll(math.ceil(wait * 1000)))
                 if ready.get(wake_fd):
                     self._wake.drain()
                 self._drain_done()
                 if ready.get(self.sock):
                     self._receive()
+                if ready.get(self.direct):
+                    self._direct_receive()
+                if self.leases.leases:
+                    self._lease_act(self.leases.step(time.monotonic()))
                 self._flush()
             except Cancelled:
                 continue  # an interrupt aimed at a call that had just ended
@@ -390,6 +498,9 @@ class WorkerProcess:
                     if not msg.ok:
                         self._refused_again(msg)
                         continue
+                if isinstance(msg, p.Run) and msg.meta.lease is not None:
+                    self.leases.open(msg, time.monotonic())  # calls come straight to us now
+                    continue
                 try:
                     self._act(self.core.handle(msg))
                 except Cancelled:
@@ -461,6 +572,7 @@ class WorkerProcess:
             self._wake.wake()
 
     def close(self) -> None:
+        self.direct.close(0)
         self.conn.close()
 
     def exit_now(self, code: int = 0) -> NoReturn:

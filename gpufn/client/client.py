@@ -25,6 +25,8 @@ from typing import Any
 
 import zmq
 
+from gpufn.client import leases as leasing
+from gpufn.client.direct import DirectSockets
 from gpufn.client.items import ItemQueue
 from gpufn.exceptions import (
     AuthenticationError,
@@ -82,6 +84,9 @@ class Client:
         self._rehello_at = 0.0  # when that Hello went (one lost with a dying head is sent again)
         self._lock = threading.Lock()
         self._outbox: deque[list[Any]] = deque()
+        # Repeat calls straight to a worker under a lease (leases.py): (endpoint, frames).
+        self.leases = leasing.Leases()
+        self._direct_box: deque[tuple[str, list[Any]]] = deque()
         # Sent before the outbox: the new Hello, then what the Welcome makes us send again.
         # While `_resubmit` is set the outbox is held (see `_send_again`).
         self._front: deque[list[Any]] = deque()
@@ -183,12 +188,24 @@ class Client:
         if self._closed.is_set():
             fut.set_exception(ConnectionLost("this gpufn client is closed; call gpufn.connect() again"))
             return fut
+        submit = self.leases.mark(submit, submit.invocation_id in self._streams)
         frames = p.encode(submit)
         with self._lock:  # in `_calls` and the outbox together (see `_send_again`)
             self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, frames)
-            self._outbox.append(frames)
+            self._route(submit, frames)
         self._wake()
         return fut
+
+    def _route(self, submit: p.Submit, frames: list[Any]) -> None:
+        """To the worker under a lease when one is held for its function, else to the
+        scheduler (under `_lock`)."""
+        held = self.leases.take(submit, time.monotonic())
+        if held is None:
+            self._outbox.append(frames)
+            return
+        g = held.grant
+        self._direct_box.append((g.endpoint, p.encode(p.DirectRun(
+            g.lease_id, g.secret, submit.invocation_id, submit.frames))))
 
     def submit_stream(self, submit: p.Submit, name: str) -> tuple[Future[p.Result], ItemQueue]:
         """Submit a generator call: its values go to the queue, which ends with the call."""
@@ -218,17 +235,19 @@ class Client:
 
     def submit_many(self, items: list[tuple[p.Submit, str]]) -> list[Future[p.Result]]:
         futs: list[Future[p.Result]] = []
-        frames = []
+        frames: list[tuple[p.Submit, list[Any]]] = []
         closed = self._closed.is_set()
         with self._lock:
             for submit, name in items:
                 fut: Future[p.Result] = Future()
+                submit = self.leases.mark(submit)
                 enc = p.encode(submit)
                 self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, enc)
                 futs.append(fut)
-                frames.append(enc)
+                frames.append((submit, enc))
             if not closed:
-                self._outbox.extend(frames)
+                for submit, enc in frames:
+                    self._route(submit, enc)
         if closed:
             for f in futs:
                 f.set_exception(ConnectionLost("this gpufn client is closed"))
@@ -419,6 +438,8 @@ class Client:
         poller.register(sock, zmq.POLLIN)
         poller.register(wake_fd, zmq.POLLIN)
         pending_send: list[Any] | None = None
+        direct = DirectSockets(self._ctx, self.leases)
+        polled: set[Any] = set()
         try:
             last_ping = time.monotonic()
             while not self._closed.is_set():
@@ -426,11 +447,18 @@ class Client:
                 next_ping = last_ping + self.ping_seconds  # ping_seconds may change
                 blocked = pending_send is not None
                 wait_ms = 5 if blocked else max(0, int((next_ping - now) * 1000))
+                if direct.probing:
+                    wait_ms = min(wait_ms, 50)
                 ready = dict(poller.poll(wait_ms))
                 if ready.get(wake_fd):
                     self._wake_pipe.drain()  # before draining the outbox below
                 if ready.get(sock):
                     self._receive(sock)
+                self._direct_io(direct, ready)
+                for s in direct.socks.values():
+                    if s not in polled:
+                        poller.register(s, zmq.POLLIN)
+                        polled.add(s)
                 # Send what callers queued, batched; a full socket (HWM) keeps the rest here.
                 # While a new Hello is unanswered the outbox waits (see `_send_again`).
                 while pending_send is not None or self._front or (
@@ -468,8 +496,64 @@ class Client:
             self._fail_all(ConnectionLost(f"the gpufn client I/O thread failed: {e}; "
                                           "call again (a new connection is made)"))
         finally:
+            direct.close()
             sock.close(100)
             self._io_done.set()
+
+    def _direct_io(self, direct: DirectSockets, ready: dict[Any, int]) -> None:
+        """The lease side of one I/O round: answers from workers, probes of newly granted
+        endpoints (and the unreachable ones given back), then the DirectRuns queued."""
+        for ep, s in list(direct.socks.items()):
+            if ready.get(s):
+                for msg in direct.received(ep):
+                    self._dispatch_direct(msg)
+        direct.start_probes()
+        for ep in direct.overdue(time.monotonic()):
+            for lease_id in self.leases.unreachable(ep):
+                self._outbox.append(p.encode(p.Cancel(lease_id, "unreachable from the client")))
+        while self._direct_box:
+            ep, frames = self._direct_box.popleft()
+            try:
+                direct.send(ep, frames)
+            except zmq.ZMQError:  # full: the call goes through the scheduler instead
+                inv = p.decode(frames).invocation_id  # type: ignore[attr-defined]
+                self._lease_fallback([inv])
+
+    def _dispatch_direct(self, msg: p.Message) -> None:
+        """A worker's answer to a call under a lease."""
+        if isinstance(msg, p.Result):
+            self.leases.answered(msg.invocation_id)
+            self._dispatch(msg)
+        elif isinstance(msg, p.LeaseRefused):
+            self.leases.refused(msg)
+            self._lease_fallback(msg.invocation_ids)
+        elif isinstance(msg, p.Output):
+            self._dispatch(msg)
+
+    def _lease_fallback(self, ids: list[str]) -> None:
+        """These calls did not run under their lease: through the scheduler, as usual."""
+        with self._lock:
+            for inv in ids:
+                pend = self._calls.get(inv)
+                if pend is not None and pend.frames is not None:
+                    self._outbox.append(pend.frames)
+
+    def _lease_ended(self, msg: p.Result) -> None:
+        """The scheduler ended a lease of ours. Lost with its worker: the calls in flight
+        there are sent again through the scheduler if their function retries, else fail."""
+        held = self.leases.ended(msg.invocation_id)
+        if held is None or msg.ok or not held.calls:
+            return
+        if held.grant.retries > 0:
+            self._lease_fallback(sorted(held.calls))
+            return
+        with self._lock:
+            lost = [self._calls.pop(inv) for inv in held.calls if inv in self._calls]
+        for pend in lost:
+            if not pend.future.done():
+                pend.future.set_exception(WorkerLost(
+                    f"{pend.name}: {msg.message}, so whether the call completed is unknown. "
+                    "Set retries=N in @gpu to run it again in such a case."))
 
     def _grace_over(self, silent: float) -> str:
         return (f"the scheduler at {self.address} has not answered for {silent:.0f}s, longer "
@@ -483,7 +567,12 @@ class Client:
             self._dispatch(msg)
 
     def _dispatch(self, msg: p.Message) -> None:
-        if isinstance(msg, p.Item):
+        if isinstance(msg, p.Result) and leasing.is_lease(msg.invocation_id):
+            self._lease_ended(msg)
+        elif isinstance(msg, p.LeaseGrant):
+            if not self.leases.granted(msg, time.monotonic()):  # off: give it back
+                self._outbox.append(p.encode(p.Cancel(msg.lease_id, "leases are off")))
+        elif isinstance(msg, p.Item):
             items = self._streams.get(msg.invocation_id)
             if items is not None:
                 items.put(msg)
@@ -585,7 +674,8 @@ class Client:
             # call being submitted right now needs its function known when it arrives.
             self._registered = set(self._register_frames)
             again = list(self._register_frames.values())
-            again += [c.frames for c in self._calls.values() if c.frames is not None]
+            again += [c.frames for inv, c in self._calls.items()
+                      if c.frames is not None and not self.leases.in_flight(inv)]
             again += list(self._status_frames.values())
             sent = {id(f) for f in again}
             self._front.extend(again)
@@ -632,6 +722,8 @@ class _SyncChannel:
         self.sock = self.conn.sock
         self.registered: set[str] = set()
         self.last_heard = 0.0
+        self.leases = leasing.Leases()  # this channel's own: its socket hears their ends
+        self.direct = DirectSockets(client._ctx, self.leases)
         try:
             self._hello()
         except BaseException:
@@ -649,6 +741,12 @@ class _SyncChannel:
     def call(self, register: p.Register | None, submit: p.Submit, name: str) -> p.Result:
         if time.monotonic() - self.last_heard > self.client.idle_rehello:
             self._hello()  # the scheduler forgets silent clients; announce ourselves again
+        submit = self.leases.mark(submit)
+        held = self.leases.take(submit, time.monotonic())
+        if held is not None:
+            result = self._direct(held, register, submit, name)
+            if result is not None:
+                return result
         if register is not None and register.function_id not in self.registered:
             self._send(register)
             self.registered.add(register.function_id)
@@ -675,9 +773,54 @@ class _SyncChannel:
             self._send(p.Cancel(inv, "interrupted by the caller"))
             raise
 
+    def _direct(self, held: leasing.Held, register: p.Register | None, submit: p.Submit,
+                name: str) -> p.Result | None:
+        """The call under a lease, straight to its worker; None: it did not run there
+        (the lease ended first, or its worker was lost and the function retries), so it
+        goes through the scheduler."""
+        g, inv = held.grant, submit.invocation_id
+        self.direct.send(g.endpoint, p.encode(p.DirectRun(g.lease_id, g.secret, inv,
+                                                          submit.frames)))
+        dsock = self.direct.socks[g.endpoint]
+        poller = zmq.Poller()
+        poller.register(dsock, zmq.POLLIN)
+        poller.register(self.sock, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(int(self.client.ping_seconds * 1000)))
+            if not ready:
+                self._send(p.Ping(0))  # the scheduler keeps us (and says if the lease is lost)
+                continue
+            if ready.get(dsock):
+                for msg in self.direct.received(g.endpoint):
+                    if isinstance(msg, p.Result) and msg.invocation_id == inv:
+                        self.leases.answered(inv)
+                        return msg
+                    if isinstance(msg, p.LeaseRefused):
+                        self.leases.refused(msg)
+                        if inv in msg.invocation_ids:
+                            return None
+                    elif isinstance(msg, p.Output):
+                        self.client._print_output(msg, name)
+            if ready.get(self.sock):
+                self.last_heard = time.monotonic()
+                for msg in sockets.received(self.sock, log):
+                    if (isinstance(msg, p.Result) and msg.invocation_id == g.lease_id
+                            and not msg.ok and inv in held.calls):
+                        self.leases.ended(g.lease_id)
+                        if g.retries > 0:
+                            return None
+                        raise WorkerLost(f"{name}: {msg.message}, so whether the call "
+                                         "completed is unknown. Set retries=N in @gpu to run "
+                                         "it again in such a case.")
+                    self._other(msg, register, submit, name, resend=False)
+
     def _other(self, msg: p.Message, register: p.Register | None, submit: p.Submit,
-               name: str) -> None:
-        if isinstance(msg, p.Output):
+               name: str, resend: bool = True) -> None:
+        if isinstance(msg, p.Result) and leasing.is_lease(msg.invocation_id):
+            self.leases.ended(msg.invocation_id)
+        elif isinstance(msg, p.LeaseGrant):
+            self._granted(msg)
+        elif isinstance(msg, p.Output):
             self.client._print_output(msg, name)
         elif isinstance(msg, p.Shutdown) and msg.final:
             raise ConnectionLost(f"the scheduler stopped ({msg.reason}); the {name} call "
@@ -687,12 +830,26 @@ class _SyncChannel:
             self.conn.info.instance = self.client.info.instance
             self._hello()  # forgotten meanwhile: the submit was refused, send again
             self.conn.info.resubmit = 0
+            if not resend:  # the call runs under a lease: its worker answers it
+                return
             if register is not None:
                 self._send(register)
                 self.registered.add(register.function_id)
             self._send(submit)
 
+    def _granted(self, grant: p.LeaseGrant) -> None:
+        """Take a lease (probing its worker first); give it back if we cannot use it."""
+        if self.leases.granted(grant, time.monotonic()):
+            for ep in self.leases.endpoints_to_probe():
+                if not self.direct.probe_now(ep):
+                    for lease_id in self.leases.unreachable(ep):
+                        self._send(p.Cancel(lease_id, "unreachable from the client"))
+            if self.leases.reach.get(grant.endpoint) is not leasing.Reach.UNREACHABLE:
+                return
+        self._send(p.Cancel(grant.lease_id, "leases are off"))
+
     def close(self) -> None:
+        self.direct.close()
         self.conn.close()
 
 

@@ -33,7 +33,7 @@ __all__ = ["BATCH_TAG", "PROTOCOL_VERSION", "DecodeError", "Frame", "Message", "
            "as_bytes", "batch_frames", "decode", "decode_all", "encode", "encode_batch",
            "message", "message_types", "struct"]
 
-PROTOCOL_VERSION = 5  # 5: a Run's meta carries the call's priority (4: Item bursts)
+PROTOCOL_VERSION = 6  # 6: leases (direct calls); 5: a Run's meta carries the call's priority
 
 class Role:
     CLIENT = "client"
@@ -73,6 +73,9 @@ class HelloInfo:
     # Worker: the models resident on its device, [[key, bytes], ...]; they stay.
     models: list[list[Any]] = field(default_factory=list)
     host: str = ""  # client, supervisor: who shares its /dev/shm (gpufn.wire.shm.host_id)
+    # Worker: where clients holding a lease send calls straight to it ("tcp://ip:port",
+    # with "?key=" its CURVE public key off loopback).
+    direct: str = ""
 
 
 @message(1, structs={"info": HelloInfo})
@@ -180,6 +183,7 @@ class Submit(Message):
     options: dict[str, Any]
     keep: bool = False  # keep the Result a while after the call ends (`FunctionCall.from_id`)
     shm: bool = False  # big values may travel through shared memory (gpufn.wire.shm) both ways
+    lease: bool = False  # its client takes a lease for the calls after it (LeaseGrant)
     frames: tuple[Frame, ...] = ()
 
 
@@ -305,6 +309,7 @@ class RunMeta:
     shm_owner: int = 0  # the caller's pid if big results go to it through shared memory
     host_memory: int = 0  # @gpu(host_memory=): the worker's host-memory limit while it runs
     priority: int = 0  # the call's priority (a stepped engine joins requests by it)
+    lease: list[Any] | None = None  # a lease, not a call: [secret, seconds, max calls] (leases.py)
 
 
 @message(21, structs={"meta": RunMeta})
@@ -619,6 +624,48 @@ class WorkerServing(Message):
     pid: int
     incarnation: int
 
+
+
+# --------------------------------------------------------------------------- leases
+# Repeat calls skip the head (see gpufn/client/leases.py and scheduler/calls/leases.py).
+
+
+@message(120)
+@dataclass(frozen=True, slots=True)
+class LeaseGrant(Message):
+    """Scheduler -> client: for `seconds` (or `max_calls`), send calls of `function_id`
+    straight to the worker at `endpoint` (DirectRun) with `secret`. `retries`: the
+    function's, for calls its worker loses."""
+
+    lease_id: str
+    function_id: str
+    endpoint: str
+    secret: str
+    seconds: float
+    max_calls: int
+    retries: int = 0
+
+
+@message(121)
+@dataclass(frozen=True, slots=True)
+class DirectRun(Message):
+    """Client -> worker, under a lease: run this call; its Result comes straight back."""
+
+    lease_id: str
+    secret: str
+    invocation_id: str
+    frames: tuple[Frame, ...] = ()
+
+
+@message(122)
+@dataclass(frozen=True, slots=True)
+class LeaseRefused(Message):
+    """Worker -> client: these calls of a lease were not run (it ended, or is unknown);
+    the client sends them through the scheduler."""
+
+    lease_id: str
+    invocation_ids: list[str]
+    reason: str = ""
 
 
 @message(110)

@@ -142,6 +142,12 @@ class Transitions:
             if d.worker is not None:
                 self.send(d.worker, order)
 
+    def run_meta(self, inv: Invocation, d: Device) -> p.RunMeta:
+        """What a single-device call's worker is told with its run (a lease's template)."""
+        meta = self._run_metas(inv, (d,))[0]
+        assert meta is not None
+        return meta
+
     def _run_metas(self, inv: Invocation, devices: tuple[Device, ...]) -> list[p.RunMeta | None]:
         """What each device's worker is told with the run (None: it runs nothing)."""
         spec = inv.spec

@@ -124,6 +124,10 @@ class OpsDesk(RunObserver):
         offset = self.core.wall(0.0)  # wall-clock time is `now` plus this
         started = inv.started + offset if inv.started is not None else None
         now += offset
+        if inv.lease is not None:  # its calls are metered from its Result (lease_desk.py)
+            if started is not None and inv.devices:
+                self.usage.record_devices(self._key(inv), started, now, len(inv.devices))
+            return
         if started is not None and inv.devices:
             held = len(inv.devices)
             if inv.members:  # a batch: its device time is shared by its calls

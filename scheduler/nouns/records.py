@@ -99,6 +99,10 @@ class Invocation:
     not_before: float = 0.0
     lost_on: tuple[str, ...] = ()
     shm: bool = False  # its caller takes big values through shared memory (Submit.shm)
+    # Not a call but a lease (scheduler/desks/lease_desk.py): [secret, seconds, max calls];
+    # it holds one slot while its client sends calls straight to the worker.
+    lease: list[Any] | None = None
+    wants_lease: bool = False  # its client takes a lease after it (Submit.lease)
 
     @property
     def reporters(self) -> int:

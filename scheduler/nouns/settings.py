@@ -52,6 +52,10 @@ class SchedulerConfig:
     # they ended, within this many bytes in all (see kept_results.py).
     result_retention_seconds: float = 24 * 3600.0
     result_store_bytes: int = 4 * 2**30
+    # Leases (desks/lease_desk.py): a client's repeat calls go straight to a worker for
+    # this long, or this many calls, while nothing else waits (0 seconds: no leases).
+    lease_seconds: float = 1.0
+    lease_max_calls: int = 100_000
 
     def retry_delay(self, retry: int) -> float:
         """The wait before retry number `retry` (1-based)."""
@@ -67,7 +71,7 @@ class SchedulerConfig:
         GPUFN_STOP_GRACE_SECONDS, GPUFN_GANG_SETTLE_SECONDS, GPUFN_PIPELINE_DEPTH,
         GPUFN_EVICTION_POLICY (+ GPUFN_LRU_MAX_MODELS), GPUFN_HOST_OFFLOAD_MEMORY,
         GPUFN_MAX_PAYLOAD, GPUFN_RETRY_BACKOFF, GPUFN_RETRY_BACKOFF_MAX, GPUFN_RESTART_GRACE,
-        GPUFN_RESULT_RETENTION, GPUFN_RESULT_STORE_MAX."""
+        GPUFN_RESULT_RETENTION, GPUFN_RESULT_STORE_MAX, GPUFN_LEASE_SECONDS."""
         from gpufn.wire import config as c
 
         per_fn = c.env_int("GPUFN_MAX_QUEUE_PER_FUNCTION", 0)
@@ -96,6 +100,7 @@ class SchedulerConfig:
             retry_backoff_seconds=c.env_float("GPUFN_RETRY_BACKOFF", cls.retry_backoff_seconds),
             retry_backoff_max=c.env_float("GPUFN_RETRY_BACKOFF_MAX", cls.retry_backoff_max),
             restart_grace_seconds=c.env_float("GPUFN_RESTART_GRACE", cls.restart_grace_seconds),
+            lease_seconds=c.env_float("GPUFN_LEASE_SECONDS", cls.lease_seconds),
             result_retention_seconds=c.env_float("GPUFN_RESULT_RETENTION",
                                                  cls.result_retention_seconds),
             result_store_bytes=parse_memory(c.env_str("GPUFN_RESULT_STORE_MAX", "4GiB"),

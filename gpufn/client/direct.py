@@ -1,0 +1,97 @@
+"""Sockets to workers for calls under a lease (see `leases.py`): one DEALER per worker
+endpoint, CURVE when the endpoint names a key, and the probe that tells whether this
+client can reach it. Used by the client's I/O thread and by each blocking-call channel,
+each with its own `DirectSockets` (ZeroMQ sockets stay in the thread that made them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from gpufn.client.leases import PROBE_SECONDS, Leases, Reach
+from gpufn.net import curve as security
+from gpufn.net import sockets
+from gpufn.wire import config
+from gpufn.wire import protocol as p
+
+log = logging.getLogger("gpufn.client")
+
+
+class DirectSockets:
+    def __init__(self, ctx: zmq.Context[Any], leases: Leases) -> None:
+        self.ctx = ctx
+        self.leases = leases
+        self.socks: dict[str, zmq.Socket[Any]] = {}
+        self.probing: dict[str, float] = {}  # endpoint -> when its probe went
+
+    def sock(self, endpoint: str) -> zmq.Socket[Any]:
+        s = self.socks.get(endpoint)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            sockets.configure(s)
+            where, key = config.split_address(endpoint)
+            if key is not None:
+                mine = security.client_keys()
+                s.curve_serverkey = key.encode()
+                s.curve_publickey = mine.public
+                s.curve_secretkey = mine.secret
+            s.connect(where)
+            self.socks[endpoint] = s
+        return s
+
+    def send(self, endpoint: str, frames: list[Any]) -> None:
+        sockets.send(self.sock(endpoint), frames, zmq.NOBLOCK)
+
+    def start_probes(self) -> list[zmq.Socket[Any]]:
+        """Probe the endpoints granted since the last look; their sockets (to poll)."""
+        out = []
+        for ep in self.leases.endpoints_to_probe():
+            s = self.sock(ep)
+            try:
+                sockets.send(s, p.encode(p.Ping(1)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.probing[ep] = time.monotonic()
+            out.append(s)
+        return out
+
+    def overdue(self, now: float) -> list[str]:
+        """Endpoints whose probe went unanswered: unreachable (leases off)."""
+        late = [ep for ep, t in self.probing.items() if now - t > PROBE_SECONDS]
+        for ep in late:
+            del self.probing[ep]
+        return late
+
+    def received(self, endpoint: str) -> Iterator[p.Message]:
+        """What waits on an endpoint's socket; a Pong marks it reachable."""
+        s = self.socks[endpoint]
+        for msg in sockets.received(s, log):
+            if isinstance(msg, p.Pong):
+                self.probing.pop(endpoint, None)
+                self.leases.reach[endpoint] = Reach.OK
+                continue
+            yield msg
+
+    def probe_now(self, endpoint: str) -> bool:
+        """A blocking probe (a blocking-call channel): reachable within PROBE_SECONDS."""
+        s = self.sock(endpoint)
+        sockets.send(s, p.encode(p.Ping(1)), zmq.NOBLOCK)
+        deadline = time.monotonic() + PROBE_SECONDS
+        while (left := deadline - time.monotonic()) > 0:
+            if not s.poll(max(1, int(left * 1000))):
+                break
+            for msg in sockets.received(s, log):
+                if isinstance(msg, p.Pong):
+                    self.leases.reach[endpoint] = Reach.OK
+                    return True
+        return False
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close(0)
+        self.socks.clear()

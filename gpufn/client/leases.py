@@ -1,0 +1,180 @@
+"""The leases a client holds: its repeat calls of a function go straight to a worker.
+
+A call the client marks `Submit.lease` may come back with a LeaseGrant ahead of its
+Result: for a second or so (or until the scheduler revokes it because another call
+waits) the next calls of that function go to that worker as DirectRuns, answered
+straight back. Every DirectRun gets an answer from a live worker: its Result, or a
+LeaseRefused (the lease ended first) after which the call goes through the scheduler
+as usual. A worker lost during a lease is said by the scheduler (the lease's Result,
+not ok): the calls in flight there are sent again through the scheduler when the
+function has retries, else fail `WorkerLost`. An endpoint that does not answer a probe
+(a notebook outside the cluster's network) turns leases off for this client, said once.
+Thread-safe: callers take leases, the I/O thread (or a blocking call's channel) grants.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from gpufn.wire import config
+from gpufn.wire import protocol as p
+
+log = logging.getLogger("gpufn.client")
+
+PREFIX = "lease:"
+MARGIN_SECONDS = 0.05  # stop using a lease this long before the worker's end
+PROBE_SECONDS = 2.0  # an endpoint that does not answer a probe this fast is unreachable
+
+
+def is_lease(invocation_id: str) -> bool:
+    return invocation_id.startswith(PREFIX)
+
+
+def enabled() -> bool:
+    """Leases unless GPUFN_LEASES=0."""
+    return config.env_str("GPUFN_LEASES", "1") not in ("0", "false", "no", "off")
+
+
+def leasable(submit: p.Submit) -> bool:
+    """A plain call: no per-call options, its Result not kept for `from_id`."""
+    return not submit.options and not submit.keep
+
+
+class Reach(Enum):
+    UNKNOWN = "unknown"
+    PROBING = "probing"
+    OK = "ok"
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(slots=True)
+class Held:
+    """One lease: the grant, the calls left, the calls sent under it not answered yet."""
+
+    grant: p.LeaseGrant
+    ends_at: float
+    left: int
+    calls: set[str] = field(default_factory=set)
+    dead: bool = False
+
+
+class Leases:
+    def __init__(self) -> None:
+        self.on = enabled()
+        self._lock = threading.Lock()
+        self._by_fn: dict[str, list[Held]] = {}
+        self._by_id: dict[str, Held] = {}
+        self._call: dict[str, Held] = {}
+        self.reach: dict[str, Reach] = {}
+        self.direct_calls = 0  # calls sent under a lease (for tests and benchmarks)
+
+    def mark(self, submit: p.Submit, stream: bool = False) -> p.Submit:
+        """The Submit as sent: asking for a lease after it when it may have one."""
+        if not self.on or stream or submit.lease or not leasable(submit):
+            return submit
+        return p.Submit(submit.invocation_id, submit.function_id, submit.options, submit.keep,
+                        submit.shm, True, submit.frames)
+
+    def granted(self, grant: p.LeaseGrant, now: float) -> bool:
+        """Take a grant; False when leases are off (the caller returns it)."""
+        if not self.on or self.reach.get(grant.endpoint) is Reach.UNREACHABLE:
+            return False
+        held = Held(grant, now + grant.seconds - MARGIN_SECONDS, grant.max_calls)
+        with self._lock:
+            self._by_id[grant.lease_id] = held
+            self._by_fn.setdefault(grant.function_id, []).append(held)
+        return True
+
+    def take(self, submit: p.Submit, now: float) -> Held | None:
+        """A live lease on a reachable worker for this call's function, the call counted
+        under it; None: it goes through the scheduler."""
+        if not self.on or not submit.lease:
+            return None
+        with self._lock:
+            for held in self._by_fn.get(submit.function_id, ()):
+                if (held.dead or held.left <= 0 or now >= held.ends_at
+                        or self.reach.get(held.grant.endpoint) is not Reach.OK):
+                    continue
+                held.left -= 1
+                held.calls.add(submit.invocation_id)
+                self._call[submit.invocation_id] = held
+                self.direct_calls += 1
+                return held
+        return None
+
+    def in_flight(self, invocation_id: str) -> bool:
+        """Sent under a lease and not answered: its worker answers it, not the scheduler."""
+        return invocation_id in self._call
+
+    def answered(self, invocation_id: str) -> None:
+        with self._lock:
+            held = self._call.pop(invocation_id, None)
+            if held is not None:
+                held.calls.discard(invocation_id)
+
+    def refused(self, msg: p.LeaseRefused) -> None:
+        """The worker did not run these: the lease is over for them and for us."""
+        with self._lock:
+            held = self._by_id.get(msg.lease_id)
+            if held is not None:
+                held.dead = True
+            for inv in msg.invocation_ids:
+                h = self._call.pop(inv, None)
+                if h is not None:
+                    h.calls.discard(inv)
+        self._prune()
+
+    def ended(self, lease_id: str) -> Held | None:
+        """The scheduler says the lease ended; the calls still in flight under it."""
+        with self._lock:
+            held = self._by_id.pop(lease_id, None)
+            if held is None:
+                return None
+            held.dead = True
+            for inv in held.calls:
+                self._call.pop(inv, None)
+            fns = self._by_fn.get(held.grant.function_id, [])
+            if held in fns:
+                fns.remove(held)
+        return held
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for fn, helds in list(self._by_fn.items()):
+                keep = [h for h in helds if not h.dead and now < h.ends_at] + [
+                    h for h in helds if (h.dead or now >= h.ends_at) and h.calls]
+                if keep:
+                    self._by_fn[fn] = keep
+                else:
+                    del self._by_fn[fn]
+
+    def endpoints_to_probe(self) -> list[str]:
+        """Endpoints granted but never probed (they are marked PROBING)."""
+        out = []
+        with self._lock:
+            for helds in self._by_fn.values():
+                for h in helds:
+                    ep = h.grant.endpoint
+                    if ep not in self.reach:
+                        self.reach[ep] = Reach.PROBING
+                        out.append(ep)
+        return out
+
+    def unreachable(self, endpoint: str) -> list[str]:
+        """A probe went unanswered: leases are off for this client (said once); the
+        ids of the leases held, to give back."""
+        first = self.on
+        with self._lock:
+            self.reach[endpoint] = Reach.UNREACHABLE
+            self.on = False
+            ids = list(self._by_id)
+        if first:
+            log.warning("this client cannot reach the worker at %s directly (outside the "
+                        "cluster's network?); its calls go through the scheduler, as before",
+                        endpoint.split("?")[0])
+        return ids

@@ -1,0 +1,204 @@
+"""Leases: a client's repeat calls of one function go straight to a worker.
+
+When a call of a single-device function ends on an otherwise idle device and nothing at
+all waits in the queue, the call's client may be granted a lease on that device: a
+pseudo-call (id `lease:...`, `Invocation.lease`) holds the slot, the worker takes the
+client's DirectRuns for `seconds` or `max_calls`, and the scheduler sees only the grant
+and, at the end, one Result listing what ran, which it meters and logs as it would
+the calls themselves. A call that starts waiting (anyone's, any priority) revokes every
+lease at once, so it waits at most for the leased call running now; so do a drain and
+the client's departure. A lease lost with its worker tells its client, which retries
+or fails the calls it had in flight (`gpufn/client/leases.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any
+
+from gpufn.exceptions import WorkerLost, kind_of
+from gpufn.memory_pool.residency import Residency
+from gpufn.scheduler.books.usage import Key as UsageKey
+from gpufn.scheduler.desks.surface import CoreView
+from gpufn.scheduler.nouns.records import Device, Invocation
+from gpufn.scheduler.nouns.shapes import Shape
+from gpufn.scheduler.nouns.states import InvState
+from gpufn.wire import protocol as p
+
+log = logging.getLogger("gpufn.scheduler")
+
+PREFIX = "lease:"
+ACCOUNTED_MEMORY = 4096  # lease ids whose calls were metered (a late or repeated end)
+
+
+def is_lease(invocation_id: str) -> bool:
+    return invocation_id.startswith(PREFIX)
+
+
+class LeaseDesk:
+    def __init__(self, core: CoreView, ops: Any) -> None:
+        self.core = core
+        self.ops = ops  # the OpsDesk: usage and logs
+        self.open: dict[str, Invocation] = {}
+        self._accounted: OrderedDict[str, None] = OrderedDict()
+        self.granted = 0
+        self.leased_calls = 0
+
+    # ------------------------------------------------------------------ grants
+
+    def grant(self, inv: Invocation, d: Device, now: float) -> Invocation | None:
+        """`inv` just ended on `d`: lease `d` to its client if it may (see the module);
+        the grant goes out now, ahead of the call's Result, and the lease is dispatched
+        by `start` once the call has left the device."""
+        cfg = self.core.config
+        core = self.core
+        if cfg.lease_seconds <= 0 or not self._leasable(inv, d):
+            return None
+        peer = core.peers.get(inv.client)
+        worker = core.peers.get(d.worker) if d.worker is not None else None
+        if peer is None or not inv.wants_lease or worker is None or not worker.info.direct:
+            return None
+        if len(core.queue) or getattr(self.ops, "draining", False):
+            return None
+        if any(other is not inv for other in d.running.values()):
+            return None
+        if any(lease.client == inv.client and lease.function is inv.function
+               and d.key in lease.devices for lease in self.open.values()):
+            return None
+        spec = replace(inv.spec, timeout=None, retries=0, preemptible=False, deadline=None)
+        lease = Invocation(f"{PREFIX}{secrets.token_hex(8)}", inv.function, inv.client, spec,
+                           (), now, inv.seq)
+        lease.user, lease.shm = inv.user, inv.shm
+        lease.lease = [secrets.token_hex(16), cfg.lease_seconds, cfg.lease_max_calls]
+        core.send(inv.client, p.LeaseGrant(
+            lease.id, inv.function.function_id, worker.info.direct, lease.lease[0],
+            cfg.lease_seconds, cfg.lease_max_calls, inv.spec.retries))
+        return lease
+
+    def _leasable(self, inv: Invocation, d: Device) -> bool:
+        """A caller's plain single-device call: not a batch, a gang, a device set, a
+        generator, a spawned call whose Result is kept, or one the worker must adopt."""
+        return (inv.shape is Shape.SINGLE and not inv.members and inv.carrier is None
+                and inv.lease is None and not inv.items and inv.spec.count == 1
+                and inv.spec.batch_size is None and not inv.spec.affinity
+                and inv.id not in self.core.streams.keep
+                and d.takes_work)
+
+    def start(self, lease: Invocation, d: Device, now: float) -> None:
+        """Hold a slot of `d` for the lease and open it on the worker."""
+        core, tx = self.core, self.core.tx
+        if d.worker is None or not d.takes_work or any(d.running.values()):
+            self._end_at_client(lease, "the device was taken meanwhile")
+            return
+        needs = core.models.request(lease).needs()
+        if needs and not all(d.ledger.state(n.name) is Residency.RESIDENT for n in needs):
+            self._end_at_client(lease, "its models are not resident")
+            return
+        tx.tokens += 1
+        lease.start(now, (d.key,), tx.tokens, Shape.SINGLE)
+        lease.run_started = now
+        d.running[lease.id] = lease
+        d.running_by_fn[lease.function.code_id] += 1
+        d.ledger.reserve(lease.id, lease.spec.memory)
+        if needs:
+            d.ledger.acquire(lease.id, needs, now, lease.function.name)  # not evicted under it
+        core.invocations[lease.id] = lease
+        self.open[lease.id] = lease
+        self.granted += 1
+        fn = lease.function
+        meta = tx.run_meta(lease, d)
+        meta.models = {core.models.models[k].name: k for k in fn.model_keys}
+        meta.lease = [*(lease.lease or ()), lease.user]
+        if fn.code_id not in d.code:
+            core.send(d.worker, p.LoadCode(fn.code_id, fn.name, fn.code_frames))
+            d.code.add(fn.code_id)
+        core.send(d.worker, p.Run(lease.id, fn.function_id, fn.code_id, fn.name,
+                                  lease.dispatch_token, meta, ()))
+
+    def _end_at_client(self, lease: Invocation, why: str) -> None:
+        if lease.client in self.core.peers:
+            self.core.send(lease.client, p.Result(lease.id, True, "", why))
+
+    # ------------------------------------------------------------------ revocation
+
+    def revoke_if_waiting(self, now: float, everything: bool = False) -> None:
+        """After a scheduling pass: a call waits (or the scheduler drains): every lease
+        stops taking calls; its slot frees when its running call ends."""
+        if not self.open or not (everything or len(self.core.queue)
+                                 or getattr(self.ops, "draining", False)):
+            return
+        for lease in self.open.values():
+            if lease.preempt_asked is not None:
+                continue
+            lease.preempt_asked = now
+            d = self.core.devices.get(lease.devices[0]) if lease.devices else None
+            target = (d.control or d.worker) if d is not None else None
+            if target is not None:
+                self.core.send(target, p.Cancel(lease.id, "revoked: a call waits", True,
+                                                lease.dispatch_token))
+
+    # ------------------------------------------------------------------ ends
+
+    def on_result(self, d: Device | None, msg: p.Result, now: float) -> None:
+        """A lease's Result from its worker: meter what ran (once), free its slot."""
+        lease = self.core.invocations.get(msg.invocation_id)
+        self._account(msg, lease, d, now)
+        if d is None:
+            return
+        held = d.running.get(msg.invocation_id)
+        if held is None:
+            return
+        if held.state is InvState.RUNNING:
+            self._finish(held, now, msg)
+        else:  # cancelled meanwhile (its client left): the slot frees now
+            self.open.pop(held.id, None)
+            self.core.tx.release_device(held, d)
+
+    def lost(self, lease: Invocation, d: Device, now: float, why: str) -> None:
+        """Its worker died: the client learns it (and retries or fails what it had there)."""
+        self.core.tx.release_device(lease, d)
+        err = WorkerLost(f"the worker of {d.key} was lost during a lease ({why})")
+        self._finish(lease, now, p.Result(lease.id, False, kind_of(err), str(err)), release=False)
+
+    def _finish(self, lease: Invocation, now: float, msg: p.Result, release: bool = True) -> None:
+        core = self.core
+        self.open.pop(lease.id, None)
+        state = InvState.SUCCEEDED if msg.ok else InvState.FAILED
+        lease.to(state, now)
+        self.ops.run_ended(lease, state, now)  # the device time it held
+        if release:
+            for key in lease.devices:
+                core.tx.release_device(lease, core.devices.get(key))
+        core.invocations.pop(lease.id, None)
+        if lease.client in core.peers:
+            core.send(lease.client, p.Result(lease.id, msg.ok, msg.error_kind, msg.message))
+        core.tx.dirty = True
+
+    def _account(self, msg: p.Result, lease: Invocation | None, d: Device | None,
+                 now: float) -> None:
+        """Meter each call the lease ran as a call of its function and user, once."""
+        items = msg.meta.batch_items or []
+        if msg.invocation_id in self._accounted or not items:
+            return
+        self._accounted[msg.invocation_id] = None
+        while len(self._accounted) > ACCOUNTED_MEMORY:
+            self._accounted.popitem(last=False)
+        fn = lease.function if lease is not None else None
+        key = UsageKey(fn.app, fn.name, fn.version, lease.user) if fn and lease else None
+        for item in items:
+            k = key or UsageKey(str(item.get("app", "")), str(item.get("fn", "?")),
+                                int(item.get("v", 0)), str(item.get("user", "")))
+            started = float(item.get("wall", self.core.wall(now)))
+            outcome = InvState.SUCCEEDED.value if item.get("ok") else InvState.FAILED.value
+            self.ops.usage.record_call(k, outcome, started, started,
+                                       started + float(item.get("s", 0.0)))
+        self.leased_calls += len(items)
+        counters = getattr(self.core, "counters", None)
+        if counters is not None:
+            ok = sum(1 for i in items if i.get("ok"))
+            counters.submitted += len(items)
+            counters.succeeded += ok
+            counters.failed += len(items) - ok

@@ -1,0 +1,169 @@
+"""Leases held on this worker: calls a client sends straight here, past the scheduler.
+
+The scheduler opens a lease with a Run whose meta carries `lease` (it holds one slot of
+this device for it). Until the lease ends (its seconds or calls are spent, or the
+scheduler revokes it with a Cancel naming it) the worker takes the holder's DirectRuns,
+runs them one at a time in that slot and answers each straight to the client. When it
+ends, the calls not started go back to the client (LeaseRefused) and the lease's own
+Result tells the scheduler what ran (`meta.batch_items`), for usage and logs. Sans-I/O:
+the process shell feeds it messages and the clock and carries out what it returns.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpufn.wire import protocol as p
+
+GRACE_SECONDS = 0.25  # a DirectRun sent just before the client's view of the end still runs
+
+
+@dataclass(slots=True)
+class Lease:
+    """One lease: the scheduler's Run that opened it (the template of its calls)."""
+
+    run: p.Run
+    secret: str
+    ends_at: float
+    max_calls: int
+    opened: float
+    taken: int = 0
+    waiting: deque[tuple[bytes, p.DirectRun]] = field(default_factory=deque)
+    running: str | None = None  # the call of this lease running now
+    closing: str = ""  # why it ends ("" while open)
+    accounts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def lease_id(self) -> str:
+        return self.run.invocation_id
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Tell `peer` that these calls of a lease did not run."""
+
+    peer: bytes
+    msg: p.LeaseRefused
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Run this call (built from the lease's template) for `peer`."""
+
+    peer: bytes
+    run: p.Run
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """The lease is over: its Result goes to the scheduler."""
+
+    result: p.Result
+
+
+LeaseAction = Refuse | Start | Ended
+
+
+@dataclass
+class LeaseBook:
+    leases: dict[str, Lease] = field(default_factory=dict)
+    calls: dict[str, tuple[str, bytes, float]] = field(default_factory=dict)  # id -> lease, peer, start
+
+    def open(self, run: p.Run, now: float) -> None:
+        assert run.meta.lease is not None
+        secret, seconds, max_calls = run.meta.lease[:3]
+        self.leases[run.invocation_id] = Lease(run, str(secret), now + float(seconds),
+                                               int(max_calls), now)
+
+    def offer(self, peer: bytes, msg: p.DirectRun, now: float) -> list[LeaseAction]:
+        """A DirectRun arrived: queue it under its lease, or refuse it."""
+        lease = self.leases.get(msg.lease_id)
+        why = ""
+        if lease is None:
+            why = "the lease ended"
+        elif not hmac.compare_digest(lease.secret, msg.secret):
+            why = "wrong lease secret"
+        elif lease.closing or now > lease.ends_at + GRACE_SECONDS:
+            why = lease.closing or "the lease ran out"
+        elif lease.taken >= lease.max_calls:
+            why = "the lease's calls are spent"
+        if why:
+            return [Refuse(peer, p.LeaseRefused(msg.lease_id, [msg.invocation_id], why))]
+        assert lease is not None
+        lease.taken += 1
+        lease.waiting.append((peer, msg))
+        return self.step(now)
+
+    def revoke(self, lease_id: str, why: str) -> bool:
+        """The scheduler (or a restart) ends a lease: no call starts under it any more.
+        Safe from the control thread: it only sets a field the main thread reads."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        if not lease.closing:
+            lease.closing = why
+        return True
+
+    def revoke_all(self, why: str) -> None:
+        for lease_id in list(self.leases):
+            self.revoke(lease_id, why)
+
+    def finished(self, result: p.Result, duration: float | None, now: float) -> bytes | None:
+        """A call ended: if it was a lease's, account it and return the peer to answer."""
+        entry = self.calls.pop(result.invocation_id, None)
+        if entry is None:
+            return None
+        lease_id, peer, started = entry
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            if lease.running == result.invocation_id:
+                lease.running = None
+            meta = lease.run.meta
+            terms = meta.lease or []
+            lease.accounts.append({
+                "id": result.invocation_id, "ok": result.ok, "kind": result.error_kind,
+                "fn": lease.run.name, "app": meta.app, "v": meta.version,
+                "user": str(terms[3]) if len(terms) > 3 else "",
+                "s": duration if duration is not None else now - started,
+                "wall": time.time() - (now - started)})
+        return peer
+
+    def step(self, now: float) -> list[LeaseAction]:
+        """Start the next call of each idle lease; end the leases that are over."""
+        out: list[LeaseAction] = []
+        for lease in list(self.leases.values()):
+            if not lease.closing and now > lease.ends_at:
+                lease.closing = "the lease ran out"
+            if lease.closing and lease.waiting:
+                by_peer: dict[bytes, list[str]] = {}
+                for peer, msg in lease.waiting:
+                    by_peer.setdefault(peer, []).append(msg.invocation_id)
+                lease.waiting.clear()
+                out += [Refuse(peer, p.LeaseRefused(lease.lease_id, ids, lease.closing))
+                        for peer, ids in by_peer.items()]
+            if lease.running is None and lease.waiting:
+                peer, msg = lease.waiting.popleft()
+                lease.running = msg.invocation_id
+                self.calls[msg.invocation_id] = (lease.lease_id, peer, now)
+                tmpl = lease.run
+                out.append(Start(peer, p.Run(
+                    msg.invocation_id, tmpl.function_id, tmpl.code_id, tmpl.name,
+                    tmpl.dispatch_token, replace(tmpl.meta, lease=None, attempt_number=1),
+                    msg.frames)))
+            elif (lease.running is None and not lease.waiting
+                  and (lease.closing or lease.taken >= lease.max_calls)):
+                del self.leases[lease.lease_id]
+                meta = p.ResultMeta(dispatch_token=lease.run.dispatch_token,
+                                    duration=now - lease.opened, batch_items=lease.accounts)
+                out.append(Ended(p.Result(lease.lease_id, True, "", lease.closing or
+                                          "its calls are spent", meta)))
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When a lease runs out (the shell wakes then to end it)."""
+        open_ = [lease.ends_at for lease in self.leases.values() if not lease.closing]
+        return min(open_) if open_ else None

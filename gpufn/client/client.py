@@ -87,6 +87,7 @@ class Client:
         # Repeat calls straight to a worker under a lease (leases.py): (endpoint, frames).
         self.leases = leasing.Leases()
         self._direct_box: deque[tuple[str, list[Any]]] = deque()
+        self._parked: dict[str, list[tuple[str, list[Any]]]] = {}  # until its probe answers
         # Sent before the outbox: the new Hello, then what the Welcome makes us send again.
         # While `_resubmit` is set the outbox is held (see `_send_again`).
         self._front: deque[list[Any]] = deque()
@@ -511,6 +512,12 @@ class Client:
         for ep in direct.overdue(time.monotonic()):
             for lease_id in self.leases.unreachable(ep):
                 self._outbox.append(p.encode(p.Cancel(lease_id, "unreachable from the client")))
+            parked = self._parked.pop(ep, [])
+            for inv, _ in parked:
+                self.leases.answered(inv)
+            self._lease_fallback([inv for inv, _ in parked])
+        for ep in [e for e in self._parked if self.leases.reach.get(e) is leasing.Reach.OK]:
+            self._direct_box.extend((ep, frames) for _, frames in self._parked.pop(ep))
         while self._direct_box:
             ep, frames = self._direct_box.popleft()
             try:
@@ -518,6 +525,22 @@ class Client:
             except zmq.ZMQError:  # full: the call goes through the scheduler instead
                 inv = p.decode(frames).invocation_id  # type: ignore[attr-defined]
                 self._lease_fallback([inv])
+
+    def _take_over(self, grant: p.LeaseGrant) -> None:
+        """Send the calls the scheduler handed to the lease to its worker (once its
+        endpoint answered the probe)."""
+        ep = grant.endpoint
+        for inv in grant.reclaimed:
+            pend = self._calls.get(inv)
+            if pend is None or pend.frames is None or self.leases.adopt(grant.lease_id, inv) is None:
+                continue
+            sub = p.decode(pend.frames)
+            assert isinstance(sub, p.Submit)
+            frames = p.encode(p.DirectRun(grant.lease_id, grant.secret, inv, sub.frames))
+            if self.leases.reach.get(ep) is leasing.Reach.OK:
+                self._direct_box.append((ep, frames))
+            else:
+                self._parked.setdefault(ep, []).append((inv, frames))
 
     def _dispatch_direct(self, msg: p.Message) -> None:
         """A worker's answer to a call under a lease."""
@@ -570,8 +593,11 @@ class Client:
         if isinstance(msg, p.Result) and leasing.is_lease(msg.invocation_id):
             self._lease_ended(msg)
         elif isinstance(msg, p.LeaseGrant):
-            if not self.leases.granted(msg, time.monotonic()):  # off: give it back
+            if self.leases.granted(msg, time.monotonic()):
+                self._take_over(msg)
+            else:  # off: give it back, and what it took over goes through the scheduler
                 self._outbox.append(p.encode(p.Cancel(msg.lease_id, "leases are off")))
+                self._lease_fallback(msg.reclaimed)
         elif isinstance(msg, p.Item):
             items = self._streams.get(msg.invocation_id)
             if items is not None:

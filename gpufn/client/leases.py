@@ -106,6 +106,18 @@ class Leases:
                 return held
         return None
 
+    def adopt(self, lease_id: str, invocation_id: str) -> Held | None:
+        """A queued call the scheduler handed to this lease (`LeaseGrant.reclaimed`)."""
+        with self._lock:
+            held = self._by_id.get(lease_id)
+            if held is None:
+                return None
+            held.left -= 1
+            held.calls.add(invocation_id)
+            self._call[invocation_id] = held
+            self.direct_calls += 1
+            return held
+
     def in_flight(self, invocation_id: str) -> bool:
         """Sent under a lease and not answered: its worker answers it, not the scheduler."""
         return invocation_id in self._call

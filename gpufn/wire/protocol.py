@@ -644,6 +644,9 @@ class LeaseGrant(Message):
     seconds: float
     max_calls: int
     retries: int = 0
+    # Calls of this client the scheduler had queued and hands to the lease instead: the
+    # client sends them to the worker (they are no longer the scheduler's).
+    reclaimed: list[str] = field(default_factory=list)
 
 
 @message(121)

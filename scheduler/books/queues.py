@@ -130,6 +130,19 @@ class ReadyQueue:
         if q.live == 0:
             del self._by_fn[inv.function.function_id]
 
+    def only_of(self, function_id: str, client: bytes) -> list[Invocation] | None:
+        """The queued calls, if every one is of this function and this client (a lease
+        may take them over: scheduler/desks/lease_desk.py); None if anything else waits."""
+        if not self._len:
+            return []
+        q = self._by_fn.get(function_id)
+        if q is None or q.live != self._len:
+            return None
+        mine = [e[2] for e in q.heap if e[2].state is InvState.QUEUED]
+        if len(mine) != q.live or any(i.client != client for i in mine):
+            return None
+        return mine
+
     def hold(self, inv: Invocation) -> None:
         """Set the head `inv` aside until `unhold` (its user is at their device cap)."""
         fid = inv.function.function_id

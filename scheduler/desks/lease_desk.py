@@ -61,7 +61,10 @@ class LeaseDesk:
         worker = core.peers.get(d.worker) if d.worker is not None else None
         if peer is None or not inv.wants_lease or worker is None or not worker.info.direct:
             return None
-        if len(core.queue) or getattr(self.ops, "draining", False):
+        if getattr(self.ops, "draining", False):
+            return None
+        queued = core.queue.only_of(inv.function.function_id, inv.client)
+        if queued is None:  # someone else's call waits
             return None
         if any(other is not inv for other in d.running.values()):
             return None
@@ -75,8 +78,28 @@ class LeaseDesk:
         lease.lease = [secrets.token_hex(16), cfg.lease_seconds, cfg.lease_max_calls]
         core.send(inv.client, p.LeaseGrant(
             lease.id, inv.function.function_id, worker.info.direct, lease.lease[0],
-            cfg.lease_seconds, cfg.lease_max_calls, inv.spec.retries))
+            cfg.lease_seconds, cfg.lease_max_calls, inv.spec.retries,
+            self._reclaim(queued, now)))
         return lease
+
+    def _reclaim(self, queued: list[Invocation], now: float) -> list[str]:
+        """Hand the lease its share of the client's queued calls (the newest, as many as
+        one of the devices that take work would run): the scheduler forgets them, the
+        client sends them to the worker. The others stay for the other devices."""
+        if not queued:
+            return []
+        core = self.core
+        devices = sum(1 for d in core.devices.values() if d.takes_work) or 1
+        n = -(-len(queued) // devices)  # rounded up
+        share = sorted(queued, key=lambda i: i.seq)[len(queued) - n:]
+        for q in share:
+            core.queue.discard(q)
+            q.to(InvState.CANCELLED, now)
+            core.invocations.pop(q.id, None)
+        counters = getattr(core, "counters", None)
+        if counters is not None:
+            counters.submitted -= len(share)  # counted again from the lease's Result
+        return [q.id for q in share]
 
     def _leasable(self, inv: Invocation, d: Device) -> bool:
         """A caller's plain single-device call: not a batch, a gang, a device set, a
@@ -127,12 +150,16 @@ class LeaseDesk:
     def revoke_if_waiting(self, now: float, everything: bool = False) -> None:
         """After a scheduling pass: a call waits (or the scheduler drains): every lease
         stops taking calls; its slot frees when its running call ends."""
-        if not self.open or not (everything or len(self.core.queue)
-                                 or getattr(self.ops, "draining", False)):
+        queue = self.core.queue
+        draining = everything or getattr(self.ops, "draining", False)
+        if not self.open or not (draining or len(queue)):
             return
         for lease in self.open.values():
             if lease.preempt_asked is not None:
                 continue
+            if not draining and queue.only_of(lease.function.function_id,
+                                              lease.client) is not None:
+                continue  # only its own client's calls of it wait: they go on elsewhere
             lease.preempt_asked = now
             d = self.core.devices.get(lease.devices[0]) if lease.devices else None
             target = (d.control or d.worker) if d is not None else None

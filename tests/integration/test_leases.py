@@ -1,0 +1,129 @@
+"""Leases through real processes: repeat calls go straight to the worker and back,
+and every guarantee of the scheduled path holds (metering, waiting calls, lost workers,
+clients that cannot reach the workers)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import gpufn
+from gpufn.exceptions import WorkerLost
+from gpufn.wire import protocol as p
+
+from ..conftest import cluster_with
+from ._waits import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@gpufn.gpu(memory="1MiB")
+def ident(x: int) -> int:
+    return x
+
+
+@gpufn.gpu(memory="1MiB")
+def nap(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+@gpufn.gpu(memory="1MiB", retries=1)
+def nap_retried(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _channel(c: gpufn.Client) -> object:
+    return c._sync.channel
+
+
+@pytest.fixture(scope="module")
+def leasing() -> Iterator[gpufn.Client]:
+    """One device, leases of 30 s: only revocation ends one early."""
+    with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_LEASE_SECONDS=30) as c:
+        yield c
+
+
+def _usage_calls(c: gpufn.Client, fn: str) -> int:
+    rows = c.query("usage", {"since": 3600.0, "by": "function"})["rows"]
+    return sum(int(r["calls"]) for r in rows if r["function"] == fn)
+
+
+def test_repeat_calls_go_straight_to_the_worker_and_are_metered(leasing: gpufn.Client) -> None:
+    before = _usage_calls(leasing, "ident")
+    assert [ident.remote(i) for i in range(60)] == list(range(60))
+    ch = _channel(leasing)
+    assert ch.leases.direct_calls >= 55  # type: ignore[attr-defined]
+    assert list(ident.map(range(2000))) == list(range(2000))
+    assert leasing.leases.direct_calls > 0
+    # Another client's call revokes the leases; their Results meter every call they ran.
+    other = threading.Thread(target=lambda: nap.remote(0.0))
+    other.start()
+    other.join(30)
+    wait_for(lambda: _usage_calls(leasing, "ident") - before == 2060, timeout=30,
+             what="every leased call metered once")
+    time.sleep(0.5)
+    assert _usage_calls(leasing, "ident") - before == 2060
+
+
+def test_a_call_of_another_client_waits_only_for_the_leased_call_running(
+        leasing: gpufn.Client) -> None:
+    nap.remote(0.0)  # this thread holds a 30 s lease on the device's slot for nap
+    stop = threading.Event()
+    ran: list[int] = []
+
+    def holder() -> None:
+        while not stop.is_set():
+            nap.remote(0.02)
+            ran.append(1)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        wait_for(lambda: len(ran) >= 10, timeout=30, what="the holder calls")
+        t0 = time.monotonic()
+        waiter: list[float] = []
+        w = threading.Thread(target=lambda: waiter.append((nap.remote(0.0), time.monotonic())[1]))
+        w.start()
+        w.join(25)
+        assert waiter, "the other client's call did not run while a lease was held"
+        assert waiter[0] - t0 < 5.0  # far below the 30 s lease: revoked at once
+    finally:
+        stop.set()
+        t.join(30)
+
+
+def test_a_worker_lost_during_a_leased_call(leasing: gpufn.Client) -> None:
+    pid = nap.remote(0.0)  # the lease
+    ch = _channel(leasing)
+    sent = ch.leases.direct_calls  # type: ignore[attr-defined]
+    threading.Timer(0.8, os.kill, (pid, signal.SIGKILL)).start()
+    with pytest.raises(WorkerLost, match="lost during a lease"):
+        nap.remote(5.0)
+    assert ch.leases.direct_calls == sent + 1  # type: ignore[attr-defined]
+    # With retries, the call runs again (through the scheduler) on the next worker.
+    pid = nap_retried.remote(0.0)
+    sent = ch.leases.direct_calls  # type: ignore[attr-defined]
+    threading.Timer(0.8, os.kill, (pid, signal.SIGKILL)).start()
+    again = nap_retried.remote(2.0)
+    assert again != pid and ch.leases.direct_calls == sent + 1  # type: ignore[attr-defined]
+
+
+def test_a_client_that_cannot_reach_the_worker_falls_back_and_says_so_once(
+        leasing: gpufn.Client, caplog: pytest.LogCaptureFixture) -> None:
+    ident.remote(0)
+    ch = _channel(leasing)
+    unreachable = p.LeaseGrant("lease:nowhere", "f", "tcp://10.255.255.1:9", "s", 30.0, 10, 0)
+    with caplog.at_level(logging.WARNING, logger="gpufn.client"):
+        ch._granted(unreachable)  # type: ignore[attr-defined]
+        ch._granted(unreachable)  # type: ignore[attr-defined]
+        assert [ident.remote(i) for i in range(20)] == list(range(20))
+    assert len([r for r in caplog.records if "cannot reach the worker" in r.message]) == 1
+    assert not ch.leases.on  # type: ignore[attr-defined]

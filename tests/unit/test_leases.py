@@ -1,0 +1,289 @@
+"""Leases, piece by piece: the scheduler's desk (grant, revoke, metering, loss), the
+worker's lease book and the client's lease table, without processes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from gpufn.client.leases import Leases, Reach
+from gpufn.scheduler.nouns.states import InvState
+from gpufn.wire import protocol as p
+from gpufn.worker.leases import Ended, LeaseBook, Refuse, Start
+
+from .core_harness import Harness
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+def _leasing(**cfg: object) -> tuple[Harness, str]:
+    h = Harness(devices=1, **cfg)  # type: ignore[arg-type]
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1,
+                                        "direct": "tcp://127.0.0.1:5999"})
+    h.hello(b"w0c", p.Role.WORKER, info={"device": "n:0", "incarnation": 1, "channel": "control"})
+    return h, h.register("f")
+
+
+def _submit(h: Harness, fid: str, client: bytes = b"cli", lease: bool = True) -> str:
+    h.n += 1
+    inv = f"inv{h.n}"
+    h.feed(client, p.Submit(inv, fid, {}, lease=lease, frames=(b"args",)))
+    return inv
+
+
+def _grants(h: Harness, client: bytes = b"cli") -> list[p.LeaseGrant]:
+    return [s.msg for s in h.sent if isinstance(s.msg, p.LeaseGrant) and s.peer == client]
+
+
+def _granted(h: Harness, fid: str) -> tuple[str, p.LeaseGrant, p.Run]:
+    inv = _submit(h, fid)
+    h.finish(b"w0", inv)
+    grant = _grants(h)[-1]
+    run = h.runs(b"w0")[-1]
+    assert run.invocation_id == grant.lease_id and run.meta.lease is not None
+    return inv, grant, run
+
+
+def test_a_call_that_asks_gets_a_lease_on_its_idle_device_ahead_of_its_result() -> None:
+    h, fid = _leasing()
+    inv, grant, run = _granted(h, fid)
+    order = [s.msg for s in h.sent if s.peer == b"cli" and isinstance(s.msg, (p.LeaseGrant, p.Result))]
+    assert isinstance(order[-2], p.LeaseGrant) and order[-1].invocation_id == inv
+    assert grant.endpoint == "tcp://127.0.0.1:5999" and grant.function_id == fid
+    assert run.meta.lease[:3] == [grant.secret, grant.seconds, grant.max_calls]
+    lease = h.core.invocations[grant.lease_id]
+    assert lease.state is InvState.RUNNING and grant.lease_id in h.core.devices["n:0"].running
+
+
+def test_no_lease_without_asking_or_when_leases_are_off() -> None:
+    h, fid = _leasing()
+    h.finish(b"w0", _submit(h, fid, lease=False))
+    assert not _grants(h)
+    h, fid = _leasing(lease_seconds=0.0)
+    h.finish(b"w0", _submit(h, fid))
+    assert not _grants(h)
+
+
+def test_no_lease_while_another_call_waits() -> None:
+    h, fid = _leasing()
+    h.hello(b"bob", p.Role.CLIENT)
+    first = _submit(h, fid)
+    _submit(h, fid, client=b"bob")  # another client's call, queued behind it (one slot)
+    h.finish(b"w0", first)
+    assert not _grants(h)
+
+
+def test_a_lease_takes_over_its_clients_own_queued_calls() -> None:
+    h, fid = _leasing(pipeline_depth=0)
+    first = _submit(h, fid)
+    queued = [_submit(h, fid) for _ in range(4)]  # a .map's window: one slot, they wait
+    h.finish(b"w0", first)
+    [grant] = _grants(h)
+    assert sorted(grant.reclaimed) == sorted(queued)
+    assert len(h.core.queue) == 0 and not any(q in h.core.invocations for q in queued)
+    assert h.core.counters.submitted == 1  # the others are counted from the lease's Result
+    assert not any(r.invocation_id in queued for r in h.runs())
+
+
+def test_a_waiting_call_revokes_the_lease_at_once() -> None:
+    h, fid = _leasing()
+    _, grant, run = _granted(h, fid)
+    h.hello(b"bob", p.Role.CLIENT)
+    _submit(h, fid, client=b"bob")  # another user's call of it: its one slot is leased
+    cancels = [s for s in h.sent if isinstance(s.msg, p.Cancel) and s.msg.invocation_id == grant.lease_id]
+    assert [c.peer for c in cancels] == [b"w0c"]  # the control socket: lands during a call
+    assert cancels[0].msg.dispatch_token == run.dispatch_token
+    h.feed(b"bob", p.Ping(1))  # another pass: revoked once, not again
+    assert len([s for s in h.sent if isinstance(s.msg, p.Cancel)
+                and s.msg.invocation_id == grant.lease_id]) == 1
+    # The worker ends it: the slot frees and bob's call runs there.
+    h.feed(b"w0", p.Result(grant.lease_id, True, "", "revoked",
+                           p.ResultMeta(dispatch_token=run.dispatch_token, batch_items=[])))
+    assert h.runs(b"w0")[-1].function_id == fid and h.runs(b"w0")[-1].meta.lease is None
+    assert grant.lease_id not in h.core.invocations
+
+
+def test_another_functions_call_runs_beside_a_lease_without_revoking_it() -> None:
+    h, fid = _leasing()
+    _granted(h, fid)
+    g = h.register("g")
+    inv = _submit(h, g, lease=False)
+    assert h.runs(b"w0")[-1].invocation_id == inv  # a free slot of the device: no wait
+    assert not any(isinstance(s.msg, p.Cancel) for s in h.sent)
+
+
+def test_the_leases_result_meters_each_call_it_ran() -> None:
+    h, fid = _leasing()
+    _, grant, run = _granted(h, fid)
+    items = [{"id": f"d{i}", "ok": i != 2, "kind": "" if i != 2 else "UserError", "s": 0.01,
+              "wall": h.core.wall(h.now)} for i in range(3)]
+    h.feed(b"w0", p.Result(grant.lease_id, True, "", "spent",
+                           p.ResultMeta(dispatch_token=run.dispatch_token, batch_items=items)))
+    usage = h.core.ops.usage.calls_total
+    assert sum(n for (_, fn, _, outcome), n in usage.items() if fn == "f" and outcome == "succeeded") == 3
+    assert sum(n for (_, fn, _, outcome), n in usage.items() if fn == "f" and outcome == "failed") == 1
+    # The same Result again (a worker repeats it after a restart): metered once.
+    h.feed(b"w0", p.Result(grant.lease_id, True, "", "spent",
+                           p.ResultMeta(dispatch_token=run.dispatch_token, batch_items=items)))
+    assert sum(usage.values()) == 4
+    ends = [s.msg for s in h.sent if isinstance(s.msg, p.Result) and s.peer == b"cli"
+            and s.msg.invocation_id == grant.lease_id]
+    assert len(ends) == 1 and ends[0].ok  # its client hears the end once
+    assert not h.core.devices["n:0"].running
+
+
+def test_a_lease_lost_with_its_worker_tells_its_client() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    h.feed(b"sup", p.WorkerExited("n:0", 1, -9, "killed by signal 9", 1))
+    ends = [s.msg for s in h.sent if isinstance(s.msg, p.Result)
+            and s.msg.invocation_id == grant.lease_id]
+    assert len(ends) == 1 and not ends[0].ok and ends[0].error_kind == "WorkerLost"
+    assert grant.lease_id not in h.core.invocations
+    assert len(h.core.queue) == 0  # never queued again as if it were a call
+
+
+def test_a_draining_scheduler_revokes_leases() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    h.feed(b"cli", p.Drain(1, 30.0, "test"))
+    assert any(isinstance(s.msg, p.Cancel) and s.msg.invocation_id == grant.lease_id
+               for s in h.sent)
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def _open(book: LeaseBook, seconds: float = 1.0, max_calls: int = 3) -> p.Run:
+    run = p.Run("lease:x", "f1", "c1", "f", 77, p.RunMeta(lease=["s", seconds, max_calls, "ann"],
+                                                         app="a", version=2))
+    book.open(run, 10.0)
+    return run
+
+
+def _direct(inv: str, secret: str = "s") -> p.DirectRun:
+    return p.DirectRun("lease:x", secret, inv, frames=(b"args",))
+
+
+def test_the_worker_runs_a_leases_calls_one_at_a_time_in_order() -> None:
+    book = LeaseBook()
+    _open(book)
+    first = book.offer(b"c", _direct("i1"), 10.1)
+    assert [type(a) for a in first] == [Start]
+    assert isinstance(first[0], Start) and first[0].run.invocation_id == "i1"
+    assert first[0].run.meta.lease is None and first[0].run.dispatch_token == 77
+    assert book.offer(b"c", _direct("i2"), 10.1) == []  # waits for i1
+    assert book.finished(p.Result("i1", True, "", ""), 0.01, 10.2) == b"c"
+    nxt = book.step(10.2)
+    assert isinstance(nxt[0], Start) and nxt[0].run.invocation_id == "i2"
+
+
+def test_the_worker_refuses_a_wrong_secret_a_spent_lease_and_an_unknown_one() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=1)
+    bad = book.offer(b"c", _direct("i1", secret="nope"), 10.1)
+    assert isinstance(bad[0], Refuse) and bad[0].msg.reason == "wrong lease secret"
+    assert isinstance(book.offer(b"c", _direct("i2"), 10.1)[0], Start)
+    spent = book.offer(b"c", _direct("i3"), 10.1)
+    assert isinstance(spent[0], Refuse) and spent[0].msg.invocation_ids == ["i3"]
+    unknown = book.offer(b"c", p.DirectRun("lease:y", "s", "i4"), 10.1)
+    assert isinstance(unknown[0], Refuse) and unknown[0].msg.reason == "the lease ended"
+
+
+def test_a_revoked_lease_refuses_what_waits_and_reports_what_ran() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.1)
+    book.offer(b"c", _direct("i2"), 10.1)
+    book.offer(b"d", _direct("i3"), 10.1)
+    assert book.revoke("lease:x", "revoked by the scheduler")
+    out = book.step(10.2)
+    refused = {a.peer: a.msg.invocation_ids for a in out if isinstance(a, Refuse)}
+    assert refused == {b"c": ["i2"], b"d": ["i3"]}
+    assert not any(isinstance(a, Ended) for a in out)  # i1 still runs
+    book.finished(p.Result("i1", False, "UserError", "boom"), 0.5, 10.7)
+    end = [a for a in book.step(10.7) if isinstance(a, Ended)]
+    assert len(end) == 1
+    meta = end[0].result.meta
+    assert meta.dispatch_token == 77 and meta.batch_items is not None
+    [item] = meta.batch_items
+    assert (item["id"], item["ok"], item["kind"], item["s"]) == ("i1", False, "UserError", 0.5)
+    assert (item["fn"], item["app"], item["v"], item["user"]) == ("f", "a", 2, "ann")
+    assert not book.leases
+
+
+def test_a_lease_runs_out_on_time() -> None:
+    book = LeaseBook()
+    _open(book, seconds=1.0)
+    assert book.next_deadline() == 11.0
+    late = book.offer(b"c", _direct("i1"), 11.0 + 1.0)
+    assert isinstance(late[0], Refuse)
+    assert any(isinstance(a, Ended) for a in book.step(12.0))
+
+
+# --------------------------------------------------------------------------- client
+
+
+def _grant(seconds: float = 1.0, calls: int = 2, ep: str = "tcp://127.0.0.1:1") -> p.LeaseGrant:
+    return p.LeaseGrant("lease:x", "f1", ep, "s", seconds, calls, 0)
+
+
+def test_the_client_asks_only_for_plain_calls() -> None:
+    leases = Leases()
+    assert leases.mark(p.Submit("i", "f1", {})).lease
+    assert not leases.mark(p.Submit("i", "f1", {"timeout": 3})).lease
+    assert not leases.mark(p.Submit("i", "f1", {}, keep=True)).lease
+    assert not leases.mark(p.Submit("i", "f1", {}), stream=True).lease
+
+
+def test_the_client_uses_a_lease_only_on_a_probed_worker_within_its_calls_and_time() -> None:
+    leases = Leases()
+    sub = leases.mark(p.Submit("i1", "f1", {}))
+    assert leases.granted(_grant(), 0.0)
+    assert leases.take(sub, 0.1) is None  # not probed yet
+    assert leases.endpoints_to_probe() == ["tcp://127.0.0.1:1"]
+    leases.reach["tcp://127.0.0.1:1"] = Reach.OK
+    assert leases.take(sub, 0.1) is not None and leases.in_flight("i1")
+    assert leases.take(leases.mark(p.Submit("i2", "f1", {})), 0.1) is not None
+    assert leases.take(leases.mark(p.Submit("i3", "f1", {})), 0.1) is None  # its calls spent
+    leases.answered("i1")
+    assert not leases.in_flight("i1")
+    other = Leases()
+    other.granted(_grant(seconds=1.0, calls=10), 0.0)
+    other.reach["tcp://127.0.0.1:1"] = Reach.OK
+    assert other.take(other.mark(p.Submit("j", "f1", {})), 0.99) is None  # past its time
+    assert other.take(other.mark(p.Submit("j", "f2", {})), 0.1) is None  # another function
+
+
+def test_a_lease_ended_lost_gives_its_calls_in_flight_and_a_refusal_ends_it() -> None:
+    leases = Leases()
+    leases.granted(_grant(calls=10), 0.0)
+    leases.reach["tcp://127.0.0.1:1"] = Reach.OK
+    for i in range(3):
+        leases.take(leases.mark(p.Submit(f"i{i}", "f1", {})), 0.1)
+    leases.answered("i0")
+    held = leases.ended("lease:x")
+    assert held is not None and held.calls == {"i1", "i2"}
+    assert leases.take(leases.mark(p.Submit("i9", "f1", {})), 0.1) is None
+    again = Leases()
+    again.granted(_grant(calls=10), 0.0)
+    again.reach["tcp://127.0.0.1:1"] = Reach.OK
+    again.take(again.mark(p.Submit("i1", "f1", {})), 0.1)
+    again.refused(p.LeaseRefused("lease:x", ["i1"], "revoked"))
+    assert not again.in_flight("i1")
+    assert again.take(again.mark(p.Submit("i2", "f1", {})), 0.1) is None
+
+
+def test_an_unreachable_worker_turns_leases_off_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    leases = Leases()
+    leases.granted(_grant(), 0.0)
+    with caplog.at_level(logging.WARNING, logger="gpufn.client"):
+        assert leases.unreachable("tcp://127.0.0.1:1") == ["lease:x"]
+        leases.unreachable("tcp://127.0.0.1:1")
+    assert len([r for r in caplog.records if "cannot reach the worker" in r.message]) == 1
+    assert not leases.mark(p.Submit("i", "f1", {})).lease  # no more asking
+    assert not leases.granted(_grant(), 0.0)

@@ -20,6 +20,10 @@ from typing import Any
 from gpufn.wire import protocol as p
 
 GRACE_SECONDS = 0.25  # a DirectRun sent just before the client's view of the end still runs
+# A client may hear of its lease (from the scheduler) before this worker does: a DirectRun
+# for a lease not opened yet waits this long for it before it is refused.
+EARLY_SECONDS = 2.0
+ENDED_MEMORY_SECONDS = 60.0  # a DirectRun naming a lease ended this lately is refused at once
 
 
 @dataclass(slots=True)
@@ -72,6 +76,8 @@ LeaseAction = Refuse | Start | Ended
 class LeaseBook:
     leases: dict[str, Lease] = field(default_factory=dict)
     calls: dict[str, tuple[str, bytes, float]] = field(default_factory=dict)  # id -> lease, peer, start
+    early: dict[str, list[tuple[float, bytes, p.DirectRun]]] = field(default_factory=dict)
+    ended: dict[str, float] = field(default_factory=dict)  # lease id -> when it ended here
 
     def open(self, run: p.Run, now: float) -> None:
         assert run.meta.lease is not None
@@ -79,10 +85,20 @@ class LeaseBook:
         self.leases[run.invocation_id] = Lease(run, str(secret), now + float(seconds),
                                                int(max_calls), now)
 
+    def opened(self, lease_id: str, now: float) -> list[LeaseAction]:
+        """After `open`: the DirectRuns that came before it, offered now."""
+        out: list[LeaseAction] = []
+        for _, peer, msg in self.early.pop(lease_id, []):
+            out += self.offer(peer, msg, now)
+        return out + self.step(now)
+
     def offer(self, peer: bytes, msg: p.DirectRun, now: float) -> list[LeaseAction]:
         """A DirectRun arrived: queue it under its lease, or refuse it."""
         lease = self.leases.get(msg.lease_id)
         why = ""
+        if lease is None and msg.lease_id not in self.ended:
+            self.early.setdefault(msg.lease_id, []).append((now, peer, msg))
+            return []
         if lease is None:
             why = "the lease ended"
         elif not hmac.compare_digest(lease.secret, msg.secret):
@@ -157,13 +173,29 @@ class LeaseBook:
             elif (lease.running is None and not lease.waiting
                   and (lease.closing or lease.taken >= lease.max_calls)):
                 del self.leases[lease.lease_id]
+                self.ended[lease.lease_id] = now
                 meta = p.ResultMeta(dispatch_token=lease.run.dispatch_token,
                                     duration=now - lease.opened, batch_items=lease.accounts)
                 out.append(Ended(p.Result(lease.lease_id, True, "", lease.closing or
                                           "its calls are spent", meta)))
         return out
 
+    def refuse_late(self, now: float) -> list[LeaseAction]:
+        """DirectRuns whose lease never opened here (or ended) in time: refused."""
+        out: list[LeaseAction] = []
+        for lease_id, waiting in list(self.early.items()):
+            if now - waiting[0][0] > EARLY_SECONDS:
+                del self.early[lease_id]
+                out += [Refuse(peer, p.LeaseRefused(lease_id, [m.invocation_id],
+                                                    "no such lease here"))
+                        for _, peer, m in waiting]
+        for lease_id, t in list(self.ended.items()):
+            if now - t > ENDED_MEMORY_SECONDS:
+                del self.ended[lease_id]
+        return out
+
     def next_deadline(self) -> float | None:
         """When a lease runs out (the shell wakes then to end it)."""
-        open_ = [lease.ends_at for lease in self.leases.values() if not lease.closing]
-        return min(open_) if open_ else None
+        times = [lease.ends_at for lease in self.leases.values() if not lease.closing]
+        times += [w[0][0] + EARLY_SECONDS for w in self.early.values()]
+        return min(times) if times else None

@@ -218,10 +218,13 @@ class WorkerProcess:
             sockets.send(self.sock, p.encode_batch(msgs))
         if self._direct_out:
             out, self._direct_out = self._direct_out, []
-            for peer, batch in out:
+            for i, (peer, batch) in enumerate(out):
                 try:
                     sockets.send(self.direct, [peer, *p.encode_batch(batch)], zmq.NOBLOCK)
-                except zmq.ZMQError as e:  # its client is gone (or full): it asks the head
+                except zmq.Again:  # its client reads slowly: the rest waits for the next round
+                    self._direct_out = out[i:] + self._direct_out
+                    break
+                except zmq.ZMQError as e:  # its client is gone
                     log.info("a leased call's answer could not reach its client: %s", e)
 
     def _act(self, actions: list[Action]) -> None:
@@ -465,8 +468,9 @@ class WorkerProcess:
                     self._receive()
                 if ready.get(self.direct):
                     self._direct_receive()
-                if self.leases.leases:
-                    self._lease_act(self.leases.step(time.monotonic()))
+                if self.leases.leases or self.leases.early:
+                    now = time.monotonic()
+                    self._lease_act(self.leases.step(now) + self.leases.refuse_late(now))
                 self._flush()
             except Cancelled:
                 continue  # an interrupt aimed at a call that had just ended
@@ -500,6 +504,7 @@ class WorkerProcess:
                         continue
                 if isinstance(msg, p.Run) and msg.meta.lease is not None:
                     self.leases.open(msg, time.monotonic())  # calls come straight to us now
+                    self._lease_act(self.leases.opened(msg.invocation_id, time.monotonic()))
                     continue
                 try:
                     self._act(self.core.handle(msg))

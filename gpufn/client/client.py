@@ -519,12 +519,12 @@ class Client:
         for ep in [e for e in self._parked if self.leases.reach.get(e) is leasing.Reach.OK]:
             self._direct_box.extend((ep, frames) for _, frames in self._parked.pop(ep))
         while self._direct_box:
-            ep, frames = self._direct_box.popleft()
+            ep, frames = self._direct_box[0]
             try:
                 direct.send(ep, frames)
-            except zmq.ZMQError:  # full: the call goes through the scheduler instead
-                inv = p.decode(frames).invocation_id  # type: ignore[attr-defined]
-                self._lease_fallback([inv])
+            except zmq.Again:  # the worker reads slowly: the rest waits for the next round
+                break
+            self._direct_box.popleft()
 
     def _take_over(self, grant: p.LeaseGrant) -> None:
         """Send the calls the scheduler handed to the lease to its worker (once its

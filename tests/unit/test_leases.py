@@ -190,8 +190,23 @@ def test_the_worker_refuses_a_wrong_secret_a_spent_lease_and_an_unknown_one() ->
     assert isinstance(book.offer(b"c", _direct("i2"), 10.1)[0], Start)
     spent = book.offer(b"c", _direct("i3"), 10.1)
     assert isinstance(spent[0], Refuse) and spent[0].msg.invocation_ids == ["i3"]
-    unknown = book.offer(b"c", p.DirectRun("lease:y", "s", "i4"), 10.1)
-    assert isinstance(unknown[0], Refuse) and unknown[0].msg.reason == "the lease ended"
+    assert book.offer(b"c", p.DirectRun("lease:y", "s", "i4"), 10.1) == []  # may come later
+    assert book.refuse_late(11.0) == []
+    [late] = book.refuse_late(12.2)
+    assert isinstance(late, Refuse) and late.msg.invocation_ids == ["i4"]
+
+
+def test_a_direct_call_that_beats_its_lease_to_the_worker_runs_once_it_opens() -> None:
+    book = LeaseBook()
+    assert book.offer(b"c", _direct("i1"), 9.9) == []  # the scheduler's Run is on its way
+    _open(book)
+    [start] = book.opened("lease:x", 10.0)
+    assert isinstance(start, Start) and start.run.invocation_id == "i1"
+    assert book.finished(p.Result("i1", True, "", ""), 0.01, 10.1) == b"c"
+    book.revoke("lease:x", "done")
+    assert any(isinstance(a, Ended) for a in book.step(10.2))
+    ended = book.offer(b"c", _direct("i2"), 10.3)  # a lease that ended here: refused at once
+    assert isinstance(ended[0], Refuse) and ended[0].msg.reason == "the lease ended"
 
 
 def test_a_revoked_lease_refuses_what_waits_and_reports_what_ran() -> None:

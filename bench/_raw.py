@@ -191,6 +191,61 @@ class RawPath:
         self.ctx.term()
 
 
+def direct_worker(addr_q: Any) -> None:
+    """A ROUTER echo worker that clients reach straight, no forwarder: the floor of a
+    call under a lease (client -> worker -> client, over TCP loopback as gpufn's)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    addr_q.put(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+    while True:
+        client, payload = sock.recv_multipart()
+        if payload == b"stop":
+            break
+        sock.send_multipart([client, b"ok"])
+    sock.close(0)
+    ctx.term()
+
+
+class RawDirect:
+    """client -> worker -> client: two hops, the new floor (issue: repeat calls skip the head)."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.worker = ctx.Process(target=direct_worker, args=(q,), daemon=True)
+        self.worker.start()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.connect(q.get(timeout=30))
+        self.roundtrip(b"warm")
+
+    def roundtrip(self, payload: Any) -> None:
+        self.sock.send(payload)
+        self.sock.recv()
+
+    def pipelined(self, payloads: list[Any], window: int = 256) -> None:
+        sent = recv = 0
+        n = len(payloads)
+        while recv < n:
+            while sent < n and sent - recv < window:
+                self.sock.send(payloads[sent])
+                sent += 1
+            self.sock.recv()
+            recv += 1
+
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.worker.join(2)
+        if self.worker.is_alive():
+            self.worker.kill()
+        self.sock.close(0)
+        self.ctx.term()
+
+
 def best_roundtrip_us(path: RawPath, n: int, payload: bytes = b"x") -> float:
     """p50 of `n` round trips (after 200 to warm up), in µs."""
     for _ in range(200):

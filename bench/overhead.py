@@ -1,8 +1,12 @@
 """Call-path overhead: gpufn vs the raw transport (and Ray, if installed), in one run.
 
 Prints, for this machine, side by side:
-  * p50/p99 round trip of a no-op `.remote()` on a warm worker vs a raw pyzmq
-    DEALER -> ROUTER forwarder -> echo worker round trip (the transport's floor);
+  * p50/p99 round trip of a no-op `.remote()` on a warm worker (repeat calls go
+    straight to it under a lease) vs a raw pyzmq DEALER -> echo worker ROUTER round trip
+    over TCP loopback (the floor of that path), and vs the old floor, a raw round trip
+    through a forwarder (client -> forwarder -> worker and back);
+  * the same `.remote()` with leases off (GPUFN_LEASE_SECONDS=0: every call through the
+    scheduler), and the scheduler's CPU time per call over a long `.map` both ways;
   * of that round trip: the cost of pickling the function's code again for each call
     (calls see globals as they are when made; unchanged code is not resent);
   * `.map()` throughput over 10,000 no-op inputs;
@@ -39,7 +43,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _models import alive, descendants
-from _raw import RawPath
+from _raw import RawDirect, RawPath
 
 MiB = 2**20
 
@@ -151,10 +155,19 @@ def main() -> None:
             dt = timed(lambda: [clone.remote(big) for _ in range(a.n_big)])
             add(f"{prefix} big clone MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)
 
+    def head_cpu() -> float:
+        """CPU seconds the embedded cluster's scheduler process has used."""
+        pid = next(p for p in descendants(os.getpid()) if "gpufn.scheduler" in cmdline(p))
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def measure_gpufn(prefix: str = "gpufn", curve: bool | None = None) -> None:
         """The embedded cluster (curve None), or one over TCP loopback with or without
         CURVE; rows are named `prefix ...`."""
         before = descendants(os.getpid())
+        if prefix == "nolease":
+            os.environ["GPUFN_LEASE_SECONDS"] = "0"
         cluster: Any = None
         if curve is None:
             client = gpufn.connect()
@@ -186,8 +199,13 @@ def main() -> None:
             p50, p99 = roundtrips(noop.remote, a.n_latency)
             add(f"{prefix} p50 us", p50 * 1e6)
             add(f"{prefix} p99 us", p99 * 1e6)
+            cpu0 = head_cpu() if curve is None else 0.0
             dt = timed(lambda: list(noop1.map(range(a.n_map))))
             add(f"{prefix} map calls/s", a.n_map / dt)
+            if curve is None:
+                add(f"{prefix} head cpu us/call", (head_cpu() - cpu0) / a.n_map * 1e6)
+            if prefix == "nolease":
+                return
             dt = timed(lambda: list(noop1.map([tensor] * a.n_large)))
             add(f"{prefix} 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
             measure_big(prefix)
@@ -197,6 +215,7 @@ def main() -> None:
             if cluster is not None:
                 cluster.stop()
             os.environ.pop("GPUFN_CURVE", None)
+            os.environ.pop("GPUFN_LEASE_SECONDS", None)
             leftover.update(wait_gone(mine))
 
     def measure_raw() -> None:
@@ -207,7 +226,12 @@ def main() -> None:
                 RawPath(small_reply=True, transport=a.transport, n_workers=a.devices,
                         large=True)] if full else []
         echo_large = RawPath(transport=a.transport, large=True)  # echoes the payload back
+        direct = RawDirect() if full else None
         try:
+            if direct is not None:
+                p50, p99 = roundtrips(functools.partial(direct.roundtrip, b"x"), a.n_latency)
+                add("raw direct p50 us", p50 * 1e6)
+                add("raw direct p99 us", p99 * 1e6)
             for t, path in raw.items():
                 p50, p99 = roundtrips(functools.partial(path.roundtrip, b"x"), a.n_latency)
                 add(f"raw {t} p50 us", p50 * 1e6)
@@ -224,9 +248,13 @@ def main() -> None:
         finally:
             for path in [*raw.values(), *many, echo_large]:
                 path.close()
+            if direct is not None:
+                direct.close()
             leftover.update(wait_gone(descendants(os.getpid()) - before))
 
     systems: list[tuple[str, Callable[[], None]]] = [("gpufn", measure_gpufn), ("raw", measure_raw)]
+    if a.only == "all":
+        systems.append(("nolease", functools.partial(measure_gpufn, "nolease")))
     if a.curve:
         import tempfile
         from pathlib import Path
@@ -296,11 +324,21 @@ def main() -> None:
     t.add_column("ratio (median)", justify="right")
     if a.only == "all":
         t.add_row("no-op .remote() p50 (us)", summarize(rows["gpufn p50 us"]),
-                  f"raw {tr} {summarize(rows[f'raw {tr} p50 us'])}",
-                  f"{med['gpufn p50 us'] / med[f'raw {tr} p50 us']:.2f}x raw")
+                  f"raw direct {summarize(rows['raw direct p50 us'])}",
+                  f"{med['gpufn p50 us'] / med['raw direct p50 us']:.2f}x raw direct")
         t.add_row("no-op .remote() p99 (us)", summarize(rows["gpufn p99 us"]),
-                  f"raw {tr} {summarize(rows[f'raw {tr} p99 us'])}",
-                  f"{med['gpufn p99 us'] / med[f'raw {tr} p99 us']:.2f}x raw")
+                  f"raw direct {summarize(rows['raw direct p99 us'])}",
+                  f"{med['gpufn p99 us'] / med['raw direct p99 us']:.2f}x raw direct")
+        t.add_row("  (the old floor: raw through a forwarder, p50 us)", "",
+                  f"raw {tr} {summarize(rows[f'raw {tr} p50 us'])}",
+                  f"{med['gpufn p50 us'] / med[f'raw {tr} p50 us']:.2f}x")
+        t.add_row("  (leases off: every call through the scheduler, p50 us)",
+                  summarize(rows["nolease p50 us"]), "",
+                  f"{med['nolease p50 us'] / med['gpufn p50 us']:.2f}x slower")
+        t.add_row("  (scheduler CPU per call over the .map, us; leases off)",
+                  summarize(rows["gpufn head cpu us/call"]),
+                  summarize(rows["nolease head cpu us/call"]),
+                  f"{med['nolease head cpu us/call'] / max(med['gpufn head cpu us/call'], 1e-9):.1f}x less")
         t.add_row("  (of which: pickling the function's code per call, us)",
                   summarize(rows["gpufn code pickle us"]), "", "")
         other = "tcp" if tr == "ipc" else "ipc"
@@ -309,6 +347,8 @@ def main() -> None:
         t.add_row(f".map() {a.n_map:,} no-ops (calls/s)", summarize(rows["gpufn map calls/s"]),
                   f"raw {summarize(rows['raw map msgs/s'])}",
                   f"{med['gpufn map calls/s'] / med['raw map msgs/s']:.2f}x raw")
+        t.add_row("  (leases off, calls/s)", summarize(rows["nolease map calls/s"]), "",
+                  f"{med['gpufn map calls/s'] / med['nolease map calls/s']:.2f}x")
         t.add_row(f".map() {a.n_large:,} x 4 MiB tensors (MB/s)", summarize(rows["gpufn 4MiB MB/s"]),
                   f"raw {summarize(rows['raw 4MiB MB/s'])}",
                   f"{med['gpufn 4MiB MB/s'] / med['raw 4MiB MB/s']:.2f}x raw")

@@ -750,6 +750,7 @@ class _SyncChannel:
         self.last_heard = 0.0
         self.leases = leasing.Leases()  # this channel's own: its socket hears their ends
         self.direct = DirectSockets(client._ctx, self.leases)
+        self._pollers: dict[str, zmq.Poller] = {}
         try:
             self._hello()
         except BaseException:
@@ -807,10 +808,12 @@ class _SyncChannel:
         g, inv = held.grant, submit.invocation_id
         self.direct.send(g.endpoint, p.encode(p.DirectRun(g.lease_id, g.secret, inv,
                                                           submit.frames)))
+        poller = self._pollers.get(g.endpoint)
+        if poller is None:  # one per endpoint, kept: a call under a lease is ~100 us
+            poller = self._pollers[g.endpoint] = zmq.Poller()
+            poller.register(self.direct.socks[g.endpoint], zmq.POLLIN)
+            poller.register(self.sock, zmq.POLLIN)
         dsock = self.direct.socks[g.endpoint]
-        poller = zmq.Poller()
-        poller.register(dsock, zmq.POLLIN)
-        poller.register(self.sock, zmq.POLLIN)
         while True:
             ready = dict(poller.poll(int(self.client.ping_seconds * 1000)))
             if not ready:

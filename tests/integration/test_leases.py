@@ -10,14 +10,17 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import gpufn
+from gpufn.client import default as client_mod
 from gpufn.exceptions import WorkerLost
 from gpufn.wire import protocol as p
 
-from ..conftest import cluster_with
+from ..conftest import cluster_with, shutdown_default, wait_ready
+from ._head import TOKEN, Head
 from ._waits import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,3 +130,54 @@ def test_a_client_that_cannot_reach_the_worker_falls_back_and_says_so_once(
         assert [ident.remote(i) for i in range(20)] == list(range(20))
     assert len([r for r in caplog.records if "cannot reach the worker" in r.message]) == 1
     assert not ch.leases.on  # type: ignore[attr-defined]
+
+
+@gpufn.gpu(memory="1MiB")
+def noted(log: str, i: int) -> int:
+    with open(log, "a") as f:
+        f.write(f"{i} {gpufn.context().attempt}\n")
+    time.sleep(0.01)
+    return i
+
+
+def test_a_head_restart_during_a_lease_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    """`.remote()` in a loop under a 30 s lease while the scheduler is SIGKILLed (serve
+    starts another): every call returns its value, none runs twice, and the calls the
+    lease ran are metered by the next scheduler."""
+    shutdown_default()
+    head = Head(tmp_path / "head", devices=1, GPUFN_LEASE_SECONDS="30")
+    log = tmp_path / "runs.log"
+    try:
+        head.start()
+        c = gpufn.connect(head.address, token=TOKEN)
+        wait_ready(c)
+        out: list[int] = []
+        errors: list[BaseException] = []
+        channels: list[object] = []
+
+        def loop() -> None:
+            try:
+                for i in range(300):
+                    out.append(noted.remote(str(log), i))
+                channels.append(_channel(c))
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=loop)
+        t.start()
+        wait_for(lambda: len(out) >= 100, timeout=60, what="calls under the lease")
+        head.kill_scheduler(signal.SIGKILL)
+        t.join(120)
+        assert not t.is_alive() and not errors, errors
+        assert out == list(range(300))
+        runs = [ln.split() for ln in log.read_text().splitlines()]
+        assert sorted(int(i) for i, _ in runs) == list(range(300))  # each ran exactly once
+        assert channels[0].leases.direct_calls > 200  # type: ignore[attr-defined]
+        # The next scheduler meters what the lease ran once it ends (revoked here).
+        threading.Thread(target=lambda: nap.remote(0.0)).start()
+        wait_for(lambda: _usage_calls(c, "noted") >= 100, timeout=60,
+                 what="the leased calls metered after the restart")
+        head.shutdown()
+    finally:
+        client_mod._shutdown_default()
+        head.close()

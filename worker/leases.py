@@ -194,6 +194,10 @@ class LeaseBook:
                 del self.ended[lease_id]
         return out
 
+    def startable(self) -> bool:
+        """A lease has a call waiting and none running (the shell does not sleep)."""
+        return any(lease.running is None and lease.waiting for lease in self.leases.values())
+
     def next_deadline(self) -> float | None:
         """When a lease runs out (the shell wakes then to end it)."""
         times = [lease.ends_at for lease in self.leases.values() if not lease.closing]

@@ -67,6 +67,7 @@ OUTPUT_FLUSH_SECONDS = 0.05
 HANDSHAKE_SECONDS = 60.0
 HELLO_RETRY_SECONDS = 1.0  # a refused Hello again is said again after this
 CANCEL_MEMORY_SECONDS = 300.0
+LEASE_ROUND = 64  # calls under leases started in one round of the main loop, at most
 
 
 def _torch_device(kind: str) -> Any:
@@ -218,12 +219,14 @@ class WorkerProcess:
             sockets.send(self.sock, p.encode_batch(msgs))
         if self._direct_out:
             out, self._direct_out = self._direct_out, []
-            for i, (peer, batch) in enumerate(out):
+            by_peer: dict[bytes, list[p.Message]] = {}  # one message per client: a batch
+            for peer, msgs in out:
+                by_peer.setdefault(peer, []).extend(msgs)
+            for peer, batch in by_peer.items():
                 try:
                     sockets.send(self.direct, [peer, *p.encode_batch(batch)], zmq.NOBLOCK)
-                except zmq.Again:  # its client reads slowly: the rest waits for the next round
-                    self._direct_out = out[i:] + self._direct_out
-                    break
+                except zmq.Again:  # its client reads slowly: it waits for the next round
+                    self._direct_out.append((peer, batch))
                 except zmq.ZMQError as e:  # its client is gone
                     log.info("a leased call's answer could not reach its client: %s", e)
 
@@ -271,8 +274,7 @@ class WorkerProcess:
         output = self.router.drain(result.invocation_id)
         self._outgoing.extend(output)
         self._direct_out.append((peer, [*output, result]))
-        self._lease_act(self.leases.step(time.monotonic()))
-        return True
+        return True  # the next call of the lease starts in the main loop (no recursion)
 
     def _lease_act(self, actions: list[LeaseAction]) -> None:
         for a in actions:
@@ -284,6 +286,17 @@ class WorkerProcess:
                 actions_ = self.core.handle(a.run)
                 self.core.running.pop(a.run.invocation_id, None)  # not the scheduler's call
                 self._act(actions_)
+
+    def _step_leases(self) -> None:
+        """Start the leases' next calls; short (inline) ones end at once, so several run
+        in one round and their answers leave together, one message per client."""
+        for _ in range(LEASE_ROUND):
+            now = time.monotonic()
+            actions = self.leases.step(now) + self.leases.refuse_late(now)
+            self._lease_act(actions)
+            if not any(isinstance(a, Start) for a in actions):
+                return
+            self._drain_done()
 
     def _direct_receive(self) -> None:
         """DirectRuns (and probes) from clients holding a lease."""
@@ -460,6 +473,8 @@ class WorkerProcess:
                 ends = self.leases.next_deadline()
                 if ends is not None:
                     wait = min(wait, max(0.0, ends - time.monotonic()) + 0.001)
+                if self.leases.startable():
+                    wait = 0.0
                 ready = dict(poller.poll(math.ceil(wait * 1000)))
                 if ready.get(wake_fd):
                     self._wake.drain()
@@ -469,8 +484,7 @@ class WorkerProcess:
                 if ready.get(self.direct):
                     self._direct_receive()
                 if self.leases.leases or self.leases.early:
-                    now = time.monotonic()
-                    self._lease_act(self.leases.step(now) + self.leases.refuse_late(now))
+                    self._step_leases()
                 self._flush()
             except Cancelled:
                 continue  # an interrupt aimed at a call that had just ended

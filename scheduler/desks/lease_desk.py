@@ -66,7 +66,7 @@ class LeaseDesk:
         queued = core.queue.only_of(inv.function.function_id, inv.client)
         if queued is None:  # someone else's call waits
             return None
-        if any(other is not inv for other in d.running.values()):
+        if not self._only_its_own(d, inv):
             return None
         if any(lease.client == inv.client and lease.function is inv.function
                and d.key in lease.devices for lease in self.open.values()):
@@ -101,6 +101,13 @@ class LeaseDesk:
             counters.submitted -= len(share)  # counted again from the lease's Result
         return [q.id for q in share]
 
+    @staticmethod
+    def _only_its_own(d: Device, inv: Invocation) -> bool:
+        """Nothing runs on `d` but calls of the same client and function (a .map's calls
+        pipelined there): a lease beside them takes nobody's place."""
+        return all(other.client == inv.client and other.function is inv.function
+                   and other.lease is None for other in d.running.values())
+
     def _leasable(self, inv: Invocation, d: Device) -> bool:
         """A caller's plain single-device call: not a batch, a gang, a device set, a
         generator, a spawned call whose Result is kept, or one the worker must adopt."""
@@ -113,7 +120,7 @@ class LeaseDesk:
     def start(self, lease: Invocation, d: Device, now: float) -> None:
         """Hold a slot of `d` for the lease and open it on the worker."""
         core, tx = self.core, self.core.tx
-        if d.worker is None or not d.takes_work or any(d.running.values()):
+        if d.worker is None or not d.takes_work or not self._only_its_own(d, lease):
             self._end_at_client(lease, "the device was taken meanwhile")
             return
         needs = core.models.request(lease).needs()

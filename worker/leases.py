@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpufn.exceptions import Cancelled, kind_of
 from gpufn.wire import protocol as p
 
 GRACE_SECONDS = 0.25  # a DirectRun sent just before the client's view of the end still runs
@@ -69,7 +70,15 @@ class Ended:
     result: p.Result
 
 
-LeaseAction = Refuse | Start | Ended
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Send `peer` this Result of a call that never ran (cancelled while it waited)."""
+
+    peer: bytes
+    result: p.Result
+
+
+LeaseAction = Refuse | Start | Ended | Answer
 
 
 @dataclass
@@ -113,6 +122,18 @@ class LeaseBook:
         lease.taken += 1
         lease.waiting.append((peer, msg))
         return self.step(now)
+
+    def cancel(self, peer: bytes, invocation_id: str, why: str) -> tuple[list[LeaseAction], bool]:
+        """Its client cancels a call under a lease: one not started yet is answered
+        Cancelled here; (actions, whether it runs now: the shell interrupts it)."""
+        for lease in self.leases.values():
+            for i, (who, msg) in enumerate(lease.waiting):
+                if msg.invocation_id == invocation_id and who == peer:
+                    del lease.waiting[i]
+                    return [Answer(peer, p.Result(invocation_id, False, kind_of(Cancelled),
+                                                  f"cancelled before it started ({why})"))], False
+        entry = self.calls.get(invocation_id)
+        return [], entry is not None and entry[1] == peer
 
     def revoke(self, lease_id: str, why: str) -> bool:
         """The scheduler (or a restart) ends a lease: no call starts under it any more.

@@ -57,7 +57,7 @@ from gpufn.worker.core import (
 from gpufn.worker.executor import Call, Executor
 from gpufn.worker.host.held import HeldResults, RunJournal
 from gpufn.worker.host.memory_watch import Reports
-from gpufn.worker.leases import Ended, LeaseAction, LeaseBook, Refuse, Start
+from gpufn.worker.leases import Answer, Ended, LeaseAction, LeaseBook, Refuse, Start
 from gpufn.worker.output import OutputRouter
 
 log = logging.getLogger("gpufn.worker")
@@ -280,6 +280,8 @@ class WorkerProcess:
         for a in actions:
             if isinstance(a, Refuse):
                 self._direct_out.append((a.peer, [a.msg]))
+            elif isinstance(a, Answer):
+                self._direct_out.append((a.peer, [a.result]))
             elif isinstance(a, Ended):
                 self._queue(a.result)
             elif isinstance(a, Start):
@@ -319,6 +321,11 @@ class WorkerProcess:
                     self._lease_act(self.leases.offer(peer, msg, now))
                 elif isinstance(msg, p.Ping):
                     self._direct_out.append((peer, [p.Pong(msg.seq)]))
+                elif isinstance(msg, p.Cancel):
+                    actions, running = self.leases.cancel(peer, msg.invocation_id, msg.reason)
+                    self._lease_act(actions)
+                    if running:
+                        self.executor.interrupt(msg.invocation_id)
 
     def _act_now(self, a: Interrupt | Grant | AbortGroup) -> None:
         """From either thread: the executor and the group manager are thread-safe, and an

@@ -283,6 +283,12 @@ class Client:
         ch.close()
 
     def cancel(self, invocation_id: str, reason: str = "") -> None:
+        endpoint = self.leases.endpoint_of(invocation_id)
+        if endpoint is not None:  # under a lease: its worker stops it, the scheduler knows not
+            with self._lock:
+                self._direct_box.append((endpoint, p.encode(p.Cancel(invocation_id, reason))))
+            self._wake()
+            return
         self._enqueue(p.encode(p.Cancel(invocation_id, reason)))
 
     def cancel_checked(self, invocation_id: str, reason: str = "",

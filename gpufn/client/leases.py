@@ -118,6 +118,11 @@ class Leases:
             self.direct_calls += 1
             return held
 
+    def endpoint_of(self, invocation_id: str) -> str | None:
+        """The worker a call under a lease went to (None: not under a lease)."""
+        held = self._call.get(invocation_id)
+        return held.grant.endpoint if held is not None else None
+
     def in_flight(self, invocation_id: str) -> bool:
         """Sent under a lease and not answered: its worker answers it, not the scheduler."""
         return invocation_id in self._call

@@ -113,6 +113,7 @@ class LeaseDesk:
         generator, a spawned call whose Result is kept, or one the worker must adopt."""
         return (inv.shape is Shape.SINGLE and not inv.members and inv.carrier is None
                 and inv.lease is None and not inv.items and inv.spec.count == 1
+                and inv.spec.timeout is None  # the scheduler enforces timeouts: not here
                 and inv.spec.batch_size is None and not inv.spec.affinity
                 and inv.id not in self.core.streams.keep
                 and d.takes_work)

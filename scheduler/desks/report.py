@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 from gpufn.memory_pool.eviction import EvictionPolicy
 from gpufn.scheduler.books.gang_book import GangBook
+from gpufn.scheduler.desks.lease_desk import LeaseDesk
 from gpufn.scheduler.desks.ops import OpsDesk
 from gpufn.scheduler.desks.surface import CoreView
 from gpufn.scheduler.nouns.settings import Counters
@@ -20,6 +21,7 @@ class Reported(CoreView, Protocol):
     gangs: GangBook
     policy: EvictionPolicy
     ops: OpsDesk
+    leases: LeaseDesk
 
 
 def report(core: Reported, now: float) -> dict[str, Any]:
@@ -53,6 +55,10 @@ def report(core: Reported, now: float) -> dict[str, Any]:
         "queue_by_priority": queue_by_priority(core),
         "hosts": hosts(core),
         "draining": core.ops.draining,
+        # Calls straight to workers (desks/lease_desk.py): leases open now, granted so
+        # far, and the calls their Results reported.
+        "leases": {"open": len(core.leases.open), "granted": core.leases.granted,
+                   "calls": core.leases.leased_calls},
     }
 
 

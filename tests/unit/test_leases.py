@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from gpufn.client.leases import Leases, Reach
+from gpufn.scheduler.books.users import UserStore
 from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
 from gpufn.worker.leases import Ended, LeaseBook, Refuse, Start
@@ -302,3 +303,38 @@ def test_an_unreachable_worker_turns_leases_off_said_once(caplog: pytest.LogCapt
     assert len([r for r in caplog.records if "cannot reach the worker" in r.message]) == 1
     assert not leases.mark(p.Submit("i", "f1", {})).lease  # no more asking
     assert not leases.granted(_grant(), 0.0)
+
+
+def test_a_function_with_a_timeout_is_not_leased() -> None:
+    h, _ = _leasing()
+    fid = h.register("slow", timeout=3)
+    h.finish(b"w0", _submit(h, fid))
+    assert not _grants(h)  # the scheduler's timers enforce timeouts: its calls stay with it
+
+
+def test_a_lease_runs_as_its_user_with_their_capped_priority() -> None:
+    store = UserStore()
+    token = store.create("bob", 0.0, max_priority=1)[1]
+    h = Harness(devices=1, users=store, token="admin-token")
+    h.hello(b"w0", p.Role.WORKER, token="admin-token",
+            info={"device": "n:0", "incarnation": 1, "direct": "tcp://127.0.0.1:5999"})
+    assert h.hello(b"bob", p.Role.CLIENT, token=token).ok  # type: ignore[attr-defined]
+    fid = h.register("hi", priority=5)
+    h.finish(b"w0", _submit(h, fid, client=b"bob"))
+    [grant] = _grants(h, b"bob")
+    run = h.runs(b"w0")[-1]
+    assert run.invocation_id == grant.lease_id
+    assert run.meta.priority == 1 and run.meta.lease[3] == "bob"  # capped; metered to bob
+
+
+def test_a_call_cancelled_while_it_waits_under_a_lease_is_answered_cancelled() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.1)
+    book.offer(b"c", _direct("i2"), 10.1)
+    actions, running = book.cancel(b"c", "i2", "by the caller")
+    assert not running and len(actions) == 1
+    [answer] = actions
+    assert answer.result.invocation_id == "i2" and answer.result.error_kind == "Cancelled"
+    assert book.cancel(b"c", "i1", "by the caller") == ([], True)  # running: interrupted
+    assert book.cancel(b"other", "i1", "not yours") == ([], False)

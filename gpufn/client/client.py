@@ -88,6 +88,9 @@ class Client:
         self.leases = leasing.Leases()
         self._direct_box: deque[tuple[str, list[Any]]] = deque()
         self._parked: dict[str, list[tuple[str, list[Any]]]] = {}  # until its probe answers
+        # Calls of a function kept here while a few of it go to the scheduler, until it
+        # grants a lease (they go to the worker) or answers without one (to the scheduler).
+        self._held_back: dict[str, deque[tuple[p.Submit, list[Any]]]] = {}
         # Sent before the outbox: the new Hello, then what the Welcome makes us send again.
         # While `_resubmit` is set the outbox is held (see `_send_again`).
         self._front: deque[list[Any]] = deque()
@@ -200,8 +203,15 @@ class Client:
     def _route(self, submit: p.Submit, frames: list[Any]) -> None:
         """To the worker under a lease when one is held for its function, else to the
         scheduler (under `_lock`)."""
-        held = self.leases.take(submit, time.monotonic())
+        now = time.monotonic()
+        held = self.leases.take(submit, now)
         if held is None:
+            fid = submit.function_id
+            if submit.lease and self.leases.hold_back(fid, now):
+                self._held_back.setdefault(fid, deque()).append((submit, frames))
+                return
+            if submit.lease:
+                self.leases.to_head(fid, submit.invocation_id)
             self._outbox.append(frames)
             return
         g = held.grant
@@ -380,6 +390,7 @@ class Client:
             calls, self._calls = self._calls, {}
             self._streams.clear()  # their queues end with their calls' futures
             files, self._shm_files = self._shm_files, {}
+            self._held_back.clear()
         for names, _ in files.values():
             shm.release(names)
         for pend in calls.values():
@@ -522,8 +533,13 @@ class Client:
             for inv, _ in parked:
                 self.leases.answered(inv)
             self._lease_fallback([inv for inv, _ in parked])
+            if self._held_back:
+                self._release_held()
         for ep in [e for e in self._parked if self.leases.reach.get(e) is leasing.Reach.OK]:
             self._direct_box.extend((ep, frames) for _, frames in self._parked.pop(ep))
+        if direct.answered_probe and self._held_back:  # a lease became usable
+            self._release_held()
+        direct.answered_probe = False
         while self._direct_box:
             ep, frames = self._direct_box[0]
             try:
@@ -531,6 +547,16 @@ class Client:
             except zmq.Again:  # the worker reads slowly: the rest waits for the next round
                 break
             self._direct_box.popleft()
+
+    def _release_held(self) -> None:
+        """Route the calls held back again: to a lease granted meanwhile, else to the
+        scheduler as far as its window allows."""
+        with self._lock:
+            held, self._held_back = self._held_back, {}
+            for queue in held.values():
+                while queue:
+                    submit, frames = queue.popleft()
+                    self._route(submit, frames)
 
     def _take_over(self, grant: p.LeaseGrant) -> None:
         """Send the calls the scheduler handed to the lease to its worker (once its
@@ -601,6 +627,8 @@ class Client:
         elif isinstance(msg, p.LeaseGrant):
             if self.leases.granted(msg, time.monotonic()):
                 self._take_over(msg)
+                if self._held_back:
+                    self._release_held()
             else:  # off: give it back, and what it took over goes through the scheduler
                 self._outbox.append(p.encode(p.Cancel(msg.lease_id, "leases are off")))
                 self._lease_fallback(msg.reclaimed)
@@ -609,6 +637,8 @@ class Client:
             if items is not None:
                 items.put(msg)
         elif isinstance(msg, p.Result):
+            if self.leases.from_head(msg.invocation_id, time.monotonic()) and self._held_back:
+                self._release_held()
             with self._lock:
                 pend = self._calls.pop(msg.invocation_id, None)
                 self._streams.pop(msg.invocation_id, None)
@@ -702,6 +732,7 @@ class Client:
             held = []
             while self._outbox:
                 held.append(self._outbox.popleft())
+            self._held_back.clear()  # in `_calls`: sent again below
             # Every function this client registered, not only those of pending calls: a
             # call being submitted right now needs its function known when it arrives.
             self._registered = set(self._register_frames)

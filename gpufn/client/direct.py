@@ -28,6 +28,7 @@ class DirectSockets:
         self.leases = leases
         self.socks: dict[str, zmq.Socket[Any]] = {}
         self.probing: dict[str, float] = {}  # endpoint -> when its probe went
+        self.answered_probe = False  # a probe was answered since the owner last looked
 
     def sock(self, endpoint: str) -> zmq.Socket[Any]:
         s = self.socks.get(endpoint)
@@ -74,6 +75,7 @@ class DirectSockets:
             if isinstance(msg, p.Pong):
                 self.probing.pop(endpoint, None)
                 self.leases.reach[endpoint] = Reach.OK
+                self.answered_probe = True
                 continue
             yield msg
 

@@ -28,6 +28,11 @@ log = logging.getLogger("gpufn.client")
 PREFIX = "lease:"
 MARGIN_SECONDS = 0.05  # stop using a lease this long before the worker's end
 PROBE_SECONDS = 2.0  # an endpoint that does not answer a probe this fast is unreachable
+# While a function has no lease, at most this many of its calls go to the scheduler at a
+# time (the others wait in the client for a lease); after the scheduler answered one with
+# no lease granted, its calls go to the scheduler freely for DENIED_SECONDS.
+HEAD_WINDOW = 64
+DENIED_SECONDS = 1.0
 
 
 def is_lease(invocation_id: str) -> bool:
@@ -71,6 +76,9 @@ class Leases:
         self._call: dict[str, Held] = {}
         self.reach: dict[str, Reach] = {}
         self.direct_calls = 0  # calls sent under a lease (for tests and benchmarks)
+        self._at_head: dict[str, str] = {}  # call id -> function id, sent to the scheduler
+        self._head_count: dict[str, int] = {}  # function id -> its calls at the scheduler
+        self._denied: dict[str, float] = {}  # function id -> until when it is not held back
 
     def mark(self, submit: p.Submit, stream: bool = False) -> p.Submit:
         """The Submit as sent: asking for a lease after it when it may have one."""
@@ -95,16 +103,20 @@ class Leases:
         if not self.on or not submit.lease:
             return None
         with self._lock:
+            best: Held | None = None
             for held in self._by_fn.get(submit.function_id, ()):
                 if (held.dead or held.left <= 0 or now >= held.ends_at
                         or self.reach.get(held.grant.endpoint) is not Reach.OK):
                     continue
-                held.left -= 1
-                held.calls.add(submit.invocation_id)
-                self._call[submit.invocation_id] = held
-                self.direct_calls += 1
-                return held
-        return None
+                if best is None or len(held.calls) < len(best.calls):
+                    best = held  # the least loaded of its workers (a .map spreads)
+            if best is None:
+                return None
+            best.left -= 1
+            best.calls.add(submit.invocation_id)
+            self._call[submit.invocation_id] = best
+            self.direct_calls += 1
+            return best
 
     def adopt(self, lease_id: str, invocation_id: str) -> Held | None:
         """A queued call the scheduler handed to this lease (`LeaseGrant.reclaimed`)."""
@@ -116,7 +128,8 @@ class Leases:
             held.calls.add(invocation_id)
             self._call[invocation_id] = held
             self.direct_calls += 1
-            return held
+        self._left_head(invocation_id)  # the scheduler no longer has it
+        return held
 
     def endpoint_of(self, invocation_id: str) -> str | None:
         """The worker a call under a lease went to (None: not under a lease)."""
@@ -126,6 +139,37 @@ class Leases:
     def in_flight(self, invocation_id: str) -> bool:
         """Sent under a lease and not answered: its worker answers it, not the scheduler."""
         return invocation_id in self._call
+
+    def hold_back(self, function_id: str, now: float) -> bool:
+        """Keep this call of a function in the client for now: enough of its calls are at
+        the scheduler, and a lease may come (none refused lately)."""
+        return (self.on and self._head_count.get(function_id, 0) >= HEAD_WINDOW
+                and now >= self._denied.get(function_id, 0.0))
+
+    def to_head(self, function_id: str, invocation_id: str) -> None:
+        """A call that asks for a lease goes to the scheduler (under the client's lock)."""
+        self._at_head[invocation_id] = function_id
+        self._head_count[function_id] = self._head_count.get(function_id, 0) + 1
+
+    def from_head(self, invocation_id: str, now: float) -> bool:
+        """The scheduler answered one; True when calls held back should move now (a
+        lease came with it, or none did: then its calls go to the scheduler a while)."""
+        fid = self._left_head(invocation_id)
+        if fid is None:
+            return False
+        with self._lock:
+            leased = any(not h.dead and now < h.ends_at for h in self._by_fn.get(fid, ()))
+        if not leased:
+            self._denied[fid] = now + DENIED_SECONDS
+        return True
+
+    def _left_head(self, invocation_id: str) -> str | None:
+        fid = self._at_head.pop(invocation_id, None)
+        if fid is not None:
+            left = self._head_count[fid] = self._head_count.get(fid, 1) - 1
+            if left <= 0:
+                del self._head_count[fid]
+        return fid
 
     def answered(self, invocation_id: str) -> None:
         with self._lock:

@@ -338,3 +338,35 @@ def test_a_call_cancelled_while_it_waits_under_a_lease_is_answered_cancelled() -
     assert answer.result.invocation_id == "i2" and answer.result.error_kind == "Cancelled"
     assert book.cancel(b"c", "i1", "by the caller") == ([], True)  # running: interrupted
     assert book.cancel(b"other", "i1", "not yours") == ([], False)
+
+
+def test_the_client_spreads_calls_over_its_leases_by_their_calls_in_flight() -> None:
+    leases = Leases()
+    for i in (1, 2):
+        leases.granted(p.LeaseGrant(f"lease:{i}", "f1", f"tcp://127.0.0.1:{i}", "s", 1.0, 100), 0.0)
+        leases.reach[f"tcp://127.0.0.1:{i}"] = Reach.OK
+    taken = [leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1) for k in range(6)]
+    by_lease = [h.grant.lease_id for h in taken if h is not None]
+    assert by_lease.count("lease:1") == 3 and by_lease.count("lease:2") == 3
+
+
+def test_a_clients_calls_wait_for_a_lease_only_while_enough_are_at_the_scheduler() -> None:
+    from gpufn.client.leases import HEAD_WINDOW
+
+    leases = Leases()
+    for k in range(HEAD_WINDOW):
+        assert not leases.hold_back("f1", 0.0)
+        leases.to_head("f1", f"i{k}")
+    assert leases.hold_back("f1", 0.0)  # the window is full: wait for a lease
+    leases.granted(_grant(calls=10), 0.0)
+    assert leases.adopt("lease:x", "i0") is not None  # handed to the lease: not at the head
+    assert not leases.hold_back("f1", 0.0)
+    leases.to_head("f1", "j")
+    assert leases.from_head("i1", 0.1)  # answered with a lease alive: still hold back
+    leases.to_head("f1", "j2")
+    assert leases.hold_back("f1", 0.1)
+    leases.ended("lease:x")
+    assert leases.from_head("i2", 0.2)  # answered and no lease: to the scheduler a while
+    assert not leases.hold_back("f1", 0.2)
+    assert leases.hold_back("f1", 1.3) is (len(leases._at_head) >= HEAD_WINDOW)
+    assert not leases.from_head("never-sent", 0.3)

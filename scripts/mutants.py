@@ -92,6 +92,8 @@ ROOMS: dict[str, Room] = {
     "http": Room(tuple(f"gpufn/http/{m}.py" for m in ("calls", "events", "directory", "pool")),
                  (f"{UNIT}/test_http_pieces.py", "tests/integration/test_http_faults.py"),
                  timeout=400.0),
+    "leases": Room(("worker/leases.py", "gpufn/client/leases.py", "scheduler/desks/lease_desk.py"),
+                   (f"{UNIT}/test_leases.py",)),
 }
 
 _COMPARE_KEPT = ("Eq_NotEq", "NotEq_Eq", "Is_IsNot", "IsNot_Is", "In_NotIn", "NotIn_In",

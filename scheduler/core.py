@@ -146,7 +146,7 @@ class SchedulerCore:
         }
         self._handlers = handshake.merge_handlers(
             own, self.apps.handlers(), self.ops.handlers(), self.streams.handlers(),
-            self.users.handlers())
+            self.users.handlers(), self.leases.handlers())
 
     # ------------------------------------------------------------------ entry points
 

@@ -24,6 +24,8 @@ GRACE_SECONDS = 0.25  # a DirectRun sent just before the client's view of the en
 # A client may hear of its lease (from the scheduler) before this worker does: a DirectRun
 # for a lease not opened yet waits this long for it before it is refused.
 EARLY_SECONDS = 2.0
+REPORT_SECONDS = 0.2  # what a lease ran reaches the scheduler this often (or per REPORT_CALLS)
+REPORT_CALLS = 256
 ENDED_MEMORY_SECONDS = 60.0  # a DirectRun naming a lease ended this lately is refused at once
 
 
@@ -41,6 +43,7 @@ class Lease:
     running: str | None = None  # the call of this lease running now
     closing: str = ""  # why it ends ("" while open)
     accounts: list[dict[str, Any]] = field(default_factory=list)
+    reported: float = 0.0  # when its calls were last reported
 
     @property
     def lease_id(self) -> str:
@@ -92,7 +95,7 @@ class LeaseBook:
         assert run.meta.lease is not None
         secret, seconds, max_calls = run.meta.lease[:3]
         self.leases[run.invocation_id] = Lease(run, str(secret), now + float(seconds),
-                                               int(max_calls), now)
+                                               int(max_calls), now, reported=now)
 
     def opened(self, lease_id: str, now: float) -> list[LeaseAction]:
         """After `open`: the DirectRuns that came before it, offered now."""
@@ -215,6 +218,17 @@ class LeaseBook:
                 del self.ended[lease_id]
         return out
 
+    def reports(self, now: float) -> list[p.LeaseReport]:
+        """What the open leases ran since their last report, when it is time to say it
+        (so a worker that dies loses at most REPORT_SECONDS of its leases' metering)."""
+        out = []
+        for lease in self.leases.values():
+            if lease.accounts and (now - lease.reported >= REPORT_SECONDS
+                                   or len(lease.accounts) >= REPORT_CALLS):
+                out.append(p.LeaseReport(lease.lease_id, lease.accounts))
+                lease.accounts, lease.reported = [], now
+        return out
+
     def startable(self) -> bool:
         """A lease has a call waiting and none running (the shell does not sleep)."""
         return any(lease.running is None and lease.waiting for lease in self.leases.values())
@@ -222,5 +236,7 @@ class LeaseBook:
     def next_deadline(self) -> float | None:
         """When a lease runs out (the shell wakes then to end it)."""
         times = [lease.ends_at for lease in self.leases.values() if not lease.closing]
+        times += [lease.reported + REPORT_SECONDS for lease in self.leases.values()
+                  if lease.accounts]
         times += [w[0][0] + EARLY_SECONDS for w in self.early.values()]
         return min(times) if times else None

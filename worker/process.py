@@ -291,7 +291,14 @@ class WorkerProcess:
 
     def _step_leases(self) -> None:
         """Start the leases' next calls; short (inline) ones end at once, so several run
-        in one round and their answers leave together, one message per client."""
+        in one round and their answers leave together, one message per client. Then
+        what the leases ran, to the scheduler when it is time."""
+        try:
+            self._start_leased()
+        finally:
+            self._outgoing.extend(self.leases.reports(time.monotonic()))
+
+    def _start_leased(self) -> None:
         for _ in range(LEASE_ROUND):
             now = time.monotonic()
             actions = self.leases.step(now) + self.leases.refuse_late(now)

@@ -577,7 +577,7 @@ class Client:
     def _dispatch_direct(self, msg: p.Message) -> None:
         """A worker's answer to a call under a lease."""
         if isinstance(msg, p.Result):
-            self.leases.answered(msg.invocation_id)
+            self.leases.answered(msg.invocation_id, msg.ok)
             self._dispatch(msg)
         elif isinstance(msg, p.LeaseRefused):
             self.leases.refused(msg)
@@ -597,7 +597,12 @@ class Client:
         """The scheduler ended a lease of ours. Lost with its worker: the calls in flight
         there are sent again through the scheduler if their function retries, else fail."""
         held = self.leases.ended(msg.invocation_id)
-        if held is None or msg.ok or not held.calls:
+        if held is None or msg.ok:
+            return
+        report = held.report()  # what ran there, for the scheduler's metering
+        if report is not None:
+            self._outbox.append(p.encode(report))
+        if not held.calls:
             return
         if held.grant.retries > 0:
             self._lease_fallback(sorted(held.calls))
@@ -859,7 +864,7 @@ class _SyncChannel:
             if ready.get(dsock):
                 for msg in self.direct.received(g.endpoint):
                     if isinstance(msg, p.Result) and msg.invocation_id == inv:
-                        self.leases.answered(inv)
+                        self.leases.answered(inv, msg.ok)
                         return msg
                     if isinstance(msg, p.LeaseRefused):
                         self.leases.refused(msg)
@@ -872,7 +877,7 @@ class _SyncChannel:
                 for msg in sockets.received(self.sock, log):
                     if (isinstance(msg, p.Result) and msg.invocation_id == g.lease_id
                             and not msg.ok and inv in held.calls):
-                        self.leases.ended(g.lease_id)
+                        self._lease_lost(g.lease_id)
                         if g.retries > 0:
                             return None
                         raise WorkerLost(f"{name}: {msg.message}, so whether the call "
@@ -883,7 +888,10 @@ class _SyncChannel:
     def _other(self, msg: p.Message, register: p.Register | None, submit: p.Submit,
                name: str, resend: bool = True) -> None:
         if isinstance(msg, p.Result) and leasing.is_lease(msg.invocation_id):
-            self.leases.ended(msg.invocation_id)
+            if msg.ok:
+                self.leases.ended(msg.invocation_id)
+            else:
+                self._lease_lost(msg.invocation_id)
         elif isinstance(msg, p.LeaseGrant):
             self._granted(msg)
         elif isinstance(msg, p.Output):
@@ -902,6 +910,13 @@ class _SyncChannel:
                 self._send(register)
                 self.registered.add(register.function_id)
             self._send(submit)
+
+    def _lease_lost(self, lease_id: str) -> None:
+        """Lost with its worker: tell the scheduler what ran there (for its metering)."""
+        held = self.leases.ended(lease_id)
+        report = held.report() if held is not None else None
+        if report is not None:
+            self._send(report)
 
     def _granted(self, grant: p.LeaseGrant) -> None:
         """Take a lease (probing its worker first); give it back if we cannot use it."""

@@ -65,6 +65,12 @@ class Held:
     left: int
     calls: set[str] = field(default_factory=set)
     dead: bool = False
+    done: list[dict[str, object]] = field(default_factory=list)  # answered: id, ok
+
+    def report(self) -> p.LeaseReport | None:
+        """For a lease lost with its worker: the calls answered under it (the scheduler
+        meters those the worker could not report)."""
+        return p.LeaseReport(self.grant.lease_id, self.done) if self.done else None
 
 
 class Leases:
@@ -171,11 +177,12 @@ class Leases:
                 del self._head_count[fid]
         return fid
 
-    def answered(self, invocation_id: str) -> None:
+    def answered(self, invocation_id: str, ok: bool = True) -> None:
         with self._lock:
             held = self._call.pop(invocation_id, None)
             if held is not None:
                 held.calls.discard(invocation_id)
+                held.done.append({"id": invocation_id, "ok": ok})
 
     def refused(self, msg: p.LeaseRefused) -> None:
         """The worker did not run these: the lease is over for them and for us."""

@@ -671,6 +671,17 @@ class LeaseRefused(Message):
     reason: str = ""
 
 
+@message(123)
+@dataclass(frozen=True, slots=True)
+class LeaseReport(Message):
+    """Worker -> scheduler, while a lease lasts: the calls it ran since the last report
+    (id, ok, kind, s, wall, fn, app, v, user), for usage. Client -> scheduler, after its
+    lease was lost with the worker: the calls it got answers for (id, ok)."""
+
+    lease_id: str
+    items: list[dict[str, Any]]
+
+
 @message(110)
 @dataclass(frozen=True, slots=True)
 class Resend(Message):

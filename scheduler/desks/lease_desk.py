@@ -31,7 +31,7 @@ from gpufn.wire import protocol as p
 log = logging.getLogger("gpufn.scheduler")
 
 PREFIX = "lease:"
-ACCOUNTED_MEMORY = 4096  # lease ids whose calls were metered (a late or repeated end)
+ACCOUNTED_MEMORY = 1024  # leases whose metered calls are remembered (a late or repeated report)
 
 
 def is_lease(invocation_id: str) -> bool:
@@ -43,7 +43,8 @@ class LeaseDesk:
         self.core = core
         self.ops = ops  # the OpsDesk: usage and logs
         self.open: dict[str, Invocation] = {}
-        self._accounted: OrderedDict[str, None] = OrderedDict()
+        self._metered: OrderedDict[str, set[str]] = OrderedDict()  # lease -> calls metered
+        self._lost: OrderedDict[str, tuple[bytes, UsageKey]] = OrderedDict()  # lost leases
         self.granted = 0
         self.leased_calls = 0
 
@@ -193,7 +194,13 @@ class LeaseDesk:
             self.core.tx.release_device(held, d)
 
     def lost(self, lease: Invocation, d: Device, now: float, why: str) -> None:
-        """Its worker died: the client learns it (and retries or fails what it had there)."""
+        """Its worker died: the client learns it (and retries or fails what it had there,
+        and says which calls it got answers for: `_on_report`)."""
+        key = self._key(lease)
+        assert key is not None
+        self._lost[lease.id] = (lease.client, key)
+        while len(self._lost) > ACCOUNTED_MEMORY:
+            self._lost.popitem(last=False)
         self.core.tx.release_device(lease, d)
         err = WorkerLost(f"the worker of {d.key} was lost during a lease ({why})")
         self._finish(lease, now, p.Result(lease.id, False, kind_of(err), str(err)), release=False)
@@ -212,28 +219,61 @@ class LeaseDesk:
             core.send(lease.client, p.Result(lease.id, msg.ok, msg.error_kind, msg.message))
         core.tx.dirty = True
 
+    def handlers(self) -> dict[type, Any]:
+        return {p.LeaseReport: self._on_report}
+
+    def _on_report(self, peer: bytes, msg: p.LeaseReport, now: float) -> None:
+        """The calls a lease ran so far (its worker), or, for a lease lost with its
+        worker, the calls its client got answers for (the worker's last reports died
+        with it); each call is metered once whoever says it."""
+        lease = self.core.invocations.get(msg.lease_id)
+        peer_rec = self.core.peers.get(peer)
+        if peer_rec is not None and peer_rec.role == p.Role.CLIENT:
+            lost = self._lost.get(msg.lease_id)
+            if lost is None or lost[0] != peer:
+                return  # only a lost lease's own client may say what ran under it
+            key = lost[1]
+            self._meter(msg.lease_id, [{"id": i.get("id"), "ok": bool(i.get("ok")), "s": 0.0}
+                                       for i in msg.items if isinstance(i, dict)], key, now)
+            return
+        self._meter(msg.lease_id, msg.items, self._key(lease), now)
+
+    @staticmethod
+    def _key(lease: Invocation | None) -> UsageKey | None:
+        if lease is None:
+            return None
+        fn = lease.function
+        return UsageKey(fn.app, fn.name, fn.version, lease.user)
+
     def _account(self, msg: p.Result, lease: Invocation | None, d: Device | None,
                  now: float) -> None:
-        """Meter each call the lease ran as a call of its function and user, once."""
-        items = msg.meta.batch_items or []
-        if msg.invocation_id in self._accounted or not items:
+        self._meter(msg.invocation_id, msg.meta.batch_items or [], self._key(lease), now)
+
+    def _meter(self, lease_id: str, items: list[dict[str, Any]], key: UsageKey | None,
+               now: float) -> None:
+        """Meter each call a lease ran as a call of its function and user, once: `key`
+        from the lease the scheduler knows, else from the worker's items (a lease of the
+        scheduler before a restart)."""
+        seen = self._metered.get(lease_id)
+        if seen is None:
+            seen = self._metered[lease_id] = set()
+            while len(self._metered) > ACCOUNTED_MEMORY:
+                self._metered.popitem(last=False)
+        fresh = [i for i in items if i.get("id") not in seen]
+        if not fresh:
             return
-        self._accounted[msg.invocation_id] = None
-        while len(self._accounted) > ACCOUNTED_MEMORY:
-            self._accounted.popitem(last=False)
-        fn = lease.function if lease is not None else None
-        key = UsageKey(fn.app, fn.name, fn.version, lease.user) if fn and lease else None
-        for item in items:
+        for item in fresh:
+            seen.add(str(item.get("id")))
             k = key or UsageKey(str(item.get("app", "")), str(item.get("fn", "?")),
                                 int(item.get("v", 0)), str(item.get("user", "")))
             started = float(item.get("wall", self.core.wall(now)))
             outcome = InvState.SUCCEEDED.value if item.get("ok") else InvState.FAILED.value
             self.ops.usage.record_call(k, outcome, started, started,
                                        started + float(item.get("s", 0.0)))
-        self.leased_calls += len(items)
+        self.leased_calls += len(fresh)
         counters = getattr(self.core, "counters", None)
         if counters is not None:
-            ok = sum(1 for i in items if i.get("ok"))
-            counters.submitted += len(items)
+            ok = sum(1 for i in fresh if i.get("ok"))
+            counters.submitted += len(fresh)
             counters.succeeded += ok
-            counters.failed += len(items) - ok
+            counters.failed += len(fresh) - ok

@@ -19,6 +19,7 @@ import pytest
 import gpufn
 
 from ..conftest import cluster_with
+from ._waits import wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -81,6 +82,12 @@ def run_chaos(n: int, log: Path) -> dict[str, object]:
             killer.stop_event.set()
             killer.join(30)
         elapsed = time.monotonic() - t0
+        # Calls under a lease are counted from its worker's reports (every 0.2 s) or its
+        # end: the counters settle shortly after the results are in.
+        expected = n + gangs + 1
+        wait_for(lambda: c.status()["counters"]["succeeded"] >= expected, timeout=30,
+                 what="the counters to settle")
+        time.sleep(0.5)
         counters = c.status()["counters"]
     assert out == [x * x for x in range(n)], f"seed {seed}"
     assert gang_out == [(i, 3.0) for i in range(gangs)], f"seed {seed}"

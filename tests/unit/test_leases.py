@@ -370,3 +370,34 @@ def test_a_clients_calls_wait_for_a_lease_only_while_enough_are_at_the_scheduler
     assert not leases.hold_back("f1", 0.2)
     assert leases.hold_back("f1", 1.3) is (len(leases._at_head) >= HEAD_WINDOW)
     assert not leases.from_head("never-sent", 0.3)
+
+
+def test_what_a_lease_ran_is_metered_once_from_reports_its_end_and_its_lost_clients_word() -> None:
+    h, fid = _leasing()
+    _, grant, run = _granted(h, fid)
+    item = {"id": "d1", "ok": True, "s": 0.01, "wall": h.core.wall(h.now)}
+    h.feed(b"w0", p.LeaseReport(grant.lease_id, [item]))  # while it lasts
+    h.feed(b"w0", p.LeaseReport(grant.lease_id, [item]))  # said twice: once
+    calls = h.core.ops.usage.calls_total
+    assert sum(calls.values()) == 2  # the first call and d1
+    # Lost with its worker: its client says what it got answers for; only the new ones count.
+    h.feed(b"sup", p.WorkerExited("n:0", 1, -9, "killed by signal 9", 1))
+    h.hello(b"bob", p.Role.CLIENT)
+    h.feed(b"bob", p.LeaseReport(grant.lease_id, [{"id": "d9", "ok": True}]))  # not its lease
+    h.feed(b"cli", p.LeaseReport(grant.lease_id, [{"id": "d1", "ok": True},
+                                                  {"id": "d2", "ok": False}]))
+    assert sum(calls.values()) == 3
+    assert h.core.status(h.now)["leases"]["calls"] == 2
+    h.feed(b"cli", p.LeaseReport("lease:unknown", [{"id": "x", "ok": True}]))  # no such lost lease
+    assert sum(calls.values()) == 3
+
+
+def test_the_worker_reports_what_a_lease_ran_while_it_lasts() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.0)
+    book.finished(p.Result("i1", True, "", ""), 0.01, 10.05)
+    assert book.reports(10.1) == []  # not yet: every 0.2 s
+    [report] = book.reports(10.25)
+    assert report.lease_id == "lease:x" and [i["id"] for i in report.items] == ["i1"]
+    assert book.reports(10.6) == []  # said once

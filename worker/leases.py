@@ -126,13 +126,16 @@ class LeaseBook:
         lease.waiting.append((peer, msg))
         return self.step(now)
 
-    def cancel(self, peer: bytes, invocation_id: str, why: str) -> tuple[list[LeaseAction], bool]:
+    def cancel(self, peer: bytes, invocation_id: str, why: str,
+               now: float) -> tuple[list[LeaseAction], bool]:
         """Its client cancels a call under a lease: one not started yet is answered
         Cancelled here; (actions, whether it runs now: the shell interrupts it)."""
         for lease in self.leases.values():
             for i, (who, msg) in enumerate(lease.waiting):
                 if msg.invocation_id == invocation_id and who == peer:
                     del lease.waiting[i]
+                    lease.accounts.append(self._item(lease, invocation_id, False,
+                                                     kind_of(Cancelled), 0.0, now))
                     return [Answer(peer, p.Result(invocation_id, False, kind_of(Cancelled),
                                                   f"cancelled before it started ({why})"))], False
         entry = self.calls.get(invocation_id)
@@ -162,15 +165,21 @@ class LeaseBook:
         if lease is not None:
             if lease.running == result.invocation_id:
                 lease.running = None
-            meta = lease.run.meta
-            terms = meta.lease or []
-            lease.accounts.append({
-                "id": result.invocation_id, "ok": result.ok, "kind": result.error_kind,
-                "fn": lease.run.name, "app": meta.app, "v": meta.version,
-                "user": str(terms[3]) if len(terms) > 3 else "",
-                "s": duration if duration is not None else now - started,
-                "wall": time.time() - (now - started)})
+            lease.accounts.append(self._item(
+                lease, result.invocation_id, result.ok, result.error_kind,
+                duration if duration is not None else now - started, now - started))
         return peer
+
+    @staticmethod
+    def _item(lease: Lease, invocation_id: str, ok: bool, kind: str, seconds: float,
+              ago: float) -> dict[str, Any]:
+        """A call the lease ran (or cancelled), as the scheduler meters it."""
+        meta = lease.run.meta
+        terms = meta.lease or []
+        return {"id": invocation_id, "ok": ok, "kind": kind, "fn": lease.run.name,
+                "app": meta.app, "v": meta.version,
+                "user": str(terms[3]) if len(terms) > 3 else "", "s": seconds,
+                "wall": time.time() - ago}
 
     def step(self, now: float) -> list[LeaseAction]:
         """Start the next call of each idle lease; end the leases that are over."""

@@ -329,7 +329,8 @@ class WorkerProcess:
                 elif isinstance(msg, p.Ping):
                     self._direct_out.append((peer, [p.Pong(msg.seq)]))
                 elif isinstance(msg, p.Cancel):
-                    actions, running = self.leases.cancel(peer, msg.invocation_id, msg.reason)
+                    actions, running = self.leases.cancel(peer, msg.invocation_id, msg.reason,
+                                                          now)
                     self._lease_act(actions)
                     if running:
                         self.executor.interrupt(msg.invocation_id)

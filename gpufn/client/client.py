@@ -30,6 +30,7 @@ from gpufn.client.direct import DirectSockets
 from gpufn.client.items import ItemQueue
 from gpufn.exceptions import (
     AuthenticationError,
+    Cancelled,
     ConnectionLost,
     GpufnError,
     ProtocolMismatch,
@@ -91,6 +92,7 @@ class Client:
         # Calls of a function kept here while a few of it go to the scheduler, until it
         # grants a lease (they go to the worker) or answers without one (to the scheduler).
         self._held_back: dict[str, deque[tuple[p.Submit, list[Any]]]] = {}
+        self._held_ids: set[str] = set()
         # Sent before the outbox: the new Hello, then what the Welcome makes us send again.
         # While `_resubmit` is set the outbox is held (see `_send_again`).
         self._front: deque[list[Any]] = deque()
@@ -209,6 +211,7 @@ class Client:
             fid = submit.function_id
             if submit.lease and self.leases.hold_back(fid, now):
                 self._held_back.setdefault(fid, deque()).append((submit, frames))
+                self._held_ids.add(submit.invocation_id)
                 return
             if submit.lease:
                 self.leases.to_head(fid, submit.invocation_id)
@@ -293,6 +296,16 @@ class Client:
         ch.close()
 
     def cancel(self, invocation_id: str, reason: str = "") -> None:
+        with self._lock:  # still here, waiting for a lease: it ends here, never sent
+            waiting = invocation_id in self._held_ids
+            if waiting:
+                self._held_ids.discard(invocation_id)
+                pend = self._calls.pop(invocation_id, None)
+        if waiting:
+            if pend is not None and not pend.future.done():
+                pend.future.set_result(p.Result(invocation_id, False, kind_of(Cancelled),
+                                                f"cancelled before it was sent ({reason})"))
+            return
         endpoint = self.leases.endpoint_of(invocation_id)
         if endpoint is not None:  # under a lease: its worker stops it, the scheduler knows not
             with self._lock:
@@ -391,6 +404,7 @@ class Client:
             self._streams.clear()  # their queues end with their calls' futures
             files, self._shm_files = self._shm_files, {}
             self._held_back.clear()
+            self._held_ids.clear()
         for names, _ in files.values():
             shm.release(names)
         for pend in calls.values():
@@ -553,10 +567,12 @@ class Client:
         scheduler as far as its window allows."""
         with self._lock:
             held, self._held_back = self._held_back, {}
+            ids, self._held_ids = self._held_ids, set()
             for queue in held.values():
                 while queue:
                     submit, frames = queue.popleft()
-                    self._route(submit, frames)
+                    if submit.invocation_id in ids:  # not cancelled meanwhile
+                        self._route(submit, frames)
 
     def _take_over(self, grant: p.LeaseGrant) -> None:
         """Send the calls the scheduler handed to the lease to its worker (once its
@@ -738,6 +754,7 @@ class Client:
             while self._outbox:
                 held.append(self._outbox.popleft())
             self._held_back.clear()  # in `_calls`: sent again below
+            self._held_ids.clear()
             # Every function this client registered, not only those of pending calls: a
             # call being submitted right now needs its function known when it arrives.
             self._registered = set(self._register_frames)

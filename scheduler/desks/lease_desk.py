@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
-from gpufn.exceptions import WorkerLost, kind_of
+from gpufn.exceptions import Cancelled, WorkerLost, kind_of
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.books.usage import Key as UsageKey
 from gpufn.scheduler.desks.surface import CoreView
@@ -31,6 +31,7 @@ from gpufn.wire import protocol as p
 log = logging.getLogger("gpufn.scheduler")
 
 PREFIX = "lease:"
+CANCELLED = kind_of(Cancelled)
 ACCOUNTED_MEMORY = 1024  # leases whose metered calls are remembered (a late or repeated report)
 
 
@@ -267,13 +268,16 @@ class LeaseDesk:
             k = key or UsageKey(str(item.get("app", "")), str(item.get("fn", "?")),
                                 int(item.get("v", 0)), str(item.get("user", "")))
             started = float(item.get("wall", self.core.wall(now)))
-            outcome = InvState.SUCCEEDED.value if item.get("ok") else InvState.FAILED.value
+            outcome = (InvState.SUCCEEDED if item.get("ok") else InvState.CANCELLED
+                       if item.get("kind") == CANCELLED else InvState.FAILED).value
             self.ops.usage.record_call(k, outcome, started, started,
                                        started + float(item.get("s", 0.0)))
         self.leased_calls += len(fresh)
         counters = getattr(self.core, "counters", None)
         if counters is not None:
             ok = sum(1 for i in fresh if i.get("ok"))
+            cancelled = sum(1 for i in fresh if not i.get("ok") and i.get("kind") == CANCELLED)
             counters.submitted += len(fresh)
             counters.succeeded += ok
-            counters.failed += len(fresh) - ok
+            counters.cancelled += cancelled
+            counters.failed += len(fresh) - ok - cancelled

@@ -45,3 +45,16 @@ def wait_idle(c: gpufn.Client, function: str | None = None, timeout: float = 20.
                 if function is None or r["function"] == function]
         return not busy and (function is not None or st["queued"] == 0)
     wait_for(idle, timeout, f"no running call of {function or 'any function'}")
+
+
+def settled_counters(c: gpufn.Client, timeout: float = 15.0) -> dict[str, int]:
+    """The scheduler's counters once they stop moving: calls under a lease are counted
+    from its worker's reports (every 0.2 s) and its end (leases last up to a second)."""
+    deadline = time.monotonic() + timeout
+    last = c.status()["counters"]
+    while True:
+        time.sleep(0.7)
+        now = c.status()["counters"]
+        if now == last or time.monotonic() > deadline:
+            return dict(now)
+        last = now

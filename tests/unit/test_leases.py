@@ -332,12 +332,12 @@ def test_a_call_cancelled_while_it_waits_under_a_lease_is_answered_cancelled() -
     _open(book, max_calls=10)
     book.offer(b"c", _direct("i1"), 10.1)
     book.offer(b"c", _direct("i2"), 10.1)
-    actions, running = book.cancel(b"c", "i2", "by the caller")
+    actions, running = book.cancel(b"c", "i2", "by the caller", 10.2)
     assert not running and len(actions) == 1
     [answer] = actions
     assert answer.result.invocation_id == "i2" and answer.result.error_kind == "Cancelled"
-    assert book.cancel(b"c", "i1", "by the caller") == ([], True)  # running: interrupted
-    assert book.cancel(b"other", "i1", "not yours") == ([], False)
+    assert book.cancel(b"c", "i1", "by the caller", 10.2) == ([], True)  # running: interrupted
+    assert book.cancel(b"other", "i1", "not yours", 10.2) == ([], False)
 
 
 def test_the_client_spreads_calls_over_its_leases_by_their_calls_in_flight() -> None:
@@ -374,7 +374,7 @@ def test_a_clients_calls_wait_for_a_lease_only_while_enough_are_at_the_scheduler
 
 def test_what_a_lease_ran_is_metered_once_from_reports_its_end_and_its_lost_clients_word() -> None:
     h, fid = _leasing()
-    _, grant, run = _granted(h, fid)
+    _, grant, _ = _granted(h, fid)
     item = {"id": "d1", "ok": True, "s": 0.01, "wall": h.core.wall(h.now)}
     h.feed(b"w0", p.LeaseReport(grant.lease_id, [item]))  # while it lasts
     h.feed(b"w0", p.LeaseReport(grant.lease_id, [item]))  # said twice: once

@@ -185,7 +185,7 @@ class LeaseBook:
         """Start the next call of each idle lease; end the leases that are over."""
         out: list[LeaseAction] = []
         for lease in list(self.leases.values()):
-            if not lease.closing and now > lease.ends_at:
+            if not lease.closing and now > lease.ends_at + GRACE_SECONDS:
                 lease.closing = "the lease ran out"
             if lease.closing and lease.waiting:
                 by_peer: dict[bytes, list[str]] = {}

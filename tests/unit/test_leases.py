@@ -4,6 +4,7 @@ worker's lease book and the client's lease table, without processes."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -401,3 +402,46 @@ def test_the_worker_reports_what_a_lease_ran_while_it_lasts() -> None:
     [report] = book.reports(10.25)
     assert report.lease_id == "lease:x" and [i["id"] for i in report.items] == ["i1"]
     assert book.reports(10.6) == []  # said once
+
+
+def test_a_lease_takes_calls_a_little_past_its_end_then_none() -> None:
+    book = LeaseBook()
+    _open(book, seconds=1.0, max_calls=10)  # opened at 10.0: ends at 11.0
+    late = book.offer(b"c", _direct("i1"), 11.2)  # sent just before the client's end
+    assert isinstance(late[0], Start) and late[0].run.meta.attempt_number == 1
+    book.finished(p.Result("i1", True, "", ""), 0.01, 11.21)
+    refused = book.offer(b"c", _direct("i2"), 11.3)
+    assert isinstance(refused[0], Refuse) and refused[0].msg.reason == "the lease ran out"
+
+
+def test_a_lease_ends_when_its_calls_are_spent_and_says_how_long_it_held() -> None:
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=3)
+    for k in range(3):
+        started = book.offer(b"c", _direct(f"i{k}"), 10.0 + k)
+        assert isinstance(started[0], Start), started
+        book.finished(p.Result(f"i{k}", True, "", ""), 0.5, 10.5 + k)
+    end = [a for a in book.step(12.75) if isinstance(a, Ended)]
+    assert len(end) == 1 and end[0].result.meta.duration == pytest.approx(2.75)
+    assert [i["id"] for i in end[0].result.meta.batch_items or []] == ["i0", "i1", "i2"]
+    before = time.time()
+    item = (end[0].result.meta.batch_items or [])[-1]
+    assert before - 5.0 < item["wall"] <= before + 0.01  # when it started, wall clock
+
+
+def test_the_worker_wakes_for_a_direct_call_waiting_for_its_lease() -> None:
+    book = LeaseBook()
+    book.offer(b"c", _direct("i1"), 9.5)
+    assert book.next_deadline() == pytest.approx(11.5)
+    _open(book)  # ends at 11.0: the earlier of the two
+    assert book.next_deadline() == pytest.approx(11.0)
+
+
+def test_a_lease_ended_long_ago_is_forgotten() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    book.revoke("lease:x", "done")
+    book.step(10.0)
+    assert isinstance(book.offer(b"c", _direct("i1"), 69.0)[0], Refuse)  # known as ended
+    book.refuse_late(71.0)  # more than a minute on: forgotten
+    assert book.offer(b"c", _direct("i2"), 71.0) == []  # could be a lease still to open

@@ -90,6 +90,9 @@ class LeaseBook:
     calls: dict[str, tuple[str, bytes, float]] = field(default_factory=dict)  # id -> lease, peer, start
     early: dict[str, list[tuple[float, bytes, p.DirectRun]]] = field(default_factory=dict)
     ended: dict[str, float] = field(default_factory=dict)  # lease id -> when it ended here
+    # Cancels that came before their call (the client sent it later, e.g. after a probe):
+    # call id -> (peer, when); the call is answered Cancelled when it comes.
+    cancelled: dict[str, tuple[bytes, float]] = field(default_factory=dict)
 
     def open(self, run: p.Run, now: float) -> None:
         assert run.meta.lease is not None
@@ -123,6 +126,12 @@ class LeaseBook:
             return [Refuse(peer, p.LeaseRefused(msg.lease_id, [msg.invocation_id], why))]
         assert lease is not None
         lease.taken += 1
+        early = self.cancelled.pop(msg.invocation_id, None)
+        if early is not None and early[0] == peer:
+            lease.accounts.append(self._item(lease, msg.invocation_id, False,
+                                             kind_of(Cancelled), 0.0, 0.0))
+            return [Answer(peer, p.Result(msg.invocation_id, False, kind_of(Cancelled),
+                                          "cancelled before it started"))]
         lease.waiting.append((peer, msg))
         return self.step(now)
 
@@ -139,6 +148,8 @@ class LeaseBook:
                     return [Answer(peer, p.Result(invocation_id, False, kind_of(Cancelled),
                                                   f"cancelled before it started ({why})"))], False
         entry = self.calls.get(invocation_id)
+        if entry is None:  # not here yet: answered Cancelled when it comes
+            self.cancelled[invocation_id] = (peer, now)
         return [], entry is not None and entry[1] == peer
 
     def revoke(self, lease_id: str, why: str) -> bool:
@@ -225,6 +236,9 @@ class LeaseBook:
         for lease_id, t in list(self.ended.items()):
             if now - t > ENDED_MEMORY_SECONDS:
                 del self.ended[lease_id]
+        for inv, (_, t) in list(self.cancelled.items()):
+            if now - t > ENDED_MEMORY_SECONDS:
+                del self.cancelled[inv]
         return out
 
     def reports(self, now: float) -> list[p.LeaseReport]:

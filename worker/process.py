@@ -332,7 +332,7 @@ class WorkerProcess:
                     actions, running = self.leases.cancel(peer, msg.invocation_id, msg.reason,
                                                           now)
                     self._lease_act(actions)
-                    if running:
+                    if running and msg.include_running:
                         self.executor.interrupt(msg.invocation_id)
 
     def _act_now(self, a: Interrupt | Grant | AbortGroup) -> None:

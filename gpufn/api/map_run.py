@@ -141,7 +141,7 @@ class _MapRun:
     def _cancel_rest(self, client: Client, include_running: bool) -> None:
         for call in list(self.calls.values()):  # may run beside the thread that fills it
             if not call.done():
-                client._enqueue(p.encode(p.Cancel(call.id, "the map was stopped", include_running)))
+                client.cancel(call.id, "the map was stopped", include_running)
 
     def _outcome(self, idx: int) -> tuple[bool, Any]:
         call = self.calls.pop(idx)

@@ -295,7 +295,9 @@ class Client:
             self._channels.remove(ch)
         ch.close()
 
-    def cancel(self, invocation_id: str, reason: str = "") -> None:
+    def cancel(self, invocation_id: str, reason: str = "", include_running: bool = True) -> None:
+        """Stop a call of this client: dropped if it waits (here, at the scheduler or
+        at its worker under a lease), interrupted if it runs and `include_running`."""
         with self._lock:  # still here, waiting for a lease: it ends here, never sent
             waiting = invocation_id in self._held_ids
             if waiting:
@@ -309,10 +311,11 @@ class Client:
         endpoint = self.leases.endpoint_of(invocation_id)
         if endpoint is not None:  # under a lease: its worker stops it, the scheduler knows not
             with self._lock:
-                self._direct_box.append((endpoint, p.encode(p.Cancel(invocation_id, reason))))
+                self._direct_box.append((endpoint, p.encode(p.Cancel(
+                    invocation_id, reason, include_running))))
             self._wake()
             return
-        self._enqueue(p.encode(p.Cancel(invocation_id, reason)))
+        self._enqueue(p.encode(p.Cancel(invocation_id, reason, include_running)))
 
     def cancel_checked(self, invocation_id: str, reason: str = "",
                        timeout: float = 10.0) -> bool:

@@ -12,7 +12,7 @@ from gpufn.client.leases import Leases, Reach
 from gpufn.scheduler.books.users import UserStore
 from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
-from gpufn.worker.leases import Ended, LeaseBook, Refuse, Start
+from gpufn.worker.leases import Answer, Ended, LeaseBook, Refuse, Start
 
 from .core_harness import Harness
 
@@ -445,3 +445,12 @@ def test_a_lease_ended_long_ago_is_forgotten() -> None:
     assert isinstance(book.offer(b"c", _direct("i1"), 69.0)[0], Refuse)  # known as ended
     book.refuse_late(71.0)  # more than a minute on: forgotten
     assert book.offer(b"c", _direct("i2"), 71.0) == []  # could be a lease still to open
+
+
+def test_a_cancel_that_beats_its_call_to_the_worker_still_cancels_it() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    assert book.cancel(b"c", "i1", "the map was stopped", 10.0) == ([], False)
+    [answer] = book.offer(b"c", _direct("i1"), 10.1)
+    assert isinstance(answer, Answer) and answer.result.error_kind == "Cancelled"
+    assert isinstance(book.offer(b"c", _direct("i2"), 10.1)[0], Start)  # others run

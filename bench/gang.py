@@ -9,7 +9,11 @@ Warm alternative (the floor for a warm pool): 4 persistent processes that each h
 initialised gloo group and wait on a pyzmq DEALER socket (gpufn's transport, over a
 Unix socket); the driver sends each "run", they all_reduce one element and answer.
 No scheduler, no placement, no serialisation of code: how close gpufn's warm gang
-comes to it is the printed ratio.
+comes to it is the printed ratio. Relayed (`--relay`, a profile of the gap): the same
+group driven through one relay process in between, as gpufn's scheduler sits between
+caller and workers (the driver's "run" to the relay, fanned out to the ranks, their
+answers gathered there, one answer back): what that extra hop alone costs, with no
+Python work besides routing.
 Cold = the first call after the gang's group was torn down (a failing rank breaks it),
 on workers that are already running: a process-group init, no process start.
 torchrun = starting 4 Python processes that import torch, init a gloo group, run the
@@ -64,10 +68,37 @@ def pool_rank(rank: int, world: int, store_port: int, addr: str) -> None:
         ctx.term()
 
 
-class WarmGroup:
-    """`world` processes holding a gloo group, driven over zmq ROUTER -> DEALER (ipc)."""
+def relay(front: str, back: str, world: int) -> None:
+    """The relay of `RelayedGroup`: the driver's "run" to every rank, one "done" back once
+    all answered; it says "ready" to the driver once every rank is there."""
+    import zmq
 
-    def __init__(self, world: int) -> None:
+    ctx = zmq.Context()
+    up, down = ctx.socket(zmq.DEALER), ctx.socket(zmq.ROUTER)
+    up.connect(front)
+    down.bind(back)
+    ranks = [down.recv_multipart()[0] for _ in range(world)]
+    up.send(b"ready")
+    try:
+        while up.recv() == b"run":
+            for r in ranks:
+                down.send_multipart([r, b"run"])
+            for _ in ranks:
+                down.recv_multipart()
+            up.send(b"done")
+    finally:
+        for r in ranks:
+            down.send_multipart([r, b"stop"])
+        up.close(0)
+        down.close(0)
+        ctx.term()
+
+
+class WarmGroup:
+    """`world` processes holding a gloo group, driven over zmq ROUTER -> DEALER (ipc);
+    with `relayed`, through a relay process in between (see `relay`)."""
+
+    def __init__(self, world: int, relayed: bool = False) -> None:
         import zmq
 
         with socket.socket() as s:
@@ -78,15 +109,21 @@ class WarmGroup:
         self.addr = f"ipc://{tempfile.gettempdir()}/gpufn-bench-gang-{os.getpid()}.sock"
         self.sock.bind(self.addr)
         spawn = mp.get_context("spawn")
-        self.procs = [spawn.Process(target=pool_rank, args=(r, world, port, self.addr), daemon=True)
-                      for r in range(world)]
+        ranks_at = self.addr
+        self.procs = []
+        if relayed:
+            ranks_at = self.addr.replace(".sock", "-relay.sock")
+            self.procs.append(spawn.Process(target=relay, args=(self.addr, ranks_at, world),
+                                            daemon=True))
+        self.procs += [spawn.Process(target=pool_rank, args=(r, world, port, ranks_at), daemon=True)
+                       for r in range(world)]
         for p in self.procs:
             p.start()
         self.peers: list[bytes] = []
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         deadline = time.monotonic() + 120
-        while len(self.peers) < world:
+        while len(self.peers) < (1 if relayed else world):
             if not poller.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 self.close()
                 raise RuntimeError("the warm gloo group did not start")
@@ -109,10 +146,11 @@ class WarmGroup:
                 p.join(5)
         self.sock.close(0)
         self.ctx.term()
-        try:
-            os.unlink(self.addr.removeprefix("ipc://"))
-        except OSError:
-            pass
+        for path in (self.addr, self.addr.replace(".sock", "-relay.sock")):
+            try:
+                os.unlink(path.removeprefix("ipc://"))
+            except OSError:
+                pass
 
 
 # ---------------------------------------------------------------------------- main
@@ -123,6 +161,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--warm-calls", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
+    ap.add_argument("--relay", action="store_true",
+                    help="also the hand-driven group through a relay process (the extra hop alone)")
     a = ap.parse_args()
     if a.quick:
         a.repeats, a.warm_calls = 2, 10
@@ -146,8 +186,11 @@ def main() -> None:
         time.sleep(0.1)
 
     group = WarmGroup(a.world)
+    relayed = WarmGroup(a.world, relayed=True) if a.relay else None
     for _ in range(10):
         group.call()
+        if relayed is not None:
+            relayed.call()
 
     def warm_median(fn: Any) -> float:
         samples = []
@@ -160,6 +203,7 @@ def main() -> None:
     cold: list[float] = []
     warm: list[float] = []
     hand: list[float] = []
+    hop: list[float] = []
     launch: list[float] = []
     try:
         for r in range(a.repeats):
@@ -178,9 +222,12 @@ def main() -> None:
             noop.remote()
             cold.append(time.perf_counter() - t)
             # warm, alternating which of the two warm paths goes first
-            pair = [("gpufn", noop.remote), ("hand", group.call)]
-            for name, fn in pair if r % 2 == 0 else pair[::-1]:
-                (warm if name == "gpufn" else hand).append(warm_median(fn))
+            pair = [("gpufn", noop.remote, warm), ("hand", group.call, hand)]
+            if relayed is not None:
+                pair.append(("relayed", relayed.call, hop))
+            k = r % len(pair)
+            for _, fn, into in pair[k:] + pair[:k]:
+                into.append(warm_median(fn))
             with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
                 f.write(SPMD_SCRIPT)
             t = time.perf_counter()
@@ -193,6 +240,8 @@ def main() -> None:
             print(f"round {r + 1}/{a.repeats} done", file=sys.stderr)
     finally:
         group.close()
+        if relayed is not None:
+            relayed.close()
 
     from rich.console import Console
     from rich.table import Table
@@ -210,6 +259,9 @@ def main() -> None:
     tab.add_row("warm: gpufn warm gang (no init)", ms(warm), "1x")
     tab.add_row(f"warm: hand-driven gloo group ({a.world} processes, zmq ipc, no scheduler)", ms(hand),
               f"{mh / mw:.2f}x")
+    if hop:
+        tab.add_row("warm: the same group through a relay process (one hop more, no Python work)",
+                    ms(hop), f"{statistics.median(hop) / mw:.2f}x")
     tab.add_row("gpufn cold gang (group init on running workers)", ms(cold),
               f"{statistics.median(cold) / mw:,.0f}x")
     tab.add_row(f"a warm pool vs launching processes: torchrun --nproc-per-node {a.world}", ms(launch),
@@ -217,6 +269,10 @@ def main() -> None:
     Console(width=None if sys.stdout.isatty() else 120).print(tab)
     print(f"gpufn's warm gang takes {mw / mh:.2f}x the hand-driven warm group's time per call "
           f"({(mw - mh) * 1e3:+.1f} ms: scheduler hop, placement, code and result frames)")
+    if hop:
+        mr = statistics.median(hop)
+        print(f"the relayed group takes {mr / mh:.2f}x the direct one (the hop alone); gpufn's warm "
+              f"gang {mw / mr:.2f}x the relayed group")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ Prints, for this machine, side by side:
   * 1,000 inputs of a 4 MiB tensor each (MB/s) vs raw zmq moving the same bytes;
   * a 256 MiB tensor sent to a worker and back (shared memory, gpufn/wire/shm.py) vs
     raw zmq echoing the same bytes over the same four hops (and the same with the
-    function returning a new tensor, `x.clone()`); `--only shm` runs just these;
+    function returning a new tensor, `x.clone()`), and a 64 MiB numpy array there and
+    back (`--np-mib`; numpy's pickle-5 buffers take the same path) vs raw zmq echoing
+    its bytes; `--only shm` runs just these, `--only numpy` just the array;
   * the same no-op round trip and 10k-task throughput with Ray when `ray` is importable;
   * with --curve: the cost of CURVE encryption, the same three measurements on an
     embedded cluster over TCP loopback, plaintext against CURVE (GPUFN_CURVE=1).
@@ -25,7 +27,8 @@ round so no system always goes first. Each measurement is repeated (--repeats) a
 reported as min / median.
 
     python bench/overhead.py [--repeats 5] [--transport ipc|tcp] [--no-ray] [--curve] [--big-mib 256]
-    python bench/overhead.py --only shm    # just the big tensor there and back
+    python bench/overhead.py --only shm    # just the big tensor and array there and back
+    python bench/overhead.py --only numpy  # just the 64 MiB numpy array there and back
     python bench/overhead.py --quick       # a short smoke run
 """
 
@@ -98,13 +101,16 @@ def main() -> None:
     ap.add_argument("--big-mib", type=int, default=256,
                     help="MiB of the tensor sent there and back (shared memory when >= 64)")
     ap.add_argument("--n-big", type=int, default=5)
+    ap.add_argument("--np-mib", type=int, default=64,
+                    help="MiB of the numpy array sent there and back (shared memory when >= 64)")
     ap.add_argument("--transport", choices=["ipc", "tcp"], default="ipc",
                     help="embedded cluster transport (ipc is its default)")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (2 rounds, small n)")
-    ap.add_argument("--only", choices=["all", "shm"], default="all",
-                    help="shm: only the big tensor there and back (gpufn and raw zmq)")
+    ap.add_argument("--only", choices=["all", "shm", "numpy"], default="all",
+                    help="shm: only the big tensor and array there and back (gpufn and raw "
+                         "zmq); numpy: only the array")
     ap.add_argument("--curve", action="store_true",
                     help="also measure TCP loopback plaintext against CURVE-encrypted")
     a = ap.parse_args()
@@ -140,13 +146,25 @@ def main() -> None:
     big_mib = a.big_mib
     big = torch.ones(big_mib * MiB // 4, dtype=torch.float32)  # over GPUFN_SHM_THRESHOLD
     big_payload = big.numpy().tobytes()
+    import numpy as np
+
+    array = np.ones(a.np_mib * MiB // 4, dtype=np.float32)  # a numpy array, not a tensor
+    array_payload = array.tobytes()
     rows: dict[str, list[float]] = {}
     leftover: set[int] = set()  # slow to exit after a phase; checked again at the end
 
     def add(key: str, value: float) -> None:
         rows.setdefault(key, []).append(value)
 
+    def measure_array(prefix: str) -> None:
+        echo.remote(array)  # warm
+        dt = timed(lambda: [echo.remote(array) for _ in range(a.n_big)])
+        add(f"{prefix} array MB/s", a.n_big * 2 * a.np_mib * MiB / dt / 1e6)  # there and back
+
     def measure_big(prefix: str) -> None:
+        measure_array(prefix)
+        if a.only == "numpy":
+            return
         echo.remote(big)  # warm
         dt = timed(lambda: [echo.remote(big) for _ in range(a.n_big)])
         add(f"{prefix} big MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)  # there and back
@@ -183,7 +201,7 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"workers did not start: {client.status()['devices']}")
                 time.sleep(0.1)
-            if a.only == "shm":
+            if a.only != "all":
                 measure_big(prefix)
                 return
             for _ in range(200):
@@ -220,7 +238,7 @@ def main() -> None:
 
     def measure_raw() -> None:
         before = descendants(os.getpid())
-        full = a.only != "shm"
+        full = a.only == "all"
         raw = {t: RawPath(transport=t) for t in ("tcp", "ipc")} if full else {}
         many = [RawPath(small_reply=True, transport=a.transport, n_workers=a.devices),
                 RawPath(small_reply=True, transport=a.transport, n_workers=a.devices,
@@ -242,9 +260,13 @@ def main() -> None:
                 add("raw map msgs/s", a.n_map / dt)
                 dt = timed(lambda: raw_large.pipelined([payload] * a.n_large, window=64))
                 add("raw 4MiB MB/s", a.n_large * 4 * MiB / dt / 1e6)
-            echo_large.roundtrip(big_payload)  # warm
-            dt = timed(lambda: [echo_large.roundtrip(big_payload) for _ in range(a.n_big)])
-            add("raw big MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)
+            echo_large.roundtrip(array_payload)  # warm
+            dt = timed(lambda: [echo_large.roundtrip(array_payload) for _ in range(a.n_big)])
+            add("raw array MB/s", a.n_big * 2 * a.np_mib * MiB / dt / 1e6)
+            if a.only != "numpy":
+                echo_large.roundtrip(big_payload)  # warm
+                dt = timed(lambda: [echo_large.roundtrip(big_payload) for _ in range(a.n_big)])
+                add("raw big MB/s", a.n_big * 2 * big_mib * MiB / dt / 1e6)
         finally:
             for path in [*raw.values(), *many, echo_large]:
                 path.close()
@@ -352,12 +374,17 @@ def main() -> None:
         t.add_row(f".map() {a.n_large:,} x 4 MiB tensors (MB/s)", summarize(rows["gpufn 4MiB MB/s"]),
                   f"raw {summarize(rows['raw 4MiB MB/s'])}",
                   f"{med['gpufn 4MiB MB/s'] / med['raw 4MiB MB/s']:.2f}x raw")
-    t.add_row(f".remote() of a {big_mib} MiB tensor, there and back (MB/s)",
-              summarize(rows["gpufn big MB/s"]), f"raw {summarize(rows['raw big MB/s'])}",
-              f"{med['gpufn big MB/s'] / med['raw big MB/s']:.2f}x raw")
-    t.add_row("  (the same, the function returning x.clone(): a new tensor back)",
-              summarize(rows["gpufn big clone MB/s"]), f"raw {summarize(rows['raw big MB/s'])}",
-              f"{med['gpufn big clone MB/s'] / med['raw big MB/s']:.2f}x raw")
+    if a.only != "numpy":
+        t.add_row(f".remote() of a {big_mib} MiB tensor, there and back (MB/s)",
+                  summarize(rows["gpufn big MB/s"]), f"raw {summarize(rows['raw big MB/s'])}",
+                  f"{med['gpufn big MB/s'] / med['raw big MB/s']:.2f}x raw")
+        t.add_row("  (the same, the function returning x.clone(): a new tensor back)",
+                  summarize(rows["gpufn big clone MB/s"]),
+                  f"raw {summarize(rows['raw big MB/s'])}",
+                  f"{med['gpufn big clone MB/s'] / med['raw big MB/s']:.2f}x raw")
+    t.add_row(f".remote() of a {a.np_mib} MiB numpy array, there and back (MB/s)",
+              summarize(rows["gpufn array MB/s"]), f"raw {summarize(rows['raw array MB/s'])}",
+              f"{med['gpufn array MB/s'] / med['raw array MB/s']:.2f}x raw")
     if ray_rows:
         t.add_row("Ray task no-op p50 (us)", "", summarize(ray_rows["ray task p50 us"]),
                   f"gpufn {med['ray task p50 us'] / med['gpufn p50 us']:.2f}x faster")

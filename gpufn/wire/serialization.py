@@ -1,7 +1,9 @@
 """Pickling of user code, arguments, results and exceptions into zero-copy frames.
 
 A payload is `[pickle_stream, *buffers]`: pickle protocol 5 with out-of-band buffers, so
-tensors, arrays and bytes travel as their own frames without a copy into the stream.
+tensors, arrays, bytes and any `pickle.PickleBuffer` travel as their own frames without a
+copy into the stream; on one host the largest go as shared-memory files (gpufn/wire/shm.py),
+a buffer's frame then naming its file (`shm.mark`).
 Functions from `__main__` and notebook cells pickle by value (cloudpickle).
 """
 
@@ -70,9 +72,50 @@ def _rebuild_shm_tensor(name: str, nbytes: int, dtype: str, shape: tuple[int, ..
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+def _out_of_band(raw: memoryview, shm: shmem.Outgoing | None) -> Any:
+    """The frame of an out-of-band buffer: its bytes, or with `shm` and at least its
+    threshold, a mark naming the shared-memory file they were written to (or the
+    argument's file they lie in, for a worker's result: named, not copied)."""
+    if shm is None or raw.nbytes < shm.threshold:
+        return raw
+    at = shm.view_of(_address(raw), raw.nbytes) if shm.lent else None
+    name, offset = at if at is not None else (shm.put(raw), 0)
+    return shmem.mark(name, raw.nbytes, offset, raw.readonly)
+
+
+def _address(view: memoryview) -> int:
+    """Where a contiguous buffer's bytes start in this process."""
+    import numpy as np
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _received_buffer(frame: Any) -> Any:
+    """A received out-of-band frame as the buffer pickle hands its reconstructor: the
+    frame itself, or for a shared-memory mark (shorter than any real out-of-band frame)
+    a view of the file's mapping, no copy, which keeps the mapping (and a pooled file's
+    use) alive as long as it or what views it."""
+    if len(frame) >= OOB_THRESHOLD:
+        return frame
+    name, nbytes, offset, readonly = shmem.marked(frame)
+    view = memoryview(shmem.take(name, offset + nbytes))[offset:offset + nbytes]
+    return view.toreadonly() if readonly else view
+
+
+def _contiguous_array(obj: Any) -> Any:
+    """A large numpy array that is neither C- nor F-contiguous, reduced as a contiguous
+    copy, so its bytes go out of band (numpy pickles such an array's bytes in-band)."""
+    np = sys.modules.get("numpy")
+    if (np is None or type(obj) is not np.ndarray or obj.nbytes < OOB_THRESHOLD
+            or obj.dtype.hasobject or obj.flags.c_contiguous or obj.flags.f_contiguous):
+        return NotImplemented
+    return np.ascontiguousarray(obj).__reduce_ex__(5)
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle plus out-of-band buffers for torch tensors and large bytes, and with
-    `shm` set, shared-memory files for the largest (see gpufn/wire/shm.py).
+    `shm` set, shared-memory files for the largest (see gpufn/wire/shm.py; every other
+    out-of-band buffer, numpy's among them, takes that path in `dumps`' callback).
 
     Tensors arrive on the CPU: a result never pulls a CUDA context into the caller.
     """
@@ -103,7 +146,8 @@ class _Pickler(cloudpickle.Pickler):
                                              tuple(c.shape), obj.requires_grad)
             return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype,
                                      tuple(c.shape), obj.requires_grad)
-        return super().reducer_override(obj)
+        reduced = _contiguous_array(obj)
+        return reduced if reduced is not NotImplemented else super().reducer_override(obj)
 
 
 class _OOBBytes:
@@ -159,16 +203,18 @@ def _plain(obj: Any, depth: int = 3) -> bool:
 def dumps(obj: Any, shm: shmem.Outgoing | None = None) -> list[Any]:
     """Frames for obj: the pickle stream then each large out-of-band buffer. With `shm`,
     buffers of at least `shm.threshold` bytes go into shared-memory files instead (their
-    names in the stream); on failure the files made so far are removed."""
+    names in the stream or in the buffer's frame); on failure the files made so far are
+    removed."""
     if _plain(obj):
         return [pickle.dumps(obj, protocol=5)]
     obj = _wrap_bytes(obj)
-    buffers: list[pickle.PickleBuffer] = []
+    buffers: list[Any] = []
 
     def keep(buf: pickle.PickleBuffer) -> bool:
-        if buf.raw().nbytes < OOB_THRESHOLD:
+        raw = buf.raw()
+        if raw.nbytes < OOB_THRESHOLD:
             return True  # serialize in-band
-        buffers.append(buf)
+        buffers.append(_out_of_band(raw, shm))
         return False
 
     out = io.BytesIO()
@@ -181,7 +227,7 @@ def dumps(obj: Any, shm: shmem.Outgoing | None = None) -> list[Any]:
             shmem.release(shm.names)
             shm.names.clear()
         raise
-    return [out.getvalue(), *(b.raw() for b in buffers)]
+    return [out.getvalue(), *buffers]
 
 
 def loads(frames: Sequence[Any]) -> Any:
@@ -189,7 +235,7 @@ def loads(frames: Sequence[Any]) -> Any:
     if not frames:
         raise SerializationError("empty payload: nothing was sent to unpickle")
     head = frames[0]
-    bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
+    bufs = [_received_buffer(f.buffer if hasattr(f, "buffer") else f) for f in frames[1:]]
     stream = head.buffer if hasattr(head, "buffer") else head
     return pickle.loads(stream, buffers=bufs)
 

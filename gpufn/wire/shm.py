@@ -1,7 +1,9 @@
-"""Same-host big payloads through shared memory: a tensor or bytes of GPUFN_SHM_THRESHOLD
-(64 MiB) or more is written once into a file in /dev/shm and only its name travels
-through the sockets; the receiver maps the file (zero copies: the tensor is a view of the
-mapping) and unlinks it at once, so its memory goes back when the tensor is freed.
+"""Same-host big payloads through shared memory: a tensor, bytes or any other out-of-band
+buffer (a numpy array's, a `pickle.PickleBuffer`) of GPUFN_SHM_THRESHOLD (64 MiB) or more
+is written once into a file in /dev/shm and only its name travels through the sockets (in
+the pickle stream, or as the buffer's frame: `mark`); the receiver maps the file (zero
+copies: the tensor or array is a view of the mapping) and unlinks it at once, so its
+memory goes back when the value is freed.
 
 Files are named `gpufn-<owner pid>-<random>`, the owner being the caller of the call the
 payload belongs to. The sender also unlinks what it made when the call ends (a call
@@ -30,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufn.exceptions import SerializationError
 from gpufn.wire import config
 from gpufn.wire.pids import alive
 
@@ -38,6 +41,7 @@ PREFIX = "gpufn-"
 POOLED = "p"  # after `gpufn-<pid>-`: a pooled file, kept by its receiver's take()
 COPIED = "c"  # a one-shot copy of a pooled file (same length of name; see settle())
 POOL_IDLE_S = 30.0  # a pooled file unused this long is removed
+MARK = b"gpufn-shm "  # starts an out-of-band frame that names a file instead of holding bytes
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 _host: str | None = None
@@ -101,6 +105,29 @@ class Outgoing:
                 self.nbytes += nbytes
                 return b.name, ptr - b.base
         return None
+
+
+def mark(name: str, nbytes: int, offset: int, readonly: bool) -> bytes:
+    """The frame that stands for an out-of-band buffer written to (or lying in) file
+    `name` at `offset`; far shorter than any real out-of-band frame."""
+    return b"%s%s %d %d %d" % (MARK, name.encode(), nbytes, offset, readonly)
+
+
+def marked(frame: Any) -> tuple[str, int, int, bool]:
+    """(name, nbytes, offset, readonly) of a `mark` frame, checked."""
+    raw = bytes(frame)
+    try:
+        if not raw.startswith(MARK):
+            raise ValueError("no mark")
+        name, nbytes, offset, readonly = raw[len(MARK):].decode().split(" ")
+        out = name, int(nbytes), int(offset), readonly == "1"
+    except ValueError:
+        raise SerializationError(f"a payload frame of {len(raw)} bytes is neither a buffer nor "
+                                 "a shared-memory mark: a peer of another gpufn version? "
+                                 "Run one gpufn version on every process.") from None
+    if out[1] < 0 or out[2] < 0:
+        raise SerializationError(f"a shared-memory mark with a negative size: {raw!r}")
+    return out
 
 
 @dataclass(slots=True)
@@ -206,14 +233,17 @@ def settle(lent: list[Borrowed], out: Outgoing | None, frames: list[Any]) -> lis
     """After a worker dropped a call's arguments and result: the borrowed files it no
     longer maps (their owner may write them again). A file the result names but that a
     view outlived (the function kept its argument) is sent as a copy made now, under a
-    name of the same length written over the old one in `frames`, since its owner's data
-    must not change under that view."""
+    name of the same length written over the old one in `frames` (the stream and the
+    marks), since its owner's data must not change under that view."""
     for b in lent:
         if b.used and b.lease() is not None and b.mm is not None and out is not None:
             owner = b.name[len(PREFIX):].partition("-")[0]
             copy = f"{PREFIX}{owner}-{COPIED}{secrets.token_hex(8)}"  # as long as b.name
             _new_file(copy, memoryview(b.mm)[:b.extent])
-            frames[0] = bytes(frames[0]).replace(b.name.encode(), copy.encode())
+            old, new = b.name.encode(), copy.encode()
+            for i, f in enumerate(frames):
+                if i == 0 or (len(f) < 1024 and bytes(f[:len(MARK)]) == MARK):
+                    frames[i] = bytes(f).replace(old, new)
             out.names = [copy if n == b.name else n for n in out.names]
             b.used = False
     freed = [b.name for b in lent if not b.used and b.lease() is None]

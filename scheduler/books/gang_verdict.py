@@ -20,10 +20,14 @@ CANCELLED = kind_of(Cancelled)
 
 @dataclass(frozen=True, slots=True)
 class Succeeded:
-    """Every rank reported success: rank 0's value, or every rank's with gather=True."""
+    """Every rank reported success: rank 0's value, or every rank's with gather=True;
+    `run_time`, the shortest rank's duration, is what the gang's own work and collectives
+    took: the rank dispatched last waits least for its peers, while rank 0's duration also
+    holds the others' dispatch lag (on a loaded host, enough to look long)."""
 
     meta: p.ResultMeta
     frames: tuple[Any, ...]
+    run_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,4 +84,5 @@ def succeeded(inv: Invocation) -> Succeeded:
         ordered = [inv.rank_results[r] for r in range(len(inv.devices))]
         meta.gather = [len(r.frames) for r in ordered]
         frames = tuple(f for r in ordered for f in r.frames)
-    return Succeeded(meta, frames)
+    times = [r.meta.duration for r in inv.rank_results.values() if r.meta.duration is not None]
+    return Succeeded(meta, frames, min(times) if times else None)

@@ -371,8 +371,8 @@ class Transitions:
             return
         v = gang_verdict.verdict(inv, force)
         if isinstance(v, gang_verdict.Succeeded):
-            if v.meta.duration is not None:
-                inv.function.observe_runtime(v.meta.duration, inv.devices[0])
+            if v.run_time is not None:  # the inline rule's measure (see gang_verdict)
+                inv.function.observe_runtime(v.run_time, inv.devices[0])
             self.finish(inv, now, InvState.SUCCEEDED, result=p.Result(
                 inv.id, True, "", "", self.meta(inv, now, v.meta), v.frames), release=False)
         elif isinstance(v, gang_verdict.Lost):

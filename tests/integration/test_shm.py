@@ -100,6 +100,42 @@ def test_big_tensors_go_through_shared_memory_and_are_freed(
     assert left() == []
 
 
+@gpufn.gpu
+def mapped_and_echoed(a: Any) -> tuple[list[str], Any, Any]:
+    """The shared-memory files this worker maps, 2*a (a new array) and a itself."""
+    with open("/proc/self/maps") as f:
+        maps = sorted({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                       for line in f if f"/{shm.PREFIX}" in line})
+    return [os.path.basename(m) for m in maps], a * 2, a
+
+
+def test_a_64_mib_numpy_array_goes_both_ways_through_shared_memory(
+        fresh_cluster: Callable[..., gpufn.Client]) -> None:
+    import numpy as np
+
+    fresh_cluster(GPUFN_SHM_THRESHOLD="64MiB", GPUFN_CPU_DEVICES=1)
+    x = np.arange(16 * MiB, dtype=np.float32)  # 64 MiB: the threshold itself
+    call = mapped_and_echoed.spawn(x)
+    mapped, doubled, same = call.get(timeout=60)
+    assert np.array_equal(doubled, x * 2) and np.array_equal(same, x)
+    assert same.flags.writeable and not np.shares_memory(same, x)
+    mine = f"{shm.PREFIX}{os.getpid()}-"
+    assert any(n.startswith(mine) for n in mapped), mapped  # the worker mapped the argument
+    meta: Any = call._future.result().meta
+    assert meta.shm and len(meta.shm) == 2 and all(n.startswith(mine) for n in meta.shm)
+    del mapped, doubled, same, call
+    assert left() == []  # both ways: taken and unlinked, or free in the pool
+    # a small array goes through the socket: nothing mapped, no file named
+    small = np.arange(MiB, dtype=np.float32)  # 4 MiB
+    call = mapped_and_echoed.spawn(small)
+    mapped, doubled, same = call.get(timeout=60)
+    assert np.array_equal(doubled, small * 2) and np.array_equal(same, small)
+    assert not any(n.startswith(mine) for n in mapped), mapped
+    assert call._future.result().meta.shm is None
+    del mapped, doubled, same, call
+    assert left() == []
+
+
 def test_a_call_cancelled_before_it_ran_frees_its_arguments(
         fresh_cluster: Callable[..., gpufn.Client]) -> None:
     fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)

@@ -179,14 +179,17 @@ def test_a_rank_over_its_host_memory_fails_the_gang_with_host_out_of_memory() ->
 
 
 def _run_gang(h: Harness, w: dict[str, bytes], fid: str, duration: float = 0.001,
-              ok: bool = True) -> list[p.Run]:
-    """Submit one call of the gang function and let every rank report."""
+              ok: bool = True, rank0: float | None = None) -> list[p.Run]:
+    """Submit one call of the gang function and let every rank report (rank 0 after
+    `rank0` seconds when given, as when it waited for late peers)."""
     inv = h.submit(fid)
     runs = _gang_runs(h, inv)
     for r in runs:
-        h.feed(w[r.meta.gang["devices"][r.meta.gang["rank"]]], p.Result(
+        rank = r.meta.gang["rank"]
+        took = rank0 if rank == 0 and rank0 is not None else duration
+        h.feed(w[r.meta.gang["devices"][rank]], p.Result(
             inv, ok, "", "" if ok else "boom",
-            p.ResultMeta(dispatch_token=h.token(inv), duration=duration, rank=r.meta.gang["rank"])))
+            p.ResultMeta(dispatch_token=h.token(inv), duration=took, rank=rank)))
     return runs
 
 
@@ -205,6 +208,24 @@ def test_a_warm_short_gang_runs_its_ranks_inline_and_nothing_else_does() -> None
     long = h.register("long", count=2)
     _run_gang(h, w, long, duration=1.0)
     assert [(r.meta.warm, r.meta.inline) for r in _run_gang(h, w, long, duration=1.0)] == [(True, False)] * 2
+
+
+def test_a_gang_is_measured_by_its_shortest_rank_so_peer_lag_does_not_end_inline() -> None:
+    """Rank 0 (dispatched first) waits in the collective for peers dispatched after it; on
+    a loaded host that wait alone passes the short-call threshold. The gang's run time is
+    its shortest rank's (its own work and collectives), so it stays inline; a gang whose
+    every rank is long does not. The caller's meta still says rank 0's duration."""
+    h, ws = _harness()
+    w = {f"n:{i}": ws[i] for i in range(4)}
+    fid = h.register("lagged", count=2)
+    for _ in range(3):
+        _run_gang(h, w, fid, duration=0.001, rank0=0.05)
+    runs = _run_gang(h, w, fid, duration=0.001, rank0=0.05)
+    assert [(r.meta.warm, r.meta.inline) for r in runs] == [(True, True)] * 2
+    assert h.results()[runs[0].invocation_id].meta.duration == 0.05
+    for _ in range(3):
+        _run_gang(h, w, fid, duration=0.05)
+    assert [r.meta.inline for r in _run_gang(h, w, fid)] == [False, False]
 
 
 def test_a_warm_group_keeps_its_backend_and_a_new_generation_reads_it_again(

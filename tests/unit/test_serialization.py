@@ -81,3 +81,11 @@ def test_bytes_travel_out_of_band() -> None:
     assert len(frames) == 3
     back = ser.loads(frames)
     assert back["b"] == data and isinstance(back["ba"], bytearray)
+
+
+def test_a_large_non_contiguous_array_travels_out_of_band_as_a_contiguous_copy() -> None:
+    a = np.arange(1024 * 1024, dtype=np.float64).reshape(1024, 1024)[:, ::2]  # 4 MiB viewed
+    frames = ser.dumps({"a": a, "small": a[:2, :2]})
+    assert len(frames) == 2 and len(frames[0]) < 1_000  # the bytes are not in the stream
+    back = ser.loads([bytes(f) for f in frames])
+    assert np.array_equal(back["a"], a) and np.array_equal(back["small"], a[:2, :2])

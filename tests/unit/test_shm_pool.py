@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpufn.exceptions import SerializationError
 from gpufn.wire import serialization as ser
 from gpufn.wire import shm
 
@@ -170,3 +171,83 @@ def test_the_sweep_removes_only_dead_owners_files(tmp_path: Path,
         [names[0], names[1], names[4], names[5]])
     assert shm.sweep(owner=live) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[4], names[5]])
+
+
+def test_numpy_arrays_and_pickle_buffers_over_the_threshold_go_through_files() -> None:
+    """Every out-of-band buffer of at least the threshold (numpy's, a bare PickleBuffer)
+    is a file named by a short frame; smaller ones stay frames; the receiver's values
+    are views of the mappings, writable or not as sent, and no file is left."""
+    import pickle
+
+    import numpy as np
+
+    big = np.arange(MiB // 2, dtype=np.float32).reshape(512, 1024)  # 2 MiB
+    fortran = np.asfortranarray(np.ones((512, 512)))  # 2 MiB, F-contiguous
+    small = np.full(64 * 1024, 3, dtype=np.int32)  # 256 KiB: out of band, not a file
+    readonly = np.frombuffer(bytes(2 * MiB), dtype=np.uint8)
+    out = shm.Outgoing(os.getpid(), MiB)
+    frames = ser.dumps({"big": big, "f": fortran, "small": small, "ro": readonly,
+                        "buf": pickle.PickleBuffer(bytearray(b"z" * 2 * MiB))}, out)
+    assert len(out.names) == 4 and mine() == sorted(out.names)
+    assert out.nbytes == 8 * MiB and sum(len(f) < 1024 for f in frames[1:]) == 4
+    assert sorted(len(f) for f in frames[1:])[-1] == small.nbytes  # the socket's frame
+    back = ser.loads(frames)
+    assert mine() == []  # taken: unlinked, the memory lives in the mappings
+    assert np.array_equal(back["big"], big) and back["big"].flags.writeable
+    assert np.array_equal(back["f"], fortran) and back["f"].flags.f_contiguous
+    assert np.array_equal(back["small"], small)
+    assert np.array_equal(back["ro"], readonly) and not back["ro"].flags.writeable
+    assert bytes(back["buf"]) == b"z" * 2 * MiB
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    assert all(n in maps for n in out.names)  # views of the files' mappings, no copies
+    del back
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    assert not any(n in maps for n in out.names)  # unmapped with their last view
+
+
+def test_a_worker_s_array_result_in_its_argument_file_is_named_or_copied_if_kept() -> None:
+    """As for tensors: an array the function returns and dropped is sent back as its
+    argument's file; one it kept is sent as a copy (the mark rewritten), so what the
+    worker does to it later does not reach the result."""
+    import numpy as np
+
+    owner = os.getpid() + 10_000_000  # not this process's pool: nothing is reused here
+    names = [shm._new_file(f"{shm.PREFIX}{owner}-{shm.POOLED}{i:016x}",
+                           data(2 * MiB, i)) for i in range(2)]
+    stream = ser.dumps(np.zeros(MiB // 2, dtype=np.float32))[0]
+    try:
+        with shm.borrowing() as lent:
+            args = [ser.loads([stream, shm.mark(n, 2 * MiB, 0, False)]) for n in names]
+        assert [b.name for b in lent] == names
+        assert float(args[0][0]) == 0.0 and float(args[1][0]) == 1.0
+        out = shm.Outgoing(owner, MiB, lent=lent)
+        frames = ser.dumps((args[0], args[1][MiB // 4:]), out)  # the second from an offset
+        assert out.names == names and len(frames) == 3  # named, not copied
+        kept = args[1]
+        del args
+        freed = shm.settle(lent, out, frames)
+        assert freed == []  # both carry the result: the first as it is, ...
+        assert out.names[0] == names[0]
+        copy = out.names[1]  # ... the second, still viewed, as a copy
+        assert copy != names[1] and copy.encode() in bytes(frames[2])
+        kept.fill(-1.0)
+        first, second = ser.loads(frames)
+        assert np.array_equal(second, np.full(MiB // 4, 1.0, dtype=np.float32))
+        assert np.array_equal(first, np.full(MiB // 2, 0.0, dtype=np.float32))
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, copy))  # taken: unlinked
+    finally:
+        for n in names:
+            shm._unlink(n)
+
+
+def test_a_frame_that_is_neither_a_buffer_nor_a_mark_is_refused_clearly() -> None:
+    import numpy as np
+
+    stream = ser.dumps(np.zeros(MiB // 2, dtype=np.float32))[0]
+    with pytest.raises(SerializationError, match="one gpufn version on every process"):
+        ser.loads([stream, b"not a mark"])
+    with pytest.raises(ValueError, match="not a gpufn shared-memory name"):
+        ser.loads([stream, shm.mark("/etc/passwd", 2 * MiB, 0, False)])

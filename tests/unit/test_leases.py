@@ -454,3 +454,20 @@ def test_a_cancel_that_beats_its_call_to_the_worker_still_cancels_it() -> None:
     [answer] = book.offer(b"c", _direct("i1"), 10.1)
     assert isinstance(answer, Answer) and answer.result.error_kind == "Cancelled"
     assert isinstance(book.offer(b"c", _direct("i2"), 10.1)[0], Start)  # others run
+
+
+def test_a_lease_holds_its_functions_model_so_it_is_not_evicted_under_it() -> None:
+    h, _ = _leasing()
+    model = {"name": "enc", "code_id": "0123456789abc", "memory": 2**30, "pin": False,
+             "offload": True, "nframes": 1}
+    h.feed(b"cli", p.Register("embed-1", "code-embed", "embed", {"count": 1}, [model],
+                              (b"code", b"loader")))
+    inv = _submit(h, "embed-1")
+    key = next(iter(h.core.models.models))
+    h.feed(b"w0", p.ModelEvent(key, p.ModelState.RESIDENT, 2**30, 1.0))
+    h.finish(b"w0", inv)
+    [grant] = _grants(h)
+    run = h.runs(b"w0")[-1]
+    assert run.invocation_id == grant.lease_id and run.meta.models == {"enc": key}
+    ledger = h.core.devices["n:0"].ledger
+    assert key in ledger.holds.get(grant.lease_id, ())  # held: eviction skips it

@@ -92,8 +92,9 @@ class LeaseDesk:
             return []
         core = self.core
         devices = sum(1 for d in core.devices.values() if d.takes_work) or 1
-        n = -(-len(queued) // devices)  # rounded up
-        share = sorted(queued, key=lambda i: i.seq)[len(queued) - n:]
+        # Every k-th call in queue order, from the first: the lease and the other devices
+        # go on through the queue side by side, in its order (a .map(cost=...)).
+        share = sorted(queued, key=lambda i: (core.queue.key(i), i.seq))[::devices]
         for q in share:
             core.queue.discard(q)
             q.to(InvState.CANCELLED, now)
@@ -116,6 +117,9 @@ class LeaseDesk:
         return (inv.shape is Shape.SINGLE and not inv.members and inv.carrier is None
                 and inv.lease is None and not inv.items and inv.spec.count == 1
                 and inv.spec.timeout is None  # the scheduler enforces timeouts: not here
+                # A call that uses shared models stays with the scheduler, which weighs
+                # waiting for the device holding them against loading another copy.
+                and not inv.function.model_keys
                 and inv.spec.batch_size is None and not inv.spec.affinity
                 and inv.id not in self.core.streams.keep
                 and d.takes_work)
@@ -237,7 +241,7 @@ class LeaseDesk:
             self._meter(msg.lease_id, [{"id": i.get("id"), "ok": bool(i.get("ok")), "s": 0.0}
                                        for i in msg.items if isinstance(i, dict)], key, now)
             return
-        self._meter(msg.lease_id, msg.items, self._key(lease), now)
+        self._meter(msg.lease_id, msg.items, self._key(lease), now, lease)
 
     @staticmethod
     def _key(lease: Invocation | None) -> UsageKey | None:
@@ -248,10 +252,10 @@ class LeaseDesk:
 
     def _account(self, msg: p.Result, lease: Invocation | None, d: Device | None,
                  now: float) -> None:
-        self._meter(msg.invocation_id, msg.meta.batch_items or [], self._key(lease), now)
+        self._meter(msg.invocation_id, msg.meta.batch_items or [], self._key(lease), now, lease)
 
     def _meter(self, lease_id: str, items: list[dict[str, Any]], key: UsageKey | None,
-               now: float) -> None:
+               now: float, lease: Invocation | None = None) -> None:
         """Meter each call a lease ran as a call of its function and user, once: `key`
         from the lease the scheduler knows, else from the worker's items (a lease of the
         scheduler before a restart)."""
@@ -273,6 +277,8 @@ class LeaseDesk:
             self.ops.usage.record_call(k, outcome, started, started,
                                        started + float(item.get("s", 0.0)))
         self.leased_calls += len(fresh)
+        if lease is not None:  # `gpufn status`'s calls per function count them too
+            lease.function.calls += len(fresh)
         counters = getattr(self.core, "counters", None)
         if counters is not None:
             ok = sum(1 for i in fresh if i.get("ok"))

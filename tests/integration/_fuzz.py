@@ -34,7 +34,8 @@ from gpufn.wire import protocol as p
 # holding the token, so they are never sent as if they were garbage.
 INBOUND = (p.Hello, p.Ping, p.Goodbye, p.Register, p.Submit, p.Cancel, p.StatusRequest,
            p.Result, p.Output, p.Heartbeat, p.WorkerExited, p.ModelEvent, p.Item, p.Credit,
-           p.Attach, p.Query, p.Drain, p.Deploy, p.Lookup, p.AppCommand, p.UserCommand)
+           p.Attach, p.Query, p.Drain, p.Deploy, p.Lookup, p.AppCommand, p.UserCommand,
+           p.LeaseReport)
 CLIENT_FORBIDDEN = (p.Result, p.Output, p.Heartbeat, p.ModelEvent, p.WorkerExited, p.Item)
 
 

@@ -185,6 +185,33 @@ def test_a_second_hello_of_the_same_peers_keeps_what_was_taken_over() -> None:
     assert h.core.counters.lost == 0
 
 
+@pytest.mark.parametrize("finished_after_restart", [False, True])
+def test_a_held_result_is_returned_not_run_again_when_its_caller_resubmits_late(
+        finished_after_restart: bool) -> None:
+    """The worker holds the call's Result (said in its Hello, or sent after it with no
+    caller to take it); its caller comes back long after the hold and the orphan bound:
+    the Result is asked for again and returned, the call never runs a second time."""
+    h = _restarted()
+    f = h.register("f")  # retries=0: it must never run twice
+    if finished_after_restart:
+        w = _worker_back(h, 0, running={"c1": [77, 1]})
+        _result(h, w, "c1", 77, b"kept")
+    else:
+        w = _worker_back(h, 0, held={"c1": [77, 1]})
+    for _ in range(int(ORPHAN_SECONDS // 5) + 2):  # alive all along, past the orphan bound
+        h.feed(w, p.Heartbeat([], {}), dt=5.0)
+        h.tick()
+    assert not [s for s in h.of_type(p.Cancel) if s.msg.invocation_id == "c1"]
+    h.hello(b"late", p.Role.CLIENT, info={"resubmit": 1, "instance": "previous"})
+    h.feed(b"late", p.Submit("c1", f, {}, frames=(b"args",)))
+    assert [s.msg for s in h.of_type(p.Resend)] == [p.Resend("c1", 77)]
+    _result(h, w, "c1", 77, b"kept")
+    res = h.results(b"late")["c1"]
+    assert res.ok and res.frames == (b"kept",)
+    h.tick(5.0)
+    assert not runs_of(h, "c1")
+
+
 def test_an_orphan_run_is_stopped_when_no_caller_comes_back() -> None:
     h = _restarted()
     _worker_back(h, 0, running={"nobody": [5, 1]})

@@ -64,7 +64,7 @@ ROOMS: dict[str, Room] = {
                       (f"{UNIT}/test_users.py", f"{UNIT}/test_ops.py")),
     "recovery": Room(("scheduler/calls/recovery.py",),
                      (f"{UNIT}/test_restart.py", f"{UNIT}/test_core_guards.py",
-                      f"{UNIT}/test_open_index.py")),
+                      f"{UNIT}/test_detached_restart.py")),
     "kept_results": Room(("scheduler/stores/kept_results.py",),
                          (f"{UNIT}/test_kept_results.py", f"{UNIT}/test_detached_restart.py")),
     "open_index": Room(("scheduler/placement/open_index.py",),

@@ -22,6 +22,7 @@ _USERS = "scheduler/books/users.py"
 _HELD = "worker/host/held.py"
 _OPEN = "scheduler/placement/open_index.py"
 _KEPT = "scheduler/stores/kept_results.py"
+_RECOVERY = "scheduler/calls/recovery.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -187,4 +188,22 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_KEPT, 'self._writer.join(30)',
                'self._writer.join( 29)',
                'a bound on a wait that ends when the queue is written (well under it)'),
+    Equivalent(_RECOVERY, 'if len(self.ran) > 100_000 or any(now - t > RAN_MEMORY_SECONDS for t in',
+               'if len(self.ran) > 99999 or any(now - t > RAN_MEMORY_SECONDS for t in',
+               'the books are filled in report order, so their first entry is their oldest: the age test on it already finds any entry past RAN_MEMORY_SECONDS, and a rebuild for size alone keeps every entry (none is old)'),
+    Equivalent(_RECOVERY, 'if len(self.ran) > 100_000 or any(now - t > RAN_MEMORY_SECONDS for t in',
+               'if len(self.ran) > 100001 or any(now - t > RAN_MEMORY_SECONDS for t in',
+               'the books are filled in report order, so their first entry is their oldest: the age test on it already finds any entry past RAN_MEMORY_SECONDS, and a rebuild for size alone keeps every entry (none is old)'),
+    Equivalent(_RECOVERY, 'if len(self.reports) > 100_000 or any(now - r.at > RAN_MEMORY_SECONDS for r in',
+               'if len(self.reports) > 100001 or any(now - r.at > RAN_MEMORY_SECONDS for r in',
+               'the books are filled in report order, so their first entry is their oldest: the age test on it already finds any entry past RAN_MEMORY_SECONDS, and a rebuild for size alone keeps every entry (none is old)'),
+    Equivalent(_RECOVERY, 'if len(self.reports) > 100_000 or any(now - r.at > RAN_MEMORY_SECONDS for r in',
+               'if len(self.reports) > 99999 or any(now - r.at > RAN_MEMORY_SECONDS for r in',
+               'the books are filled in report order, so their first entry is their oldest: the age test on it already finds any entry past RAN_MEMORY_SECONDS, and a rebuild for size alone keeps every entry (none is old)'),
+    Equivalent(_RECOVERY, 'first_token: int = 0  # dispatch tokens start above any an earlier scheduler gave',
+               'first_token: int = 1  # dispatch tokens start above any an earlier scheduler gave',
+               "dispatch tokens are compared for equality only (a Result's token against its dispatch); where they start changes no decision"),
+    Equivalent(_RECOVERY, 'now, float(ran_ms[0]) / 1000 if ran_ms else 0.0)',
+               'now, float(ran_ms[0]) / 1000 if ran_ms else -1.0)',
+               'a reported run time is used as max(0.0, ran_seconds) (Transitions.adopt): 0 and -1 both mean it started at the report'),
 )

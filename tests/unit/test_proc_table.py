@@ -70,17 +70,22 @@ def test_a_gone_process_reads_as_nothing() -> None:
 
 
 def test_a_zombie_is_listed_with_no_resident_bytes() -> None:
-    child = subprocess.Popen(["true"])
-    deadline = time.monotonic() + 20
-    while (z := proc_table.read(child.pid)) is None or z.rss:  # not reaped yet: a zombie
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    resident = proc_table.Resident(child.pid)
+    child = subprocess.Popen(["sleep", "0.2"])
     try:
-        assert resident.bytes() == 0
+        deadline = time.monotonic() + 20
+        while _state(child.pid) != "Z":  # ended, not reaped yet: a zombie
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        z = proc_table.read(child.pid)
+        assert z is not None and z.pid == child.pid and z.rss == 0
+        assert child.pid in {p.pid for p in proc_table.snapshot()}
     finally:
-        resident.close()
         child.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[-1].split()[0]
 
 
 def test_children_by_thread_and_a_tree_parents_first() -> None:

@@ -452,3 +452,68 @@ def test_an_older_ops_file_is_tightened_to_owner_only(tmp_path: Path) -> None:
     store.close()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
+
+
+def test_a_taken_over_call_that_says_nothing_of_its_run_time_is_billed_from_its_report() -> None:
+    h = _restarted()
+    f = h.register("f")
+    w = _worker_back(h, 0, running={"c1": [555, 1]})  # an older worker: no run time
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    h.tick(5.0)
+    _result(h, w, "c1", 555, b"done")
+    [row] = h.core.ops.answer(p.QueryKind.USAGE, {}, h.now)["rows"]
+    assert row["device_seconds"] == pytest.approx(5.0, abs=0.01)
+
+
+def test_the_hold_ends_exactly_at_its_grace() -> None:
+    h = _restarted()  # its grace: 3 s from its start
+    _worker_back(h, 0)
+    _worker_back(h, 1)
+    f = h.register("f")
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    h.tick(2.5)
+    assert not runs_of(h, "c1") and h.core.recovery.holding(h.now)
+    h.tick(0.5)  # exactly the grace
+    assert not h.core.recovery.holding(h.now)
+    assert h.core.recovery.not_before(b"back", h.now) == 0.0
+    assert [r.meta.attempt_number for r in runs_of(h, "c1")] == [1]
+
+
+def test_an_orphan_is_stopped_past_its_bound_and_looked_for_once_a_second() -> None:
+    h = _restarted()
+    w = _worker_back(h, 0, running={"nobody": [5, 1]})  # reported at h.now (1000 s)
+
+    def beat(dt: float) -> None:  # the worker stays alive all along
+        h.feed(w, p.Heartbeat([], {}), dt=dt)
+        h.tick()
+
+    for _ in range(int(ORPHAN_SECONDS // 5) - 1):
+        beat(5.0)
+    beat(4.5)  # 0.5 s before the bound: looked at, not an orphan yet; the next look in 1 s
+    beat(0.5)  # exactly the bound: not past it, and not looked at
+    beat(0.25)
+    assert not h.of_type(p.Cancel)
+    beat(0.25)  # a second after the last look, past the bound
+    [cancel] = [s.msg for s in h.of_type(p.Cancel)]
+    assert (cancel.invocation_id, cancel.dispatch_token) == ("nobody", 5)
+
+
+def test_an_unreadable_book_of_calls_admits_nothing_and_the_scheduler_starts(
+        tmp_path: Path) -> None:
+    import sqlite3
+
+    from gpufn.scheduler.calls.recovery import Restored
+    from gpufn.scheduler.stores.kept_results import DetachedCall, KeptResults
+
+    book = KeptResults(tmp_path / "results.sqlite")
+    book.save_calls([DetachedCall("c", "fid", "alice", 1.0, {}, (b"args",))], [])
+    book.close()
+    with sqlite3.connect(tmp_path / "results.sqlite") as db:
+        db.execute("UPDATE calls SET spec = '{torn'")  # damaged: cannot be read back
+    ops = OpsStore(tmp_path / "ops.sqlite")
+    damaged = KeptResults(tmp_path / "results.sqlite")
+    try:
+        assert Restored.read(ops, damaged, 0.0, 7).detached == ()
+        assert Restored.read(ops, None, 0.0, 7) == Restored(0.0, 7, frozenset(), ())
+    finally:
+        damaged.close()

@@ -487,13 +487,11 @@ def test_an_orphan_is_stopped_past_its_bound_and_looked_for_once_a_second() -> N
         h.feed(w, p.Heartbeat([], {}), dt=dt)
         h.tick()
 
-    for _ in range(int(ORPHAN_SECONDS // 5) - 1):
-        beat(5.0)
-    beat(4.5)  # 0.5 s before the bound: looked at, not an orphan yet; the next look in 1 s
-    beat(0.5)  # exactly the bound: not past it, and not looked at
-    beat(0.25)
+    for _ in range(int(ORPHAN_SECONDS // 5)):
+        beat(5.0)  # the last at exactly the bound: looked at, not past it; the next look in 1 s
+    beat(0.5)  # past the bound, not looked at
     assert not h.of_type(p.Cancel)
-    beat(0.25)  # a second after the last look, past the bound
+    beat(0.5)  # a second after the last look, past the bound
     [cancel] = [s.msg for s in h.of_type(p.Cancel)]
     assert (cancel.invocation_id, cancel.dispatch_token) == ("nobody", 5)
 
@@ -517,3 +515,39 @@ def test_an_unreadable_book_of_calls_admits_nothing_and_the_scheduler_starts(
         assert Restored.read(ops, None, 0.0, 7) == Restored(0.0, 7, frozenset(), ())
     finally:
         damaged.close()
+
+
+def test_a_reported_run_time_is_billed_to_the_millisecond() -> None:
+    h = _restarted()
+    f = h.register("f")
+    w = _worker_back(h, 0, running={"c1": [555, 1, 100_000]})  # ran 100 s before
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    h.tick(5.0)
+    _result(h, w, "c1", 555, b"done")
+    [row] = h.core.ops.answer(p.QueryKind.USAGE, {}, h.now)["rows"]
+    assert row["device_seconds"] == pytest.approx(105.0, abs=0.01)
+
+
+def test_reports_past_the_memory_are_forgotten_and_recent_ones_kept() -> None:
+    """Workers said what they ran and what they hold 400 s and 200 s ago (then fell
+    silent): the recent reports still count (the call ran: a lost attempt), the old ones
+    are forgotten (the call runs as new)."""
+    h = Harness(devices=3, restart_grace_seconds=3.0)
+    f = h.register("once")
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1, "ran": ["old"],
+                                        "held": {"old-held": [5, 1]}})
+    h.tick(200.0)
+    h.hello(b"w1", p.Role.WORKER, info={"device": "n:1", "incarnation": 1, "ran": ["recent"],
+                                        "held": {"recent-held": [6, 1]}})
+    h.tick(200.0)
+    h.hello(b"w2", p.Role.WORKER, info={"device": "n:2", "incarnation": 1})  # forgets here
+    h.hello(b"back", p.Role.CLIENT, info={"resubmit": 4})
+    for inv in ("old", "recent", "old-held", "recent-held"):
+        h.feed(b"back", p.Submit(inv, f, {}, frames=(b"args",)))
+    h.tick(1.0)
+    res = h.results(b"back")
+    assert res["recent"].error_kind == "WorkerLost"
+    assert res["recent-held"].error_kind == "WorkerLost"  # its worker is gone with its Result
+    assert "old" not in res and "old-held" not in res
+    assert [h.core.invocations[i].state.name for i in ("old", "old-held")] in (
+        ["RUNNING", "QUEUED"], ["QUEUED", "RUNNING"])  # new calls: one runs, one waits

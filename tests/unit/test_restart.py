@@ -551,3 +551,12 @@ def test_reports_past_the_memory_are_forgotten_and_recent_ones_kept() -> None:
     assert "old" not in res and "old-held" not in res
     assert [h.core.invocations[i].state.name for i in ("old", "old-held")] in (
         ["RUNNING", "QUEUED"], ["QUEUED", "RUNNING"])  # new calls: one runs, one waits
+
+
+def test_what_a_restart_carries_over_is_immutable() -> None:
+    import dataclasses
+
+    from gpufn.scheduler.calls.recovery import Restored
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Restored().first_token = 5  # type: ignore[misc]

@@ -103,6 +103,35 @@ def test_what_escapes_the_call_ends_when_the_worker_is_replaced(
     assert worker_pid.remote() != worker
 
 
+@gpufn.gpu
+def start_own_group_from_thread() -> int:
+    """A process in a process group of its own (as a shell's job), started by a thread the
+    call made: not the call's child, not in the worker's process group, but in its session."""
+    out: list[int] = []
+    t = threading.Thread(target=lambda: out.append(
+        subprocess.Popen(["sleep", "1000"], process_group=0).pid))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_child_in_its_own_process_group_ends_with_its_worker(
+        fresh_cluster: Callable[..., gpufn.Client]) -> None:
+    fresh_cluster(GPUFN_CPU_DEVICES=1)
+    pid = start_own_group_from_thread.remote()
+    time.sleep(0.5)
+    assert _running(pid)
+    worker = worker_pid.remote()
+    assert os.getpgid(pid) == pid != os.getpgid(worker)  # out of the worker's group
+    assert os.getsid(pid) == os.getsid(worker)  # in its session
+    try:
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: not _running(pid), 30, f"sleep {pid} (own group) to end with its worker")
+    finally:
+        if _running(pid):  # left behind: the test fails, and leaves nothing running
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_stopped_supervisor_leaves_no_child_behind(
         fresh_cluster: Callable[..., gpufn.Client]) -> None:
     c = fresh_cluster(GPUFN_CPU_DEVICES=1)

@@ -69,6 +69,30 @@ def test_a_global_list_mutated_in_place_reaches_the_worker(cluster: gpufn.Client
     assert read_list.remote() == [1]
 
 
+GLOBAL_TENSOR = torch.zeros(2)
+
+
+def test_a_global_tensor_rebound_at_the_same_version_reaches_the_worker(
+        cluster: gpufn.Client) -> None:
+    """A new tensor bound to the same global name has the same `_version` (0) as the one
+    before: the code is pickled again all the same, and the worker reads the new one."""
+    global GLOBAL_TENSOR
+
+    @gpufn.gpu
+    def read_tensor() -> float:
+        return float(GLOBAL_TENSOR.sum())
+
+    assert read_tensor.remote() == 0.0
+    old = GLOBAL_TENSOR
+    try:
+        GLOBAL_TENSOR = torch.ones(2)
+        assert GLOBAL_TENSOR._version == old._version
+        assert read_tensor.remote() == 2.0 == read_tensor.local()
+    finally:
+        GLOBAL_TENSOR = old
+    assert read_tensor.remote() == 0.0
+
+
 def test_exception_keeps_type_and_remote_traceback(cluster: gpufn.Client) -> None:
     with pytest.raises(ValueError, match="bad input 3") as e:
         fail.remote(3)

@@ -21,6 +21,7 @@ pytest.importorskip("uvicorn")
 import gpufn  # noqa: E402
 
 from .http_served import APP, ServedGateway  # noqa: E402
+from .served import gpufn_cmd  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -657,3 +658,90 @@ def test_draining_is_503(served: ServedGateway, http: Any) -> None:
     r = post(http, "noop")
     assert r.status_code == 503, r.text
     assert r.json()["error"]["type"] == "ConnectionLost" and "shutting down" in r.json()["error"]["message"]
+
+
+def test_a_call_to_a_stopped_app_is_503_app_stopped(served: ServedGateway, http: Any) -> None:
+    client = served.client()
+    try:
+        gpufn.deploy(APP, name="halted", client=client)
+    finally:
+        client.close()
+    assert post_to(http, "halted", "echo", 1).status_code == 200
+    out = subprocess.run([*gpufn_cmd(), "app", "stop", "halted"], env=served.env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for _ in range(2):  # the first answer, and one the gateway may have cached
+        r = post_to(http, "halted", "echo", 1)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "AppStopped", r.text
+
+
+def post_to(http: Any, app: str, fn: str, *args: Any) -> Any:
+    return http.post(f"/v1/apps/{app}/{fn}", json={"args": list(args)})
+
+
+def test_sse_of_200_values_delivers_every_one_then_end(http: Any) -> None:
+    with http.stream("POST", "/v1/apps/t/count", json={"args": [200]},
+                     headers={"Accept": "text/event-stream"}) as r:
+        assert r.status_code == 200
+        got = list(events(r.iter_lines()))
+    assert got[:200] == [("message", str(i)) for i in range(200)]
+    assert len(got) == 201 and got[200][0] == "end", got[195:]
+    assert json.loads(got[200][1])["items"] == 200
+
+
+def test_disconnecting_from_a_plain_call_asked_as_a_stream_cancels_it(
+        served: ServedGateway, tmp_path: Path) -> None:
+    marker = tmp_path / "finally"
+    with httpx.Client(base_url=served.url, timeout=60,
+                      headers={"Authorization": f"Bearer {served.token}"}) as h, \
+            h.stream("POST", "/v1/apps/t/sleepy", headers={"Accept": "text/event-stream"},
+                     json={"args": [60], "kwargs": {"marker": str(marker)}}) as r:
+        assert r.status_code == 200
+        call_id = r.headers["x-gpufn-call-id"]
+        deadline = time.monotonic() + 30
+        while call_id not in running_ids(served):
+            assert time.monotonic() < deadline, "the call never started"
+            time.sleep(0.05)
+    # left before its value: the call is cancelled on its worker, long before its 60 s
+    assert wait_for(marker) == "finally"
+    deadline = time.monotonic() + 10
+    while call_id in running_ids(served):
+        assert time.monotonic() < deadline, "the abandoned call still runs"
+        time.sleep(0.05)
+
+
+def test_spawned_and_streamed_calls_outlive_the_idle_connection_reaper(
+        served: ServedGateway) -> None:
+    """A gateway that closes a token's connection after 1 s idle: a stream of 4 s, and a
+    spawned call of 4 s with no request meanwhile, hold the connection (they are in
+    flight), and both end well."""
+    from gpufn.cluster.gateway import GatewayProcess
+
+    gw = GatewayProcess(served.address, "127.0.0.1", 0, env={"GPUFN_HTTP_CLIENT_IDLE": "1"})
+    url = gw.start()
+    client = served.client()
+    try:
+        before = client.status()["clients"]
+        with httpx.Client(base_url=url, timeout=60,
+                          headers={"Authorization": f"Bearer {served.token}"}) as h:
+            with h.stream("POST", "/v1/apps/t/count", headers={"Accept": "text/event-stream"},
+                          json={"args": [8], "kwargs": {"delay": 0.5}}) as r:
+                got = list(events(r.iter_lines()))
+            assert got[:8] == [("message", str(i)) for i in range(8)], got
+            assert got[8][0] == "end", got
+            spawned = h.post("/v1/apps/t/sleepy/spawn", json={"args": [4]})
+            assert spawned.status_code == 202, spawned.text
+            call_id = spawned.json()["call_id"]
+            time.sleep(3)  # no request: only the call in flight keeps the connection
+            assert client.status()["clients"] == before + 1, "the gateway's connection closed"
+            time.sleep(3)
+            deadline = time.monotonic() + 30
+            while (view := h.get(f"/v1/calls/{call_id}").json())["state"] != "done":
+                assert view["state"] in ("queued", "running", "pending"), view
+                assert time.monotonic() < deadline, view
+                time.sleep(0.2)
+            assert view["result"] == 4
+    finally:
+        client.close()
+        gw.stop()

@@ -364,11 +364,16 @@ def test_ctrl_c_while_serve_starts_stops_everything_it_started(head: Head, delay
     import subprocess
     import sys
 
+    # SIGINT at its default, as a terminal's Ctrl-C finds it: a test run started in the
+    # background (`nohup`, `cmd &` in a script) hands its children SIGINT ignored, and a
+    # SIGINT that lands while serve still imports (before serve catches it) is then
+    # discarded by the kernel: serve starts and runs on (this test failed so under load).
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpufn.cli.main", "serve", "--port", str(head.port),
          "--cpu-devices", "1", "--token", "restart-test-token"],
         env=head.env(), cwd=head.home / "cwd", stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, text=True)
+        stderr=subprocess.DEVNULL, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     head.proc = proc  # the fixture stops it (and says so) if this test fails first
     time.sleep(delay)
     rec = head.record()

@@ -248,3 +248,53 @@ def test_the_store_keeps_interfaces_and_upgrades_an_older_file(tmp_path: Path) -
     assert store.functions("b", 1)[0].interface == described
     assert store.function_by_id("d2").interface == described  # type: ignore[union-attr]
     store.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_finished_spawned_calls_kept_are_bounded_by_count_and_by_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oldest finished calls go first, past KEEP_CALLS or past KEEP_BYTES of results;
+    a call still out is never dropped, and each holds its connection until it ends."""
+    import asyncio
+
+    from gpufn.http import calls
+    from gpufn.http.pool import Entry
+
+    monkeypatch.setattr(calls, "KEEP_CALLS", 3)
+    monkeypatch.setattr(calls, "KEEP_BYTES", 1000)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        book = calls.SpawnBook()
+        entry = Entry(client=None, owner="alice")  # type: ignore[arg-type]
+        futures: dict[str, Future[p.Result]] = {}
+
+        def spawn(call_id: str) -> None:
+            futures[call_id] = Future()
+            book.add(calls.Spawned(call_id, "alice", "t.f", futures[call_id], entry), loop)
+
+        async def finish(call_id: str, nbytes: int) -> None:
+            futures[call_id].set_result(p.Result(call_id, True, "", "", frames=(b"x" * nbytes,)))
+            for _ in range(3):  # the done callback hops onto the loop
+                await asyncio.sleep(0)
+
+        spawn("out")  # never finishes here
+        for i in range(5):
+            spawn(f"c{i}")
+        assert entry.inflight == 6
+        for i in range(5):
+            await finish(f"c{i}", 100)
+        assert list(book.calls) == ["out", "c2", "c3", "c4"]  # by count: the last 3 finished
+        assert book.finished_bytes == 300 and entry.inflight == 1
+        spawn("big")
+        await finish("big", 800)  # 1100 bytes finished: the oldest go until within 1000
+        assert list(book.calls) == ["out", "c3", "c4", "big"]
+        assert book.finished_bytes == 1000
+        spawn("huge")
+        await finish("huge", 2000)  # alone past the bytes: every finished one goes, itself too
+        assert list(book.calls) == ["out"] and book.finished_bytes == 0
+        assert entry.inflight == 1 and not futures["out"].done()
+        book.forget("out")
+        assert not book.calls
+
+    asyncio.run(scenario())

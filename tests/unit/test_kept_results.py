@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,3 +190,156 @@ def test_a_scheduler_that_keeps_nothing_makes_no_file(tmp_path: Path) -> None:
     h.finish(w, inv)
     h.core.streams.close()
     assert not (tmp_path / "results.sqlite").exists()
+
+
+# --------------------------------------------------------------------------- the book's edges
+
+
+def _rec(inv: str, size: int, ended: float = 1000.0, owner: str = "alice") -> KeptResult:
+    """A record whose payload is `size` bytes (one frame)."""
+    return KeptResult(p.Result(inv, True, "", "", frames=(b"x" * size,)), owner, "f", ended)
+
+
+def test_the_books_defaults_are_the_schedulers_documented_ones(tmp_path: Path) -> None:
+    from gpufn.scheduler.nouns.settings import SchedulerConfig
+
+    book = KeptResults.in_state_dir(str(tmp_path))
+    cfg = SchedulerConfig()
+    assert (book.retention, book.max_bytes) == (cfg.result_retention_seconds,
+                                                cfg.result_store_bytes) == (24 * 3600.0, 4 * 2**30)
+    assert book.max_results == 100_000 and KeptResults(None).max_results == 100_000
+
+
+@pytest.mark.parametrize("path", [False, True])
+def test_the_byte_bound_is_inclusive_and_counts_from_zero(tmp_path: Path, path: bool) -> None:
+    book = KeptResults(tmp_path / "r.sqlite" if path else None, max_bytes=100)
+    assert book.put(_rec("whole", 100)) is True  # exactly the book: kept
+    assert "whole" in book and book.get("whole") is not None
+    assert book.put(_rec("a", 50, 1001.0)) and "whole" not in book  # 150: the oldest leaves
+    assert book.put(_rec("b", 50, 1002.0)) and "a" in book and "b" in book  # 100: both stay
+    assert book.put(_rec("c", 1, 1003.0)) and "a" not in book  # 101: the oldest leaves
+    assert [r in book for r in ("b", "c")] == [True, True]
+    assert book.put(_rec("huge", 101)) is False and "huge" not in book and len(book) == 2
+    book.close()
+
+
+def test_a_book_reopened_with_a_lower_count_bound_keeps_exactly_that_many(tmp_path: Path) -> None:
+    book = KeptResults(tmp_path / "r.sqlite", max_results=10)
+    for i in range(5):
+        book.put(_rec(f"i{i}", 10, 1000.0 + i))
+    book.close()
+    smaller = KeptResults(tmp_path / "r.sqlite", max_results=2)
+    assert len(smaller) == 5  # read back as they were...
+    smaller.put(_rec("new", 10, 1010.0))  # ...and bounded by the next put: the newest 2
+    assert len(smaller) == 2 and "i4" in smaller and "new" in smaller
+    smaller.close()
+
+
+def test_a_record_is_kept_until_exactly_its_retention(tmp_path: Path) -> None:
+    book = KeptResults(tmp_path / "r.sqlite", retention=100.0)
+    book.put(_rec("a", 10, 1000.0))
+    book.put(_rec("b", 10, 1050.0))
+    assert book.expire(1100.0) == 0 and "a" in book  # ended exactly 100 s ago: still kept
+    assert book.expire(1100.5) == 1 and "a" not in book and "b" in book
+    book.close()
+
+
+def test_owner_and_size_of_a_record(tmp_path: Path) -> None:
+    import array
+
+    book = KeptResults(tmp_path / "r.sqlite")
+    book.put(_rec("a", 10, owner="alice"))
+    assert book.owner("a") == "alice" and book.owner("nosuch") is None
+    # A frame may be any buffer: its size is its bytes, not its length in items.
+    ints = memoryview(array.array("i", [1, 2, 3]))
+    rec = KeptResult(p.Result("m", True, "", "", frames=(ints,)), "alice", "f", 1.0)
+    assert rec.nbytes == 3 * ints.itemsize == kr.nbytes((ints, b"ab")) - 2
+    book.close()
+
+
+def test_records_are_immutable() -> None:
+    import dataclasses
+
+    rec = _rec("a", 10)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rec.owner = "mallory"  # type: ignore[misc]
+    call = kr.DetachedCall("c", "fid", "alice", 1.0, {}, ())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        call.owner = "mallory"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kr._Entry("alice", 1.0, 3).nbytes = 0  # type: ignore[misc]
+
+
+def test_a_book_without_a_file_starts_no_writer_and_notes_no_calls() -> None:
+    book = KeptResults(None)
+    book.save_calls([kr.DetachedCall("c", "fid", "alice", 1.0, {}, (b"args",))], ["d"])
+    assert book._writer is None and book.detached() == []
+    book.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_write_that_fails_is_served_from_memory_and_the_writer_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fills mid-write (OSError) and a record that cannot be written
+    (TypeError): each rolls its transaction back, the first is served from memory, and the
+    writer thread writes the next records."""
+    real = kr._put_frames
+
+    def failing(cur: Any, table: str, rid: str, frames: Any) -> None:
+        real(cur, table, rid, frames)  # inside the transaction: it must be rolled back
+        if rid == "full":
+            raise OSError(28, "No space left on device")
+        if rid in ("odd", "odd-call"):
+            raise TypeError("not a buffer")
+
+    monkeypatch.setattr(kr, "_put_frames", failing)
+    book = KeptResults(tmp_path / "r.sqlite")
+    book.put(_rec("full", 10))
+    book.put(_rec("odd", 10))
+    book.save_calls([kr.DetachedCall("odd-call", "fid", "alice", 1.0, {}, (b"x",))], [])
+    book.put(_rec("good", 10, 1001.0))
+    book.save_calls([kr.DetachedCall("call", "fid", "alice", 2.0, {"k": 1}, (b"args",))], [])
+    book.close()
+    rec = book.get("full")  # never written: from memory
+    assert rec is not None and rec.result.frames == (b"x" * 10,)
+    reopened = KeptResults(tmp_path / "r.sqlite")
+    assert "good" in reopened and "full" not in reopened and "odd" not in reopened
+    assert [(c.invocation_id, c.spec) for c in reopened.detached()] == [("call", {"k": 1})]
+    reopened.close()
+
+
+def test_a_scheduler_that_never_closes_its_book_still_exits(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = ("import sys; from gpufn.scheduler.stores.kept_results import KeptResults\n"
+              "from gpufn.wire import protocol as p\n"
+              "b = KeptResults(sys.argv[1])\n"
+              "b.save_calls([], ['gone'])\n")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "r.sqlite")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr  # the writer thread is a daemon
+
+
+@pytest.mark.timeout(60)
+def test_a_delete_that_fails_is_rolled_back_and_the_writer_goes_on(tmp_path: Path) -> None:
+    """sqlite refuses to delete a record's frames (a trigger raises, as an I/O error
+    would): that delete is rolled back whole, and the next writes are made."""
+    import sqlite3
+
+    path = tmp_path / "r.sqlite"
+    book = KeptResults(path, retention=100.0)
+    book.put(_rec("stuck", 10, 1000.0))
+    book.close()  # written
+    with sqlite3.connect(path) as other:
+        other.execute("CREATE TRIGGER refuse BEFORE DELETE ON frames WHEN old.id = 'stuck' "
+                      "BEGIN SELECT RAISE(ABORT, 'disk I/O error'); END")
+    book = KeptResults(path, retention=100.0)
+    assert book.expire(2000.0) == 1  # gone from the index; its delete fails on disk
+    book.put(_rec("after", 10, 1990.0))
+    book.close()
+    reopened = KeptResults(path, retention=100.0)
+    assert "after" in reopened
+    kept = reopened.get("stuck")  # not half deleted: its row and its frames are there
+    assert kept is not None and kept.result.frames == (b"x" * 10,)
+    reopened.close()

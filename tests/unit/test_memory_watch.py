@@ -18,6 +18,7 @@ from gpufn.worker.host.memory_watch import (
     Budget,
     MemoryWatch,
     Reports,
+    Stop,
     default_budget,
     over_budget,
 )
@@ -114,3 +115,73 @@ def test_an_unwatched_host_reads_nothing() -> None:
     assert not watch.enabled
     watch.watch("n:0", os.getpid())
     assert watch.tick(time.monotonic()) == [] and watch.limits() == {}
+
+
+def _watch_until_stop(watch: MemoryWatch, for_s: float) -> list[Stop]:
+    """Tick the watch (past every sampling and scanning interval) for `for_s` seconds or
+    until it says to stop a worker."""
+    deadline = time.monotonic() + for_s
+    t, stops = time.monotonic(), []
+    while not stops and time.monotonic() < deadline:
+        t += SCAN_S + 0.1
+        stops = watch.tick(t)
+        time.sleep(0.05)
+    return stops
+
+
+@pytest.mark.timeout(60)
+def test_a_child_in_its_own_process_group_is_counted() -> None:
+    """A call's child that made its own process group (setpgid, as shells' jobs do) is
+    still in the worker's session: its bytes count, and it is in what is stopped."""
+    script = ("import subprocess, sys, time; "
+              "subprocess.Popen([sys.executable, '-c', "
+              "'import time; b = bytearray(400 * 2**20); time.sleep(60)'], process_group=0); "
+              "time.sleep(60)")
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    watch = MemoryWatch(200 * MiB, 64 * GiB, "h")
+    try:
+        watch.watch("n:0", leader.pid)
+        stops = _watch_until_stop(watch, 30)
+        assert [s.key for s in stops] == ["n:0"] and stops[0].used > 200 * MiB
+        assert proc_table.read(leader.pid).rss < 100 * MiB  # type: ignore[union-attr]  # the child counted
+        members = proc_table.in_session(leader.pid)
+        [child] = [m for m in members if m != leader.pid]
+        assert proc_table.read(child).pgrp == child != leader.pid  # type: ignore[union-attr]
+    finally:
+        proc_table.signal_all(proc_table.in_session(leader.pid))
+        leader.wait()
+        watch.close()
+
+
+@pytest.mark.timeout(60)
+def test_forked_children_sharing_the_workers_pages_do_not_get_it_stopped() -> None:
+    """The worker touches 300 MiB and forks three children that only sleep: resident
+    bytes summed say 1.2 GiB, over a 600 MiB limit, but the pages are one copy (PSS), so
+    nothing is stopped."""
+    script = ("import os, sys, time\n"
+              "b = b'x' * (300 * 2**20)\n"
+              "for _ in range(3):\n"
+              "    if os.fork() == 0:\n"
+              "        time.sleep(60)\n"
+              "        os._exit(0)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
+                              stdout=subprocess.PIPE, text=True)
+    watch = MemoryWatch(600 * MiB, 64 * GiB, "h")
+    try:
+        assert leader.stdout is not None and leader.stdout.readline() == "ready\n"
+        watch.watch("n:0", leader.pid)
+        members = []
+        deadline = time.monotonic() + 20
+        while len(members) < 4:
+            assert time.monotonic() < deadline, members
+            members = proc_table.in_session(leader.pid)
+            time.sleep(0.05)
+        rss = sum(proc_table.read(m).rss for m in members)  # type: ignore[union-attr]
+        assert rss > 1100 * MiB, rss  # over the limit by resident bytes summed
+        assert _watch_until_stop(watch, 3) == []
+    finally:
+        proc_table.signal_all(proc_table.in_session(leader.pid))
+        leader.wait()
+        watch.close()

@@ -185,6 +185,33 @@ def test_a_second_hello_of_the_same_peers_keeps_what_was_taken_over() -> None:
     assert h.core.counters.lost == 0
 
 
+@pytest.mark.parametrize("finished_after_restart", [False, True])
+def test_a_held_result_is_returned_not_run_again_when_its_caller_resubmits_late(
+        finished_after_restart: bool) -> None:
+    """The worker holds the call's Result (said in its Hello, or sent after it with no
+    caller to take it); its caller comes back long after the hold and the orphan bound:
+    the Result is asked for again and returned, the call never runs a second time."""
+    h = _restarted()
+    f = h.register("f")  # retries=0: it must never run twice
+    if finished_after_restart:
+        w = _worker_back(h, 0, running={"c1": [77, 1]})
+        _result(h, w, "c1", 77, b"kept")
+    else:
+        w = _worker_back(h, 0, held={"c1": [77, 1]})
+    for _ in range(int(ORPHAN_SECONDS // 5) + 2):  # alive all along, past the orphan bound
+        h.feed(w, p.Heartbeat([], {}), dt=5.0)
+        h.tick()
+    assert not [s for s in h.of_type(p.Cancel) if s.msg.invocation_id == "c1"]
+    h.hello(b"late", p.Role.CLIENT, info={"resubmit": 1, "instance": "previous"})
+    h.feed(b"late", p.Submit("c1", f, {}, frames=(b"args",)))
+    assert [s.msg for s in h.of_type(p.Resend)] == [p.Resend("c1", 77)]
+    _result(h, w, "c1", 77, b"kept")
+    res = h.results(b"late")["c1"]
+    assert res.ok and res.frames == (b"kept",)
+    h.tick(5.0)
+    assert not runs_of(h, "c1")
+
+
 def test_an_orphan_run_is_stopped_when_no_caller_comes_back() -> None:
     h = _restarted()
     _worker_back(h, 0, running={"nobody": [5, 1]})
@@ -425,3 +452,111 @@ def test_an_older_ops_file_is_tightened_to_owner_only(tmp_path: Path) -> None:
     store.close()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
+
+
+def test_a_taken_over_call_that_says_nothing_of_its_run_time_is_billed_from_its_report() -> None:
+    h = _restarted()
+    f = h.register("f")
+    w = _worker_back(h, 0, running={"c1": [555, 1]})  # an older worker: no run time
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    h.tick(5.0)
+    _result(h, w, "c1", 555, b"done")
+    [row] = h.core.ops.answer(p.QueryKind.USAGE, {}, h.now)["rows"]
+    assert row["device_seconds"] == pytest.approx(5.0, abs=0.01)
+
+
+def test_the_hold_ends_exactly_at_its_grace() -> None:
+    h = _restarted()  # its grace: 3 s from its start
+    _worker_back(h, 0)
+    _worker_back(h, 1)
+    f = h.register("f")
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    h.tick(2.5)
+    assert not runs_of(h, "c1") and h.core.recovery.holding(h.now)
+    h.tick(0.5)  # exactly the grace
+    assert not h.core.recovery.holding(h.now)
+    assert h.core.recovery.not_before(b"back", h.now) == 0.0
+    assert [r.meta.attempt_number for r in runs_of(h, "c1")] == [1]
+
+
+def test_an_orphan_is_stopped_past_its_bound_and_looked_for_once_a_second() -> None:
+    h = _restarted()
+    w = _worker_back(h, 0, running={"nobody": [5, 1]})  # reported at h.now (1000 s)
+
+    def beat(dt: float) -> None:  # the worker stays alive all along
+        h.feed(w, p.Heartbeat([], {}), dt=dt)
+        h.tick()
+
+    for _ in range(int(ORPHAN_SECONDS // 5)):
+        beat(5.0)  # the last at exactly the bound: looked at, not past it; the next look in 1 s
+    beat(0.5)  # past the bound, not looked at
+    assert not h.of_type(p.Cancel)
+    beat(0.5)  # a second after the last look, past the bound
+    [cancel] = [s.msg for s in h.of_type(p.Cancel)]
+    assert (cancel.invocation_id, cancel.dispatch_token) == ("nobody", 5)
+
+
+def test_an_unreadable_book_of_calls_admits_nothing_and_the_scheduler_starts(
+        tmp_path: Path) -> None:
+    import sqlite3
+
+    from gpufn.scheduler.calls.recovery import Restored
+    from gpufn.scheduler.stores.kept_results import DetachedCall, KeptResults
+
+    book = KeptResults(tmp_path / "results.sqlite")
+    book.save_calls([DetachedCall("c", "fid", "alice", 1.0, {}, (b"args",))], [])
+    book.close()
+    with sqlite3.connect(tmp_path / "results.sqlite") as db:
+        db.execute("UPDATE calls SET spec = '{torn'")  # damaged: cannot be read back
+    ops = OpsStore(tmp_path / "ops.sqlite")
+    damaged = KeptResults(tmp_path / "results.sqlite")
+    try:
+        assert Restored.read(ops, damaged, 0.0, 7).detached == ()
+        assert Restored.read(ops, None, 0.0, 7) == Restored(0.0, 7, frozenset(), ())
+    finally:
+        damaged.close()
+
+
+def test_a_reported_run_time_is_billed_to_the_millisecond() -> None:
+    h = _restarted()
+    f = h.register("f")
+    w = _worker_back(h, 0, running={"c1": [555, 1, 100_000]})  # ran 100 s before
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    h.tick(5.0)
+    _result(h, w, "c1", 555, b"done")
+    [row] = h.core.ops.answer(p.QueryKind.USAGE, {}, h.now)["rows"]
+    assert row["device_seconds"] == pytest.approx(105.0, abs=0.01)
+
+
+def test_reports_past_the_memory_are_forgotten_and_recent_ones_kept() -> None:
+    """Workers said what they ran and what they hold 400 s and 200 s ago (then fell
+    silent): the recent reports still count (the call ran: a lost attempt), the old ones
+    are forgotten (the call runs as new)."""
+    h = Harness(devices=3, restart_grace_seconds=3.0)
+    f = h.register("once")
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1, "ran": ["old"],
+                                        "held": {"old-held": [5, 1]}})
+    h.tick(200.0)
+    h.hello(b"w1", p.Role.WORKER, info={"device": "n:1", "incarnation": 1, "ran": ["recent"],
+                                        "held": {"recent-held": [6, 1]}})
+    h.tick(200.0)
+    h.hello(b"w2", p.Role.WORKER, info={"device": "n:2", "incarnation": 1})  # forgets here
+    h.hello(b"back", p.Role.CLIENT, info={"resubmit": 4})
+    for inv in ("old", "recent", "old-held", "recent-held"):
+        h.feed(b"back", p.Submit(inv, f, {}, frames=(b"args",)))
+    h.tick(1.0)
+    res = h.results(b"back")
+    assert res["recent"].error_kind == "WorkerLost"
+    assert res["recent-held"].error_kind == "WorkerLost"  # its worker is gone with its Result
+    assert "old" not in res and "old-held" not in res
+    assert [h.core.invocations[i].state.name for i in ("old", "old-held")] in (
+        ["RUNNING", "QUEUED"], ["QUEUED", "RUNNING"])  # new calls: one runs, one waits
+
+
+def test_what_a_restart_carries_over_is_immutable() -> None:
+    import dataclasses
+
+    from gpufn.scheduler.calls.recovery import Restored
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Restored().first_token = 5  # type: ignore[misc]

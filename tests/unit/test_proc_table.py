@@ -1,0 +1,155 @@
+"""The process table as /proc shows it, read on real processes: a stat line whose name
+holds spaces and parentheses, a zombie, a gone pid; parent, group, session and resident
+bytes of this process; the children a thread started, a tree parents first, PSS against
+RSS, signals to gone pids, the host's memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gpufn.worker.host import proc_table
+
+pytestmark = [pytest.mark.skipif(not proc_table.HAS_PROC, reason="needs Linux /proc"),
+              pytest.mark.timeout(60)]
+
+MiB = 2**20
+
+
+def _stat_line(comm: str, state: str = "S", rss_pages: int = 25) -> bytes:
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
+    # utime stime cutime cstime priority nice threads itrealvalue starttime vsize rss ...
+    fields = [state, "7", "8", "9", *["0"] * 16, "4096", str(rss_pages), "0", "0"]
+    return f"42 ({comm}) {' '.join(fields)}".encode()
+
+
+def test_a_stat_line_is_read_past_a_name_with_spaces_and_parentheses() -> None:
+    got = proc_table._parse_stat(42, _stat_line("a (b) c)"))
+    assert got == proc_table.Proc(42, 7, 8, 9, 25 * proc_table.PAGE)
+    assert proc_table._parse_stat(42, _stat_line("z", state="Z")).rss == 0  # type: ignore[union-attr]
+    assert proc_table._parse_stat(42, _stat_line("x", state="X")).rss == 0  # type: ignore[union-attr]
+    assert proc_table._parse_stat(42, _stat_line("r", state="R")).rss == 25 * proc_table.PAGE  # type: ignore[union-attr]
+    full = _stat_line("p").split()
+    assert proc_table._parse_stat(42, b" ".join(full[:24])) is not None  # 22 fields after the name
+    assert proc_table._parse_stat(42, b" ".join(full[:23])) is None  # one short
+
+
+def test_this_process_as_the_table_reads_it() -> None:
+    me = proc_table.read(os.getpid())
+    assert me is not None
+    assert (me.pid, me.ppid, me.pgrp, me.session) == (os.getpid(), os.getppid(), os.getpgrp(),
+                                                      os.getsid(0))
+    assert 10 * MiB < me.rss < 64 * 2**30
+    assert os.getpid() in {p.pid for p in proc_table.snapshot()}
+    assert os.getpid() in proc_table.in_session(os.getsid(0))
+    resident = proc_table.Resident(os.getpid())
+    try:
+        assert abs(resident.bytes() - me.rss) < 64 * MiB
+    finally:
+        resident.close()
+    assert resident.bytes() == 0  # closed: reads nothing
+    resident.close()  # twice: no error
+    pss = proc_table.pss(os.getpid())
+    assert pss is not None and 0 < pss <= me.rss + 64 * MiB
+
+
+def test_a_gone_process_reads_as_nothing() -> None:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    gone = child.pid
+    assert proc_table.read(gone) is None and proc_table.pss(gone) is None
+    assert proc_table.children(gone) == [] and proc_table.tree([gone]) == [gone]
+    assert proc_table.thread_children(-1) == []
+    proc_table.signal_all([gone, gone])  # no error for what is gone
+
+
+def test_a_zombie_is_listed_with_no_resident_bytes() -> None:
+    child = subprocess.Popen(["sleep", "0.2"])
+    try:
+        deadline = time.monotonic() + 20
+        while _state(child.pid) != "Z":  # ended, not reaped yet: a zombie
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        z = proc_table.read(child.pid)
+        assert z is not None and z.pid == child.pid and z.rss == 0
+        assert child.pid in {p.pid for p in proc_table.snapshot()}
+    finally:
+        child.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[-1].split()[0]
+
+
+def test_children_by_thread_and_a_tree_parents_first() -> None:
+    shell = subprocess.Popen(["bash", "-c", "sleep 30 & echo $!; wait"], stdout=subprocess.PIPE,
+                             text=True)
+    other: list[subprocess.Popen[bytes]] = []
+    started, done = threading.Event(), threading.Event()
+
+    def start_other() -> None:  # alive while looked at: a thread's children pass to
+        other.append(subprocess.Popen(["sleep", "30"]))  # another thread when it ends
+        started.set()
+        done.wait(30)
+
+    t = threading.Thread(target=start_other)
+    t.start()
+    started.wait(30)
+    try:
+        assert shell.stdout is not None
+        sleeper = int(shell.stdout.readline())
+        mine = proc_table.thread_children(threading.get_native_id())
+        assert shell.pid in mine and other[0].pid not in mine  # the other thread's
+        assert {shell.pid, other[0].pid} <= set(proc_table.children(os.getpid()))
+        assert proc_table.children(shell.pid) == [sleeper]
+        assert proc_table.tree([shell.pid, shell.pid]) == [shell.pid, sleeper]
+        proc_table.signal_all(proc_table.tree([shell.pid]), signal.SIGKILL)
+        shell.wait(10)
+        deadline = time.monotonic() + 10
+        while (s := proc_table.read(sleeper)) is not None and s.rss:
+            assert time.monotonic() < deadline, "the shell's sleep was not killed"
+            time.sleep(0.02)
+    finally:
+        done.set()
+        t.join()
+        for p in (shell, *other):
+            p.kill()
+            p.wait()
+
+
+def test_pss_counts_the_pages_a_fork_shares_once() -> None:
+    script = ("import os, time\n"
+              "b = b'x' * (200 * 2**20)\n"
+              "if os.fork() == 0:\n"
+              "    time.sleep(30)\n"
+              "    os._exit(0)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(30)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == "ready\n"
+        [child] = proc_table.children(parent.pid)
+        rss = [proc_table.read(p).rss for p in (parent.pid, child)]  # type: ignore[union-attr]
+        pss = [proc_table.pss(p) or 0 for p in (parent.pid, child)]
+        assert min(rss) > 190 * MiB  # each maps the 200 MiB...
+        assert sum(pss) < sum(rss) - 150 * MiB  # ...shared: counted once between them
+    finally:
+        proc_table.signal_all(proc_table.in_session(parent.pid))
+        parent.wait()
+
+
+def test_the_hosts_memory_is_read() -> None:
+    with open("/proc/meminfo") as f:
+        total = int(f.readline().split()[1]) * 1024  # MemTotal
+    limit = proc_table.host_memory_limit()
+    assert 0 < limit <= total
+    available = proc_table.available_memory()
+    assert available is not None and 0 < available <= total

@@ -37,27 +37,48 @@ IDLE_SECONDS = 30.0  # a driver thread with nothing to do for this long ends (a 
 
 class Arbiter:
     """Whose step runs next on this process's device: the waiting engine of highest
-    priority, first come first within a priority. A step is never interrupted."""
+    priority, first come first within a priority. A step is never interrupted. An engine
+    that steps again right after its step keeps a claim at its priority while it hands its
+    outputs over, so a lower-priority engine woken by the release does not slip a step in
+    between (which thread wakes first is up to the GIL); a claim ends at its owner's next
+    `acquire` or `withdraw`, and after `CLAIM_SECONDS` in any case."""
+
+    CLAIM_SECONDS = 1.0
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._busy = False
         self._queue: list[tuple[int, int]] = []  # (-priority, ticket)
         self._tickets = itertools.count()
+        self._claims: dict[int, tuple[int, float]] = {}  # owner -> (priority, until)
 
-    def acquire(self, priority: int) -> None:
+    def acquire(self, priority: int, owner: object = None) -> None:
         with self._cond:
+            self._claims.pop(id(owner), None)
             me = (-priority, next(self._tickets))
             heapq.heappush(self._queue, me)
-            while self._busy or self._queue[0] != me:
-                self._cond.wait()
+            while self._busy or self._queue[0] != me or self._outranked(priority):
+                self._cond.wait(self.CLAIM_SECONDS / 4)
             heapq.heappop(self._queue)
             self._busy = True
 
-    def release(self) -> None:
+    def release(self, owner: object = None, again: int | None = None) -> None:
+        """The step ended; `again`: its owner steps again at this priority."""
         with self._cond:
             self._busy = False
+            if again is not None:
+                self._claims[id(owner)] = (again, time.monotonic() + self.CLAIM_SECONDS)
             self._cond.notify_all()
+
+    def withdraw(self, owner: object) -> None:
+        """`owner` will not step again soon: its claim ends."""
+        with self._cond:
+            if self._claims.pop(id(owner), None) is not None:
+                self._cond.notify_all()
+
+    def _outranked(self, priority: int) -> bool:
+        now = time.monotonic()
+        return any(p > priority and until > now for p, until in self._claims.values())
 
 
 ARBITER = Arbiter()  # one device per worker process: one arbiter for its engines
@@ -148,11 +169,15 @@ class Driver:
                 self.loop.cancel(rid)
             if self.loop.has_work():
                 self._step(priority, now)
+            else:
+                self.arbiter.withdraw(self)
 
     def _step(self, priority: int, now: float) -> None:
-        self.arbiter.acquire(priority)
+        self.arbiter.acquire(priority, self)
+        again: int | None = None
         try:
             result = self.loop.step(now)
+            again = priority if self.loop.has_work() else None
         except Exception as e:  # the engine itself broke: every request in it fails
             log.exception("engine step failed")
             for rid in list(self._streams):
@@ -160,7 +185,7 @@ class Driver:
                 self.loop.cancel(rid)
             return
         finally:
-            self.arbiter.release()
+            self.arbiter.release(self, again)
         self.steps += 1
         self.batch_sizes.append(len(self.loop.running))
         for out in result.outputs.values():

@@ -8,14 +8,18 @@ same request ids to end, their values discarded as a gang's are."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gpufn.engines.base import Engine, Prompt, RequestOutput, SamplingParams
 from gpufn.engines.stepping import IDLE_SECONDS, Driver, Submitted, _Stream
+
+log = logging.getLogger("gpufn.engines")
 
 EARLY_KEPT = 1024  # outputs of requests whose twin call has not come yet, kept per follower
 
@@ -45,6 +49,9 @@ class Leader(Driver):
         return super().submit(request_id, prompt, params, **options)
 
     def _run(self) -> None:
+        _failing_all(self, self._lead)
+
+    def _lead(self) -> None:
         stopped = False
         while True:
             taken = self._take(0.0)
@@ -89,6 +96,9 @@ class Follower(Driver):
             self._streams.pop(request_id, None)
 
     def _run(self) -> None:
+        _failing_all(self, self._follow)
+
+    def _follow(self) -> None:
         while True:
             plan = _broadcast(None, self.group)
             if plan.stop:
@@ -110,6 +120,21 @@ class Follower(Driver):
             if out.finished:
                 self._streams.pop(out.request_id, None)
         stream.put(out)
+
+
+def _failing_all(driver: Driver, run: Callable[[], None]) -> None:
+    """Run a lockstep thread; if the gang's collectives fail (a rank died, the group went),
+    every request waiting here fails with the reason instead of waiting for ever."""
+    try:
+        run()
+    except Exception as e:
+        log.exception("the gang's lockstep failed")
+        with driver._lock:
+            waiting = list(driver._streams)
+            driver._thread = None
+        for rid in waiting:
+            driver._deliver(RequestOutput.failed(rid, f"the gang's lockstep failed: {e}"))
+            driver.loop.cancel(rid)
 
 
 def _start(driver: Driver) -> Any:

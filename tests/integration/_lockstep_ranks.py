@@ -71,3 +71,27 @@ def rank_main(rank: int, port: int, out: Any) -> None:
         out.put((rank, [texts.get(i) for i in range(len(REQUESTS))], driver.steps))
     finally:
         dist.destroy_process_group()
+
+
+def rank_dies(rank: int, port: int, out: Any) -> None:
+    """Rank 1 dies mid-generation: rank 0's request must fail, not wait for ever."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    engine = build(True)
+    from gpufn.engines.lockstep import lockstep_driver
+
+    driver = engine_driver._drivers[engine] = lockstep_driver(engine, rank)
+    got: list[str] = []
+    try:
+        for piece in engine_driver.text(engine, "The quick brown fox", params(500, ()),
+                                        request_id="r"):
+            got.append(piece)
+            if rank == 1 and driver.steps >= 10:
+                os._exit(17)  # mid-generation, without a word to rank 0
+        out.put((rank, "finished", len(got)))
+    except engine_driver.RequestFailed as e:
+        out.put((rank, str(e), len(got)))
+    out.close()
+    out.join_thread()  # sent before the exit below
+    os._exit(0)  # the group's peer is gone: no orderly teardown

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from gpufn.engines import driver as engine_driver
 
-from ._lockstep_ranks import REQUESTS, build, params, rank_main
+from ._lockstep_ranks import REQUESTS, build, params, rank_dies, rank_main
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,3 +66,23 @@ def test_a_gang_call_streams_its_sharded_engines_text_from_rank_0() -> None:
     assert got == alone
     assert [name for name, _ in steps] == ["Leader", "Follower"]
     assert steps[0][1] == steps[1][1] > 0  # every step on both ranks
+
+
+def test_a_rank_that_dies_fails_rank_0s_requests_instead_of_hanging() -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=rank_dies, args=(r, _free_port() if r < 0 else port, out))
+             for port in [_free_port()] for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, why, pieces = out.get(timeout=200)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert rank == 0 and pieces >= 5, (rank, why, pieces)
+    assert "lockstep failed" in why, why
+    assert procs[1].exitcode == 17

@@ -95,7 +95,8 @@ Decision = Dispatch | Preempt | Unplaceable | WakeAt | NeedRendezvous
 
 
 def _open(d: Device, slots: int) -> bool:
-    """Whether the device could start something now: a worker, a free slot, and no rank
+    """Whether the device could start something now: a worker, a free slot (or a stepped
+    engine's batch there, which may take more of its own calls: `has_slot`), and no rank
     of a multi-device call (such a device is that call's alone)."""
     running = d.running
     return d.takes_work and (d.slots_held(slots) < slots or d.steps_batch(slots)) and not (

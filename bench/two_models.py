@@ -24,8 +24,11 @@ from gpufn.engines.transformers_engine import TransformersEngine
 class FirstCome(Arbiter):
     """The baseline: every engine's step at the same priority (first come first served)."""
 
-    def acquire(self, priority: int) -> None:
-        super().acquire(0)
+    def acquire(self, priority: int, owner: object = None) -> None:
+        super().acquire(0, owner)
+
+    def release(self, owner: object = None, again: int | None = None) -> None:
+        super().release(owner, None if again is None else 0)
 
 
 def engine(seed: int, batch: int) -> Any:

@@ -427,7 +427,6 @@ class SchedulerCore:
         if isinstance(claim, Report) and self.adoption.adopt(inv, claim, now, queued=False):
             return
         inv.not_before = not_before
-        self.placement.admitted(inv.spec.concurrency)
         self.queue.push(inv, now)
         if claim is not None:
             self.adoption.ran_before(inv, now)

@@ -1,20 +1,14 @@
 """Stepped inference inside a worker: calls of one engine share each step. Each engine of a
-worker process has one driver thread that steps its `StepLoop` while requests wait or
-run; each call's own thread submits its request (`generate`) and waits for its outputs,
-so a call joins the running batch between two steps and leaves it alone when it ends.
-Engines on one device take turns step by step, the highest priority first (`Arbiter`),
-so a high-priority model's tokens do not wait behind a full batch of another model."""
+worker process has one driver thread (`gpufn.engines.stepping`) that steps its `StepLoop`;
+each call's own thread submits its request (`generate`) and waits for its outputs, so a
+call joins the running batch between two steps and leaves it alone when it ends. A sharded
+model's engine steps in lockstep on its gang (`gpufn.engines.lockstep`)."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import logging
 import threading
-import time
 import uuid
 import weakref
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,168 +19,42 @@ from gpufn.engines.base import (
     RequestOutput,
     SamplingParams,
 )
-from gpufn.engines.loop import StepLoop
-from gpufn.exceptions import Cancelled, GpufnError
+from gpufn.engines.lockstep import lockstep_driver
+from gpufn.engines.stepping import (
+    ARBITER,
+    IDLE_SECONDS,
+    WAIT_SLICE,
+    Arbiter,
+    Driver,
+    RequestFailed,
+    Submitted,
+)
+from gpufn.exceptions import Cancelled
 from gpufn.runtime import context as ctxmod
 
-log = logging.getLogger("gpufn.engines")
-
-WAIT_SLICE = 0.05  # a call's thread wakes this often, so a cancel lands between steps
-IDLE_SECONDS = 30.0  # a driver thread with nothing to do for this long ends (a new request restarts it)
-
-
-class Arbiter:
-    """Whose step runs next on this process's device: the waiting engine of highest
-    priority, first come first within a priority. A step is never interrupted."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._busy = False
-        self._queue: list[tuple[int, int]] = []  # (-priority, ticket)
-        self._tickets = itertools.count()
-
-    def acquire(self, priority: int) -> None:
-        with self._cond:
-            me = (-priority, next(self._tickets))
-            heapq.heappush(self._queue, me)
-            while self._busy or self._queue[0] != me:
-                self._cond.wait()
-            heapq.heappop(self._queue)
-            self._busy = True
-
-    def release(self) -> None:
-        with self._cond:
-            self._busy = False
-            self._cond.notify_all()
-
-
-ARBITER = Arbiter()  # one device per worker process: one arbiter for its engines
-
-
-class RequestFailed(GpufnError):
-    """A request the engine failed alone (its own error; the batch went on)."""
-
-
-class _Stream:
-    """One request's outputs, filled by the driver thread, read by the call's thread."""
-
-    def __init__(self) -> None:
-        self.outputs: deque[RequestOutput] = deque()
-        self.cond = threading.Condition()
-        self.done = False
-
-    def put(self, out: RequestOutput) -> None:
-        with self.cond:
-            self.outputs.append(out)
-            self.done = self.done or out.finished
-            self.cond.notify()
-
-
-class Driver:
-    """The step loop of one engine in this process, driven by its own thread."""
-
-    def __init__(self, engine: Engine, max_batch: int | None = None,
-                 kv_budget_bytes: int | None = None, arbiter: Arbiter | None = None) -> None:
-        batch = max_batch or int(getattr(engine, "max_batch", 32))
-        self.loop = StepLoop(engine, max_batch=batch, kv_budget_bytes=kv_budget_bytes)
-        self.arbiter = arbiter or ARBITER
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
-        self._inbox: list[tuple[str, Prompt, SamplingParams, int, bool, float | None]] = []
-        self._cancels: list[str] = []
-        self._streams: dict[str, _Stream] = {}
-        self._priorities: dict[str, int] = {}
-        self._thread: threading.Thread | None = None
-        self.steps = 0
-        self.batch_sizes: deque[int] = deque(maxlen=1000)  # running requests per step, lately
-
-    def submit(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
-               priority: int = 0, preemptible: bool = False,
-               deadline: float | None = None) -> _Stream:
-        stream = _Stream()
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request {request_id!r} is already being generated")
-            self._streams[request_id] = stream
-            self._priorities[request_id] = priority
-            self._inbox.append((request_id, prompt, params, priority, preemptible, deadline))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="gpufn-engine-steps")
-                self._thread.start()
-            self._work.notify()
-        return stream
-
-    def cancel(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self._streams:
-                self._cancels.append(request_id)
-                self._work.notify()
-
-    # -- the driver thread -------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                idle_since = time.monotonic()
-                while not (self._inbox or self._cancels or self.loop.has_work()):
-                    if time.monotonic() - idle_since > IDLE_SECONDS:
-                        self._thread = None
-                        return
-                    self._work.wait(1.0)
-                inbox, self._inbox = self._inbox, []
-                cancels, self._cancels = self._cancels, []
-                priority = max(self._priorities.values(), default=0)
-            now = time.monotonic()
-            for rid, prompt, params, prio, preemptible, deadline in inbox:
-                try:
-                    self.loop.submit(rid, prompt, params, priority=prio, preemptible=preemptible,
-                                     now=now, deadline=deadline)
-                except Exception as e:  # refused alone: it can never run here
-                    self._deliver(RequestOutput.failed(rid, f"{type(e).__name__}: {e}"))
-            for rid in cancels:
-                self.loop.cancel(rid)
-            if self.loop.has_work():
-                self._step(priority, now)
-
-    def _step(self, priority: int, now: float) -> None:
-        self.arbiter.acquire(priority)
-        try:
-            result = self.loop.step(now)
-        except Exception as e:  # the engine itself broke: every request in it fails
-            log.exception("engine step failed")
-            for rid in list(self._streams):
-                self._deliver(RequestOutput.failed(rid, f"the engine failed: {e}"))
-                self.loop.cancel(rid)
-            return
-        finally:
-            self.arbiter.release()
-        self.steps += 1
-        self.batch_sizes.append(len(self.loop.running))
-        for out in result.outputs.values():
-            self._deliver(out)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        with self._lock:
-            stream = self._streams.get(out.request_id)
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-                self._priorities.pop(out.request_id, None)
-        if stream is not None:
-            stream.put(out)
-
+__all__ = ["ARBITER", "IDLE_SECONDS", "WAIT_SLICE", "Arbiter", "Driver", "RequestFailed",
+           "Submitted", "chat_pieces", "completion_pieces", "driver_for", "generate", "text"]
 
 _drivers: weakref.WeakKeyDictionary[Any, Driver] = weakref.WeakKeyDictionary()
 _drivers_lock = threading.Lock()
 
 
-def driver_for(engine: Engine, **options: Any) -> Driver:
-    """This process's driver of `engine` (made on first use; one per engine object)."""
+def driver_for(engine: Engine, *, sharded: bool = False, **options: Any) -> Driver:
+    """This process's driver of `engine` (made on first use; one per engine object).
+    `sharded`: the engine of a sharded model (`@gpufn.model(count=N)`); in a gang's call
+    its driver is this rank's part of the gang's lockstep (`gpufn.engines.lockstep`)."""
     with _drivers_lock:
         driver = _drivers.get(engine)
         if driver is None:
-            driver = _drivers[engine] = Driver(engine, **options)
+            driver = _drivers[engine] = _new_driver(engine, sharded, **options)
         return driver
+
+
+def _new_driver(engine: Engine, sharded: bool, **options: Any) -> Driver:
+    ctx = ctxmod.current()
+    if sharded and ctx is not None and ctx.world_size > 1:
+        return lockstep_driver(engine, ctx.rank, ctx.group, **options)
+    return Driver(engine, **options)
 
 
 def generate(engine: Any, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -194,10 +62,12 @@ def generate(engine: Any, prompt: Prompt, params: SamplingParams | None = None, 
              request_id: str | None = None) -> Iterator[RequestOutput]:
     """Generate for one request in the step shared by every call of `engine` in this
     process: yields its outputs (new tokens and text deltas) as steps make them; the last
-    is finished. `engine`: an `Engine`, or a `gpufn.model` whose instance is one.
+    is finished. `engine`: an `Engine`, or a `gpufn.model` whose instance is one (a
+    sharded model's engine steps in lockstep on its gang: requests enter on rank 0).
     `priority` (default: the running call's) decides who joins first when slots are
     full. A cancel of the call (or closing this iterator) leaves the batch at the next
     step. A request the engine fails alone raises `RequestFailed` here."""
+    sharded = bool(getattr(engine, "sharded", False))  # a gpufn.model over a gang
     if hasattr(engine, "get") and not hasattr(engine, "step"):
         engine = engine.get()  # a gpufn.model: its resident instance
     ctx = ctxmod.current()
@@ -205,7 +75,7 @@ def generate(engine: Any, prompt: Prompt, params: SamplingParams | None = None, 
         priority = ctx.priority if ctx is not None else 0
     rid = request_id or (f"{ctx.invocation_id}/{ctx.attempt}" if ctx is not None
                          else uuid.uuid4().hex)
-    driver = driver_for(engine)
+    driver = driver_for(engine, sharded=sharded)
     stream = driver.submit(rid, prompt, params or SamplingParams(), priority=priority,
                            preemptible=preemptible)
     finished = False

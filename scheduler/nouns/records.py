@@ -175,6 +175,21 @@ class Device:
     def key(self) -> str:
         return self.info.key
 
+    def slots_held(self, slots: int) -> int:
+        """Calls holding a slot here: one each, but the calls of a function declared with a
+        concurrency above `slots` hold one together (a stepped engine's calls share its
+        steps, one driver thread: its batch, not a thread each, is their bound)."""
+        held = len(self.running)
+        if held < slots:
+            return held  # at most this many: below the bound either way
+        stepped = {i.function.code_id for i in self.running.values() if i.spec.concurrency > slots}
+        return held - sum(self.running_by_fn[c] for c in stepped) + len(stepped)
+
+    def steps_batch(self, slots: int) -> bool:
+        """Whether a function declared with a concurrency above `slots` runs calls here."""
+        return len(self.running) >= slots and any(
+            i.spec.concurrency > slots for i in self.running.values())
+
     @property
     def takes_work(self) -> bool:
         """READY with a connected worker: the only devices placement may choose."""

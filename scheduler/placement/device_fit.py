@@ -92,6 +92,16 @@ def feasibility_error(
     return f"{name} needs {need}, which no device can provide: {'; '.join(fixes)}. Devices: {listing}."
 
 
+def has_slot(d: Device, spec: GpuSpec, code: str, slots: int) -> bool:
+    """Whether a call of this function may take a slot on `d` (of `slots` per device):
+    each call holds one, but the calls of a function declared with a concurrency above
+    `slots` hold one together (`Device.slots_held`), so two models' batches and plain
+    calls share a device; that function's own bound is its concurrency."""
+    if spec.concurrency > slots and d.running_by_fn.get(code, 0):
+        return True
+    return d.slots_held(slots) < slots
+
+
 def rank_devices(
     spec: GpuSpec, fn: FunctionRecord, devices: Iterable[Device], slots: int,
     pipeline_depth: int = 0, check_memory: bool = True, now: float = 0.0,
@@ -105,18 +115,16 @@ def rank_devices(
     slow every rank.
     `drains`, when given, caches `drain_seconds` per device key for this `now`;
     `shared_only`: the caller passes no device that runs a multi-device call.
-    `slots` bounds the calls on a device, raised to this function's `concurrency` (the
-    calls of a stepped engine share its steps: its batch, not a thread each, is the bound).
+    `slots` bounds the calls on a device (`has_slot`).
     Preference: the earliest acceptable type, then the earliest expected finish (what
     runs there, drained by measured run times, plus this call's run time measured on
     that device: faster devices get more calls), then fewer calls, then free memory.
     """
     scored = []
     code, limit, types, memory = fn.code_id, spec.concurrency + pipeline_depth, spec.type, spec.memory
-    slots = max(slots, spec.concurrency)  # a stepped engine's calls: as many as its batch
     for d in devices:
         running = d.running
-        if len(running) >= slots or not d.takes_work:
+        if not d.takes_work or not has_slot(d, spec, code, slots):
             continue
         if running and (d.running_by_fn.get(code, 0) >= limit or (not shared_only and any(
                 other.shape.multi_device for other in running.values()))):

@@ -31,6 +31,7 @@ from gpufn.scheduler.nouns.states import InvState
 from gpufn.scheduler.placement.affinity import Affinity
 from gpufn.scheduler.placement.device_fit import (
     could_ever_run,
+    has_slot,
     is_short,
     pipeline_depth,
     rank_devices,
@@ -94,10 +95,11 @@ Decision = Dispatch | Preempt | Unplaceable | WakeAt | NeedRendezvous
 
 
 def _open(d: Device, slots: int) -> bool:
-    """Whether the device could start something now: a worker, a free slot, and no rank
+    """Whether the device could start something now: a worker, a free slot (or a stepped
+    engine's batch there, which may take more of its own calls: `has_slot`), and no rank
     of a multi-device call (such a device is that call's alone)."""
     running = d.running
-    return len(running) < slots and d.takes_work and not (
+    return d.takes_work and (d.slots_held(slots) < slots or d.steps_batch(slots)) and not (
         running and any(i.shape.multi_device for i in running.values()))
 
 
@@ -109,7 +111,6 @@ class PlacementPass:
         self.queue = queue
         self.models = models
         self.caps: DeviceCaps | None = None  # per-user device caps (set by the core)
-        self.most_concurrency = 1  # the highest concurrency of an admitted call's function
         self.affinity = Affinity()  # the device each affinity key last ran on
         self._open: dict[str, Device] = {}  # this pass's devices with a free slot
         self._index: OpenIndex | None = None  # the same, ordered for single-device choice
@@ -131,7 +132,7 @@ class PlacementPass:
             self._unhold()  # with no cap left (changed, or the user revoked) all go back
         # The devices with a free slot, once per pass (O(devices)); every choice below
         # looks only at these, and a device leaves the list as it fills.
-        slots = self.slots()
+        slots = self.config.slots_per_device
         self._open = {d.key: d for d in self.devices.values() if _open(d, slots)}
         self._index = None  # built when first needed
         self._preemptible = None  # computed when first needed
@@ -212,17 +213,6 @@ class PlacementPass:
             self._index = OpenIndex(list(self._open.values()), now, self._drains)
         return self._index
 
-    def admitted(self, concurrency: int) -> None:
-        """A call of a function declared with this `concurrency` was admitted."""
-        if concurrency > self.most_concurrency:
-            self.most_concurrency = concurrency
-
-    def slots(self) -> int:
-        """A device is open below this many calls: the configured slots, or more for a
-        function declared with a higher concurrency (`rank_devices` holds each function
-        to its own bound)."""
-        return max(self.config.slots_per_device, self.most_concurrency)
-
     def _full(self) -> bool:
         """Every device is full and nothing could be preempted: no call can start."""
         return not self._open and not self._any_preemptible()
@@ -272,11 +262,10 @@ class PlacementPass:
         scope_off = kept_off if r is not None and kept_off and self._any_unreserved(r) else ()
         index = self._open_index(now)
         limit = spec.concurrency + depth
-        if kept_off:
-            off = set(kept_off)
-            usable: Callable[[Device], bool] = lambda d: inv.id not in d.running and d.key not in off  # noqa: E731
-        else:
-            usable = lambda d: inv.id not in d.running  # noqa: E731
+        slots, code = self.config.slots_per_device, fn.code_id
+        off = set(kept_off)
+        usable: Callable[[Device], bool] = lambda d: (  # noqa: E731
+            inv.id not in d.running and d.key not in off and has_slot(d, spec, code, slots))
         if spec.affinity and (yield from self._affine(inv, index, limit, usable, now)):
             return True
         plans: dict[str, Fit] = {}
@@ -333,8 +322,9 @@ class PlacementPass:
         """No usable device: when none in scope could take it at all, make room if allowed."""
         off = set(scope_off)
         lo, uniform = estimate_bounds(inv.function, self._estimates)
+        slots, spec, code = self.config.slots_per_device, inv.spec, inv.function.code_id
         if index.best(inv.function, inv.spec.type, limit, memory, lo, uniform,
-                      (lambda d: d.key not in off) if off else None) is None:
+                      lambda d: d.key not in off and has_slot(d, spec, code, slots)) is None:
             preempt = self._preemption(inv, now)
             if preempt is not None:
                 yield preempt

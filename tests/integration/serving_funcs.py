@@ -44,3 +44,62 @@ def fails_on(prompt: str, max_tokens: int = 8) -> Iterator[str]:
 def engine_steps() -> int:
     """How many steps this worker's engine has taken."""
     return engine_driver.driver_for(tiny_engine.get()).steps
+
+
+
+def build_full_engine(seed: int, max_batch: int) -> Any:
+    """The tiny Llama at its full size (12M parameters): steps bound by compute, not by
+    Python, so two engines' turns show in their latencies."""
+    from gpufn.engines import TransformersEngine
+    from gpufn.engines.testing import tiny_model_and_tokenizer
+
+    model, tokenizer = tiny_model_and_tokenizer(seed=seed)
+    return TransformersEngine(model, tokenizer, max_batch=max_batch)
+
+
+@gpufn.model(memory="64MiB")
+def high_engine() -> Any:
+    return build_full_engine(0, 4)
+
+
+@gpufn.model(memory="64MiB")
+def other_engine() -> Any:
+    return build_full_engine(1, 32)
+
+
+@gpufn.gpu(models=[other_engine], concurrency=32, memory="16MiB")
+def complete_other(prompt: str, max_tokens: int = 16) -> Iterator[str]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    yield from engine_driver.text(other_engine, prompt, params)
+
+
+@gpufn.gpu(models=[high_engine], concurrency=4, memory="16MiB")
+def timed(prompt: str, max_tokens: int) -> Iterator[tuple[str, float]]:
+    """Each token with the worker's clock when its step handed it to this call."""
+    import time
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for out in engine_driver.generate(high_engine, prompt, params):
+        yield out.text, time.monotonic()
+
+
+@gpufn.gpu(models=[other_engine, high_engine])
+def two_engine_steps() -> tuple[int, int, list[int]]:
+    """How many steps this worker's two engines have taken, and the other's latest batches."""
+    other = engine_driver.driver_for(other_engine.get())
+    high = engine_driver.driver_for(high_engine.get())
+    return other.steps, high.steps, list(other.batch_sizes)[-5:]
+
+
+@gpufn.gpu(models=[tiny_engine], concurrency=16, memory="4MiB")
+def complete_whole(prompt: str, max_tokens: int = 16) -> Iterator[str]:
+    """Streams its whole text as one value when the request ends (nothing before)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    yield "".join(engine_driver.text(tiny_engine, prompt, params))
+
+
+@gpufn.gpu(models=[tiny_engine])
+def engine_batch() -> int:
+    """How many requests this worker's engine stepped in its latest step."""
+    sizes = engine_driver.driver_for(tiny_engine.get()).batch_sizes
+    return sizes[-1] if sizes else 0

@@ -114,3 +114,39 @@ def test_closing_the_iterator_leaves_the_batch() -> None:
     while loop.has_work() and time.monotonic() < deadline + 5:
         time.sleep(0.01)
     assert not loop.has_work(), "the driver spins on a request its engine forgot"
+
+
+
+
+def test_an_engine_stepping_again_keeps_its_turn_from_a_lower_priority_one() -> None:
+    """An engine that will step again right after its step holds a claim at its
+    priority: a lower-priority engine woken by the release waits for it (the GIL may
+    wake that one first), until the claim's owner steps without one or withdraws; an
+    abandoned claim lapses after `CLAIM_SECONDS`."""
+    arb = Arbiter()
+    high, low = object(), object()
+    got = threading.Event()
+
+    def low_step() -> None:
+        arb.acquire(0, low)
+        got.set()
+        arb.release(low)
+
+    arb.acquire(10, high)
+    t = threading.Thread(target=low_step)
+    t.start()
+    time.sleep(0.05)
+    arb.release(high, again=10)  # it steps again: the low engine must not slip in
+    assert not got.wait(0.2), "a lower-priority engine stepped between a busy engine's steps"
+    arb.acquire(10, high)
+    arb.release(high)  # no more work: the low engine's turn
+    assert got.wait(5)
+    t.join(5)
+    got.clear()
+    arb.acquire(10, high)
+    t = threading.Thread(target=low_step)
+    t.start()
+    t0 = time.monotonic()
+    arb.release(high, again=10)  # and never comes back
+    assert got.wait(5) and time.monotonic() - t0 >= Arbiter.CLAIM_SECONDS * 0.9
+    t.join(5)

@@ -20,6 +20,7 @@ from typing import Any
 from gpufn.exceptions import (
     AuthenticationError,
     Cancelled,
+    ConnectionLost,
     GpufnError,
     HostOutOfMemory,
     Unschedulable,
@@ -33,7 +34,7 @@ from gpufn.scheduler.books.users import UserStore, sees
 from gpufn.scheduler.calls import wire_checks
 from gpufn.scheduler.calls.adoption import Adoption
 from gpufn.scheduler.calls.intake import Intake
-from gpufn.scheduler.calls.recovery import Recovery, Report, Restored
+from gpufn.scheduler.calls.recovery import STOPPED, Recovery, Report, Restored
 from gpufn.scheduler.calls.timers import Timers
 from gpufn.scheduler.calls.transitions import Transitions
 from gpufn.scheduler.desks import report
@@ -81,6 +82,9 @@ from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec
 
 log = logging.getLogger("gpufn.scheduler")
+FORGOTTEN = ("it was stopped while it ran because the scheduler heard nothing from its client "
+             "for over {:g}s (GPUFN_CLIENT_TIMEOUT: a network partition?); raise that timeout "
+             "above the longest outage to keep such calls running")
 
 __all__ = [
     "Event",
@@ -321,7 +325,7 @@ class SchedulerCore:
             if isinstance(dec, WorkerGone):
                 self._worker_gone(dec.device, now, dec.reason, dec.oom)
             elif isinstance(dec, ClientGone):
-                self._client_gone(dec.peer, now)
+                self._client_gone(dec.peer, now, dec.reason)
             elif isinstance(dec, Reported):
                 self.adoption.recovered(dec.ids, dec.device, now)
             elif isinstance(dec, DevicesChanged):
@@ -349,14 +353,26 @@ class SchedulerCore:
             self.tx.finish(inv, now, InvState.FAILED,
                          Unschedulable(self.intake.no_rendezvous(inv.function.name)))
 
-    def _client_gone(self, peer: bytes, now: float) -> None:
+    def _client_gone(self, peer: bytes, now: float, reason: str) -> None:
+        dropped, stopped = 0, []
         for inv in [i for i in self.invocations.values() if i.client == peer]:
             if self.streams.outlives(inv):
                 continue  # spawned on a deployed function: it runs on, its Result is kept
             if inv.state is InvState.QUEUED:
                 self.tx.finish(inv, now, InvState.CANCELLED, Cancelled("client left"))
+                dropped += 1
             elif inv.state is InvState.RUNNING:
                 self.tx.cancel_running(inv, now, "client left")
+                stopped.append(inv.id)
+        if reason == "timed out":  # silent, maybe only cut off: it may send these again
+            self.recovery.client_forgotten(stopped, now)
+            log.warning("forgot client %s: nothing heard for over %gs (GPUFN_CLIENT_TIMEOUT); "
+                        "%d queued call(s) dropped, %d running call(s) stopped (if it comes "
+                        "back and sends them again, a stopped one counts as an attempt)",
+                        peer.hex(), self.config.client_timeout, dropped, len(stopped))
+        elif dropped or stopped:
+            log.info("client %s %s: %d queued call(s) dropped, %d running call(s) stopped",
+                     peer.hex(), reason, dropped, len(stopped))
 
     # ------------------------------------------------------------------ client calls
 
@@ -425,7 +441,10 @@ class SchedulerCore:
         inv.not_before = not_before
         self.placement.admitted(inv.spec.concurrency)
         self.queue.push(inv, now)
-        if claim is not None:
+        if claim is STOPPED:
+            self.tx.lost_before_restart(inv, now, FORGOTTEN.format(
+                self.config.client_timeout), ConnectionLost)
+        elif claim is not None:
             self.adoption.ran_before(inv, now)
         self.tx.dirty = True
 

@@ -51,8 +51,8 @@ class Host:
 class Network:
     """Namespaces, links and the processes started in them; `close()` removes them all."""
 
-    def __init__(self, root: Path) -> None:
-        self.tag = f"gfn{secrets.token_hex(2)}"
+    def __init__(self, root: Path, prefix: str = "gfn") -> None:
+        self.tag = f"{prefix}{secrets.token_hex(2)}"
         self.root = root
         self.bridge_ns = f"{self.tag}-br"
         self.hosts: dict[str, Host] = {}

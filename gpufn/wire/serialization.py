@@ -22,7 +22,7 @@ from typing import Any
 import cloudpickle
 
 from gpufn.exceptions import PayloadTooLarge, RemoteError, RemoteTraceback, SerializationError
-from gpufn.wire import config
+from gpufn.wire import config, source_lines
 from gpufn.wire import shm as shmem
 
 # Buffers below this size stay inside the pickle stream (a frame costs more than a copy).
@@ -216,11 +216,11 @@ def dump_code(fn: Any, name: str) -> tuple[str, list[Any]]:
         register_main_locals()  # a script's or notebook's helper modules go along by value
     code = getattr(target, "__code__", None)
     filename = code.co_filename if code is not None else ""
-    lines: list[str] = []
+    lines: dict[int, str] = {}
     if filename:
-        lines = linecache.getlines(filename, getattr(target, "__globals__", None))
-        if sum(map(len, lines)) > 2_000_000:
-            lines = []
+        whole = linecache.getlines(filename, getattr(target, "__globals__", None))
+        if sum(map(len, whole)) <= 2_000_000:
+            lines = source_lines.needed(target, filename, whole)
     try:
         frames = dumps((fn, filename, lines))
     except Exception as e:
@@ -248,7 +248,7 @@ def load_code(frames: Sequence[Any]) -> Any:
         except (AttributeError, TypeError, ValueError):
             pass
     if filename and lines and not os.path.exists(filename):
-        linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+        source_lines.install(filename, lines)
     return fn
 
 

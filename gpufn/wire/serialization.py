@@ -86,7 +86,9 @@ class _Pickler(cloudpickle.Pickler):
             obj, t = obj.data, type(obj.data)
         if (t is bytes or t is bytearray) and len(obj) >= OOB_THRESHOLD:
             if shm is not None and len(obj) >= shm.threshold:
-                return _rebuild_shm_bytes, (shm.put(memoryview(obj)), len(obj), t is bytearray)
+                name = shm.put(memoryview(obj))
+                if name is not None:  # else the tmpfs is full: through the socket
+                    return _rebuild_shm_bytes, (name, len(obj), t is bytearray)
             return _rebuild_bytes, (pickle.PickleBuffer(obj), t is bytearray)
         torch = sys.modules.get("torch")
         if (torch is not None and t is torch.Tensor and obj.layout is torch.strided
@@ -99,8 +101,10 @@ class _Pickler(cloudpickle.Pickler):
                 if at is not None:  # the result is (in) an argument's file: named, not copied
                     return _rebuild_shm_tensor, (at[0], int(raw.nbytes), dtype, tuple(c.shape),
                                                  obj.requires_grad, at[1])
-                return _rebuild_shm_tensor, (shm.put(memoryview(raw)), int(raw.nbytes), dtype,
-                                             tuple(c.shape), obj.requires_grad)
+                name = shm.put(memoryview(raw))
+                if name is not None:  # else the tmpfs is full: through the socket
+                    return _rebuild_shm_tensor, (name, int(raw.nbytes), dtype, tuple(c.shape),
+                                                 obj.requires_grad)
             return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype,
                                      tuple(c.shape), obj.requires_grad)
         return super().reducer_override(obj)

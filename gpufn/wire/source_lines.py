@@ -61,8 +61,8 @@ def install(filename: str, lines: dict[int, str] | list[str]) -> None:
     if isinstance(lines, list):
         linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
         return
-    entry = linecache.cache.get(filename)
-    full = list(entry[2]) if entry is not None and entry[1] is None else []
+    entry: Any = linecache.cache.get(filename)
+    full = list(entry[2]) if entry is not None and len(entry) == 4 and entry[1] is None else []
     top = max(lines, default=0)
     if len(full) < top:
         full += ["\n"] * (top - len(full))

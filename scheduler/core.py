@@ -497,7 +497,7 @@ class SchedulerCore:
             if d is not None and self.recovery.reports:  # a reported call, not resubmitted yet
                 self.recovery.result_arrived(msg.invocation_id, d.key, msg.meta.dispatch_token)
             return  # late result of a call already settled (timed out, retried elsewhere)
-        d.last_seen = now
+        self._heard(d, now)
         earlier = msg.meta.dispatch_token not in (0, inv.dispatch_token)
         running_here = inv.state is InvState.RUNNING and d.key in inv.devices
         if earlier or not running_here:
@@ -560,7 +560,15 @@ class SchedulerCore:
     def _on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> None:
         d = self.members.device_of(peer)
         if d is not None:
-            d.last_seen = now
+            self._heard(d, now)
+
+    def _heard(self, d: Device, now: float) -> None:
+        silent = now - d.last_seen
+        if silent > self.config.heartbeat_timeout / 2:  # a cut link or a stalled host
+            log.warning("heard from %s again after %.1fs of silence (under the heartbeat "
+                        "timeout of %gs: its worker and calls are kept)", d.key, silent,
+                        self.config.heartbeat_timeout)
+        d.last_seen = now
 
     def _on_model_event(self, peer: bytes, msg: p.ModelEvent, now: float) -> None:
         d = self.device_of(peer)

@@ -99,6 +99,7 @@ def test_worker_host_cut_off_shorter_than_heartbeat(pmesh: Mesh, tmp_path: Path)
         assert st[k] == lost0[k], (k, st)
     head_log = pmesh.log(pmesh.head, "head.log")
     assert "no heartbeat" not in head_log, head_log[-3000:]
+    assert "heard from host1:0 again after" in head_log, head_log[-3000:]  # said, and kept
     report(f"worker host cut off 10s (< heartbeat timeout {HEARTBEAT:g}s): {n} calls, "
            f"{on_host1} on host1, all once, map done {out['elapsed']:.1f}s after it began "
            f"(cut at {t_down:.0f})")

@@ -156,8 +156,8 @@ def _new_file(name: str, view: memoryview, size: int = 0) -> str:
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        if size > view.nbytes:  # all its pages now: a later write into them cannot fault
-            os.posix_fallocate(fd, 0, size)
+        if size > view.nbytes:  # the tail's pages now (the write takes the rest's): a
+            os.posix_fallocate(fd, view.nbytes, size - view.nbytes)  # reuse cannot fault
         write_all(fd, view)
     except BaseException:
         os.close(fd)

@@ -42,3 +42,18 @@ def test_the_folder_is_part_of_who_shares(tmp_path: Path) -> None:
     assert _host_id(str(a))[0] == ida
     missing, err = _host_id(str(tmp_path / "missing"))
     assert missing == "" and "GPUFN_SHM_DIR" in err and "not a folder" in err, err
+
+
+def test_a_pooled_file_has_all_its_pages_when_made(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its room beyond the first argument is allocated up front: a later, larger argument
+    written into it (through a mapping) can never fault on a tmpfs that filled meanwhile."""
+    from gpufn.wire import shm
+
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    pool = shm.Pool(2**30)
+    name = pool.write(memoryview(b"x" * (3 * 2**20 + 5)))
+    st = os.stat(tmp_path / name)
+    assert st.st_size == 4 * 2**20 and st.st_blocks * 512 >= st.st_size, st
+    pool.done(name, reuse=False)
+    assert not (tmp_path / name).exists()

@@ -62,7 +62,7 @@ def host_id() -> str:
             ok = os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
         except OSError:
             boot, ok = "", False
-        if not ok and os.environ.get("GPUFN_SHM_DIR"):
+        if not ok and SHM_DIR != config.SHM_DIR_DEFAULT:  # chosen, so said
             log.warning("GPUFN_SHM_DIR=%s is not a folder this user can write: big payloads "
                         "go through the sockets (create it, or mount a tmpfs there)", SHM_DIR)
         # The folder too: processes given different ones cannot read each other's files.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -122,14 +121,14 @@ def _clients_report(clients: int, calls: int, m: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_40_clients_x_50_calls_at_once(fresh_cluster: Callable[..., gpufn.Client],
+def test_20_clients_x_50_calls_at_once(fresh_cluster: Callable[..., gpufn.Client],
                                        tmp_path: Path) -> None:
     c = fresh_cluster(GPUFN_CPU_DEVICES=2)
     assert echo.remote(1) == 1
-    m = many_clients(c, tmp_path, 40, 50)
-    _clients_report(40, 50, m)
+    m = many_clients(c, tmp_path, 20, 50)
+    _clients_report(20, 50, m)
     # A connected client and its calls cost the scheduler well under 1 MiB each.
-    assert m["peak"] - m["base"] < 40 * MiB, m
+    assert m["peak"] - m["base"] < 20 * MiB, m
 
 
 @pytest.mark.slow
@@ -165,13 +164,15 @@ def served(tmp_path: Path) -> Iterator[Served]:
         s.stop()
 
 
-def _median_s(fn: Callable[[], object], n: int) -> float:
+def _best_s(fn: Callable[[], object], n: int) -> float:
+    """The fastest of n runs: its cost, without the noise of a shared machine (medians
+    of the same calls moved between 0.6 and 4 ms from one second to the next here)."""
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def _scheduler_pid(s: Served) -> int:
@@ -192,9 +193,9 @@ def test_1000_deployed_functions(served: Served, tmp_path: Path) -> None:
     gpufn.deploy(tmp_path / "one.py")
     one = gpufn.lookup("one", "f0")
     assert one.remote(1) == 1
-    _median_s(lambda: one.remote(1), 30)  # warm: a lease, code loaded
-    status0 = _median_s(lambda: client.status(30), 10)
-    call0 = _median_s(lambda: one.remote(1), 30)
+    _best_s(lambda: one.remote(1), 30)  # warm: code loaded on the workers
+    status0 = _best_s(lambda: client.status(30), 10)
+    call0 = _best_s(lambda: one.remote(1), 50)
     rss0 = rss(pid)
     (tmp_path / "many.py").write_text(_app(1000))
     t0 = time.monotonic()
@@ -205,9 +206,9 @@ def test_1000_deployed_functions(served: Served, tmp_path: Path) -> None:
         assert gpufn.lookup("many", f"f{i}").remote(1) == 1 + i
     f500 = gpufn.lookup("many", "f500")
     assert f500.remote(1) == 501
-    status1 = _median_s(lambda: client.status(30), 10)
-    call1 = _median_s(lambda: one.remote(1), 30)
-    call500 = _median_s(lambda: f500.remote(1), 30)
+    status1 = _best_s(lambda: client.status(30), 10)
+    call1 = _best_s(lambda: one.remote(1), 50)
+    call500 = _best_s(lambda: f500.remote(1), 50)
     st = client.status(30)
     print(f"\nscale: 1,000 deployed functions: deploy {deploy_s:.1f}s; status {status0 * 1e3:.1f} "
           f"-> {status1 * 1e3:.1f} ms; a call {call0 * 1e3:.1f} -> {call1 * 1e3:.1f} ms "
@@ -216,7 +217,7 @@ def test_1000_deployed_functions(served: Served, tmp_path: Path) -> None:
           flush=True)
     assert st["devices"] and all(d["state"] == "ready" for d in st["devices"]), st
     # Bounded relative to the same head with one function (generous for a shared machine).
-    assert call1 < 3 * call0 + 0.005 and call500 < 3 * call0 + 0.005, (call0, call1, call500)
+    assert call1 < 3 * call0 + 0.002 and call500 < 3 * call0 + 0.002, (call0, call1, call500)
     assert status1 < 5 * status0 + 0.05, (status0, status1)
     # Under 48 KiB per function (each carried its whole file's source before: 121 KiB).
     assert rss1 - rss0 < 1000 * 48 * 1024, (rss0, rss1)

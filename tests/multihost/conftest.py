@@ -167,7 +167,7 @@ def report(line: str) -> None:
 
 
 @contextmanager
-def running_mesh(root: Path, *, prefix: str = "gfn", n_workers: int = 2, n_clients: int = 2,
+def running_mesh(root: Path, *, prefix: str = "", n_workers: int = 2, n_clients: int = 2,
                  devices_per_host: int = 2, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  head_extra: dict[str, str] | None = None) -> Iterator[Mesh]:
     """A head, `n_workers` worker hosts and `n_clients` client hosts, all ready; torn down

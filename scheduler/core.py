@@ -82,9 +82,9 @@ from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec
 
 log = logging.getLogger("gpufn.scheduler")
-FORGOTTEN = ("it was stopped while it ran because the scheduler heard nothing from its client "
-             "for over {:g}s (GPUFN_CLIENT_TIMEOUT: a network partition?); raise that timeout "
-             "above the longest outage to keep such calls running")
+FORGOTTEN = ("it was stopped while it ran because the scheduler lost its client (silent for "
+             "over {:g}s, GPUFN_CLIENT_TIMEOUT, or its connection gone: a network partition?); "
+             "raise that timeout above the longest outage to keep such calls running")
 
 __all__ = [
     "Event",
@@ -364,12 +364,13 @@ class SchedulerCore:
             elif inv.state is InvState.RUNNING:
                 self.tx.cancel_running(inv, now, "client left")
                 stopped.append(inv.id)
-        if reason == "timed out":  # silent, maybe only cut off: it may send these again
+        if reason in ("timed out", "unreachable"):  # maybe only cut off: it may send these again
             self.recovery.client_forgotten(stopped, now)
-            log.warning("forgot client %s: nothing heard for over %gs (GPUFN_CLIENT_TIMEOUT); "
-                        "%d queued call(s) dropped, %d running call(s) stopped (if it comes "
-                        "back and sends them again, a stopped one counts as an attempt)",
-                        peer.hex(), self.config.client_timeout, dropped, len(stopped))
+            why = (f"nothing heard for over {self.config.client_timeout:g}s (GPUFN_CLIENT_TIMEOUT)"
+                   if reason == "timed out" else "its connection is gone")
+            log.warning("forgot client %s: %s; %d queued call(s) dropped, %d running call(s) "
+                        "stopped (if it comes back and sends them again, a stopped one counts "
+                        "as an attempt)", peer.hex(), why, dropped, len(stopped))
         elif dropped or stopped:
             log.info("client %s %s: %d queued call(s) dropped, %d running call(s) stopped",
                      peer.hex(), reason, dropped, len(stopped))

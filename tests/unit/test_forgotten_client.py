@@ -18,7 +18,8 @@ def _attempts(h: Harness, inv: str) -> list[int]:
     return [r.meta.attempt_number for r in h.runs() if r.invocation_id == inv]
 
 
-def test_a_stopped_call_is_an_attempt_when_its_client_comes_back() -> None:
+@pytest.mark.parametrize("lost", ["silent", "unreachable"])
+def test_a_stopped_call_is_an_attempt_when_its_client_comes_back(lost: str) -> None:
     h = Harness(devices=2, client_timeout=20.0, heartbeat_timeout=1000.0)
     w0, w1 = h.start_worker(0), h.start_worker(1)
     # 6 GiB each on 8 GiB devices: one call per device
@@ -27,7 +28,10 @@ def test_a_stopped_call_is_an_attempt_when_its_client_comes_back() -> None:
     a, b = h.submit(once), h.submit(twice)  # running, one on each device
     c = h.submit(once)  # queued behind them
     assert _attempts(h, a) == [1] and _attempts(h, b) == [1] and _attempts(h, c) == []
-    h.tick(25.0)  # nothing heard from the client: forgotten
+    if lost == "silent":
+        h.tick(25.0)  # nothing heard from the client: forgotten
+    else:
+        h.unreachable(b"cli")  # its connection is gone (a send to it failed)
     assert not h.results()  # it is gone: nothing is sent to it
     for w, inv in ((w0, a), (w1, b)):  # the workers stop the two and say so
         h.feed(w, p.Result(inv, False, "Cancelled", "stopped",

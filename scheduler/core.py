@@ -20,6 +20,7 @@ from typing import Any
 from gpufn.exceptions import (
     AuthenticationError,
     Cancelled,
+    ConnectionLost,
     GpufnError,
     HostOutOfMemory,
     Unschedulable,
@@ -33,7 +34,7 @@ from gpufn.scheduler.books.users import UserStore, sees
 from gpufn.scheduler.calls import wire_checks
 from gpufn.scheduler.calls.adoption import Adoption
 from gpufn.scheduler.calls.intake import Intake
-from gpufn.scheduler.calls.recovery import Recovery, Report, Restored
+from gpufn.scheduler.calls.recovery import STOPPED, Recovery, Report, Restored
 from gpufn.scheduler.calls.timers import Timers
 from gpufn.scheduler.calls.transitions import Transitions
 from gpufn.scheduler.desks import report
@@ -82,6 +83,9 @@ from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec
 
 log = logging.getLogger("gpufn.scheduler")
+FORGOTTEN = ("it was stopped while it ran because the scheduler lost its client (silent for "
+             "over {:g}s, GPUFN_CLIENT_TIMEOUT, or its connection gone: a network partition?); "
+             "raise that timeout above the longest outage to keep such calls running")
 
 __all__ = [
     "Event",
@@ -324,7 +328,7 @@ class SchedulerCore:
             if isinstance(dec, WorkerGone):
                 self._worker_gone(dec.device, now, dec.reason, dec.oom)
             elif isinstance(dec, ClientGone):
-                self._client_gone(dec.peer, now)
+                self._client_gone(dec.peer, now, dec.reason)
             elif isinstance(dec, Reported):
                 self.adoption.recovered(dec.ids, dec.device, now)
             elif isinstance(dec, DevicesChanged):
@@ -352,14 +356,27 @@ class SchedulerCore:
             self.tx.finish(inv, now, InvState.FAILED,
                          Unschedulable(self.intake.no_rendezvous(inv.function.name)))
 
-    def _client_gone(self, peer: bytes, now: float) -> None:
+    def _client_gone(self, peer: bytes, now: float, reason: str) -> None:
+        dropped, stopped = 0, []
         for inv in [i for i in self.invocations.values() if i.client == peer]:
             if self.streams.outlives(inv):
                 continue  # spawned on a deployed function: it runs on, its Result is kept
             if inv.state is InvState.QUEUED:
                 self.tx.finish(inv, now, InvState.CANCELLED, Cancelled("client left"))
+                dropped += 1
             elif inv.state is InvState.RUNNING:
                 self.tx.cancel_running(inv, now, "client left")
+                stopped.append(inv.id)
+        if reason in ("timed out", "unreachable"):  # maybe only cut off: it may send these again
+            self.recovery.client_forgotten(stopped, now)
+            why = (f"nothing heard for over {self.config.client_timeout:g}s (GPUFN_CLIENT_TIMEOUT)"
+                   if reason == "timed out" else "its connection is gone")
+            log.warning("forgot client %s: %s; %d queued call(s) dropped, %d running call(s) "
+                        "stopped (if it comes back and sends them again, a stopped one counts "
+                        "as an attempt)", peer.hex(), why, dropped, len(stopped))
+        elif dropped or stopped:
+            log.info("client %s %s: %d queued call(s) dropped, %d running call(s) stopped",
+                     peer.hex(), reason, dropped, len(stopped))
 
     # ------------------------------------------------------------------ client calls
 
@@ -428,7 +445,10 @@ class SchedulerCore:
             return
         inv.not_before = not_before
         self.queue.push(inv, now)
-        if claim is not None:
+        if claim is STOPPED:
+            self.tx.lost_before_restart(inv, now, FORGOTTEN.format(
+                self.config.client_timeout), ConnectionLost)
+        elif claim is not None:
             self.adoption.ran_before(inv, now)
         self.tx.dirty = True
 
@@ -484,7 +504,7 @@ class SchedulerCore:
             if d is not None and self.recovery.reports:  # a reported call, not resubmitted yet
                 self.recovery.result_arrived(msg.invocation_id, d.key, msg.meta.dispatch_token)
             return  # late result of a call already settled (timed out, retried elsewhere)
-        d.last_seen = now
+        self._heard(d, now)
         earlier = msg.meta.dispatch_token not in (0, inv.dispatch_token)
         running_here = inv.state is InvState.RUNNING and d.key in inv.devices
         if earlier or not running_here:
@@ -555,7 +575,15 @@ class SchedulerCore:
     def _on_heartbeat(self, peer: bytes, msg: p.Heartbeat, now: float) -> None:
         d = self.members.device_of(peer)
         if d is not None:
-            d.last_seen = now
+            self._heard(d, now)
+
+    def _heard(self, d: Device, now: float) -> None:
+        silent = now - d.last_seen
+        if silent > self.config.heartbeat_timeout / 2:  # a cut link or a stalled host
+            log.warning("heard from %s again after %.1fs of silence (under the heartbeat "
+                        "timeout of %gs: its worker and calls are kept)", d.key, silent,
+                        self.config.heartbeat_timeout)
+        d.last_seen = now
 
     def _on_model_event(self, peer: bytes, msg: p.ModelEvent, now: float) -> None:
         d = self.device_of(peer)

@@ -307,6 +307,21 @@ def shm_threshold() -> int | None:
     return n if n > 0 else None
 
 
+SHM_DIR_DEFAULT = "/dev/shm"
+
+
+def shm_dir() -> str:
+    """GPUFN_SHM_DIR: the folder of same-host payload files (default /dev/shm). A tmpfs of
+    its own bounds their memory; every process of a host (clients, workers, `gpufn serve`,
+    `gpufn worker`) must be given the same one, else big payloads go through the sockets."""
+    raw = env_str("GPUFN_SHM_DIR", SHM_DIR_DEFAULT)
+    assert raw is not None
+    if not os.path.isabs(raw):
+        raise InvalidSpec(f"GPUFN_SHM_DIR={raw!r} must be an absolute path (a tmpfs folder, "
+                          "e.g. /dev/shm).")
+    return os.path.normpath(raw)
+
+
 def shm_pool_bytes() -> int:
     """GPUFN_SHM_POOL: how many bytes of shared-memory argument files a caller keeps,
     already written once, to reuse for its next calls' big arguments (default 1GiB; 0

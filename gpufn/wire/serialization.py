@@ -24,7 +24,7 @@ from typing import Any
 import cloudpickle
 
 from gpufn.exceptions import PayloadTooLarge, RemoteError, RemoteTraceback, SerializationError
-from gpufn.wire import config
+from gpufn.wire import config, source_lines
 from gpufn.wire import shm as shmem
 
 # Buffers below this size stay inside the pickle stream (a frame costs more than a copy).
@@ -80,6 +80,8 @@ def _out_of_band(raw: memoryview, shm: shmem.Outgoing | None) -> Any:
         return raw
     at = shm.view_of(_address(raw), raw.nbytes) if shm.lent else None
     name, offset = at if at is not None else (shm.put(raw), 0)
+    if name is None:  # no room in shared memory (said once): through the socket
+        return raw
     return shmem.mark(name, raw.nbytes, offset, raw.readonly)
 
 
@@ -129,7 +131,9 @@ class _Pickler(cloudpickle.Pickler):
             obj, t = obj.data, type(obj.data)
         if (t is bytes or t is bytearray) and len(obj) >= OOB_THRESHOLD:
             if shm is not None and len(obj) >= shm.threshold:
-                return _rebuild_shm_bytes, (shm.put(memoryview(obj)), len(obj), t is bytearray)
+                name = shm.put(memoryview(obj))
+                if name is not None:  # else the tmpfs is full: through the socket
+                    return _rebuild_shm_bytes, (name, len(obj), t is bytearray)
             return _rebuild_bytes, (pickle.PickleBuffer(obj), t is bytearray)
         torch = sys.modules.get("torch")
         if (torch is not None and t is torch.Tensor and obj.layout is torch.strided
@@ -142,8 +146,10 @@ class _Pickler(cloudpickle.Pickler):
                 if at is not None:  # the result is (in) an argument's file: named, not copied
                     return _rebuild_shm_tensor, (at[0], int(raw.nbytes), dtype, tuple(c.shape),
                                                  obj.requires_grad, at[1])
-                return _rebuild_shm_tensor, (shm.put(memoryview(raw)), int(raw.nbytes), dtype,
-                                             tuple(c.shape), obj.requires_grad)
+                name = shm.put(memoryview(raw))
+                if name is not None:  # else the tmpfs is full: through the socket
+                    return _rebuild_shm_tensor, (name, int(raw.nbytes), dtype, tuple(c.shape),
+                                                 obj.requires_grad)
             return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype,
                                      tuple(c.shape), obj.requires_grad)
         reduced = _contiguous_array(obj)
@@ -262,11 +268,11 @@ def dump_code(fn: Any, name: str) -> tuple[str, list[Any]]:
         register_main_locals()  # a script's or notebook's helper modules go along by value
     code = getattr(target, "__code__", None)
     filename = code.co_filename if code is not None else ""
-    lines: list[str] = []
+    lines: dict[int, str] = {}
     if filename:
-        lines = linecache.getlines(filename, getattr(target, "__globals__", None))
-        if sum(map(len, lines)) > 2_000_000:
-            lines = []
+        whole = linecache.getlines(filename, getattr(target, "__globals__", None))
+        if sum(map(len, whole)) <= 2_000_000:
+            lines = source_lines.needed(target, filename, whole)
     try:
         frames = dumps((fn, filename, lines))
     except Exception as e:
@@ -294,7 +300,7 @@ def load_code(frames: Sequence[Any]) -> Any:
         except (AttributeError, TypeError, ValueError):
             pass
     if filename and lines and not os.path.exists(filename):
-        linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
+        source_lines.install(filename, lines)
     return fn
 
 

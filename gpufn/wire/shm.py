@@ -5,6 +5,11 @@ the pickle stream, or as the buffer's frame: `mark`); the receiver maps the file
 copies: the tensor or array is a view of the mapping) and unlinks it at once, so its
 memory goes back when the value is freed.
 
+The folder is GPUFN_SHM_DIR (/dev/shm). A file that cannot be written there (the tmpfs is
+full) is not an error: that buffer travels through the socket instead (`put` -> None),
+and nothing of it is left behind; pooled files get all their pages when made
+(`posix_fallocate`), so writing into one again can never fault on a full tmpfs.
+
 Files are named `gpufn-<owner pid>-<random>`, the owner being the caller of the call the
 payload belongs to. The sender also unlinks what it made when the call ends (a call
 cancelled before a worker read its arguments), and `sweep()` (run by each host's
@@ -20,6 +25,7 @@ any other is unlinked as before. Idle pooled files go after POOL_IDLE_S and at e
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import secrets
@@ -36,7 +42,9 @@ from gpufn.exceptions import SerializationError
 from gpufn.wire import config
 from gpufn.wire.pids import alive
 
-SHM_DIR = "/dev/shm"
+log = logging.getLogger("gpufn.shm")
+
+SHM_DIR = config.shm_dir()
 PREFIX = "gpufn-"
 POOLED = "p"  # after `gpufn-<pid>-`: a pooled file, kept by its receiver's take()
 COPIED = "c"  # a one-shot copy of a pooled file (same length of name; see settle())
@@ -48,8 +56,8 @@ _host: str | None = None
 
 
 def host_id() -> str:
-    """Who can open this process's shared-memory files: the boot, the host and the user
-    ("" where there is no /dev/shm: shared memory is then never used)."""
+    """Who can open this process's shared-memory files: the boot, the host, the user and
+    the folder ("" where it is not writable: shared memory is then never used)."""
     global _host
     if _host is None:
         try:
@@ -58,7 +66,11 @@ def host_id() -> str:
             ok = os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
         except OSError:
             boot, ok = "", False
-        _host = f"{boot}/{socket.gethostname()}/{os.getuid()}" if ok and boot else ""
+        if not ok and SHM_DIR != config.SHM_DIR_DEFAULT:  # chosen, so said
+            log.warning("GPUFN_SHM_DIR=%s is not a folder this user can write: big payloads "
+                        "go through the sockets (create it, or mount a tmpfs there)", SHM_DIR)
+        # The folder too: processes given different ones cannot read each other's files.
+        _host = f"{boot}/{socket.gethostname()}/{os.getuid()}{SHM_DIR}" if ok and boot else ""
     return _host
 
 
@@ -75,11 +87,22 @@ class Outgoing:
     pool: Pool | None = None
     lent: list[Borrowed] = field(default_factory=list)  # a worker's: its call's argument files
 
-    def put(self, buf: memoryview) -> str:
-        """Copy `buf` (C-contiguous bytes) into a shared-memory file; its name. A worker
-        writes a result into an argument file of its caller's pool that nothing views any
-        more (one copy into pages already there), else into a new file."""
+    def put(self, buf: memoryview) -> str | None:
+        """Copy `buf` (C-contiguous bytes) into a shared-memory file; its name, or None when
+        no file can be written (a full tmpfs): the caller sends `buf` through the socket.
+        A worker writes a result into an argument file of its caller's pool that nothing
+        views any more (one copy into pages already there), else into a new file."""
         view = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+        try:
+            name = self._write(view)
+        except OSError as e:
+            _say_full(e, view.nbytes)
+            return None
+        self.names.append(name)
+        self.nbytes += view.nbytes
+        return name
+
+    def _write(self, view: memoryview) -> str:
         spare = next((b for b in self.lent if not b.used and b.mm is not None
                       and view.nbytes <= b.size <= 2 * view.nbytes and b.lease() is None), None)
         if spare is not None and spare.mm is not None:
@@ -90,8 +113,6 @@ class Outgoing:
             name = self.pool.write(view)
         else:
             name = _new_file(f"{PREFIX}{self.owner}-{secrets.token_hex(8)}", view)
-        self.names.append(name)
-        self.nbytes += view.nbytes
         return name
 
     def view_of(self, ptr: int, nbytes: int) -> tuple[str, int] | None:
@@ -130,6 +151,19 @@ def marked(frame: Any) -> tuple[str, int, int, bool]:
     return out
 
 
+_said_full = 0.0
+
+
+def _say_full(e: OSError, nbytes: int) -> None:
+    """A payload file could not be written: said at most once a minute per process."""
+    global _said_full
+    now = time.monotonic()
+    if now - _said_full >= 60.0 or not _said_full:
+        _said_full = now
+        log.warning("shared memory in %s could not take %d bytes (%s); sending them through "
+                    "the socket instead (free space there, or give GPUFN_SHM_DIR a larger "
+                    "tmpfs)", SHM_DIR, nbytes, e.strerror or e)
+
 @dataclass(slots=True)
 class Borrowed:
     """A pooled argument file a worker mapped for a call (`borrowing()`): the views its
@@ -149,8 +183,8 @@ def _new_file(name: str, view: memoryview, size: int = 0) -> str:
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        if size > view.nbytes:
-            os.ftruncate(fd, size)
+        if size > view.nbytes:  # the tail's pages now (the write takes the rest's): a
+            os.posix_fallocate(fd, view.nbytes, size - view.nbytes)  # reuse cannot fault
         write_all(fd, view)
     except BaseException:
         os.close(fd)

@@ -87,6 +87,7 @@ def _pending_calls(results: KeptResults) -> list[DetachedCall]:
 
 
 RAN = "ran"  # `claim`: the call ran on a worker and may have completed; nothing to take over
+STOPPED = "stopped"  # `claim`: stopped while it ran because its client was forgotten
 
 
 class Recovery:
@@ -102,6 +103,9 @@ class Recovery:
         self.hold_over = False
         self._next_orphans = 0.0
         self.suspects: set[str] = set()  # resubmitted, said to have run: decided at the hold's end
+        # Calls stopped while running when their client fell silent past the client
+        # timeout: if it was only cut off, it sends them again; that run was an attempt.
+        self.stopped: dict[str, float] = {}
 
     def start(self, expected: Iterable[str] | None, now: float) -> None:
         """The scheduler starts at `now`, expecting the workers of `expected` back."""
@@ -171,6 +175,10 @@ class Recovery:
                                               list(self.reports.values())[:1]):
             self.reports = {k: r for k, r in self.reports.items()
                             if now - r.at <= RAN_MEMORY_SECONDS}
+        if len(self.stopped) > 100_000 or any(now - t > RAN_MEMORY_SECONDS for t in
+                                              list(self.stopped.values())[:1]):
+            self.stopped = {k: t for k, t in self.stopped.items()
+                            if now - t <= RAN_MEMORY_SECONDS}
 
     def claim(self, invocation_id: str) -> Report | str | None:
         """What the workers said of a (resubmitted) call: its Report, `RAN`, or None.
@@ -183,7 +191,15 @@ class Recovery:
                 return report
         if self.ran and self.ran.pop(invocation_id, None) is not None:
             return RAN
+        if self.stopped and self.stopped.pop(invocation_id, None) is not None:
+            return STOPPED
         return None
+
+    def client_forgotten(self, stopped: Iterable[str], now: float) -> None:
+        """A silent client was forgotten and these running calls of it were stopped."""
+        self._forget_old(now)
+        for inv_id in stopped:
+            self.stopped[inv_id] = now
 
     def result_arrived(self, invocation_id: str, device: str, dispatch_token: int) -> None:
         """A Result for a call reported running and not claimed yet: its worker holds it

@@ -435,19 +435,22 @@ class Transitions:
         log.info("[%s] %s: taken over on %s from the previous scheduler (attempt %d)",
                  inv.id, inv.function.name, d.key, inv.attempts)
 
-    def lost_before_restart(self, inv: Invocation, now: float) -> None:
-        """A resubmitted call that a worker ran under the previous scheduler (see
-        `recovery.py`): that run counts as an attempt lost with its worker."""
+    def lost_before_restart(self, inv: Invocation, now: float,
+                            why: str = "its worker was running it when the scheduler restarted",
+                            error: type[GpufnError] = WorkerLost) -> None:
+        """A resubmitted call that ran before (a worker ran it under the previous scheduler,
+        see `recovery.py`, or it was stopped when its client was forgotten): that run counts
+        as an attempt lost."""
         if inv.state is not InvState.QUEUED or inv.attempts:
             return  # dispatched by this scheduler already: that loss was counted then
         inv.attempts += 1
         self.counters.lost += 1
-        why = "its worker was running it when the scheduler restarted"
         if inv.counted_attempts <= inv.spec.retries:
             self.counters.retried += 1
             log.warning("[%s] %s: %s; queued again", inv.id, inv.function.name, why)
             return
-        self.finish(inv, now, InvState.FAILED, WorkerLost(
+        log.warning("[%s] %s: %s; failed (no retries left)", inv.id, inv.function.name, why)
+        self.finish(inv, now, InvState.FAILED, error(
             f"{inv.function.name} call {inv.id}: {why}, so whether it completed is unknown."
             " Set retries=N in @gpu to run it again in such a case."))
 
@@ -486,6 +489,8 @@ class Transitions:
         hint = "" if inv.spec.retries else " Set retries=N in @gpu to retry on another worker."
         if inv.items:
             hint = f" It had streamed {inv.items} value(s), so it was not retried."
+        log.warning("[%s] %s: %s; failed with WorkerLost (no retries left)", inv.id,
+                    inv.function.name, why)
         self.finish(inv, now, InvState.FAILED, WorkerLost(
             f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s).{hint}"),
             release=False)

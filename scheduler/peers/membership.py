@@ -45,6 +45,7 @@ class ClientGone:
     """A client left: its calls are cancelled, except those that outlive it."""
 
     peer: bytes
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +217,7 @@ class Membership:
         if info is None:
             return
         if info.role == p.Role.CLIENT:
-            yield ClientGone(peer)
+            yield ClientGone(peer, reason)
         elif info.role == p.Role.WORKER:
             key = self.worker_device.pop(peer, None)
             d = self.devices.get(key) if key else None

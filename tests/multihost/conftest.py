@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,9 @@ class Mesh:
     head: Host
     workers: list[Host]
     clients: list[Driver] = field(default_factory=list)
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
+    head_extra: dict[str, str] = field(default_factory=dict)
+    devices_per_host: int = 2
     head_proc: subprocess.Popen[bytes] | None = None
     sup_procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -119,13 +123,14 @@ class Mesh:
             sys.executable, "-m", "gpufn.cli.main", "serve", "--no-workers",
             "--host", self.head.address, "--port", str(PORT),
             "--address-file", str(self.address_file)],
-            self.env(self.head, GPUFN_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT),
-                     GPUFN_LOG_LEVEL="INFO"), "head.log")
+            self.env(self.head, GPUFN_HEARTBEAT_TIMEOUT=str(self.heartbeat_timeout),
+                     GPUFN_LOG_LEVEL="INFO", **self.head_extra), "head.log")
 
     def start_worker_host(self, host: Host) -> None:
         self.sup_procs[host.name] = self.net.spawn(host, [
             sys.executable, "-m", "gpufn.cli.main", "worker", "--address-file",
-            str(self.address_file), "--cpu-devices", "2", "--node", host.name],
+            str(self.address_file), "--cpu-devices", str(self.devices_per_host),
+            "--node", host.name],
             self.env(host, GPUFN_LOG_LEVEL="INFO"), "supervisor.log")
 
     def status(self, timeout: float = 30.0) -> dict[str, Any]:
@@ -145,8 +150,9 @@ class Mesh:
             time.sleep(0.2)
 
     def wait_all_ready(self, timeout: float = 180.0) -> dict[str, str]:
+        n = self.devices_per_host * len(self.workers)
         return self.wait_devices(
-            lambda d: len(d) == 4 and all(s == "ready" for s in d.values()), timeout, "all ready")
+            lambda d: len(d) == n and all(s == "ready" for s in d.values()), timeout, "all ready")
 
     def log(self, host: Host, name: str) -> str:
         try:
@@ -160,20 +166,25 @@ def report(line: str) -> None:
     print(f"\nMULTIHOST: {line}", flush=True)
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+@contextmanager
+def running_mesh(root: Path, *, prefix: str = "", n_workers: int = 2, n_clients: int = 2,
+                 devices_per_host: int = 2, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+                 head_extra: dict[str, str] | None = None) -> Iterator[Mesh]:
+    """A head, `n_workers` worker hosts and `n_clients` client hosts, all ready; torn down
+    (processes, then namespaces) on exit. Skips without network namespaces."""
     why = netns_unavailable()
     if why is not None:
         pytest.skip(f"multi-host tests need network namespaces: {why}")
-    root = tmp_path_factory.mktemp("hosts")
-    net = Network(root)
+    net = Network(root, prefix)
     try:
         head = net.add_host("head", 1)
-        workers = [net.add_host("host1", 11), net.add_host("host2", 12)]
-        clients = [net.add_host("client1", 21), net.add_host("client2", 22)]
+        workers = [net.add_host(f"host{i + 1}", 11 + i) for i in range(n_workers)]
+        clients = [net.add_host(f"client{i + 1}", 21 + i) for i in range(n_clients)]
         shared = root / "shared"
         shared.mkdir()
-        m = Mesh(net, secrets.token_hex(16), shared / "head.json", head, workers)
+        m = Mesh(net, secrets.token_hex(16), shared / "head.json", head, workers,
+                 heartbeat_timeout=heartbeat_timeout, head_extra=dict(head_extra or {}),
+                 devices_per_host=devices_per_host)
         # Workers first: they wait for the address file the head writes.
         for w in workers:
             m.start_worker_host(w)
@@ -193,3 +204,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         net.close()
         left = net.leftovers()
         assert not left, f"namespaces left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with running_mesh(tmp_path_factory.mktemp("hosts")) as m:
+        yield m

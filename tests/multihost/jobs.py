@@ -114,3 +114,39 @@ def job_status() -> dict[str, Any]:
 
 def job_call() -> dict[str, Any]:
     return where.remote(-1)
+
+
+# ---------------------------------------------------------------- partitions
+
+
+def _count_run(marks: str, i: int) -> dict[str, Any]:
+    """One line per run in a side file named by the call's id: what ran, where, which attempt."""
+    ctx = gpufn.context()
+    here = _here()
+    with open(Path(marks, f"{ctx.invocation_id}.runs"), "a") as f:
+        f.write(f"{i} {ctx.attempt} {here['node']}\n")
+    return {"i": i, "attempt": ctx.attempt, "id": ctx.invocation_id, **here}
+
+
+@gpufn.gpu(timeout=120, retries=0)
+def counted(i: int, seconds: float, marks: str) -> dict[str, Any]:
+    out = _count_run(marks, i)
+    time.sleep(seconds)
+    return out
+
+
+@gpufn.gpu(timeout=120, retries=2)
+def counted_retried(i: int, seconds: float, marks: str) -> dict[str, Any]:
+    out = _count_run(marks, i)
+    time.sleep(seconds)
+    return out
+
+
+def job_counted_map(n: int, seconds: float, marks: str, retries: bool = False) -> list[Any]:
+    """A map of counted calls; each item its result or `{"error": type, "message"}`."""
+    fn = counted_retried if retries else counted
+    out: list[Any] = []
+    for r in fn.map(range(n), [seconds] * n, [marks] * n, return_exceptions=True):
+        out.append({"error": type(r).__name__, "message": str(r)} if isinstance(r, BaseException)
+                   else r)
+    return out

@@ -51,8 +51,11 @@ class Host:
 class Network:
     """Namespaces, links and the processes started in them; `close()` removes them all."""
 
-    def __init__(self, root: Path) -> None:
-        self.tag = f"gfn{secrets.token_hex(2)}"
+    def __init__(self, root: Path, prefix: str = "") -> None:
+        # Namespace names start with `prefix` (else $NETNS_PREFIX, else "gfn"): several
+        # people's test runs on one machine each keep to their own.
+        prefix = prefix or os.environ.get("NETNS_PREFIX", "gfn")
+        self.tag = f"{prefix}{secrets.token_hex(2)}"
         self.root = root
         self.bridge_ns = f"{self.tag}-br"
         self.hosts: dict[str, Host] = {}

@@ -72,6 +72,7 @@ class _MapRun:
         self.return_exceptions = return_exceptions
         self.total = total
         self.progress = _show_progress(progress, total)
+        self.ordered_by_cost = cost is not None
         if cost is not None:
             listed = list(items)
             try:
@@ -129,7 +130,10 @@ class _MapRun:
                 call._future.add_done_callback(functools.partial(self._completed, idx))
             self.submitted += len(batch)
             return
-        futs = client.submit_many([(sub, self.fn.name) for _, sub in batch])
+        # Longest first (cost=) is an order across devices: the scheduler keeps it, so
+        # such a map takes no lease (a lease's device would run its share faster).
+        futs = client.submit_many([(sub, self.fn.name) for _, sub in batch],
+                                  lease=not self.ordered_by_cost)
         for (idx, sub), fut in zip(batch, futs, strict=True):
             self.calls[idx] = FunctionCall(sub.invocation_id, fut, self.fn.name, client)
             fut.add_done_callback(functools.partial(self._completed, idx))

@@ -247,14 +247,17 @@ class Client:
         self._wake()
         return fut
 
-    def submit_many(self, items: list[tuple[p.Submit, str]]) -> list[Future[p.Result]]:
+    def submit_many(self, items: list[tuple[p.Submit, str]],
+                    lease: bool = True) -> list[Future[p.Result]]:
+        """Submit calls together; `lease=False`: all through the scheduler (a .map whose
+        order across devices is the scheduler's to keep: `cost=`)."""
         futs: list[Future[p.Result]] = []
         frames: list[tuple[p.Submit, list[Any]]] = []
         closed = self._closed.is_set()
         with self._lock:
             for submit, name in items:
                 fut: Future[p.Result] = Future()
-                submit = self.leases.mark(submit)
+                submit = self.leases.mark(submit) if lease else submit
                 enc = p.encode(submit)
                 self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, enc)
                 futs.append(fut)

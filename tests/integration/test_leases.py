@@ -64,8 +64,7 @@ def test_repeat_calls_go_straight_to_the_worker_and_are_metered(leasing: gpufn.C
     assert [ident.remote(i) for i in range(60)] == list(range(60))
     ch = _channel(leasing)
     assert ch.leases.direct_calls >= 55  # type: ignore[attr-defined]
-    assert list(ident.map(range(2000))) == list(range(2000))
-    assert leasing.leases.direct_calls > 0
+    assert list(ident.map(range(2000))) == list(range(2000))  # scheduled (maps take no lease)
     # Another client's call revokes the leases; their Results meter every call they ran.
     other = threading.Thread(target=lambda: nap.remote(0.0))
     other.start()

@@ -28,6 +28,7 @@ import zmq
 from gpufn.client import leases as leasing
 from gpufn.client.direct import DirectSockets
 from gpufn.client.items import ItemQueue
+from gpufn.client.sync_channel import SyncChannel
 from gpufn.exceptions import (
     AuthenticationError,
     Cancelled,
@@ -49,7 +50,6 @@ log = logging.getLogger("gpufn.client")
 
 PING_SECONDS = 2.0
 BATCH_MAX = 256
-HANDSHAKE_SECONDS = 30.0  # a blocking-call channel's Hello/Welcome
 
 
 @dataclass(slots=True)
@@ -104,7 +104,7 @@ class Client:
         self._conn: Connection | None = None  # the I/O thread's, once it is welcomed
         self._sync = threading.local()
         self._channel_ids = itertools.count(1)
-        self._channels: list[_SyncChannel] = []
+        self._channels: list[SyncChannel] = []
         self.idle_rehello = config.env_float("GPUFN_CLIENT_TIMEOUT", 120.0) / 2
         self._shm_files: dict[str, tuple[list[str], int]] = {}  # call id -> its argument files, bytes
         self._closed = threading.Event()
@@ -276,9 +276,9 @@ class Client:
         """Submit and wait in the calling thread (the blocking `.remote()` path)."""
         if self._closed.is_set():
             raise ConnectionLost("this gpufn client is closed; call gpufn.connect() again")
-        ch: _SyncChannel | None = getattr(self._sync, "channel", None)
+        ch: SyncChannel | None = getattr(self._sync, "channel", None)
         if ch is None:
-            ch = self._sync.channel = _SyncChannel(self, next(self._channel_ids))
+            ch = self._sync.channel = SyncChannel(self, next(self._channel_ids))
             with self._lock:
                 self._channels.append(ch)
             # A finished thread's socket is closed (thread ids are reused; sockets are not).
@@ -291,7 +291,7 @@ class Client:
                                      "waiting; call again (a new connection is made)") from None
             raise
 
-    def _drop_channel(self, ch: _SyncChannel) -> None:
+    def _drop_channel(self, ch: SyncChannel) -> None:
         with self._lock:
             if ch not in self._channels:
                 return
@@ -800,161 +800,6 @@ def _os_user() -> str:
         return getpass.getuser()
     except Exception:  # no login name (a container without a passwd entry)
         return str(os.getuid())
-
-
-class _SyncChannel:
-    """A calling thread's own socket for blocking `.remote()`: the caller sends and waits
-    itself, saving the two thread hand-offs of the I/O-thread path (the scheduler sees
-    it as one more client connection of this process)."""
-
-    def __init__(self, client: Client, number: int) -> None:
-        self.client = client
-        self.conn = client._connection(f"c/{os.getpid()}/{client._prefix}/t{number}", "sync")
-        self.sock = self.conn.sock
-        self.registered: set[str] = set()
-        self.last_heard = 0.0
-        self.leases = leasing.Leases()  # this channel's own: its socket hears their ends
-        self.direct = DirectSockets(client._ctx, self.leases)
-        self._pollers: dict[str, zmq.Poller] = {}
-        try:
-            self._hello()
-        except BaseException:
-            self.conn.close()
-            raise
-
-    def _send(self, msg: p.Message) -> None:
-        sockets.send(self.sock, p.encode(msg))
-
-    def _hello(self) -> None:
-        self.registered.clear()
-        self.conn.handshake(HANDSHAKE_SECONDS)  # nothing else is addressed to us yet
-        self.last_heard = time.monotonic()
-
-    def call(self, register: p.Register | None, submit: p.Submit, name: str) -> p.Result:
-        if time.monotonic() - self.last_heard > self.client.idle_rehello:
-            self._hello()  # the scheduler forgets silent clients; announce ourselves again
-        submit = self.leases.mark(submit)
-        held = self.leases.take(submit, time.monotonic())
-        if held is not None:
-            result = self._direct(held, register, submit, name)
-            if result is not None:
-                return result
-        if register is not None and register.function_id not in self.registered:
-            self._send(register)
-            self.registered.add(register.function_id)
-        self._send(submit)
-        inv = submit.invocation_id
-        grace = self.client.head_grace
-        try:
-            while True:
-                # poll, then read without blocking: a blocking recv on a socket that another
-                # thread closes at interpreter exit can abort inside libzmq
-                if not self.sock.poll(int(self.client.ping_seconds * 1000)):
-                    silent = time.monotonic() - self.last_heard
-                    if silent > grace:
-                        raise ConnectionLost(self.client._grace_over(silent)
-                                             + f" ({name} call {inv})")
-                    self._send(p.Ping(0))
-                    continue
-                self.last_heard = time.monotonic()
-                for msg in sockets.received(self.sock, log):
-                    if isinstance(msg, p.Result) and msg.invocation_id == inv:
-                        return msg
-                    self._other(msg, register, submit, name)
-        except KeyboardInterrupt:
-            self._send(p.Cancel(inv, "interrupted by the caller"))
-            raise
-
-    def _direct(self, held: leasing.Held, register: p.Register | None, submit: p.Submit,
-                name: str) -> p.Result | None:
-        """The call under a lease, straight to its worker; None: it did not run there
-        (the lease ended first, or its worker was lost and the function retries), so it
-        goes through the scheduler."""
-        g, inv = held.grant, submit.invocation_id
-        self.direct.send(g.endpoint, p.encode(p.DirectRun(g.lease_id, g.secret, inv,
-                                                          submit.frames)))
-        poller = self._pollers.get(g.endpoint)
-        if poller is None:  # one per endpoint, kept: a call under a lease is ~100 us
-            poller = self._pollers[g.endpoint] = zmq.Poller()
-            poller.register(self.direct.socks[g.endpoint], zmq.POLLIN)
-            poller.register(self.sock, zmq.POLLIN)
-        dsock = self.direct.socks[g.endpoint]
-        while True:
-            ready = dict(poller.poll(int(self.client.ping_seconds * 1000)))
-            if not ready:
-                self._send(p.Ping(0))  # the scheduler keeps us (and says if the lease is lost)
-                continue
-            if ready.get(dsock):
-                for msg in self.direct.received(g.endpoint):
-                    if isinstance(msg, p.Result) and msg.invocation_id == inv:
-                        self.leases.answered(inv, msg.ok)
-                        return msg
-                    if isinstance(msg, p.LeaseRefused):
-                        self.leases.refused(msg)
-                        if inv in msg.invocation_ids:
-                            return None
-                    elif isinstance(msg, p.Output):
-                        self.client._print_output(msg, name)
-            if ready.get(self.sock):
-                self.last_heard = time.monotonic()
-                for msg in sockets.received(self.sock, log):
-                    if (isinstance(msg, p.Result) and msg.invocation_id == g.lease_id
-                            and not msg.ok and inv in held.calls):
-                        self._lease_lost(g.lease_id)
-                        if g.retries > 0:
-                            return None
-                        raise WorkerLost(f"{name}: {msg.message}, so whether the call "
-                                         "completed is unknown. Set retries=N in @gpu to run "
-                                         "it again in such a case.")
-                    self._other(msg, register, submit, name, resend=False)
-
-    def _other(self, msg: p.Message, register: p.Register | None, submit: p.Submit,
-               name: str, resend: bool = True) -> None:
-        if isinstance(msg, p.Result) and leasing.is_lease(msg.invocation_id):
-            if msg.ok:
-                self.leases.ended(msg.invocation_id)
-            else:
-                self._lease_lost(msg.invocation_id)
-        elif isinstance(msg, p.LeaseGrant):
-            self._granted(msg)
-        elif isinstance(msg, p.Output):
-            self.client._print_output(msg, name)
-        elif isinstance(msg, p.Shutdown) and msg.final:
-            raise ConnectionLost(f"the scheduler stopped ({msg.reason}); the {name} call "
-                                 "was failed")
-        elif self.conn.needs_rehello(msg):
-            self.conn.info.resubmit = 1  # it may have run (scheduler/calls/recovery.py)
-            self.conn.info.instance = self.client.info.instance
-            self._hello()  # forgotten meanwhile: the submit was refused, send again
-            self.conn.info.resubmit = 0
-            if not resend:  # the call runs under a lease: its worker answers it
-                return
-            if register is not None:
-                self._send(register)
-                self.registered.add(register.function_id)
-            self._send(submit)
-
-    def _lease_lost(self, lease_id: str) -> None:
-        """Lost with its worker: tell the scheduler what ran there (for its metering)."""
-        held = self.leases.ended(lease_id)
-        report = held.report() if held is not None else None
-        if report is not None:
-            self._send(report)
-
-    def _granted(self, grant: p.LeaseGrant) -> None:
-        """Take a lease (probing its worker first); give it back if we cannot use it."""
-        if self.leases.granted(grant, time.monotonic()):
-            for ep in self.leases.endpoints_to_probe():
-                if not self.direct.probe_now(ep):
-                    for lease_id in self.leases.unreachable(ep):
-                        self._send(p.Cancel(lease_id, "unreachable from the client"))
-            if self.leases.reach.get(grant.endpoint) is not leasing.Reach.UNREACHABLE:
-                return
-        self._send(p.Cancel(grant.lease_id, "leases are off"))
-
-    def close(self) -> None:
-        self.direct.close()
-        self.conn.close()
 
 
 # --------------------------------------------------------------------------- default client

@@ -144,7 +144,7 @@ class LeaseBook:
                 if msg.invocation_id == invocation_id and who == peer:
                     del lease.waiting[i]
                     lease.accounts.append(self._item(lease, invocation_id, False,
-                                                     kind_of(Cancelled), 0.0, now))
+                                                     kind_of(Cancelled), 0.0, 0.0))
                     return [Answer(peer, p.Result(invocation_id, False, kind_of(Cancelled),
                                                   f"cancelled before it started ({why})"))], False
         entry = self.calls.get(invocation_id)

@@ -469,3 +469,32 @@ def test_a_function_that_uses_shared_models_stays_with_the_scheduler() -> None:
     h.feed(b"w0", p.ModelEvent(key, p.ModelState.RESIDENT, 2**30, 1.0))
     h.finish(b"w0", inv)
     assert not _grants(h) and h.results()[inv].ok
+
+
+def test_cancelled_calls_are_reported_as_cancelled_now_and_the_rest_as_they_ran() -> None:
+    book = LeaseBook()
+    run = p.Run("lease:x", "f1", "c1", "f", 77, p.RunMeta(lease=["s", 30.0, 10]))  # no user
+    book.open(run, 10.0)
+    assert book.revoke("lease:y", "unknown") is False
+    book.cancel(b"c", "early", "by the caller", 10.0)
+    book.offer(b"c", _direct("early"), 10.1)  # cancelled before it came
+    book.offer(b"c", _direct("i1"), 10.1)
+    book.offer(b"c", _direct("i2"), 10.1)
+    book.cancel(b"c", "i2", "by the caller", 10.2)  # while it waited
+    assert not any(isinstance(a, Ended) for a in book.step(10.3))  # calls left: it goes on
+    book.finished(p.Result("i1", True, "", ""), None, 10.6)  # no duration measured
+    [report] = book.reports(10.6)
+    items = {i["id"]: i for i in report.items}
+    now = time.time()
+    for inv in ("early", "i2"):
+        assert (items[inv]["ok"], items[inv]["kind"], items[inv]["s"]) == (False, "Cancelled", 0.0)
+        assert abs(items[inv]["wall"] - now) < 5.0  # when it was cancelled: now
+    assert items["i1"]["s"] == pytest.approx(0.5) and items["i1"]["user"] == ""
+
+
+def test_cancels_of_calls_that_never_came_are_forgotten_after_a_minute() -> None:
+    book = LeaseBook()
+    _open(book, seconds=300.0, max_calls=10)
+    book.cancel(b"c", "late", "by the caller", 10.0)
+    book.refuse_late(71.0)
+    assert isinstance(book.offer(b"c", _direct("late"), 71.0)[0], Start)  # not cancelled now

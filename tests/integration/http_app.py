@@ -46,8 +46,10 @@ def fail(message: str) -> None:
 
 
 @gpufn.gpu
-def sleepy(seconds: float, marker: str = "") -> float:
-    """Sleeps in short steps (a cancel lands at once); `marker` is written by its finally."""
+def sleepy(seconds: float, marker: str = "", started: str = "") -> float:
+    """Sleeps in short steps (a cancel lands at once); `marker` is written by its finally,
+    `started` when it starts (a call under a lease is not in the scheduler's status)."""
+    _mark(started, "started")
     try:
         end = time.monotonic() + seconds
         while time.monotonic() < end:

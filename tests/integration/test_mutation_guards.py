@@ -87,8 +87,11 @@ def test_ctrl_c_stops_the_remote_work(cluster: gpufn.Client, tmp_path: Path, mod
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(_CHILD.format(seconds=WORK_SECONDS)))
     env = dict(os.environ, GPUFN_ADDRESS=cluster.address, GPUFN_TOKEN=cluster.token)
+    # SIGINT at its default, as a terminal's Ctrl-C finds it: a test run started in the
+    # background gives its children SIGINT ignored, and Python then installs no handler.
     child = subprocess.Popen([sys.executable, str(script), str(tmp_path), mode], env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_file(str(tmp_path / "started0"), 30)
         child.send_signal(signal.SIGINT)

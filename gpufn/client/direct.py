@@ -29,8 +29,11 @@ class DirectSockets:
         self.socks: dict[str, zmq.Socket[Any]] = {}
         self.probing: dict[str, float] = {}  # endpoint -> when its probe went
         self.answered_probe = False  # a probe was answered since the owner last looked
+        self.closed = False
 
     def sock(self, endpoint: str) -> zmq.Socket[Any]:
+        if self.closed:  # as a closed socket would say it (the caller's ZMQError path)
+            raise zmq.ZMQError(zmq.ENOTSOCK, "the client's direct sockets are closed")
         s = self.socks.get(endpoint)
         if s is None:
             s = self.ctx.socket(zmq.DEALER)
@@ -70,7 +73,7 @@ class DirectSockets:
 
     def received(self, endpoint: str) -> Iterator[p.Message]:
         """What waits on an endpoint's socket; a Pong marks it reachable."""
-        s = self.socks[endpoint]
+        s = self.sock(endpoint)
         for msg in sockets.received(s, log):
             if isinstance(msg, p.Pong):
                 self.probing.pop(endpoint, None)
@@ -94,6 +97,7 @@ class DirectSockets:
         return False
 
     def close(self) -> None:
-        for s in self.socks.values():
+        self.closed = True
+        for s in list(self.socks.values()):
             s.close(0)
         self.socks.clear()

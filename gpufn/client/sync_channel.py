@@ -109,14 +109,16 @@ class SyncChannel:
         (the lease ended first, or its worker was lost and the function retries), so it
         goes through the scheduler."""
         g, inv = held.grant, submit.invocation_id
-        self.direct.send(g.endpoint, p.encode(p.DirectRun(g.lease_id, g.secret, inv,
-                                                          submit.frames)))
+        # The socket object itself, held here: another thread may close the channel (the
+        # interpreter exits) meanwhile, and then its use raises ZMQError (ConnectionLost).
+        dsock = self.direct.sock(g.endpoint)
+        sockets.send(dsock, p.encode(p.DirectRun(g.lease_id, g.secret, inv, submit.frames)),
+                     zmq.NOBLOCK)
         poller = self._pollers.get(g.endpoint)
         if poller is None:  # one per endpoint, kept: a call under a lease is ~100 us
             poller = self._pollers[g.endpoint] = zmq.Poller()
-            poller.register(self.direct.socks[g.endpoint], zmq.POLLIN)
+            poller.register(dsock, zmq.POLLIN)
             poller.register(self.sock, zmq.POLLIN)
-        dsock = self.direct.socks[g.endpoint]
         while True:
             ready = dict(poller.poll(int(self.client.ping_seconds * 1000)))
             if not ready:

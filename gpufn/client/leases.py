@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from gpufn.wire import config
@@ -90,8 +90,7 @@ class Leases:
         """The Submit as sent: asking for a lease after it when it may have one."""
         if not self.on or stream or submit.lease or not leasable(submit):
             return submit
-        return p.Submit(submit.invocation_id, submit.function_id, submit.options, submit.keep,
-                        submit.shm, True, submit.frames)
+        return replace(submit, lease=True)
 
     def granted(self, grant: p.LeaseGrant, now: float) -> bool:
         """Take a grant; False when leases are off (the caller returns it)."""

@@ -32,6 +32,7 @@ log = logging.getLogger("gpufn.scheduler")
 
 PREFIX = "lease:"
 CANCELLED = kind_of(Cancelled)
+RENEW_SECONDS = 0.1  # a lease this close to its end may be renewed (`_ending`)
 ACCOUNTED_MEMORY = 1024  # leases whose metered calls are remembered (a late or repeated report)
 
 
@@ -68,11 +69,11 @@ class LeaseDesk:
         queued = core.queue.only_of(inv.function.function_id, inv.client)
         if queued is None:  # someone else's call waits
             return None
-        if not self._only_its_own(d, inv):
+        if not self._only_its_own(d, inv, now):
             return None
-        if any(lease.client == inv.client and lease.function is inv.function
-               and d.key in lease.devices for lease in self.open.values()):
-            return None
+        if any(self._same(lease, inv) and d.key in lease.devices
+               and not self._ending(lease, now) for lease in self.open.values()):
+            return None  # it has one here (a grant in flight): no second
         spec = replace(inv.spec, timeout=None, retries=0, preemptible=False, deadline=None)
         lease = Invocation(f"{PREFIX}{secrets.token_hex(8)}", inv.function, inv.client, spec,
                            (), now, inv.seq)
@@ -104,12 +105,28 @@ class LeaseDesk:
             counters.submitted -= len(share)  # counted again from the lease's Result
         return [q.id for q in share]
 
-    @staticmethod
-    def _only_its_own(d: Device, inv: Invocation) -> bool:
+    def _only_its_own(self, d: Device, inv: Invocation, now: float) -> bool:
         """Nothing runs on `d` but calls of the same client and function (a .map's calls
-        pipelined there): a lease beside them takes nobody's place."""
-        return all(other.client == inv.client and other.function is inv.function
-                   and other.lease is None for other in d.running.values())
+        pipelined there), or its lease there that is ending: a lease beside them takes
+        nobody's place."""
+        return all(self._same(other, inv) and (other.lease is None or self._ending(other, now))
+                   for other in d.running.values())
+
+    @staticmethod
+    def _same(a: Invocation, b: Invocation) -> bool:
+        return a.client == b.client and a.function is b.function
+
+    @staticmethod
+    def _ending(lease: Invocation, now: float) -> bool:
+        """A lease in its last quarter (at least its last RENEW_SECONDS): its client has
+        stopped, or soon stops, using it (`gpufn/client/leases.py` MARGIN_SECONDS), so a
+        call of its client that ends here may renew it with a new lease at once; else
+        each lease's end sent its client's calls through the scheduler until the old
+        lease's Result came back (~7% of a tight loop's calls)."""
+        if lease.lease is None or lease.run_started is None or lease.preempt_asked is not None:
+            return False
+        seconds = float(lease.lease[1])
+        return now >= lease.run_started + seconds - max(RENEW_SECONDS, seconds / 4)
 
     def _leasable(self, inv: Invocation, d: Device) -> bool:
         """A caller's plain single-device call: not a batch, a gang, a device set, a
@@ -127,7 +144,7 @@ class LeaseDesk:
     def start(self, lease: Invocation, d: Device, now: float) -> None:
         """Hold a slot of `d` for the lease and open it on the worker."""
         core, tx = self.core, self.core.tx
-        if d.worker is None or not d.takes_work or not self._only_its_own(d, lease):
+        if d.worker is None or not d.takes_work or not self._only_its_own(d, lease, now):
             self._end_at_client(lease, "the device was taken meanwhile")
             return
         needs = core.models.request(lease).needs()

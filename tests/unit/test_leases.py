@@ -109,6 +109,41 @@ def test_a_waiting_call_revokes_the_lease_at_once() -> None:
     assert grant.lease_id not in h.core.invocations
 
 
+def test_a_call_that_ends_beside_its_clients_ending_lease_renews_it_and_not_before() -> None:
+    h, fid = _leasing(lease_seconds=1.0)
+    short = 0.0005  # a short call: another of its calls may wait at the worker beside it
+    h.finish(b"w0", _submit(h, fid), duration=short)
+    [first] = _grants(h)
+    # Early in the lease a call of its client through the scheduler (a grant in flight)
+    # runs beside it and gets no second lease there.
+    h.tick(0.5)
+    h.finish(b"w0", _submit(h, fid), duration=short)
+    assert [g.lease_id for g in _grants(h)] == [first.lease_id]
+    # In its last quarter (its client stops using it 50 ms before its end): renewed at
+    # once beside the old one, which ends by itself.
+    h.tick(0.3)
+    h.finish(b"w0", _submit(h, fid), duration=short)
+    grants = _grants(h)
+    assert len(grants) == 2 and grants[1].lease_id != first.lease_id
+    running = h.core.devices["n:0"].running
+    assert first.lease_id in running and grants[1].lease_id in running
+    # Not for another client: its call ends beside the leases and gets none.
+    h.hello(b"bob", p.Role.CLIENT)
+    h.tick(0.9)
+    h.finish(b"w0", _submit(h, fid, client=b"bob"), duration=short)
+    assert not _grants(h, b"bob")
+
+
+def test_a_revoked_lease_is_not_renewed() -> None:
+    h, fid = _leasing(lease_seconds=1.0)
+    h.finish(b"w0", _submit(h, fid), duration=0.0005)
+    [grant] = _grants(h)
+    h.core.invocations[grant.lease_id].preempt_asked = h.now  # revoked: a call waited
+    h.tick(0.9)
+    h.finish(b"w0", _submit(h, fid), duration=0.0005)
+    assert len(_grants(h)) == 1
+
+
 def test_another_functions_call_runs_beside_a_lease_without_revoking_it() -> None:
     h, fid = _leasing()
     _granted(h, fid)

@@ -115,13 +115,19 @@ class Head:
         return int(self.record()["scheduler"][0])
 
     def kill(self, sig: int) -> None:
-        """Signal `gpufn serve` and wait for it (and its scheduler) to be gone."""
+        """Signal `gpufn serve` and wait for it, its scheduler and its HTTP gateway to be
+        gone (the workers stay). An orphaned gateway notices within a second or so; until
+        then it still answers, and a test that waits for "the new gateway" must not meet
+        the old one."""
         assert self.proc is not None
         self.track()
         sched = self.scheduler()
+        sup = self.record().get("supervisor")
+        stays = ({int(sup[0])} | children(int(sup[0]))) if sup else set()
+        doomed = {sched} | (children(self.proc.pid) - stays)
         self.proc.send_signal(sig)
         self.proc.wait(60)
-        assert_all_gone([sched], timeout=30)
+        assert_all_gone(sorted(doomed), timeout=30)
 
     def kill_scheduler(self, sig: int) -> int:
         """Signal only the scheduler; `gpufn serve` starts another. Returns the new pid."""

@@ -203,23 +203,29 @@ class Client:
         return fut
 
     def _route(self, submit: p.Submit, frames: list[Any]) -> None:
-        """To the worker under a lease when one is held for its function, else to the
-        scheduler (under `_lock`)."""
+        """To the worker under a lease when one with room is held for its function, else
+        to the scheduler, else (enough of its calls are there, and a lease may come) kept
+        here for now (under `_lock`)."""
+        if not self._send_now(submit, frames):
+            self._held_back.setdefault(submit.function_id, deque()).append((submit, frames))
+            self._held_ids.add(submit.invocation_id)
+
+    def _send_now(self, submit: p.Submit, frames: list[Any]) -> bool:
+        """`_route` but for holding back: False when the call should wait here."""
         now = time.monotonic()
         held = self.leases.take(submit, now)
         if held is None:
             fid = submit.function_id
             if submit.lease and self.leases.hold_back(fid, now):
-                self._held_back.setdefault(fid, deque()).append((submit, frames))
-                self._held_ids.add(submit.invocation_id)
-                return
+                return False
             if submit.lease:
                 self.leases.to_head(fid, submit.invocation_id)
             self._outbox.append(frames)
-            return
+            return True
         g = held.grant
         self._direct_box.append((g.endpoint, p.encode(p.DirectRun(
             g.lease_id, g.secret, submit.invocation_id, submit.frames))))
+        return True
 
     def submit_stream(self, submit: p.Submit, name: str) -> tuple[Future[p.Result], ItemQueue]:
         """Submit a generator call: its values go to the queue, which ends with the call."""
@@ -569,16 +575,21 @@ class Client:
             self._direct_box.popleft()
 
     def _release_held(self) -> None:
-        """Route the calls held back again: to a lease granted meanwhile, else to the
-        scheduler as far as its window allows."""
+        """Send the calls held back, in order, as far as the leases' room and the
+        scheduler's window allow now; the rest wait for the next answer or grant."""
         with self._lock:
-            held, self._held_back = self._held_back, {}
-            ids, self._held_ids = self._held_ids, set()
-            for queue in held.values():
+            for fid in list(self._held_back):
+                queue = self._held_back[fid]
                 while queue:
-                    submit, frames = queue.popleft()
-                    if submit.invocation_id in ids:  # not cancelled meanwhile
-                        self._route(submit, frames)
+                    submit, frames = queue[0]
+                    inv = submit.invocation_id
+                    if inv in self._held_ids:  # else cancelled meanwhile
+                        if not self._send_now(submit, frames):
+                            break
+                        self._held_ids.discard(inv)
+                    queue.popleft()
+                if not queue:
+                    del self._held_back[fid]
 
     def _take_over(self, grant: p.LeaseGrant) -> None:
         """Send the calls the scheduler handed to the lease to its worker (once its
@@ -600,6 +611,8 @@ class Client:
         """A worker's answer to a call under a lease."""
         if isinstance(msg, p.Result):
             self.leases.answered(msg.invocation_id, msg.ok)
+            if self._held_back:  # its lease has room again
+                self._release_held()
             self._dispatch(msg)
         elif isinstance(msg, p.LeaseRefused):
             self.leases.refused(msg)

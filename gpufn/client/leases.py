@@ -33,6 +33,10 @@ PROBE_SECONDS = 2.0  # an endpoint that does not answer a probe this fast is unr
 # no lease granted, its calls go to the scheduler freely for DENIED_SECONDS.
 HEAD_WINDOW = 64
 DENIED_SECONDS = 1.0
+# Calls in flight under one lease at most: enough to keep its worker busy (it runs up to
+# 64 short calls a round); a .map's others wait in the client or go to the scheduler, so
+# the devices whose leases come later get their share instead of the first lease all.
+LEASE_DEPTH = 64
 
 
 def is_lease(invocation_id: str) -> bool:
@@ -111,6 +115,7 @@ class Leases:
             best: Held | None = None
             for held in self._by_fn.get(submit.function_id, ()):
                 if (held.dead or held.left <= 0 or now >= held.ends_at
+                        or len(held.calls) >= LEASE_DEPTH
                         or self.reach.get(held.grant.endpoint) is not Reach.OK):
                     continue
                 if best is None or len(held.calls) < len(best.calls):

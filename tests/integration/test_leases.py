@@ -32,6 +32,11 @@ def ident(x: int) -> int:
 
 
 @gpufn.gpu(memory="1MiB")
+def twin(x: int) -> int:  # ident's twin, leased by no other test's client
+    return x
+
+
+@gpufn.gpu(memory="1MiB")
 def nap(seconds: float) -> int:
     time.sleep(seconds)
     return os.getpid()
@@ -73,6 +78,25 @@ def test_repeat_calls_go_straight_to_the_worker_and_are_metered(leasing: gpufn.C
              what="every leased call metered once")
     time.sleep(0.5)
     assert _usage_calls(leasing, "ident") - before == 2060
+
+
+def test_many_awaited_calls_share_a_lease_by_its_depth(leasing: gpufn.Client) -> None:
+    """`await f.remote.aio()` x many (leased: its Result is not kept): beyond a lease's
+    depth the calls wait in the client (or go to the scheduler) and follow as answers
+    make room."""
+    import asyncio
+
+    from gpufn.client.leases import LEASE_DEPTH
+
+    async def many() -> list[int]:
+        return list(await asyncio.gather(*(twin.remote.aio(i) for i in range(3 * LEASE_DEPTH))))
+
+    direct = leasing.leases.direct_calls  # the I/O thread's leases (not a blocking call's)
+    assert asyncio.run(many()) == list(range(3 * LEASE_DEPTH))
+    # The first HEAD_WINDOW went to the scheduler (one got the lease), the others wait
+    # for it: at most a lease's depth in flight under it, the rest released as answers
+    # (or the scheduler's) make room. How many went which way depends on timing.
+    assert leasing.leases.direct_calls - direct >= LEASE_DEPTH // 2
 
 
 def test_a_call_of_another_client_waits_only_for_the_leased_call_running(

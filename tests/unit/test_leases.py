@@ -386,6 +386,20 @@ def test_the_client_spreads_calls_over_its_leases_by_their_calls_in_flight() -> 
     assert by_lease.count("lease:1") == 3 and by_lease.count("lease:2") == 3
 
 
+def test_a_lease_takes_at_most_its_depth_of_calls_in_flight() -> None:
+    from gpufn.client.leases import LEASE_DEPTH
+
+    leases = Leases()
+    leases.granted(p.LeaseGrant("lease:1", "f1", "tcp://127.0.0.1:1", "s", 1.0, 10_000), 0.0)
+    leases.reach["tcp://127.0.0.1:1"] = Reach.OK
+    taken = [leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+             for k in range(LEASE_DEPTH + 5)]
+    assert sum(h is not None for h in taken) == LEASE_DEPTH and taken[LEASE_DEPTH] is None
+    leases.answered("i0")  # an answer makes room for one more
+    assert leases.take(leases.mark(p.Submit("again", "f1", {})), 0.1) is not None
+    assert leases.take(leases.mark(p.Submit("more", "f1", {})), 0.1) is None
+
+
 def test_a_clients_calls_wait_for_a_lease_only_while_enough_are_at_the_scheduler() -> None:
     from gpufn.client.leases import HEAD_WINDOW
 

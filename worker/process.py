@@ -68,6 +68,9 @@ HANDSHAKE_SECONDS = 60.0
 HELLO_RETRY_SECONDS = 1.0  # a refused Hello again is said again after this
 CANCEL_MEMORY_SECONDS = 300.0
 LEASE_ROUND = 64  # calls under leases started in one round of the main loop, at most
+# ... and for at most this long: then their answers leave (a round of 64 five-millisecond
+# inline calls held every answer for 320 ms, and its client idled the worker meanwhile)
+LEASE_ROUND_SECONDS = 0.002
 
 
 def _torch_device(kind: str) -> Any:
@@ -299,8 +302,11 @@ class WorkerProcess:
             self._outgoing.extend(self.leases.reports(time.monotonic()))
 
     def _start_leased(self) -> None:
+        until = time.monotonic() + LEASE_ROUND_SECONDS
         for _ in range(LEASE_ROUND):
             now = time.monotonic()
+            if now > until:
+                return
             actions = self.leases.step(now) + self.leases.refuse_late(now)
             self._lease_act(actions)
             if not any(isinstance(a, Start) for a in actions):

@@ -335,11 +335,7 @@ class Function(Generic[P, R]):
             shm.release(out.names, client.shm_reusable(result.meta if result else None))
 
     async def _remote_aio(self, *args: Any, **kwargs: Any) -> R:
-        if self._yields or self.spec.cache:
-            call = self.spawn(*args, **kwargs)
-        else:  # awaited here: its Result is not kept for `from_id`, so it may be leased
-            client = get_client()
-            call = self._start(client, self._submit_message(client, args, kwargs))
+        call = self.spawn(*args, **kwargs)
         try:
             return await call.get.aio()
         except asyncio.CancelledError:

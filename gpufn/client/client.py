@@ -665,7 +665,9 @@ class Client:
         if isinstance(msg, p.Result) and leasing.is_lease(msg.invocation_id):
             self._lease_ended(msg)
         elif isinstance(msg, p.LeaseGrant):
-            if self.leases.granted(msg, time.monotonic()):
+            if self.leases.holds(msg.lease_id):  # more of our queued calls for it
+                self._take_over(msg)
+            elif self.leases.granted(msg, time.monotonic()):
                 self._take_over(msg)
                 if self._held_back:
                     self._release_held()

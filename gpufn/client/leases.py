@@ -96,6 +96,11 @@ class Leases:
             return submit
         return replace(submit, lease=True)
 
+    def holds(self, lease_id: str) -> bool:
+        """A grant of a lease already held hands it more queued calls (`reclaimed`)."""
+        with self._lock:
+            return lease_id in self._by_id
+
     def granted(self, grant: p.LeaseGrant, now: float) -> bool:
         """Take a grant; False when leases are off (the caller returns it)."""
         if not self.on or self.reach.get(grant.endpoint) is Reach.UNREACHABLE:

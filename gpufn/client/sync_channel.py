@@ -183,6 +183,8 @@ class SyncChannel:
 
     def _granted(self, grant: p.LeaseGrant) -> None:
         """Take a lease (probing its worker first); give it back if we cannot use it."""
+        if self.leases.holds(grant.lease_id):
+            return  # handing over queued calls: a blocking channel has none queued
         if self.leases.granted(grant, time.monotonic()):
             for ep in self.leases.endpoints_to_probe():
                 if not self.direct.probe_now(ep):

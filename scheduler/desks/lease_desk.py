@@ -95,7 +95,11 @@ class LeaseDesk:
         devices = sum(1 for d in core.devices.values() if d.takes_work) or 1
         # Every k-th call in queue order, from the first: the lease and the other devices
         # go on through the queue side by side, in its order (a .map(cost=...)).
-        share = sorted(queued, key=lambda i: (core.queue.key(i), i.seq))[::devices]
+        return self._take(sorted(queued, key=lambda i: (core.queue.key(i), i.seq))[::devices], now)
+
+    def _take(self, share: list[Invocation], now: float) -> list[str]:
+        """These queued calls are the lease's now: the scheduler forgets them."""
+        core = self.core
         for q in share:
             core.queue.discard(q)
             q.to(InvState.CANCELLED, now)
@@ -185,18 +189,54 @@ class LeaseDesk:
         draining = everything or getattr(self.ops, "draining", False)
         if not self.open or not (draining or len(queue)):
             return
+        takers: dict[tuple[bytes, str], int] = {}  # leases that may take queued calls
         for lease in self.open.values():
+            if lease.preempt_asked is None and not self._ending(lease, now):
+                key = (lease.client, lease.function.function_id)
+                takers[key] = takers.get(key, 0) + 1
+        if takers:  # a device running their calls without a lease takes the next ones
+            for d in self.core.devices.values():
+                for inv in d.running.values():
+                    if inv.lease is None:
+                        takers.pop((inv.client, inv.function.function_id), None)
+        for lease in list(self.open.values()):
             if lease.preempt_asked is not None:
                 continue
-            if not draining and queue.only_of(lease.function.function_id,
-                                              lease.client) is not None:
-                continue  # only its own client's calls of it wait: they go on elsewhere
+            if not draining:
+                fid = lease.function.function_id
+                mine = queue.only_of(fid, lease.client)
+                if mine is not None:  # only its own client's calls of it wait
+                    left = takers.get((lease.client, fid), 0)
+                    if mine and left and not self._ending(lease, now):
+                        self._hand_over(lease, mine, now, left)
+                        takers[(lease.client, fid)] = left - 1
+                    continue
             lease.preempt_asked = now
             d = self.core.devices.get(lease.devices[0]) if lease.devices else None
             target = (d.control or d.worker) if d is not None else None
             if target is not None:
                 self.core.send(target, p.Cancel(lease.id, "revoked: a call waits", True,
                                                 lease.dispatch_token))
+
+    def _hand_over(self, lease: Invocation, queued: list[Invocation], now: float,
+                   leases: int) -> None:
+        """Its client's calls of its function wait, no device took them in this pass and
+        none runs one of them without a lease (it would take the next, and its end may
+        bring a lease there): this lease, one of `leases` of theirs, takes its share (as
+        at its grant), the same grant sent again with them. Else they would wait for the
+        lease's end (its client sends calls to the scheduler while its leases are full,
+        for other devices to take)."""
+        d = self.core.devices.get(lease.devices[0]) if lease.devices else None
+        worker = self.core.peers.get(d.worker) if d is not None and d.worker else None
+        if (worker is None or not worker.info.direct or lease.lease is None
+                or lease.client not in self.core.peers):
+            return
+        fn = lease.function
+        share = sorted(queued, key=lambda i: (self.core.queue.key(i), i.seq))[::leases]
+        secret, seconds, max_calls = lease.lease[:3]
+        self.core.send(lease.client, p.LeaseGrant(
+            lease.id, fn.function_id, worker.info.direct, str(secret), float(seconds),
+            int(max_calls), fn.spec.retries, self._take(share, now)))
 
     # ------------------------------------------------------------------ ends
 

@@ -32,7 +32,8 @@ def ident(x: int) -> int:
 
 
 @gpufn.gpu(memory="1MiB")
-def twin(x: int) -> int:  # ident's twin, leased by no other test's client
+def snooze(x: int) -> int:  # 10 ms of "device time": not short, so never pipelined
+    time.sleep(0.01)
     return x
 
 
@@ -80,23 +81,22 @@ def test_repeat_calls_go_straight_to_the_worker_and_are_metered(leasing: gpufn.C
     assert _usage_calls(leasing, "ident") - before == 2060
 
 
-def test_many_awaited_calls_share_a_lease_by_its_depth(leasing: gpufn.Client) -> None:
-    """`await f.remote.aio()` x many (leased: its Result is not kept): beyond a lease's
-    depth the calls wait in the client (or go to the scheduler) and follow as answers
-    make room."""
-    import asyncio
-
+def test_many_calls_at_once_share_a_lease_by_its_depth(leasing: gpufn.Client) -> None:
+    """Many calls submitted at once through the client's I/O thread (the HTTP gateway's
+    path): beyond a lease's depth they wait in the client or go to the scheduler, which
+    hands them to the lease when no device takes them; all end, none waits for the
+    lease's end (30 s here)."""
     from gpufn.client.leases import LEASE_DEPTH
 
-    async def many() -> list[int]:
-        return list(await asyncio.gather(*(twin.remote.aio(i) for i in range(3 * LEASE_DEPTH))))
-
-    direct = leasing.leases.direct_calls  # the I/O thread's leases (not a blocking call's)
-    assert asyncio.run(many()) == list(range(3 * LEASE_DEPTH))
-    # The first HEAD_WINDOW went to the scheduler (one got the lease), the others wait
-    # for it: at most a lease's depth in flight under it, the rest released as answers
-    # (or the scheduler's) make room. How many went which way depends on timing.
-    assert leasing.leases.direct_calls - direct >= LEASE_DEPTH // 2
+    n = 4 * LEASE_DEPTH
+    snooze.remote(0)  # its run time measured: 10 ms
+    subs = [snooze._submit_message(leasing, (i,), {}) for i in range(n)]
+    t0 = time.monotonic()
+    futs = [leasing.submit(sub, "snooze") for sub in subs]
+    results = [f.result(60) for f in futs]
+    assert all(r.ok for r in results)
+    assert time.monotonic() - t0 < 20  # ~3 s of calls, not held until the 30 s lease's end
+    assert leasing.leases.direct_calls >= n // 2
 
 
 def test_a_call_of_another_client_waits_only_for_the_leased_call_running(

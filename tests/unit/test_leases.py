@@ -144,6 +144,34 @@ def test_a_revoked_lease_is_not_renewed() -> None:
     assert len(_grants(h)) == 1
 
 
+def test_its_clients_calls_that_wait_behind_its_lease_are_handed_to_it() -> None:
+    h, fid = _leasing(pipeline_depth=0)
+    _, grant, _ = _granted(h, fid)
+    waiting = [_submit(h, fid) for _ in range(3)]  # its depth was full: to the scheduler
+    again = [g for g in _grants(h) if g.lease_id == grant.lease_id and g.reclaimed]
+    assert sorted(i for g in again for i in g.reclaimed) == sorted(waiting)
+    assert again[-1].secret == grant.secret and again[-1].endpoint == grant.endpoint
+    assert len(h.core.queue) == 0 and not any(w in h.core.invocations for w in waiting)
+    assert not any(isinstance(s.msg, p.Cancel) for s in h.sent)  # the lease goes on
+
+
+def test_calls_wait_for_a_device_running_them_without_a_lease_not_for_the_lease() -> None:
+    h = Harness(devices=2, pipeline_depth=0)
+    for i, dev in enumerate(("n:0", "n:1")):
+        h.hello(f"w{i}".encode(), p.Role.WORKER, info={
+            "device": dev, "incarnation": 1, "direct": f"tcp://127.0.0.1:{5990 + i}"})
+    fid = h.register("f")
+    first, second = _submit(h, fid), _submit(h, fid)  # one on each device
+    worker_of = {r.invocation_id: peer for peer in (b"w0", b"w1") for r in h.runs(peer)}
+    h.finish(worker_of[first], first)  # a lease there; the other device runs `second`
+    assert len(_grants(h)) == 1
+    third = _submit(h, fid)
+    assert not any(g.reclaimed for g in _grants(h)[1:])  # the other device takes it next
+    h.finish(worker_of[second], second)
+    assert third in [r.invocation_id for r in h.runs(worker_of[second])] or any(
+        third in g.reclaimed for g in _grants(h))
+
+
 def test_another_functions_call_runs_beside_a_lease_without_revoking_it() -> None:
     h, fid = _leasing()
     _granted(h, fid)

@@ -67,8 +67,8 @@ class LeaseDesk:
         if getattr(self.ops, "draining", False):
             return None
         queued = core.queue.only_of(inv.function.function_id, inv.client)
-        if queued is None:  # someone else's call waits
-            return None
+        if queued is None or not all(q.wants_lease for q in queued):
+            return None  # someone else's call waits, or one of its own that takes no lease
         if not self._only_its_own(d, inv, now):
             return None
         if any(self._same(lease, inv) and d.key in lease.devices
@@ -205,7 +205,9 @@ class LeaseDesk:
             if not draining:
                 fid = lease.function.function_id
                 mine = queue.only_of(fid, lease.client)
-                if mine is not None:  # only its own client's calls of it wait
+                # only its own client's calls of it wait, and each may go under a lease
+                # (not a spawned call whose Result is kept, a stream, per-call options)
+                if mine is not None and all(q.wants_lease for q in mine):
                     left = takers.get((lease.client, fid), 0)
                     if mine and left and not self._ending(lease, now):
                         self._hand_over(lease, mine, now, left)

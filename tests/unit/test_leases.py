@@ -155,6 +155,21 @@ def test_its_clients_calls_that_wait_behind_its_lease_are_handed_to_it() -> None
     assert not any(isinstance(s.msg, p.Cancel) for s in h.sent)  # the lease goes on
 
 
+def test_its_clients_call_that_takes_no_lease_is_not_handed_to_it_but_revokes_it() -> None:
+    h, fid = _leasing(pipeline_depth=0)
+    _, grant, run = _granted(h, fid)
+    spawned = _submit(h, fid, lease=False)  # e.g. a spawned call whose Result is kept
+    assert not any(spawned in g.reclaimed for g in _grants(h))
+    cancels = [s.msg for s in h.sent if isinstance(s.msg, p.Cancel)]
+    assert [c.invocation_id for c in cancels] == [grant.lease_id]
+    # Nor is a lease granted over it: the device is its next.
+    h.feed(b"w0", p.Result(grant.lease_id, True, "", "revoked",
+                           p.ResultMeta(dispatch_token=run.dispatch_token, batch_items=[])))
+    assert h.runs(b"w0")[-1].invocation_id == spawned
+    h.finish(b"w0", spawned)
+    assert len(_grants(h)) == 1
+
+
 def test_calls_wait_for_a_device_running_them_without_a_lease_not_for_the_lease() -> None:
     h = Harness(devices=2, pipeline_depth=0)
     for i, dev in enumerate(("n:0", "n:1")):

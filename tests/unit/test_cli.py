@@ -65,6 +65,9 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeClient:
     client = FakeClient()
     monkeypatch.setattr(common, "connect", lambda *a, **k: client)
     monkeypatch.setattr(ops, "_wait_gone", lambda *a, **k: True)
+    # The tests pass COLUMNS per invocation; a console built while COLUMNS was already set
+    # (a pytest-xdist worker starts with COLUMNS=80) keeps that width: let it read COLUMNS.
+    monkeypatch.setattr(ops.console, "_width", None)
     return client
 
 

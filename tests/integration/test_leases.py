@@ -95,8 +95,8 @@ def test_many_calls_at_once_share_a_lease_by_its_depth(leasing: gpufn.Client) ->
     futs = [leasing.submit(sub, "snooze") for sub in subs]
     results = [f.result(60) for f in futs]
     assert all(r.ok for r in results)
-    assert time.monotonic() - t0 < 20  # ~3 s of calls, not held until the 30 s lease's end
-    assert leasing.leases.direct_calls >= n // 2
+    assert time.monotonic() - t0 < 25  # ~3 s of calls, not held until the 30 s lease's end
+    assert leasing.leases.direct_calls >= LEASE_DEPTH
 
 
 def test_a_call_of_another_client_waits_only_for_the_leased_call_running(

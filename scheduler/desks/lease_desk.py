@@ -189,29 +189,27 @@ class LeaseDesk:
         draining = everything or getattr(self.ops, "draining", False)
         if not self.open or not (draining or len(queue)):
             return
-        takers: dict[tuple[bytes, str], int] = {}  # leases that may take queued calls
-        for lease in self.open.values():
-            if lease.preempt_asked is None and not self._ending(lease, now):
-                key = (lease.client, lease.function.function_id)
-                takers[key] = takers.get(key, 0) + 1
-        if takers:  # a device running their calls without a lease takes the next ones
-            for d in self.core.devices.values():
-                for inv in d.running.values():
-                    if inv.lease is None:
-                        takers.pop((inv.client, inv.function.function_id), None)
+        takers: dict[tuple[bytes, str], int] | None = None  # leases that may take them
+        queued: dict[tuple[bytes, str], list[Invocation] | None] = {}
         for lease in list(self.open.values()):
             if lease.preempt_asked is not None:
                 continue
             if not draining:
-                fid = lease.function.function_id
-                mine = queue.only_of(fid, lease.client)
+                key = (lease.client, lease.function.function_id)
+                if key not in queued:
+                    queued[key] = queue.only_of(key[1], lease.client)
+                mine = queued[key]
                 # only its own client's calls of it wait, and each may go under a lease
                 # (not a spawned call whose Result is kept, a stream, per-call options)
                 if mine is not None and all(q.wants_lease for q in mine):
-                    left = takers.get((lease.client, fid), 0)
-                    if mine and left and not self._ending(lease, now):
-                        self._hand_over(lease, mine, now, left)
-                        takers[(lease.client, fid)] = left - 1
+                    if mine and not self._ending(lease, now):
+                        if takers is None:
+                            takers = self._takers(now)
+                        left = takers.get(key, 0)
+                        if left:
+                            self._hand_over(lease, mine, now, left)
+                            takers[key] = left - 1
+                            queued[key] = queue.only_of(key[1], lease.client)
                     continue
             lease.preempt_asked = now
             d = self.core.devices.get(lease.devices[0]) if lease.devices else None
@@ -219,6 +217,21 @@ class LeaseDesk:
             if target is not None:
                 self.core.send(target, p.Cancel(lease.id, "revoked: a call waits", True,
                                                 lease.dispatch_token))
+
+    def _takers(self, now: float) -> dict[tuple[bytes, str], int]:
+        """(client, function) -> its leases that may take its queued calls: none while a
+        device runs one of its calls without a lease (that device takes the next, and its
+        end may bring a lease there)."""
+        takers: dict[tuple[bytes, str], int] = {}
+        for lease in self.open.values():
+            if lease.preempt_asked is None and not self._ending(lease, now):
+                key = (lease.client, lease.function.function_id)
+                takers[key] = takers.get(key, 0) + 1
+        for d in self.core.devices.values():
+            for inv in d.running.values():
+                if inv.lease is None:
+                    takers.pop((inv.client, inv.function.function_id), None)
+        return takers
 
     def _hand_over(self, lease: Invocation, queued: list[Invocation], now: float,
                    leases: int) -> None:

@@ -160,10 +160,10 @@ def test_a_draining_scheduler_revokes_leases() -> None:
 # --------------------------------------------------------------------------- worker
 
 
-def _open(book: LeaseBook, seconds: float = 1.0, max_calls: int = 3) -> p.Run:
+def _open(book: LeaseBook, seconds: float = 1.0, max_calls: int = 3, at: float = 10.0) -> p.Run:
     run = p.Run("lease:x", "f1", "c1", "f", 77, p.RunMeta(lease=["s", seconds, max_calls, "ann"],
                                                          app="a", version=2))
-    book.open(run, 10.0)
+    book.open(run, at)
     return run
 
 
@@ -498,3 +498,90 @@ def test_cancels_of_calls_that_never_came_are_forgotten_after_a_minute() -> None
     book.cancel(b"c", "late", "by the caller", 10.0)
     book.refuse_late(71.0)
     assert isinstance(book.offer(b"c", _direct("late"), 71.0)[0], Start)  # not cancelled now
+
+
+def test_a_call_cancelled_while_it_waits_fails_and_is_metered_as_cancelled_now() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.1)
+    book.offer(b"c", _direct("i2"), 10.1)
+    before = time.time()
+    [answer], running = book.cancel(b"c", "i2", "by the caller", 10.2)
+    after = time.time()
+    assert isinstance(answer, Answer) and not answer.result.ok and not running
+    book.finished(p.Result("i1", True, "", ""), 0.1, 10.3)
+    [report] = book.reports(10.5)
+    item = {i["id"]: i for i in report.items}["i2"]
+    assert before <= item["wall"] <= after  # cancelled now, not in the future
+    # One cancelled before it came is answered not ok as well.
+    book.cancel(b"c", "i3", "by the caller", 10.5)
+    [early] = book.offer(b"c", _direct("i3"), 10.6)
+    assert isinstance(early, Answer) and not early.result.ok
+
+
+def test_what_ended_or_was_cancelled_is_remembered_a_minute_on_a_late_clock() -> None:
+    """The worker's clock is monotonic (thousands of seconds): ended leases and early
+    cancels are kept for a minute from when they happened, whatever the clock reads."""
+    book = LeaseBook()
+    _open(book, max_calls=10, at=5000.0)
+    book.cancel(b"c", "gone", "by the caller", 5000.0)
+    book.revoke("lease:x", "done")
+    assert any(isinstance(a, Ended) for a in book.step(5000.0))
+    assert book.refuse_late(5059.5) == []  # 59.5 s on: still remembered
+    ended = book.offer(b"c", _direct("i1"), 5059.5)
+    assert isinstance(ended[0], Refuse) and ended[0].msg.reason == "the lease ended"
+    _open(book, max_calls=10, at=5059.5)  # a new lease under the same id
+    [answer] = book.offer(b"c", _direct("gone"), 5059.6)
+    assert isinstance(answer, Answer) and answer.result.error_kind == "Cancelled"
+
+
+def test_a_direct_call_sent_at_the_very_end_of_the_grace_still_runs() -> None:
+    book = LeaseBook()
+    _open(book, seconds=1.0, max_calls=10)  # ends at 11.0; the grace runs to 11.25
+    assert not any(isinstance(a, Ended) for a in book.step(11.25))
+    [start] = book.offer(b"c", _direct("i1"), 11.25)
+    assert isinstance(start, Start)
+
+
+def test_a_lease_reports_at_once_when_it_ran_many_calls_in_a_moment() -> None:
+    from gpufn.worker.leases import REPORT_CALLS
+
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=10 * REPORT_CALLS)
+    for k in range(REPORT_CALLS):
+        if k == REPORT_CALLS - 1:
+            assert book.reports(10.0) == []  # one short of the batch, no time passed
+        [start] = book.offer(b"c", _direct(f"i{k}"), 10.0)
+        assert isinstance(start, Start)
+        book.finished(p.Result(f"i{k}", True, "", ""), 0.0, 10.0)
+    [report] = book.reports(10.0)
+    assert len(report.items) == REPORT_CALLS == 256
+
+
+def test_the_worker_reports_when_it_wakes_at_the_deadline_it_was_given() -> None:
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.0)
+    book.finished(p.Result("i1", True, "", ""), 0.01, 10.05)
+    wake = book.next_deadline()
+    assert wake is not None and wake == pytest.approx(10.2)
+    [report] = book.reports(wake)
+    assert [i["id"] for i in report.items] == ["i1"]
+
+
+def test_a_direct_call_waiting_for_its_lease_wakes_the_worker_by_the_first_ones_time() -> None:
+    book = LeaseBook()
+    book.offer(b"c", _direct("i1"), 9.5)
+    book.offer(b"c", _direct("i2"), 9.8)
+    assert book.next_deadline() == pytest.approx(11.5)  # i1 is refused first
+
+
+def test_the_worker_does_not_spin_on_a_lease_with_nothing_to_start() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    assert not book.startable()  # open, nothing waits
+    book.offer(b"c", _direct("i1"), 10.1)
+    book.offer(b"c", _direct("i2"), 10.1)
+    assert not book.startable()  # i2 waits for i1, which runs
+    book.finished(p.Result("i1", True, "", ""), 0.1, 10.2)
+    assert book.startable()

@@ -23,6 +23,7 @@ _HELD = "worker/host/held.py"
 _OPEN = "scheduler/placement/open_index.py"
 _KEPT = "scheduler/stores/kept_results.py"
 _RECOVERY = "scheduler/calls/recovery.py"
+_WLEASES = "worker/leases.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -284,4 +285,19 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_RECOVERY, 'now, float(ran_ms[0]) / 1000 if ran_ms else 0.0)',
                'now, float(ran_ms[ -1]) / 1000 if ran_ms else 0.0)',
                'a report is [token, attempt] or [token, attempt, ran_ms]: ran_ms holds one value, so [0] is [-1]'),
+    Equivalent(_WLEASES, '@dataclass(frozen=True, slots=True)',
+               '@dataclass(frozen=False, slots=True)',
+               'the actions (Refuse, Start, Ended, Answer) are read once by the shell; nothing assigns to or hashes one'),
+    Equivalent(_WLEASES, '@dataclass(frozen=True, slots=True)',
+               '@dataclass(frozen=True, slots=False)',
+               'slots only save memory; no attribute is set outside the fields'),
+    Equivalent(_WLEASES, '@dataclass(slots=True)',
+               '@dataclass(slots=False)',
+               'slots only save memory; no attribute is set outside the fields'),
+    Equivalent(_WLEASES, 'reported: float = 0.0  # when its calls were last reported',
+               'reported: float = 1.0  # when its calls were last reported',
+               'LeaseBook.open, the only maker of a Lease, gives reported=now: the default is never used'),
+    Equivalent(_WLEASES, 'reported: float = 0.0  # when its calls were last reported',
+               'reported: float = -1.0  # when its calls were last reported',
+               'LeaseBook.open, the only maker of a Lease, gives reported=now: the default is never used'),
 )

@@ -513,10 +513,33 @@ def test_a_call_cancelled_while_it_waits_fails_and_is_metered_as_cancelled_now()
     [report] = book.reports(10.5)
     item = {i["id"]: i for i in report.items}["i2"]
     assert before <= item["wall"] <= after  # cancelled now, not in the future
-    # One cancelled before it came is answered not ok as well.
+    # One cancelled before it came is answered not ok as well, metered as of now.
     book.cancel(b"c", "i3", "by the caller", 10.5)
+    before = time.time()
     [early] = book.offer(b"c", _direct("i3"), 10.6)
+    after = time.time()
     assert isinstance(early, Answer) and not early.result.ok
+    [report] = book.reports(11.0)
+    assert before <= report.items[0]["wall"] <= after
+
+
+def test_a_cancel_takes_only_the_call_it_names_from_its_own_client() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.1)  # runs
+    book.offer(b"c", _direct("i2"), 10.1)
+    book.offer(b"d", _direct("i3"), 10.1)
+    book.offer(b"c", _direct("i4"), 10.1)
+    assert book.cancel(b"d", "i4", "not its call", 10.2) == ([], False)
+    [answer], _ = book.cancel(b"c", "i4", "by the caller", 10.2)
+    assert answer.result.invocation_id == "i4" and answer.peer == b"c"
+    book.finished(p.Result("i1", True, "", ""), 0.1, 10.3)
+    started = []
+    for t in (10.3, 10.4):
+        [start] = [a for a in book.step(t) if isinstance(a, Start)]
+        started.append(start.run.invocation_id)
+        book.finished(p.Result(start.run.invocation_id, True, "", ""), 0.1, t)
+    assert started == ["i2", "i3"] and book.step(10.5) == []
 
 
 def test_what_ended_or_was_cancelled_is_remembered_a_minute_on_a_late_clock() -> None:
@@ -528,10 +551,11 @@ def test_what_ended_or_was_cancelled_is_remembered_a_minute_on_a_late_clock() ->
     book.revoke("lease:x", "done")
     assert any(isinstance(a, Ended) for a in book.step(5000.0))
     assert book.refuse_late(5059.5) == []  # 59.5 s on: still remembered
-    ended = book.offer(b"c", _direct("i1"), 5059.5)
+    assert book.refuse_late(5060.0) == []  # a minute on, to the tick: still
+    ended = book.offer(b"c", _direct("i1"), 5060.0)
     assert isinstance(ended[0], Refuse) and ended[0].msg.reason == "the lease ended"
-    _open(book, max_calls=10, at=5059.5)  # a new lease under the same id
-    [answer] = book.offer(b"c", _direct("gone"), 5059.6)
+    _open(book, max_calls=10, at=5060.0)  # a new lease under the same id
+    [answer] = book.offer(b"c", _direct("gone"), 5060.0)
     assert isinstance(answer, Answer) and answer.result.error_kind == "Cancelled"
 
 
@@ -585,3 +609,14 @@ def test_the_worker_does_not_spin_on_a_lease_with_nothing_to_start() -> None:
     assert not book.startable()  # i2 waits for i1, which runs
     book.finished(p.Result("i1", True, "", ""), 0.1, 10.2)
     assert book.startable()
+
+
+def test_direct_calls_waiting_for_a_lease_that_never_opens_are_refused_by_the_first() -> None:
+    book = LeaseBook()
+    book.offer(b"c", _direct("i1"), 9.5)
+    book.offer(b"d", _direct("i2"), 11.0)
+    assert book.refuse_late(11.5) == []  # i1 waited 2 s, to the tick: not yet
+    refused = book.refuse_late(11.6)
+    assert sorted((a.peer, a.msg.invocation_ids[0]) for a in refused
+                  if isinstance(a, Refuse)) == [(b"c", "i1"), (b"d", "i2")]
+    assert book.next_deadline() is None

@@ -423,6 +423,7 @@ def test_a_lease_ends_when_its_calls_are_spent_and_says_how_long_it_held() -> No
         book.finished(p.Result(f"i{k}", True, "", ""), 0.5, 10.5 + k)
     end = [a for a in book.step(12.75) if isinstance(a, Ended)]
     assert len(end) == 1 and end[0].result.meta.duration == pytest.approx(2.75)
+    assert end[0].result.ok and end[0].result.message == "its calls are spent"
     assert [i["id"] for i in end[0].result.meta.batch_items or []] == ["i0", "i1", "i2"]
     before = time.time()
     item = (end[0].result.meta.batch_items or [])[-1]
@@ -620,3 +621,16 @@ def test_direct_calls_waiting_for_a_lease_that_never_opens_are_refused_by_the_fi
     assert sorted((a.peer, a.msg.invocation_ids[0]) for a in refused
                   if isinstance(a, Refuse)) == [(b"c", "i1"), (b"d", "i2")]
     assert book.next_deadline() is None
+
+
+def test_an_open_lease_with_calls_left_and_none_running_stays_open() -> None:
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=3)
+    assert book.step(10.0) == []
+    assert isinstance(book.offer(b"c", _direct("i1"), 10.1)[0], Start)
+    book.finished(p.Result("i1", True, "", ""), 0.1, 10.2)
+    assert book.step(10.3) == [] and "lease:x" in book.leases  # two calls left
+    book.revoke("lease:x", "revoked: a call waits")
+    [end] = book.step(10.4)
+    assert isinstance(end, Ended) and end.result.ok
+    assert end.result.message == "revoked: a call waits"  # its client hears why

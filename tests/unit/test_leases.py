@@ -634,3 +634,15 @@ def test_an_open_lease_with_calls_left_and_none_running_stays_open() -> None:
     [end] = book.step(10.4)
     assert isinstance(end, Ended) and end.result.ok
     assert end.result.message == "revoked: a call waits"  # its client hears why
+
+
+def test_revoking_every_lease_ends_each_of_them() -> None:
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=10)
+    run = p.Run("lease:y", "f1", "c1", "f", 78, p.RunMeta(lease=["t", 30.0, 10, "ann"]))
+    book.open(run, 10.0)
+    book.revoke_all("the worker drains")
+    ends = [a for a in book.step(10.1) if isinstance(a, Ended)]
+    assert sorted((e.result.invocation_id, e.result.message) for e in ends) == [
+        ("lease:x", "the worker drains"), ("lease:y", "the worker drains")]
+    assert not book.leases

@@ -246,8 +246,7 @@ class LeaseBook:
         (so a worker that dies loses at most REPORT_SECONDS of its leases' metering)."""
         out = []
         for lease in self.leases.values():
-            # Due at the time next_deadline says (computed alike: 10.2 - 10.0 < 0.2)
-            if lease.accounts and (now >= lease.reported + REPORT_SECONDS
+            if lease.accounts and (now - lease.reported >= REPORT_SECONDS
                                    or len(lease.accounts) >= REPORT_CALLS):
                 out.append(p.LeaseReport(lease.lease_id, lease.accounts))
                 lease.accounts, lease.reported = [], now

@@ -583,14 +583,13 @@ def test_a_lease_reports_at_once_when_it_ran_many_calls_in_a_moment() -> None:
     assert len(report.items) == REPORT_CALLS == 256
 
 
-def test_the_worker_reports_when_it_wakes_at_the_deadline_it_was_given() -> None:
+def test_the_worker_wakes_and_reports_a_report_interval_after_the_last() -> None:
     book = LeaseBook()
-    _open(book, seconds=30.0, max_calls=10)
-    book.offer(b"c", _direct("i1"), 10.0)
-    book.finished(p.Result("i1", True, "", ""), 0.01, 10.05)
-    wake = book.next_deadline()
-    assert wake is not None and wake == pytest.approx(10.2)
-    [report] = book.reports(wake)
+    _open(book, seconds=30.0, max_calls=10, at=0.0)  # times exact in binary from 0
+    book.offer(b"c", _direct("i1"), 0.0)
+    book.finished(p.Result("i1", True, "", ""), 0.01, 0.05)
+    assert book.next_deadline() == pytest.approx(0.2)  # not the lease's end (30.0)
+    [report] = book.reports(0.2)  # due at 0.2 s, to the tick
     assert [i["id"] for i in report.items] == ["i1"]
 
 

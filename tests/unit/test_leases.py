@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpufn.client.leases import Leases, Reach
+from gpufn.client.leases import HEAD_WINDOW, Leases, Reach
 from gpufn.scheduler.books.users import UserStore
 from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
@@ -352,8 +352,6 @@ def test_the_client_spreads_calls_over_its_leases_by_their_calls_in_flight() -> 
 
 
 def test_a_clients_calls_wait_for_a_lease_only_while_enough_are_at_the_scheduler() -> None:
-    from gpufn.client.leases import HEAD_WINDOW
-
     leases = Leases()
     for k in range(HEAD_WINDOW):
         assert not leases.hold_back("f1", 0.0)
@@ -645,3 +643,160 @@ def test_revoking_every_lease_ends_each_of_them() -> None:
     assert sorted((e.result.invocation_id, e.result.message) for e in ends) == [
         ("lease:x", "the worker drains"), ("lease:y", "the worker drains")]
     assert not book.leases
+
+
+# ------------------------------------------------------------- client, mutation survivors
+
+
+def _reachable(leases: Leases, *grants: p.LeaseGrant, now: float) -> None:
+    for g in grants:
+        assert leases.granted(g, now)
+        leases.reach[g.endpoint] = Reach.OK
+
+
+def test_equally_loaded_leases_take_calls_in_the_order_they_were_granted() -> None:
+    leases = Leases()
+    a = p.LeaseGrant("lease:1", "f1", "tcp://127.0.0.1:1", "s", 1.0, 100)
+    b = p.LeaseGrant("lease:2", "f1", "tcp://127.0.0.1:2", "s", 1.5, 100)
+    _reachable(leases, a, b, now=0.0)
+    order = []
+    for k in range(4):
+        held = leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+        assert held is not None
+        order.append(held.grant.lease_id)
+    assert order == ["lease:1", "lease:2", "lease:1", "lease:2"]
+    assert leases.direct_calls == 4  # each call sent under a lease counted once
+
+
+def test_a_lease_takes_no_call_not_marked_for_one_nor_any_once_leases_are_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=10), now=0.0)
+    assert leases.take(p.Submit("i1", "f1", {}), 0.1) is None  # asked for no lease
+    assert leases.direct_calls == 0
+    monkeypatch.setenv("GPUFN_LEASES", "0")
+    off = Leases()
+    assert not off.granted(_grant(calls=10), 0.0)  # leases off: the grant goes back
+    off.on = True
+    _reachable(off, _grant(calls=10), now=0.0)
+    off.on = False
+    assert off.take(p.Submit("i1", "f1", {}, lease=True), 0.1) is None
+
+
+def test_a_lease_is_over_at_its_client_side_end_to_the_tick() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(seconds=1.0, calls=10), now=0.0)
+    [held] = leases._by_fn["f1"]
+    assert leases.take(leases.mark(p.Submit("i1", "f1", {})), held.ends_at) is None
+    assert leases.take(leases.mark(p.Submit("i2", "f1", {})), held.ends_at - 0.01) is held
+    # The scheduler's answer at that very moment finds no live lease: calls move on freely.
+    leases.to_head("f1", "h1")
+    assert leases.from_head("h1", held.ends_at)
+    for k in range(HEAD_WINDOW):
+        leases.to_head("f1", f"w{k}")
+    assert not leases.hold_back("f1", held.ends_at + 0.5)
+
+
+def test_calls_adopted_by_a_lease_use_up_its_calls() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=2), now=0.0)
+    assert leases.adopt("lease:x", "q1") is not None
+    assert leases.adopt("lease:x", "q2") is not None
+    assert leases.take(leases.mark(p.Submit("i1", "f1", {})), 0.1) is None  # both spent
+    assert leases.direct_calls == 2 and leases.in_flight("q1")
+
+
+def test_a_refused_lease_does_not_keep_the_others_of_its_function_from_calls() -> None:
+    now = time.monotonic()  # the table prunes by the monotonic clock
+    leases = Leases()
+    a = p.LeaseGrant("lease:1", "f1", "tcp://127.0.0.1:1", "s", 60.0, 100)
+    b = p.LeaseGrant("lease:2", "f1", "tcp://127.0.0.1:2", "s", 60.0, 100)
+    _reachable(leases, a, b, now=now)
+    held = leases.take(leases.mark(p.Submit("i1", "f1", {})), now)
+    assert held is not None and held.grant.lease_id == "lease:1"
+    leases.refused(p.LeaseRefused("lease:1", ["i1"], "revoked"))
+    for k in range(3):  # lease:1 is dead (time left or not): lease:2 takes them all
+        h = leases.take(leases.mark(p.Submit(f"j{k}", "f1", {})), now + 0.1)
+        assert h is not None and h.grant.lease_id == "lease:2"
+
+
+def test_an_answer_from_the_scheduler_with_only_a_refused_lease_alive_lets_calls_go() -> None:
+    now = time.monotonic()
+    leases = Leases()
+    _reachable(leases, _grant(seconds=60.0, calls=100), now=now)
+    leases.refused(p.LeaseRefused("lease:x", [], "revoked"))
+    for k in range(HEAD_WINDOW):
+        leases.to_head("f1", f"w{k}")
+    assert leases.hold_back("f1", now)
+    assert leases.from_head("w0", now)  # answered: no live lease (the one left is dead)
+    leases.to_head("f1", "w64")
+    assert not leases.hold_back("f1", now + 0.5)
+
+
+def test_calls_go_to_the_scheduler_freely_for_a_second_after_it_granted_none() -> None:
+    leases = Leases()
+    for k in range(HEAD_WINDOW):
+        leases.to_head("f1", f"w{k}")
+    assert leases.from_head("w0", 10.0)  # no lease came with the answer
+    leases.to_head("f1", "w-last")  # the window is full again
+    assert not leases.hold_back("f1", 10.5)
+    assert leases.hold_back("f1", 11.25)  # a second on: wait for a lease again
+
+
+def test_a_lease_that_ended_after_its_table_pruned_it_is_ended_quietly() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(seconds=1.0, calls=10), now=0.0)  # long over by the clock
+    other = p.LeaseGrant("lease:y", "f1", "tcp://127.0.0.1:1", "s", 1.0, 10)
+    _reachable(leases, other, now=0.0)
+    leases.refused(p.LeaseRefused("lease:y", [], "revoked"))  # prunes: both are over
+    held = leases.ended("lease:x")  # the scheduler's word comes later
+    assert held is not None and held.calls == set()
+
+
+def test_a_lost_lease_reports_only_the_calls_it_got_answers_for() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=10), now=0.0)
+    for k in range(3):
+        leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+    held = leases.ended("lease:x")
+    assert held is not None and held.report() is None  # nothing answered: nothing to say
+    again = Leases()
+    _reachable(again, _grant(calls=10), now=0.0)
+    for k in range(3):
+        again.take(again.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+    again.answered("i0", ok=True)
+    again.answered("i2", ok=False)
+    held = again.ended("lease:x")
+    assert held is not None
+    report = held.report()
+    assert report is not None and report.lease_id == "lease:x"
+    assert report.items == [{"id": "i0", "ok": True}, {"id": "i2", "ok": False}]
+
+
+def test_an_unreachable_worker_is_said_at_once_without_its_key(
+        caplog: pytest.LogCaptureFixture) -> None:
+    leases = Leases()
+    with caplog.at_level(logging.WARNING, logger="gpufn.client"):
+        leases.unreachable("tcp://10.0.0.9:7000?key=SECRETKEY")
+        said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "tcp://10.0.0.9:7000" in said[0] and "SECRETKEY" not in said[0]
+
+
+def test_a_probe_has_two_seconds_before_its_worker_counts_unreachable() -> None:
+    import zmq
+
+    from gpufn.client.direct import DirectSockets
+
+    ctx = zmq.Context()
+    try:
+        leases = Leases()
+        leases.granted(_grant(ep="tcp://127.0.0.1:9"), 0.0)
+        direct = DirectSockets(ctx, leases)
+        direct.start_probes()
+        sent = direct.probing["tcp://127.0.0.1:9"]
+        assert direct.overdue(sent + 1.5) == []  # a slow network's answer still counts
+        assert direct.overdue(sent + 2.5) == ["tcp://127.0.0.1:9"]
+        for s in direct.socks.values():
+            s.close(0)
+    finally:
+        ctx.term()

@@ -800,3 +800,49 @@ def test_a_probe_has_two_seconds_before_its_worker_counts_unreachable() -> None:
             s.close(0)
     finally:
         ctx.term()
+
+
+def test_a_spent_lease_listed_first_passes_its_calls_to_the_next() -> None:
+    leases = Leases()
+    a = p.LeaseGrant("lease:1", "f1", "tcp://127.0.0.1:1", "s", 1.0, 1)
+    b = p.LeaseGrant("lease:2", "f1", "tcp://127.0.0.1:2", "s", 1.0, 100)
+    _reachable(leases, a, b, now=0.0)
+    taken = [leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1) for k in range(3)]
+    assert [h.grant.lease_id if h else None for h in taken] == ["lease:1", "lease:2", "lease:2"]
+    assert leases.endpoint_of("i0") == "tcp://127.0.0.1:1"
+    assert leases.endpoint_of("i1") == "tcp://127.0.0.1:2"
+    assert leases.endpoint_of("never-sent") is None
+
+
+def test_calls_refused_or_ended_under_a_lease_are_no_longer_in_flight_there() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=10), now=0.0)
+    for k in range(3):
+        leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+    leases.refused(p.LeaseRefused("lease:x", ["i1"], "revoked"))  # i1 goes to the scheduler
+    assert not leases.in_flight("i1") and leases.in_flight("i2")
+    held = leases.ended("lease:x")  # then lost: only i0 and i2 are its to retry or fail
+    assert held is not None and held.calls == {"i0", "i2"}
+    assert not leases.in_flight("i0") and not leases.in_flight("i2")
+    assert leases.endpoint_of("i2") is None
+
+
+def test_the_table_forgets_leases_that_are_over_and_does_not_probe_their_workers() -> None:
+    leases = Leases()
+    leases.granted(_grant(seconds=1.0, ep="tcp://127.0.0.1:7"), 0.0)  # over long ago
+    now = time.monotonic()
+    live = p.LeaseGrant("lease:y", "f1", "tcp://127.0.0.1:8", "s", 60.0, 10)
+    leases.granted(live, now)
+    leases.refused(p.LeaseRefused("lease:z", [], "no such lease here"))  # a pass of pruning
+    assert leases.endpoints_to_probe() == ["tcp://127.0.0.1:8"]
+
+
+def test_the_count_of_calls_at_the_scheduler_goes_down_to_zero_one_by_one() -> None:
+    leases = Leases()
+    leases.granted(_grant(seconds=60.0), 0.0)
+    leases.to_head("f1", "a")
+    leases.to_head("f1", "b")
+    assert leases.from_head("a", 0.0)  # a lease is alive: no free pass
+    for k in range(HEAD_WINDOW - 1):
+        leases.to_head("f1", f"w{k}")
+    assert leases.hold_back("f1", 0.0)  # b and 63 more: the window is full

@@ -699,11 +699,13 @@ def test_a_lease_is_over_at_its_client_side_end_to_the_tick() -> None:
 
 def test_calls_adopted_by_a_lease_use_up_its_calls() -> None:
     leases = Leases()
-    _reachable(leases, _grant(calls=2), now=0.0)
+    _reachable(leases, _grant(calls=3), now=0.0)
     assert leases.adopt("lease:x", "q1") is not None
     assert leases.adopt("lease:x", "q2") is not None
-    assert leases.take(leases.mark(p.Submit("i1", "f1", {})), 0.1) is None  # both spent
-    assert leases.direct_calls == 2 and leases.in_flight("q1")
+    assert leases.take(leases.mark(p.Submit("i1", "f1", {})), 0.1) is not None  # the third
+    assert leases.take(leases.mark(p.Submit("i2", "f1", {})), 0.1) is None  # all spent
+    assert leases.direct_calls == 3 and leases.in_flight("q1")
+    assert leases.adopt("lease:gone", "q3") is None and not leases.in_flight("q3")
 
 
 def test_a_refused_lease_does_not_keep_the_others_of_its_function_from_calls() -> None:

@@ -848,3 +848,68 @@ def test_the_count_of_calls_at_the_scheduler_goes_down_to_zero_one_by_one() -> N
     for k in range(HEAD_WINDOW - 1):
         leases.to_head("f1", f"w{k}")
     assert leases.hold_back("f1", 0.0)  # b and 63 more: the window is full
+
+
+# ------------------------------------------------------- scheduler, mutation survivors
+
+
+def test_a_lease_on_one_of_two_devices_takes_every_other_queued_call() -> None:
+    h = Harness(devices=2, pipeline_depth=0)
+    for i in (0, 1):
+        h.hello(f"w{i}".encode(), p.Role.WORKER,
+                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    fid = h.register("f")
+    calls = [_submit(h, fid) for _ in range(6)]  # two run, four wait
+    running = [r.invocation_id for r in h.runs()]
+    queued = [c for c in calls if c not in running]
+    h.finish(b"w0", running[0])
+    [grant] = _grants(h)
+    assert grant.reclaimed == queued[::2]  # the lease and the other device share the queue
+    assert [q for q in queued if q in h.core.invocations] == queued[1::2]
+
+
+def test_no_lease_on_a_device_that_runs_another_clients_call() -> None:
+    h, fid = _leasing()
+    h.hello(b"bob", p.Role.CLIENT)
+    g = h.register("g")
+    mine = _submit(h, fid)
+    theirs = _submit(h, g, client=b"bob", lease=False)  # another function: beside it
+    assert {r.invocation_id for r in h.runs(b"w0")} == {mine, theirs}
+    h.finish(b"w0", mine)
+    assert not _grants(h)
+
+
+def test_a_lease_does_not_send_its_worker_the_code_it_already_has() -> None:
+    h, fid = _leasing()
+    _granted(h, fid)
+    loads = [s for s in h.sent if isinstance(s.msg, p.LoadCode) and s.peer == b"w0"]
+    assert len(loads) == 1  # the first call's; the lease runs the same code
+
+
+def test_calls_a_lease_ran_count_among_their_functions_calls_in_the_status() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    before = next(f["calls"] for f in h.core.status(h.now)["functions"] if f["name"] == "f")
+    items = [{"id": f"d{i}", "ok": True, "s": 0.01} for i in range(3)]
+    h.feed(b"w0", p.LeaseReport(grant.lease_id, items))
+    after = next(f["calls"] for f in h.core.status(h.now)["functions"] if f["name"] == "f")
+    assert after == before + 3
+
+
+def test_the_scheduler_remembers_the_metered_calls_of_its_last_1024_leases() -> None:
+    h, _ = _leasing()
+    calls = h.core.ops.usage.calls_total
+
+    def report(lease: str) -> None:
+        h.feed(b"w0", p.LeaseReport(lease, [{"id": "d", "ok": True, "fn": "f", "s": 0.0}]))
+
+    for i in range(1024):
+        report(f"lease:{i}")
+    assert sum(calls.values()) == 1024
+    report("lease:0")  # repeated (a worker's restart): the 1024th lease back, still known
+    assert sum(calls.values()) == 1024
+    report("lease:new")  # 1025 leases: the oldest is forgotten
+    report("lease:1")
+    assert sum(calls.values()) == 1025
+    report("lease:0")  # forgotten: metered again
+    assert sum(calls.values()) == 1026

@@ -913,3 +913,36 @@ def test_the_scheduler_remembers_the_metered_calls_of_its_last_1024_leases() -> 
     assert sum(calls.values()) == 1025
     report("lease:0")  # forgotten: metered again
     assert sum(calls.values()) == 1026
+
+
+def test_the_status_counts_the_leases_granted() -> None:
+    h, fid = _leasing()
+    assert h.core.status(h.now)["leases"]["granted"] == 0
+    _granted(h, fid)
+    assert h.core.status(h.now)["leases"]["granted"] == 1
+
+
+def test_a_waiting_call_revokes_a_newer_lease_past_one_already_revoked() -> None:
+    h = Harness(devices=2)
+    for i in (0, 1):
+        h.hello(f"w{i}".encode(), p.Role.WORKER,
+                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    h.hello(b"bob", p.Role.CLIENT)
+    fid = h.register("f")
+    first, second = _submit(h, fid), _submit(h, fid)  # one on each device
+    where = {r.invocation_id: r for r in h.runs()}
+    w_first = b"w0" if where[first] in h.runs(b"w0") else b"w1"
+    w_second = b"w1" if w_first == b"w0" else b"w0"
+    h.finish(w_first, first)
+    [a] = _grants(h)
+    x = _submit(h, fid, client=b"bob", lease=False)  # waits: revokes lease a
+    h.feed(b"bob", p.Cancel(x, "changed my mind"))  # and goes: nothing waits now
+    h.finish(w_second, second)
+    b = _grants(h)[-1]
+    assert b.lease_id != a.lease_id
+    _submit(h, fid, client=b"bob", lease=False)  # waits again: lease b is revoked too
+
+    def cancels(lease_id: str) -> int:
+        return len([s for s in h.sent if isinstance(s.msg, p.Cancel)
+                    and s.msg.invocation_id == lease_id])
+    assert cancels(a.lease_id) == 1 and cancels(b.lease_id) == 1

@@ -946,3 +946,81 @@ def test_a_waiting_call_revokes_a_newer_lease_past_one_already_revoked() -> None
         return len([s for s in h.sent if isinstance(s.msg, p.Cancel)
                     and s.msg.invocation_id == lease_id])
     assert cancels(a.lease_id) == 1 and cancels(b.lease_id) == 1
+
+
+def test_no_lease_beside_the_clients_own_call_of_another_function() -> None:
+    h, fid = _leasing()
+    g = h.register("g")
+    mine = _submit(h, fid)
+    other = _submit(h, g, lease=False)  # the same client's other function, beside it
+    assert {r.invocation_id for r in h.runs(b"w0")} == {mine, other}
+    h.finish(b"w0", mine)
+    assert not _grants(h)
+
+
+def test_only_a_lost_leases_own_client_says_what_ran_under_it_with_no_run_time() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    usage = h.core.ops.usage
+    h.feed(b"sup", p.WorkerExited("n:0", 1, -9, "killed by signal 9", 1))
+    calls = sum(usage.calls_total.values())
+    h.hello(b"bob", p.Role.CLIENT)
+    h.feed(b"bob", p.LeaseReport(grant.lease_id, [{"id": "d9", "ok": True}]))
+    assert sum(usage.calls_total.values()) == calls  # not bob's lease: nothing metered
+    seconds = sum(hist.total for hist in usage.duration.values())
+    h.feed(b"cli", p.LeaseReport(grant.lease_id, [{"id": "d1", "ok": True}]))
+    assert sum(usage.calls_total.values()) == calls + 1
+    assert sum(hist.total for hist in usage.duration.values()) == seconds  # unknown: 0 s
+
+
+def test_a_leases_calls_count_in_the_schedulers_counters_by_outcome() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    before = dict(h.core.counters.as_dict())
+    items = [{"id": "a", "ok": True, "s": 0.1}, {"id": "b", "ok": False, "kind": "UserError"},
+             {"id": "c", "ok": False, "kind": "Cancelled"}, {"id": "d", "ok": True}]
+    h.feed(b"w0", p.LeaseReport(grant.lease_id, items))
+    after = h.core.counters.as_dict()
+    delta = {k: after[k] - before[k] for k in ("submitted", "succeeded", "failed", "cancelled")}
+    assert delta == {"submitted": 4, "succeeded": 2, "failed": 1, "cancelled": 1}
+
+
+def test_a_higher_priority_call_revokes_a_lease_and_never_requeues_it() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    h.hello(b"bob", p.Role.CLIENT)
+    urgent = h.register("f", priority=9)
+    _submit(h, urgent, client=b"bob", lease=False)
+    h.tick(1.0)
+    lease = h.core.invocations[grant.lease_id]
+    assert lease.state is InvState.RUNNING and lease not in list(h.core.queue)
+    cancels = [s.msg for s in h.sent if isinstance(s.msg, p.Cancel)
+               and s.msg.invocation_id == grant.lease_id]
+    assert [c.reason for c in cancels] == ["revoked: a call waits"]
+
+
+def test_the_scheduler_remembers_the_clients_of_its_latest_lost_leases(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufn.scheduler.desks import lease_desk
+
+    monkeypatch.setattr(lease_desk, "ACCOUNTED_MEMORY", 2)  # the bound, made small
+    h = Harness(devices=3)
+    for i in range(3):
+        h.hello(f"w{i}".encode(), p.Role.WORKER,
+                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    fid = h.register("f")
+    lost = []
+    for _ in range(3):  # a lease on each device in turn, each lost with its worker
+        inv = _submit(h, fid)
+        worker = next(s.peer for s in h.sent if isinstance(s.msg, p.Run)
+                      and s.msg.invocation_id == inv)
+        h.finish(worker, inv)
+        lease_id = _grants(h)[-1].lease_id
+        h.feed(b"sup", p.WorkerExited(f"n:{worker.decode()[1:]}", 1, -9, "killed by signal 9", 1))
+        lost.append(lease_id)
+    assert len(set(lost)) == 3
+    calls = h.core.ops.usage.calls_total
+    for k, lease_id in enumerate(lost):
+        before = sum(calls.values())
+        h.feed(b"cli", p.LeaseReport(lease_id, [{"id": f"d{k}", "ok": True}]))
+        assert sum(calls.values()) - before == (0 if k == 0 else 1), k  # the oldest forgotten

@@ -1024,3 +1024,24 @@ def test_the_scheduler_remembers_the_clients_of_its_latest_lost_leases(
         before = sum(calls.values())
         h.feed(b"cli", p.LeaseReport(lease_id, [{"id": f"d{k}", "ok": True}]))
         assert sum(calls.values()) - before == (0 if k == 0 else 1), k  # the oldest forgotten
+
+
+def test_a_clients_own_waiting_call_spares_its_lease_but_revokes_anothers() -> None:
+    h = Harness(devices=2)
+    for i in (0, 1):
+        h.hello(f"w{i}".encode(), p.Role.WORKER,
+                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    h.hello(b"bob", p.Role.CLIENT)
+    fid = h.register("f")
+
+    def lease_for(client: bytes) -> p.LeaseGrant:
+        inv = _submit(h, fid, client=client)
+        worker = next(s.peer for s in h.sent if isinstance(s.msg, p.Run)
+                      and s.msg.invocation_id == inv)
+        h.finish(worker, inv)
+        return _grants(h, client)[-1]
+
+    mine, theirs = lease_for(b"cli"), lease_for(b"bob")  # one on each device
+    _submit(h, fid, lease=False)  # cli's call waits: both devices are leased
+    revoked = {s.msg.invocation_id for s in h.sent if isinstance(s.msg, p.Cancel)}
+    assert theirs.lease_id in revoked and mine.lease_id not in revoked

@@ -985,6 +985,35 @@ def test_a_leases_calls_count_in_the_schedulers_counters_by_outcome() -> None:
     assert delta == {"submitted": 4, "succeeded": 2, "failed": 1, "cancelled": 1}
 
 
+def test_a_leases_calls_are_metered_with_the_run_time_its_worker_measured() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    usage = h.core.ops.usage
+    seconds = sum(hist.total for hist in usage.duration.values())
+    h.feed(b"w0", p.LeaseReport(grant.lease_id, [{"id": "a", "ok": True, "s": 0.25,
+                                                   "wall": h.core.wall(h.now)}]))
+    assert sum(hist.total for hist in usage.duration.values()) - seconds == pytest.approx(0.25)
+
+
+def test_no_lease_on_a_worker_without_a_direct_endpoint() -> None:
+    h = Harness(devices=1)
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1})  # no `direct`
+    fid = h.register("f")
+    h.finish(b"w0", _submit(h, fid))
+    assert not _grants(h)
+
+
+def test_a_lease_is_dispatched_under_a_token_of_its_own_and_leaves_the_device_clean() -> None:
+    h, fid = _leasing()
+    _, grant, run = _granted(h, fid)
+    tokens = [r.dispatch_token for r in h.runs(b"w0")]
+    assert len(set(tokens)) == len(tokens)  # the call's and the lease's differ
+    d = h.core.devices["n:0"]
+    h.feed(b"w0", p.Result(grant.lease_id, True, "", "spent",
+                           p.ResultMeta(dispatch_token=run.dispatch_token, batch_items=[])))
+    assert not d.running and not d.running_by_fn  # nothing counted as running there
+
+
 def test_a_higher_priority_call_revokes_a_lease_and_never_requeues_it() -> None:
     h, fid = _leasing()
     _, grant, _ = _granted(h, fid)

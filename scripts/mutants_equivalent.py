@@ -26,6 +26,7 @@ _RECOVERY = "scheduler/calls/recovery.py"
 _WLEASES = "worker/leases.py"
 _CLEASES = "gpufn/client/leases.py"
 _LDESK = "scheduler/desks/lease_desk.py"
+_UDESK = "scheduler/desks/user_desk.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -440,4 +441,13 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_LDESK, 'state = InvState.SUCCEEDED if msg.ok else InvState.FAILED',
                'state = InvState.SUCCEEDED if not msg.ok else InvState.FAILED',
                "a lease's own end state is not metered (OpsDesk.run_ended meters only a lease's device time, whatever the state; its calls are metered from its items) and the lease leaves the books at once"),
+    Equivalent(_UDESK, 'holds = held.get(user, 0.0)',
+               'holds = held.get(user, -1.0)',
+               "a user's calls wait at their cap only while the user holds devices: a cap is at least 1 (check_limit) and a call needing more than the cap is refused at admission, so a user listed as capped is always in held_devices and the default is never used"),
+    Equivalent(_UDESK, 'holds = held.get(user, 0.0)',
+               'holds = held.get(user, 1.0)',
+               "a user's calls wait at their cap only while the user holds devices: a cap is at least 1 (check_limit) and a call needing more than the cap is refused at admission, so a user listed as capped is always in held_devices and the default is never used"),
+    Equivalent(_UDESK, 'self.core.tx.dirty = True',
+               'self.core.tx.dirty = False',
+               "in _disconnect: the dropped connections' running calls free their devices when their workers answer the Cancel (release_device asks for a pass then) and their queued calls only leave the queue; a pass right away finds nothing new to start (tried: a revoked user's calls on both devices, another user's call waiting behind them, starts in neither case before the workers answer)"),
 )

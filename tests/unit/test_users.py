@@ -190,6 +190,7 @@ def test_operations_need_the_admin_or_an_operator() -> None:
     h, _ = _cluster()
     denied = _reply(h.feed(b"bob", p.Deploy(1, "app", {}, [])), p.AppReply)
     assert isinstance(denied, p.AppReply) and denied.error_kind == "PermissionDenied"
+    assert not denied.ok
     assert "--operator" in denied.message
     for cmd in ("rollback", "stop"):
         out = _reply(h.feed(b"bob", p.AppCommand(2, cmd, {"app": "app"})), p.AppReply)
@@ -408,8 +409,9 @@ def test_the_user_list_says_who_is_admin_and_how_many_connections_each_has() -> 
     listed = _reply(h.feed(b"cli", p.UserCommand(2, "list")), p.AppReply)
     assert isinstance(listed, p.AppReply) and listed.ok
     rows = {r["name"]: r for r in listed.data["users"]}
-    assert {n: (r["admin"], r["connections"]) for n, r in rows.items()} == {
-        ADMIN: (True, 1), "alice": (False, 2), "bob": (False, 1), "carol": (False, 0)}
+    assert {n: (r["admin"], r["operator"], r["connections"]) for n, r in rows.items()} == {
+        ADMIN: (True, True, 1), "alice": (False, False, 2), "bob": (False, False, 1),
+        "carol": (False, False, 0)}  # made without --operator: not one
 
 
 def test_a_failed_user_command_is_answered_not_ok_saying_why() -> None:

@@ -1074,3 +1074,19 @@ def test_a_clients_own_waiting_call_spares_its_lease_but_revokes_anothers() -> N
     _submit(h, fid, lease=False)  # cli's call waits: both devices are leased
     revoked = {s.msg.invocation_id for s in h.sent if isinstance(s.msg, p.Cancel)}
     assert theirs.lease_id in revoked and mine.lease_id not in revoked
+
+
+def test_a_call_withdrawn_before_it_was_sent_is_not_reported_as_answered() -> None:
+    """A call parked for a probe that never came back goes through the scheduler, which
+    meters it; the lease, lost with its worker, must not report it as run there too."""
+    leases = Leases()
+    _reachable(leases, _grant(calls=10), now=0.0)
+    for k in range(2):
+        leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+    leases.answered("i0", ok=True)
+    leases.withdraw("i1")  # parked, never sent
+    assert not leases.in_flight("i1")
+    held = leases.ended("lease:x")
+    assert held is not None and held.calls == set()
+    report = held.report()
+    assert report is not None and report.items == [{"id": "i0", "ok": True}]

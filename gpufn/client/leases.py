@@ -176,7 +176,7 @@ class Leases:
                 del self._head_count[fid]
         return fid
 
-    def answered(self, invocation_id: str, ok: bool = True) -> None:
+    def answered(self, invocation_id: str, ok: bool) -> None:
         with self._lock:
             held = self._call.pop(invocation_id, None)
             if held is not None:

@@ -267,7 +267,7 @@ def test_the_client_uses_a_lease_only_on_a_probed_worker_within_its_calls_and_ti
     assert leases.take(sub, 0.1) is not None and leases.in_flight("i1")
     assert leases.take(leases.mark(p.Submit("i2", "f1", {})), 0.1) is not None
     assert leases.take(leases.mark(p.Submit("i3", "f1", {})), 0.1) is None  # its calls spent
-    leases.answered("i1")
+    leases.answered("i1", ok=True)
     assert not leases.in_flight("i1")
     other = Leases()
     other.granted(_grant(seconds=1.0, calls=10), 0.0)
@@ -282,7 +282,7 @@ def test_a_lease_ended_lost_gives_its_calls_in_flight_and_a_refusal_ends_it() ->
     leases.reach["tcp://127.0.0.1:1"] = Reach.OK
     for i in range(3):
         leases.take(leases.mark(p.Submit(f"i{i}", "f1", {})), 0.1)
-    leases.answered("i0")
+    leases.answered("i0", ok=True)
     held = leases.ended("lease:x")
     assert held is not None and held.calls == {"i1", "i2"}
     assert leases.take(leases.mark(p.Submit("i9", "f1", {})), 0.1) is None

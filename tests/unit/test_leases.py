@@ -978,11 +978,12 @@ def test_a_leases_calls_count_in_the_schedulers_counters_by_outcome() -> None:
     _, grant, _ = _granted(h, fid)
     before = dict(h.core.counters.as_dict())
     items = [{"id": "a", "ok": True, "s": 0.1}, {"id": "b", "ok": False, "kind": "UserError"},
-             {"id": "c", "ok": False, "kind": "Cancelled"}, {"id": "d", "ok": True}]
+             {"id": "c", "ok": False, "kind": "Cancelled"}, {"id": "d", "ok": True},
+             {"id": "e", "ok": False, "kind": "WorkerLost"}]
     h.feed(b"w0", p.LeaseReport(grant.lease_id, items))
     after = h.core.counters.as_dict()
     delta = {k: after[k] - before[k] for k in ("submitted", "succeeded", "failed", "cancelled")}
-    assert delta == {"submitted": 4, "succeeded": 2, "failed": 1, "cancelled": 1}
+    assert delta == {"submitted": 5, "succeeded": 2, "failed": 2, "cancelled": 1}
 
 
 def test_a_leases_calls_are_metered_with_the_run_time_its_worker_measured() -> None:

@@ -153,3 +153,34 @@ def test_the_hosts_memory_is_read() -> None:
     assert 0 < limit <= total
     available = proc_table.available_memory()
     assert available is not None and 0 < available <= total
+
+
+# --- pieces cosmic-ray's mutants showed unpinned (scripts/mutants.py --room proc_table) ---
+
+
+def _fake_files(monkeypatch: pytest.MonkeyPatch, files: dict[str, str]) -> None:
+    import io
+
+    real = open
+
+    def fake_open(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if path in files:
+            data = files[path]
+            return io.BytesIO(data.encode()) if "b" in mode else io.StringIO(data)
+        return real(path, mode, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(proc_table, "open", fake_open, raising=False)
+
+
+def test_kilobytes_in_proc_files_are_read_as_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {
+        "/proc/meminfo": "MemTotal:       16000 kB\nMemFree: 100 kB\nMemAvailable:    1000 kB\n",
+        "/proc/42/smaps_rollup": "00400000-7fff [rollup]\nRss:  300 kB\nPss:  250 kB\n",
+    })
+    assert proc_table.available_memory() == 1000 * 1024
+    assert proc_table.pss(42) == 250 * 1024
+
+
+def test_a_cgroup_path_with_a_colon_is_still_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/jobs/a:b\n"})
+    assert "/sys/fs/cgroup/jobs/a:b/memory.max" in proc_table._cgroup_limit_files()

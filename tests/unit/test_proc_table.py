@@ -184,3 +184,32 @@ def test_kilobytes_in_proc_files_are_read_as_bytes(monkeypatch: pytest.MonkeyPat
 def test_a_cgroup_path_with_a_colon_is_still_read(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/jobs/a:b\n"})
     assert "/sys/fs/cgroup/jobs/a:b/memory.max" in proc_table._cgroup_limit_files()
+
+
+def test_no_cgroup_limit_leaves_the_hosts_ram_and_an_odd_cgroup_file_is_ignored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ram = proc_table.host_memory_limit()
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "not a cgroup line\n",
+                              "/sys/fs/cgroup/memory.max": "max\n",
+                              "/sys/fs/cgroup/memory/memory.limit_in_bytes": "4096\n"})
+    assert proc_table._cgroup_limit_files() == [
+        "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    assert proc_table.host_memory_limit() == 4096  # "max" is no limit; v1's 4096 is one
+    assert ram >= 4096
+
+
+def test_a_processs_resident_bytes_read_again_are_its_rss_not_its_size() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); "
+                              "time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        resident = proc_table.Resident(child.pid)
+        try:
+            proc = proc_table.read(child.pid)
+            # statm's resident field, not its first (the size mapped, megabytes more)
+            assert proc is not None and abs(resident.bytes() - proc.rss) < 2 * MiB
+        finally:
+            resident.close()
+    finally:
+        child.kill()
+        child.wait()

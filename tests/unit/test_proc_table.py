@@ -213,3 +213,27 @@ def test_a_processs_resident_bytes_read_again_are_its_rss_not_its_size() -> None
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_cgroup_limit_above_the_hosts_ram_is_not_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    ram = proc_table.host_memory_limit()
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/\n",
+                              "/sys/fs/cgroup/memory.max": f"{ram * 2}\n"})
+    assert proc_table.host_memory_limit() == ram
+
+
+def test_unreadable_or_odd_proc_lines_read_as_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {"/proc/meminfo": "MemTotal: 16000 kB\nMemAvailable:\n",
+                              "/proc/42/smaps_rollup": "Rss: 300 kB\nPss:\n"})
+    assert proc_table.available_memory() is None
+    assert proc_table.pss(42) is None
+
+
+def test_the_children_of_every_readable_thread_are_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # task 1 is gone by the time it is read, task 2 reads oddly, task 3 has two children
+    _fake_files(monkeypatch, {"/proc/99/task/2/children": "garbage\n",
+                              "/proc/99/task/3/children": "5 6\n"})
+    real = os.listdir
+    monkeypatch.setattr(proc_table.os, "listdir",
+                        lambda path: ["1", "2", "3"] if path == "/proc/99/task" else real(path))
+    assert proc_table.children(99) == [5, 6]

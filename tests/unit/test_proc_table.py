@@ -237,3 +237,22 @@ def test_the_children_of_every_readable_thread_are_listed(monkeypatch: pytest.Mo
     monkeypatch.setattr(proc_table.os, "listdir",
                         lambda path: ["1", "2", "3"] if path == "/proc/99/task" else real(path))
     assert proc_table.children(99) == [5, 6]
+
+
+def test_the_cgroup_files_of_our_own_v1_memory_and_v2_groups_are_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "5:cpu,cpuacct:/jobs/c\n4:memory:/jobs/m\n"
+                                                   "1:name=systemd:/\n0::/jobs/v2\n"})
+    assert proc_table._cgroup_limit_files() == [
+        "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/jobs/m/memory.limit_in_bytes", "/sys/fs/cgroup/jobs/v2/memory.max"]
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/\n4:memory:/\n"})  # the root: no folder
+    assert len(proc_table._cgroup_limit_files()) == 2
+
+
+def test_without_a_cgroup_limit_the_limit_is_the_hosts_ram(monkeypatch: pytest.MonkeyPatch) -> None:
+    with open("/proc/meminfo") as f:
+        total = int(f.readline().split()[1]) * 1024  # MemTotal
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/\n", "/sys/fs/cgroup/memory.max": "max\n",
+                              "/sys/fs/cgroup/memory/memory.limit_in_bytes": "max\n"})
+    assert abs(proc_table.host_memory_limit() - total) < 64 * MiB

@@ -158,7 +158,8 @@ def test_the_hosts_memory_is_read() -> None:
 # --- pieces cosmic-ray's mutants showed unpinned (scripts/mutants.py --room proc_table) ---
 
 
-def _fake_files(monkeypatch: pytest.MonkeyPatch, files: dict[str, str]) -> None:
+def _fake_files(monkeypatch: pytest.MonkeyPatch, files: dict[str, str | None]) -> None:
+    """proc_table's open() sees these files (None: gone), the rest as they are."""
     import io
 
     real = open
@@ -166,6 +167,8 @@ def _fake_files(monkeypatch: pytest.MonkeyPatch, files: dict[str, str]) -> None:
     def fake_open(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
         if path in files:
             data = files[path]
+            if data is None:
+                raise FileNotFoundError(path)
             return io.BytesIO(data.encode()) if "b" in mode else io.StringIO(data)
         return real(path, mode, *args, **kwargs)  # type: ignore[call-overload]
 
@@ -256,3 +259,16 @@ def test_without_a_cgroup_limit_the_limit_is_the_hosts_ram(monkeypatch: pytest.M
     _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/\n", "/sys/fs/cgroup/memory.max": "max\n",
                               "/sys/fs/cgroup/memory/memory.limit_in_bytes": "max\n"})
     assert abs(proc_table.host_memory_limit() - total) < 64 * MiB
+
+
+def test_unreadable_proc_and_cgroup_files_are_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {"/proc/self/cgroup": None, "/sys/fs/cgroup/memory.max": None,
+                              "/sys/fs/cgroup/memory/memory.limit_in_bytes": "8192\n",
+                              "/proc/meminfo": None, "/proc/42/smaps_rollup": None})
+    assert proc_table._cgroup_limit_files() == [
+        "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    assert proc_table.host_memory_limit() == 8192  # the v2 file is gone: v1's is read
+    assert proc_table.available_memory() is None and proc_table.pss(42) is None
+    _fake_files(monkeypatch, {"/proc/meminfo": "MemAvailable: lots kB\n",
+                              "/proc/42/smaps_rollup": "Pss: lots kB\n"})
+    assert proc_table.available_memory() is None and proc_table.pss(42) is None

@@ -511,4 +511,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_PROC, 'if text.isdigit() and 0 < int(text) < (limit or 2**62):',
                'if text.isdigit() and 0 <= int(text) < (limit or 2**62):',
                'memory.max of 0 would let the cgroup run nothing, this process included: the file never reads 0 here'),
+    Equivalent(_PROC, 'return int(os.pread(self.fd, 128, 0).split()[1]) * PAGE',
+               'return int(os.pread(self.fd, 127, 0).split()[1]) * PAGE',
+               'statm is one line of seven page counts, far under 127 bytes: the same line is read'),
+    Equivalent(_PROC, 'return int(os.pread(self.fd, 128, 0).split()[1]) * PAGE',
+               'return int(os.pread(self.fd, 128, 1).split()[1]) * PAGE',
+               "read from its second byte, statm's first field (the pages mapped, thousands for any process) loses a digit; the second, the resident pages, is the same"),
 )

@@ -517,4 +517,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_PROC, 'return int(os.pread(self.fd, 128, 0).split()[1]) * PAGE',
                'return int(os.pread(self.fd, 128, 1).split()[1]) * PAGE',
                "read from its second byte, statm's first field (the pages mapped, thousands for any process) loses a digit; the second, the resident pages, is the same"),
+    Equivalent(_PROC, 'if text.isdigit() and 0 < int(text) < (limit or 2**62):',
+               'if text.isdigit() and 0 < int(text) < (limit or 2** 63):',
+               "limit is the host's RAM (os.sysconf answers on Linux), never 0, so the 2**62 stand-in for 'no RAM known' is never used"),
+    Equivalent(_PROC, 'if text.isdigit() and 0 < int(text) < (limit or 2**62):',
+               'if text.isdigit() and 0 < int(text) < (limit or 1**62):',
+               "limit is the host's RAM (os.sysconf answers on Linux), never 0, so the 2**62 stand-in for 'no RAM known' is never used"),
 )

@@ -185,3 +185,25 @@ def test_forked_children_sharing_the_workers_pages_do_not_get_it_stopped() -> No
         proc_table.signal_all(proc_table.in_session(leader.pid))
         leader.wait()
         watch.close()
+
+
+# --- pieces cosmic-ray's mutants showed unpinned (scripts/mutants.py --room memory_watch) ---
+
+
+def test_sessions_are_scanned_every_scan_interval_not_every_sample(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    scans = []
+    monkeypatch.setattr(proc_table, "snapshot", lambda: scans.append(1) or [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)  # steady
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    try:
+        watch.watch("n:0", os.getpid())
+        watch.tick(100.0)
+        assert len(scans) == 1
+        for k in range(1, 9):  # samples every 0.2 s: no new scan within SCAN_S
+            watch.tick(100.0 + 0.21 * k)
+        assert len(scans) == 1
+        watch.tick(100.0 + SCAN_S + 0.01)
+        assert len(scans) == 2
+    finally:
+        watch.close()

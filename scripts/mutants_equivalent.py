@@ -28,6 +28,7 @@ _CLEASES = "gpufn/client/leases.py"
 _LDESK = "scheduler/desks/lease_desk.py"
 _UDESK = "scheduler/desks/user_desk.py"
 _PROC = "worker/host/proc_table.py"
+_MEMWATCH = "worker/host/memory_watch.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -523,4 +524,7 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_PROC, 'if text.isdigit() and 0 < int(text) < (limit or 2**62):',
                'if text.isdigit() and 0 < int(text) < (limit or 1**62):',
                "limit is the host's RAM (os.sysconf answers on Linux), never 0, so the 2**62 stand-in for 'no RAM known' is never used"),
+    Equivalent(_MEMWATCH, 'if self.fd < 0 or state == self._sent:',
+               'if self.fd <= 0 or state == self._sent:',
+               'the report pipe is never fd 0: the supervisor passes its pipe under the same number (pass_fds) to a worker whose fd 0 is its stdin (DEVNULL), so a pipe at 0 could not reach the worker at all'),
 )

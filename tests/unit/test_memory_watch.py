@@ -207,3 +207,54 @@ def test_sessions_are_scanned_every_scan_interval_not_every_sample(
         assert len(scans) == 2
     finally:
         watch.close()
+
+
+def test_a_worker_forgotten_leaves_no_descriptor_open() -> None:
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    r, w = watch.pipe()
+    before = len(os.listdir("/proc/self/fd"))
+    watch.watch("n:0", os.getpid(), r)
+    watch.forget("n:0")
+    os.close(w)
+    assert len(os.listdir("/proc/self/fd")) == before - 2  # both ends: the read end with it
+    with pytest.raises(OSError):
+        os.fstat(r)
+
+
+def test_a_process_that_left_the_session_is_no_longer_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    session = [proc_table.Proc(os.getpid(), 1, 1, os.getpid(), 0),
+               proc_table.Proc(child.pid, 1, 1, os.getpid(), 0)]
+    monkeypatch.setattr(proc_table, "snapshot", lambda: list(session))
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    watch = MemoryWatch(64 * GiB, 128 * GiB, "h")
+    try:
+        watch.watch("n:0", os.getpid())
+        watch.tick(100.0)
+        fds = len(os.listdir("/proc/self/fd"))
+        session.pop()  # the child left (or ended)
+        watch.tick(100.0 + SCAN_S + 0.01)
+        assert len(os.listdir("/proc/self/fd")) == fds - 1  # its reader closed
+    finally:
+        watch.close()
+        child.kill()
+        child.wait()
+
+
+def test_a_quick_fall_in_available_memory_rescans_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    scans = []
+    available = [32 * GiB]
+    monkeypatch.setattr(proc_table, "snapshot", lambda: scans.append(1) or [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: available[0])
+    watch = MemoryWatch(GiB, 64 * GiB, "h")  # a fall of GiB / 4 is quick
+    try:
+        watch.watch("n:0", os.getpid())
+        watch.tick(100.0)
+        available[0] -= GiB // 4  # exactly the bound: not yet
+        watch.tick(100.3)
+        assert len(scans) == 1
+        available[0] -= 1
+        watch.tick(100.6)
+        assert len(scans) == 2
+    finally:
+        watch.close()

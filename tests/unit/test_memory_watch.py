@@ -258,3 +258,32 @@ def test_a_quick_fall_in_available_memory_rescans_at_once(monkeypatch: pytest.Mo
         assert len(scans) == 2
     finally:
         watch.close()
+
+
+def test_a_host_with_no_worker_counted_yet_budgets_for_one() -> None:
+    assert default_budget(10 * GiB, 0) == default_budget(10 * GiB, 1) == 8 * GiB
+
+
+def test_odd_or_broken_report_pipes_are_survived(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    r, w = watch.pipe()
+    try:
+        watch.watch("n:0", os.getpid(), r)
+        os.write(w, b"-5 -7\n")  # nonsense: nothing declared, no models
+        watch.tick(100.0)
+        assert watch.limits() == {"n:0": GiB}
+        os.close(r)  # the read end gone under it: the watch goes on
+        watch.tick(101.0)
+        assert watch.limits() == {"n:0": GiB}
+    finally:
+        os.close(w)
+        watch._workers["n:0"].reports = -1  # closed above
+        watch.close()
+    pr, pw = os.pipe()
+    os.close(pr)  # the supervisor is gone
+    reports = Reports(pw)
+    reports.call_started("inv1", GiB)  # EPIPE: not raised, and nothing written again
+    assert reports.fd == -1
+    os.close(pw)

@@ -287,3 +287,20 @@ def test_odd_or_broken_report_pipes_are_survived(monkeypatch: pytest.MonkeyPatch
     reports.call_started("inv1", GiB)  # EPIPE: not raised, and nothing written again
     assert reports.fd == -1
     os.close(pw)
+
+
+def test_without_a_reading_of_available_memory_sessions_are_scanned_on_time_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    scans = []
+    monkeypatch.setattr(proc_table, "snapshot", lambda: scans.append(1) or [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: None)  # unreadable
+    for host_limit in (64 * GiB, 0):  # nor on a host whose size is unknown
+        scans.clear()
+        watch = MemoryWatch(GiB, host_limit, "h")
+        try:
+            watch.watch("n:0", os.getpid())
+            for k in range(5):
+                watch.tick(100.0 + 0.21 * k)
+            assert len(scans) == 1, host_limit
+        finally:
+            watch.close()

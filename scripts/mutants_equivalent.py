@@ -539,4 +539,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_MEMWATCH, 'key = max(used, key=lambda k: used[k] - (budgets[k].models if k in budgets else 0))',
                'key = max(used, key=lambda k: used[k] - (budgets[k].models if k in budgets else 1))',
                'tick builds used and budgets from the same workers: every key has a budget, the default is never used'),
+    Equivalent(_MEMWATCH, 'self._next_scan = 0.0',
+               'self._next_scan = 1.0',
+               'in __init__: tick does nothing until a worker is watched, and watch() sets _next_scan to 0.0 itself'),
+    Equivalent(_MEMWATCH, 'self._next_scan = 0.0',
+               'self._next_scan = -1.0',
+               'in __init__: tick does nothing until a worker is watched, and watch() sets _next_scan to 0.0 itself'),
 )

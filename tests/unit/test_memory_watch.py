@@ -304,3 +304,53 @@ def test_without_a_reading_of_available_memory_sessions_are_scanned_on_time_only
             assert len(scans) == 1, host_limit
         finally:
             watch.close()
+
+
+def test_sizes_read_in_mib_below_a_gib_and_limits_add_models_without_a_ceiling() -> None:
+    from gpufn.worker.host.memory_watch import format_bytes
+
+    assert format_bytes(512 * MiB) == "512 MiB" and format_bytes(GiB) == "1.00 GiB"
+    assert Budget(GiB, models=512 * MiB).limit(0) == GiB + 512 * MiB
+    assert over_budget({"n:0": GiB}, {"n:0": Budget(GiB)}, 0, "h") == []  # at it, not over
+    assert len(over_budget({"n:0": GiB + 1}, {"n:0": Budget(GiB)}, 0, "h")) == 1
+
+
+def test_only_the_latest_report_line_counts(monkeypatch: pytest.MonkeyPatch,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    r, w = watch.pipe()
+    try:
+        watch.watch("n:0", os.getpid(), r)
+        os.write(w, b"garbage\n" + f"{2 * GiB} 0\n".encode())  # an old, odd line: passed over
+        with caplog.at_level("WARNING", logger="gpufn.supervisor"):
+            watch.tick(100.0)
+        assert watch.limits() == {"n:0": 2 * GiB} and not caplog.records
+    finally:
+        watch.close()
+        os.close(w)
+
+
+def test_a_fall_in_available_memory_on_a_small_host_is_weighed_against_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    scans = []
+    available = [GiB]
+    monkeypatch.setattr(proc_table, "snapshot", lambda: scans.append(1) or [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: available[0])
+    for host, bound in ((2 * GiB, 2 * GiB // 20), (0, None)):  # a twentieth of the host
+        scans.clear()
+        available[0] = GiB
+        watch = MemoryWatch(GiB, host, "h")
+        try:
+            watch.watch("n:0", os.getpid())
+            watch.tick(100.0)
+            available[0] -= bound if bound is not None else GiB // 2  # not more than that
+            watch.tick(100.3)
+            assert len(scans) == 1, host  # (a host of unknown size: never at once)
+            if bound is not None:
+                available[0] -= 1
+                watch.tick(100.6)
+                assert len(scans) == 2
+        finally:
+            watch.close()

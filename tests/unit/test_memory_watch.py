@@ -354,3 +354,17 @@ def test_a_fall_in_available_memory_on_a_small_host_is_weighed_against_the_host(
                 assert len(scans) == 2
         finally:
             watch.close()
+
+
+def test_a_worker_stopped_is_reported_once_and_no_longer_watched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    me = os.getpid()
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [proc_table.Proc(me, 1, 1, me, 0)])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    watch = MemoryWatch(MiB, 64 * GiB, "h")  # this test process is far over a MiB
+    try:
+        watch.watch("n:0", me)
+        assert [s.key for s in watch.tick(100.0)] == ["n:0"]
+        assert watch.tick(101.0) == [] and watch.limits() == {}
+    finally:
+        watch.close()

@@ -566,4 +566,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_MEMWATCH, 'continue',
                'break',
                'in _read_reports: the loop runs over one line (lines[-1:]), so continue and break both end it'),
+    Equivalent(_MEMWATCH, "SCAN_S = 2.0  # how often the processes in each worker's session are found again...",
+               "SCAN_S = 1.0  # how often the processes in each worker's session are found again...",
+               'a tuning constant (how often sessions are scanned for new members; a quick fall in available memory rescans at once): the tests scan on the constant itself, and pinning 2 s would only restate the literal'),
+    Equivalent(_MEMWATCH, "SCAN_S = 2.0  # how often the processes in each worker's session are found again...",
+               "SCAN_S = 3.0  # how often the processes in each worker's session are found again...",
+               'a tuning constant (how often sessions are scanned for new members; a quick fall in available memory rescans at once): the tests scan on the constant itself, and pinning 2 s would only restate the literal'),
 )

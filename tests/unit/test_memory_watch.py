@@ -56,6 +56,9 @@ def test_the_workers_together_over_the_ceiling_stop_the_one_using_most_beside_mo
     [stop] = over_budget(used, budgets, ceiling, "h")
     assert stop.key == "b"  # a holds 5 GiB of models the scheduler placed there
     assert "together used 10.00 GiB" in stop.reason
+    # the fix it names is the declaration (the scheduler then knows), not a bigger budget
+    assert "declare more with @gpu(host_memory=...)" in stop.reason
+    assert "--worker-host-memory" not in stop.reason
     assert over_budget({"a": 6 * GiB, "b": 3 * GiB}, budgets, ceiling, "h") == []
 
 
@@ -368,3 +371,28 @@ def test_a_worker_stopped_is_reported_once_and_no_longer_watched(
         assert watch.tick(101.0) == [] and watch.limits() == {}
     finally:
         watch.close()
+
+
+def test_reports_are_read_every_sample_interval_and_said_only_when_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufn.worker.host.memory_watch import SAMPLE_S
+
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    r, w = watch.pipe()
+    reports = Reports(w)
+    try:
+        watch.watch("n:0", os.getpid(), r)
+        reports.call_started("quiet", 0)  # declares nothing: nothing new to say
+        with pytest.raises(BlockingIOError):
+            os.read(r, 100)
+        watch.tick(100.0)
+        reports.call_started("big", 3 * GiB)
+        watch.tick(100.0 + SAMPLE_S / 2)  # not a sample yet
+        assert watch.limits() == {"n:0": GiB}
+        watch.tick(100.0 + SAMPLE_S)  # the next sample, to the tick
+        assert watch.limits() == {"n:0": 3 * GiB}
+    finally:
+        watch.close()
+        os.close(w)

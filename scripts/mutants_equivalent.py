@@ -572,4 +572,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_MEMWATCH, "SCAN_S = 2.0  # how often the processes in each worker's session are found again...",
                "SCAN_S = 3.0  # how often the processes in each worker's session are found again...",
                'a tuning constant (how often sessions are scanned for new members; a quick fall in available memory rescans at once): the tests scan on the constant itself, and pinning 2 s would only restate the literal'),
+    Equivalent(_MEMWATCH, 'self.reports = -1',
+               'self.reports = +1',
+               'in _Watched.close: a watched worker is closed only as it leaves the watch (forget pops it first), so its reports fd is never read again'),
+    Equivalent(_MEMWATCH, "self._next_scan = 0.0  # find its session's members at the next tick",
+               "self._next_scan = 1.0  # find its session's members at the next tick",
+               "tick's now is time.monotonic() (the supervisor's), far past 1 s: the next tick scans either way"),
 )

@@ -55,7 +55,7 @@ def test_the_workers_together_over_the_ceiling_stop_the_one_using_most_beside_mo
     used = {"a": 6 * GiB, "b": 4 * GiB}  # each under its own limit, 10 GiB together
     [stop] = over_budget(used, budgets, ceiling, "h")
     assert stop.key == "b"  # a holds 5 GiB of models the scheduler placed there
-    assert "together used 10.00 GiB" in stop.reason
+    assert "together used 10.00 GiB" in stop.reason and "over 95% of its 10.00 GiB" in stop.reason
     # the fix it names is the declaration (the scheduler then knows), not a bigger budget
     assert "declare more with @gpu(host_memory=...)" in stop.reason
     assert "--worker-host-memory" not in stop.reason

@@ -557,7 +557,7 @@ class Client:
                 self._outbox.append(p.encode(p.Cancel(lease_id, "unreachable from the client")))
             parked = self._parked.pop(ep, [])
             for inv, _ in parked:
-                self.leases.answered(inv)
+                self.leases.withdraw(inv)
             self._lease_fallback([inv for inv, _ in parked])
             if self._held_back:
                 self._release_held()

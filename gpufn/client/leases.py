@@ -186,7 +186,7 @@ class Leases:
                 del self._head_count[fid]
         return fid
 
-    def answered(self, invocation_id: str, ok: bool = True) -> None:
+    def answered(self, invocation_id: str, ok: bool) -> None:
         with self._lock:
             held = self._call.pop(invocation_id, None)
             if held is not None:
@@ -255,3 +255,12 @@ class Leases:
                         "cluster's network?); its calls go through the scheduler, as before",
                         endpoint.split("?")[0])
         return ids
+
+    def withdraw(self, invocation_id: str) -> None:
+        """A call taken under a lease but never sent (its worker's probe went unanswered):
+        off the lease, and not among the calls answered under it (it goes through the
+        scheduler, which meters it there; a lost lease's report must not count it too)."""
+        with self._lock:
+            held = self._call.pop(invocation_id, None)
+            if held is not None:
+                held.calls.discard(invocation_id)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpufn.client.leases import Leases, Reach
+from gpufn.client.leases import HEAD_WINDOW, Leases, Reach
 from gpufn.scheduler.books.users import UserStore
 from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
@@ -238,10 +238,10 @@ def test_a_draining_scheduler_revokes_leases() -> None:
 # --------------------------------------------------------------------------- worker
 
 
-def _open(book: LeaseBook, seconds: float = 1.0, max_calls: int = 3) -> p.Run:
+def _open(book: LeaseBook, seconds: float = 1.0, max_calls: int = 3, at: float = 10.0) -> p.Run:
     run = p.Run("lease:x", "f1", "c1", "f", 77, p.RunMeta(lease=["s", seconds, max_calls, "ann"],
                                                          app="a", version=2))
-    book.open(run, 10.0)
+    book.open(run, at)
     return run
 
 
@@ -345,7 +345,7 @@ def test_the_client_uses_a_lease_only_on_a_probed_worker_within_its_calls_and_ti
     assert leases.take(sub, 0.1) is not None and leases.in_flight("i1")
     assert leases.take(leases.mark(p.Submit("i2", "f1", {})), 0.1) is not None
     assert leases.take(leases.mark(p.Submit("i3", "f1", {})), 0.1) is None  # its calls spent
-    leases.answered("i1")
+    leases.answered("i1", ok=True)
     assert not leases.in_flight("i1")
     other = Leases()
     other.granted(_grant(seconds=1.0, calls=10), 0.0)
@@ -360,7 +360,7 @@ def test_a_lease_ended_lost_gives_its_calls_in_flight_and_a_refusal_ends_it() ->
     leases.reach["tcp://127.0.0.1:1"] = Reach.OK
     for i in range(3):
         leases.take(leases.mark(p.Submit(f"i{i}", "f1", {})), 0.1)
-    leases.answered("i0")
+    leases.answered("i0", ok=True)
     held = leases.ended("lease:x")
     assert held is not None and held.calls == {"i1", "i2"}
     assert leases.take(leases.mark(p.Submit("i9", "f1", {})), 0.1) is None
@@ -444,8 +444,6 @@ def test_a_lease_takes_at_most_its_depth_of_calls_in_flight() -> None:
 
 
 def test_a_clients_calls_wait_for_a_lease_only_while_enough_are_at_the_scheduler() -> None:
-    from gpufn.client.leases import HEAD_WINDOW
-
     leases = Leases()
     for k in range(HEAD_WINDOW):
         assert not leases.hold_back("f1", 0.0)
@@ -515,6 +513,7 @@ def test_a_lease_ends_when_its_calls_are_spent_and_says_how_long_it_held() -> No
         book.finished(p.Result(f"i{k}", True, "", ""), 0.5, 10.5 + k)
     end = [a for a in book.step(12.75) if isinstance(a, Ended)]
     assert len(end) == 1 and end[0].result.meta.duration == pytest.approx(2.75)
+    assert end[0].result.ok and end[0].result.message == "its calls are spent"
     assert [i["id"] for i in end[0].result.meta.batch_items or []] == ["i0", "i1", "i2"]
     before = time.time()
     item = (end[0].result.meta.batch_items or [])[-1]
@@ -590,3 +589,597 @@ def test_cancels_of_calls_that_never_came_are_forgotten_after_a_minute() -> None
     book.cancel(b"c", "late", "by the caller", 10.0)
     book.refuse_late(71.0)
     assert isinstance(book.offer(b"c", _direct("late"), 71.0)[0], Start)  # not cancelled now
+
+
+def test_a_call_cancelled_while_it_waits_fails_and_is_metered_as_cancelled_now() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.1)
+    book.offer(b"c", _direct("i2"), 10.1)
+    before = time.time()
+    [answer], running = book.cancel(b"c", "i2", "by the caller", 10.2)
+    after = time.time()
+    assert isinstance(answer, Answer) and not answer.result.ok and not running
+    book.finished(p.Result("i1", True, "", ""), 0.1, 10.3)
+    [report] = book.reports(10.5)
+    item = {i["id"]: i for i in report.items}["i2"]
+    assert before <= item["wall"] <= after  # cancelled now, not in the future
+    # One cancelled before it came is answered not ok as well, metered as of now.
+    book.cancel(b"c", "i3", "by the caller", 10.5)
+    before = time.time()
+    [early] = book.offer(b"c", _direct("i3"), 10.6)
+    after = time.time()
+    assert isinstance(early, Answer) and not early.result.ok
+    [report] = book.reports(11.0)
+    assert before <= report.items[0]["wall"] <= after
+
+
+def test_a_cancel_takes_only_the_call_it_names_from_its_own_client() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.1)  # runs
+    book.offer(b"c", _direct("i2"), 10.1)
+    book.offer(b"d", _direct("i3"), 10.1)
+    book.offer(b"c", _direct("i4"), 10.1)
+    assert book.cancel(b"d", "i4", "not its call", 10.2) == ([], False)
+    [answer], _ = book.cancel(b"c", "i4", "by the caller", 10.2)
+    assert answer.result.invocation_id == "i4" and answer.peer == b"c"
+    book.finished(p.Result("i1", True, "", ""), 0.1, 10.3)
+    started = []
+    for t in (10.3, 10.4):
+        [start] = [a for a in book.step(t) if isinstance(a, Start)]
+        started.append(start.run.invocation_id)
+        book.finished(p.Result(start.run.invocation_id, True, "", ""), 0.1, t)
+    assert started == ["i2", "i3"] and book.step(10.5) == []
+
+
+def test_what_ended_or_was_cancelled_is_remembered_a_minute_on_a_late_clock() -> None:
+    """The worker's clock is monotonic (thousands of seconds): ended leases and early
+    cancels are kept for a minute from when they happened, whatever the clock reads."""
+    book = LeaseBook()
+    _open(book, max_calls=10, at=5000.0)
+    book.cancel(b"c", "gone", "by the caller", 5000.0)
+    book.revoke("lease:x", "done")
+    assert any(isinstance(a, Ended) for a in book.step(5000.0))
+    assert book.refuse_late(5059.5) == []  # 59.5 s on: still remembered
+    assert book.refuse_late(5060.0) == []  # a minute on, to the tick: still
+    ended = book.offer(b"c", _direct("i1"), 5060.0)
+    assert isinstance(ended[0], Refuse) and ended[0].msg.reason == "the lease ended"
+    _open(book, max_calls=10, at=5060.0)  # a new lease under the same id
+    [answer] = book.offer(b"c", _direct("gone"), 5060.0)
+    assert isinstance(answer, Answer) and answer.result.error_kind == "Cancelled"
+
+
+def test_a_direct_call_sent_at_the_very_end_of_the_grace_still_runs() -> None:
+    book = LeaseBook()
+    _open(book, seconds=1.0, max_calls=10)  # ends at 11.0; the grace runs to 11.25
+    assert not any(isinstance(a, Ended) for a in book.step(11.25))
+    [start] = book.offer(b"c", _direct("i1"), 11.25)
+    assert isinstance(start, Start)
+
+
+def test_a_lease_reports_at_once_when_it_ran_many_calls_in_a_moment() -> None:
+    from gpufn.worker.leases import REPORT_CALLS
+
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=10 * REPORT_CALLS)
+    for k in range(REPORT_CALLS):
+        if k == REPORT_CALLS - 1:
+            assert book.reports(10.0) == []  # one short of the batch, no time passed
+        [start] = book.offer(b"c", _direct(f"i{k}"), 10.0)
+        assert isinstance(start, Start)
+        book.finished(p.Result(f"i{k}", True, "", ""), 0.0, 10.0)
+    [report] = book.reports(10.0)
+    assert len(report.items) == REPORT_CALLS == 256
+
+
+def test_the_worker_wakes_and_reports_a_report_interval_after_the_last() -> None:
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=10, at=0.0)  # times exact in binary from 0
+    book.offer(b"c", _direct("i1"), 0.0)
+    book.finished(p.Result("i1", True, "", ""), 0.01, 0.05)
+    assert book.next_deadline() == pytest.approx(0.2)  # not the lease's end (30.0)
+    [report] = book.reports(0.2)  # due at 0.2 s, to the tick
+    assert [i["id"] for i in report.items] == ["i1"]
+
+
+def test_a_direct_call_waiting_for_its_lease_wakes_the_worker_by_the_first_ones_time() -> None:
+    book = LeaseBook()
+    book.offer(b"c", _direct("i1"), 9.5)
+    book.offer(b"c", _direct("i2"), 9.8)
+    assert book.next_deadline() == pytest.approx(11.5)  # i1 is refused first
+
+
+def test_the_worker_does_not_spin_on_a_lease_with_nothing_to_start() -> None:
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    assert not book.startable()  # open, nothing waits
+    book.offer(b"c", _direct("i1"), 10.1)
+    book.offer(b"c", _direct("i2"), 10.1)
+    assert not book.startable()  # i2 waits for i1, which runs
+    book.finished(p.Result("i1", True, "", ""), 0.1, 10.2)
+    assert book.startable()
+
+
+def test_direct_calls_waiting_for_a_lease_that_never_opens_are_refused_by_the_first() -> None:
+    book = LeaseBook()
+    book.offer(b"c", _direct("i1"), 9.5)
+    book.offer(b"d", _direct("i2"), 11.0)
+    assert book.refuse_late(11.5) == []  # i1 waited 2 s, to the tick: not yet
+    refused = book.refuse_late(11.6)
+    assert sorted((a.peer, a.msg.invocation_ids[0]) for a in refused
+                  if isinstance(a, Refuse)) == [(b"c", "i1"), (b"d", "i2")]
+    assert book.next_deadline() is None
+
+
+def test_an_open_lease_with_calls_left_and_none_running_stays_open() -> None:
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=3)
+    assert book.step(10.0) == []
+    assert isinstance(book.offer(b"c", _direct("i1"), 10.1)[0], Start)
+    book.finished(p.Result("i1", True, "", ""), 0.1, 10.2)
+    assert book.step(10.3) == [] and "lease:x" in book.leases  # two calls left
+    book.revoke("lease:x", "revoked: a call waits")
+    [end] = book.step(10.4)
+    assert isinstance(end, Ended) and end.result.ok
+    assert end.result.message == "revoked: a call waits"  # its client hears why
+
+
+def test_revoking_every_lease_ends_each_of_them() -> None:
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=10)
+    run = p.Run("lease:y", "f1", "c1", "f", 78, p.RunMeta(lease=["t", 30.0, 10, "ann"]))
+    book.open(run, 10.0)
+    book.revoke_all("the worker drains")
+    ends = [a for a in book.step(10.1) if isinstance(a, Ended)]
+    assert sorted((e.result.invocation_id, e.result.message) for e in ends) == [
+        ("lease:x", "the worker drains"), ("lease:y", "the worker drains")]
+    assert not book.leases
+
+
+# ------------------------------------------------------------- client, mutation survivors
+
+
+def _reachable(leases: Leases, *grants: p.LeaseGrant, now: float) -> None:
+    for g in grants:
+        assert leases.granted(g, now)
+        leases.reach[g.endpoint] = Reach.OK
+
+
+def test_equally_loaded_leases_take_calls_in_the_order_they_were_granted() -> None:
+    leases = Leases()
+    a = p.LeaseGrant("lease:1", "f1", "tcp://127.0.0.1:1", "s", 1.0, 100)
+    b = p.LeaseGrant("lease:2", "f1", "tcp://127.0.0.1:2", "s", 1.5, 100)
+    _reachable(leases, a, b, now=0.0)
+    order = []
+    for k in range(4):
+        held = leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+        assert held is not None
+        order.append(held.grant.lease_id)
+    assert order == ["lease:1", "lease:2", "lease:1", "lease:2"]
+    assert leases.direct_calls == 4  # each call sent under a lease counted once
+
+
+def test_a_lease_takes_no_call_not_marked_for_one_nor_any_once_leases_are_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=10), now=0.0)
+    assert leases.take(p.Submit("i1", "f1", {}), 0.1) is None  # asked for no lease
+    assert leases.direct_calls == 0
+    monkeypatch.setenv("GPUFN_LEASES", "0")
+    off = Leases()
+    assert not off.granted(_grant(calls=10), 0.0)  # leases off: the grant goes back
+    off.on = True
+    _reachable(off, _grant(calls=10), now=0.0)
+    off.on = False
+    assert off.take(p.Submit("i1", "f1", {}, lease=True), 0.1) is None
+
+
+def test_a_lease_is_over_at_its_client_side_end_to_the_tick() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(seconds=1.0, calls=10), now=0.0)
+    [held] = leases._by_fn["f1"]
+    assert leases.take(leases.mark(p.Submit("i1", "f1", {})), held.ends_at) is None
+    assert leases.take(leases.mark(p.Submit("i2", "f1", {})), held.ends_at - 0.01) is held
+    # The scheduler's answer at that very moment finds no live lease: calls move on freely.
+    leases.to_head("f1", "h1")
+    assert leases.from_head("h1", held.ends_at)
+    for k in range(HEAD_WINDOW):
+        leases.to_head("f1", f"w{k}")
+    assert not leases.hold_back("f1", held.ends_at + 0.5)
+
+
+def test_calls_adopted_by_a_lease_use_up_its_calls() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=3), now=0.0)
+    assert leases.adopt("lease:x", "q1") is not None
+    assert leases.adopt("lease:x", "q2") is not None
+    assert leases.take(leases.mark(p.Submit("i1", "f1", {})), 0.1) is not None  # the third
+    assert leases.take(leases.mark(p.Submit("i2", "f1", {})), 0.1) is None  # all spent
+    assert leases.direct_calls == 3 and leases.in_flight("q1")
+    assert leases.adopt("lease:gone", "q3") is None and not leases.in_flight("q3")
+
+
+def test_a_refused_lease_does_not_keep_the_others_of_its_function_from_calls() -> None:
+    now = time.monotonic()  # the table prunes by the monotonic clock
+    leases = Leases()
+    a = p.LeaseGrant("lease:1", "f1", "tcp://127.0.0.1:1", "s", 60.0, 100)
+    b = p.LeaseGrant("lease:2", "f1", "tcp://127.0.0.1:2", "s", 60.0, 100)
+    _reachable(leases, a, b, now=now)
+    held = leases.take(leases.mark(p.Submit("i1", "f1", {})), now)
+    assert held is not None and held.grant.lease_id == "lease:1"
+    leases.refused(p.LeaseRefused("lease:1", ["i1"], "revoked"))
+    for k in range(3):  # lease:1 is dead (time left or not): lease:2 takes them all
+        h = leases.take(leases.mark(p.Submit(f"j{k}", "f1", {})), now + 0.1)
+        assert h is not None and h.grant.lease_id == "lease:2"
+
+
+def test_an_answer_from_the_scheduler_with_only_a_refused_lease_alive_lets_calls_go() -> None:
+    now = time.monotonic()
+    leases = Leases()
+    _reachable(leases, _grant(seconds=60.0, calls=100), now=now)
+    leases.refused(p.LeaseRefused("lease:x", [], "revoked"))
+    for k in range(HEAD_WINDOW):
+        leases.to_head("f1", f"w{k}")
+    assert leases.hold_back("f1", now)
+    assert leases.from_head("w0", now)  # answered: no live lease (the one left is dead)
+    leases.to_head("f1", "w64")
+    assert not leases.hold_back("f1", now + 0.5)
+
+
+def test_calls_go_to_the_scheduler_freely_for_a_second_after_it_granted_none() -> None:
+    leases = Leases()
+    for k in range(HEAD_WINDOW):
+        leases.to_head("f1", f"w{k}")
+    assert leases.from_head("w0", 10.0)  # no lease came with the answer
+    leases.to_head("f1", "w-last")  # the window is full again
+    assert not leases.hold_back("f1", 10.5)
+    assert leases.hold_back("f1", 11.25)  # a second on: wait for a lease again
+
+
+def test_a_lease_that_ended_after_its_table_pruned_it_is_ended_quietly() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(seconds=1.0, calls=10), now=0.0)  # long over by the clock
+    other = p.LeaseGrant("lease:y", "f1", "tcp://127.0.0.1:1", "s", 1.0, 10)
+    _reachable(leases, other, now=0.0)
+    leases.refused(p.LeaseRefused("lease:y", [], "revoked"))  # prunes: both are over
+    held = leases.ended("lease:x")  # the scheduler's word comes later
+    assert held is not None and held.calls == set()
+
+
+def test_a_lost_lease_reports_only_the_calls_it_got_answers_for() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=10), now=0.0)
+    for k in range(3):
+        leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+    held = leases.ended("lease:x")
+    assert held is not None and held.report() is None  # nothing answered: nothing to say
+    again = Leases()
+    _reachable(again, _grant(calls=10), now=0.0)
+    for k in range(3):
+        again.take(again.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+    again.answered("i0", ok=True)
+    again.answered("i2", ok=False)
+    held = again.ended("lease:x")
+    assert held is not None
+    report = held.report()
+    assert report is not None and report.lease_id == "lease:x"
+    assert report.items == [{"id": "i0", "ok": True}, {"id": "i2", "ok": False}]
+
+
+def test_an_unreachable_worker_is_said_at_once_without_its_key(
+        caplog: pytest.LogCaptureFixture) -> None:
+    leases = Leases()
+    with caplog.at_level(logging.WARNING, logger="gpufn.client"):
+        leases.unreachable("tcp://10.0.0.9:7000?key=SECRETKEY")
+        said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "tcp://10.0.0.9:7000" in said[0] and "SECRETKEY" not in said[0]
+
+
+def test_a_probe_has_two_seconds_before_its_worker_counts_unreachable() -> None:
+    import zmq
+
+    from gpufn.client.direct import DirectSockets
+
+    ctx = zmq.Context()
+    try:
+        leases = Leases()
+        leases.granted(_grant(ep="tcp://127.0.0.1:9"), 0.0)
+        direct = DirectSockets(ctx, leases)
+        direct.start_probes()
+        sent = direct.probing["tcp://127.0.0.1:9"]
+        assert direct.overdue(sent + 1.5) == []  # a slow network's answer still counts
+        assert direct.overdue(sent + 2.5) == ["tcp://127.0.0.1:9"]
+        for s in direct.socks.values():
+            s.close(0)
+    finally:
+        ctx.term()
+
+
+def test_a_spent_lease_listed_first_passes_its_calls_to_the_next() -> None:
+    leases = Leases()
+    a = p.LeaseGrant("lease:1", "f1", "tcp://127.0.0.1:1", "s", 1.0, 1)
+    b = p.LeaseGrant("lease:2", "f1", "tcp://127.0.0.1:2", "s", 1.0, 100)
+    _reachable(leases, a, b, now=0.0)
+    taken = [leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1) for k in range(3)]
+    assert [h.grant.lease_id if h else None for h in taken] == ["lease:1", "lease:2", "lease:2"]
+    assert leases.endpoint_of("i0") == "tcp://127.0.0.1:1"
+    assert leases.endpoint_of("i1") == "tcp://127.0.0.1:2"
+    assert leases.endpoint_of("never-sent") is None
+
+
+def test_calls_refused_or_ended_under_a_lease_are_no_longer_in_flight_there() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=10), now=0.0)
+    for k in range(3):
+        leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+    leases.refused(p.LeaseRefused("lease:x", ["i1"], "revoked"))  # i1 goes to the scheduler
+    assert not leases.in_flight("i1") and leases.in_flight("i2")
+    held = leases.ended("lease:x")  # then lost: only i0 and i2 are its to retry or fail
+    assert held is not None and held.calls == {"i0", "i2"}
+    assert not leases.in_flight("i0") and not leases.in_flight("i2")
+    assert leases.endpoint_of("i2") is None
+
+
+def test_the_table_forgets_leases_that_are_over_and_does_not_probe_their_workers() -> None:
+    leases = Leases()
+    leases.granted(_grant(seconds=1.0, ep="tcp://127.0.0.1:7"), 0.0)  # over long ago
+    now = time.monotonic()
+    live = p.LeaseGrant("lease:y", "f1", "tcp://127.0.0.1:8", "s", 60.0, 10)
+    leases.granted(live, now)
+    leases.refused(p.LeaseRefused("lease:z", [], "no such lease here"))  # a pass of pruning
+    assert leases.endpoints_to_probe() == ["tcp://127.0.0.1:8"]
+
+
+def test_the_count_of_calls_at_the_scheduler_goes_down_to_zero_one_by_one() -> None:
+    leases = Leases()
+    leases.granted(_grant(seconds=60.0), 0.0)
+    leases.to_head("f1", "a")
+    leases.to_head("f1", "b")
+    assert leases.from_head("a", 0.0)  # a lease is alive: no free pass
+    for k in range(HEAD_WINDOW - 1):
+        leases.to_head("f1", f"w{k}")
+    assert leases.hold_back("f1", 0.0)  # b and 63 more: the window is full
+
+
+# ------------------------------------------------------- scheduler, mutation survivors
+
+
+def test_a_lease_on_one_of_two_devices_takes_every_other_queued_call() -> None:
+    h = Harness(devices=2, pipeline_depth=0)
+    for i in (0, 1):
+        h.hello(f"w{i}".encode(), p.Role.WORKER,
+                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    fid = h.register("f")
+    calls = [_submit(h, fid) for _ in range(6)]  # two run, four wait
+    running = [r.invocation_id for r in h.runs()]
+    queued = [c for c in calls if c not in running]
+    h.finish(b"w0", running[0])
+    [grant] = _grants(h)
+    assert grant.reclaimed == queued[::2]  # the lease and the other device share the queue
+    assert [q for q in queued if q in h.core.invocations] == queued[1::2]
+
+
+def test_no_lease_on_a_device_that_runs_another_clients_call() -> None:
+    h, fid = _leasing()
+    h.hello(b"bob", p.Role.CLIENT)
+    g = h.register("g")
+    mine = _submit(h, fid)
+    theirs = _submit(h, g, client=b"bob", lease=False)  # another function: beside it
+    assert {r.invocation_id for r in h.runs(b"w0")} == {mine, theirs}
+    h.finish(b"w0", mine)
+    assert not _grants(h)
+
+
+def test_a_lease_does_not_send_its_worker_the_code_it_already_has() -> None:
+    h, fid = _leasing()
+    _granted(h, fid)
+    loads = [s for s in h.sent if isinstance(s.msg, p.LoadCode) and s.peer == b"w0"]
+    assert len(loads) == 1  # the first call's; the lease runs the same code
+
+
+def test_calls_a_lease_ran_count_among_their_functions_calls_in_the_status() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    before = next(f["calls"] for f in h.core.status(h.now)["functions"] if f["name"] == "f")
+    items = [{"id": f"d{i}", "ok": True, "s": 0.01} for i in range(3)]
+    h.feed(b"w0", p.LeaseReport(grant.lease_id, items))
+    after = next(f["calls"] for f in h.core.status(h.now)["functions"] if f["name"] == "f")
+    assert after == before + 3
+
+
+def test_the_scheduler_remembers_the_metered_calls_of_its_last_1024_leases() -> None:
+    h, _ = _leasing()
+    calls = h.core.ops.usage.calls_total
+
+    def report(lease: str) -> None:
+        h.feed(b"w0", p.LeaseReport(lease, [{"id": "d", "ok": True, "fn": "f", "s": 0.0}]))
+
+    for i in range(1024):
+        report(f"lease:{i}")
+    assert sum(calls.values()) == 1024
+    report("lease:0")  # repeated (a worker's restart): the 1024th lease back, still known
+    assert sum(calls.values()) == 1024
+    report("lease:new")  # 1025 leases: the oldest is forgotten
+    report("lease:1")
+    assert sum(calls.values()) == 1025
+    report("lease:0")  # forgotten: metered again
+    assert sum(calls.values()) == 1026
+
+
+def test_the_status_counts_the_leases_granted() -> None:
+    h, fid = _leasing()
+    assert h.core.status(h.now)["leases"]["granted"] == 0
+    _granted(h, fid)
+    assert h.core.status(h.now)["leases"]["granted"] == 1
+
+
+def test_a_waiting_call_revokes_a_newer_lease_past_one_already_revoked() -> None:
+    h = Harness(devices=2)
+    for i in (0, 1):
+        h.hello(f"w{i}".encode(), p.Role.WORKER,
+                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    h.hello(b"bob", p.Role.CLIENT)
+    fid = h.register("f")
+    first, second = _submit(h, fid), _submit(h, fid)  # one on each device
+    where = {r.invocation_id: r for r in h.runs()}
+    w_first = b"w0" if where[first] in h.runs(b"w0") else b"w1"
+    w_second = b"w1" if w_first == b"w0" else b"w0"
+    h.finish(w_first, first)
+    [a] = _grants(h)
+    x = _submit(h, fid, client=b"bob", lease=False)  # waits: revokes lease a
+    h.feed(b"bob", p.Cancel(x, "changed my mind"))  # and goes: nothing waits now
+    h.finish(w_second, second)
+    b = _grants(h)[-1]
+    assert b.lease_id != a.lease_id
+    _submit(h, fid, client=b"bob", lease=False)  # waits again: lease b is revoked too
+
+    def cancels(lease_id: str) -> int:
+        return len([s for s in h.sent if isinstance(s.msg, p.Cancel)
+                    and s.msg.invocation_id == lease_id])
+    assert cancels(a.lease_id) == 1 and cancels(b.lease_id) == 1
+
+
+def test_no_lease_beside_the_clients_own_call_of_another_function() -> None:
+    h, fid = _leasing()
+    g = h.register("g")
+    mine = _submit(h, fid)
+    other = _submit(h, g, lease=False)  # the same client's other function, beside it
+    assert {r.invocation_id for r in h.runs(b"w0")} == {mine, other}
+    h.finish(b"w0", mine)
+    assert not _grants(h)
+
+
+def test_only_a_lost_leases_own_client_says_what_ran_under_it_with_no_run_time() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    usage = h.core.ops.usage
+    h.feed(b"sup", p.WorkerExited("n:0", 1, -9, "killed by signal 9", 1))
+    calls = sum(usage.calls_total.values())
+    h.hello(b"bob", p.Role.CLIENT)
+    h.feed(b"bob", p.LeaseReport(grant.lease_id, [{"id": "d9", "ok": True}]))
+    assert sum(usage.calls_total.values()) == calls  # not bob's lease: nothing metered
+    seconds = sum(hist.total for hist in usage.duration.values())
+    h.feed(b"cli", p.LeaseReport(grant.lease_id, [{"id": "d1", "ok": True}]))
+    assert sum(usage.calls_total.values()) == calls + 1
+    assert sum(hist.total for hist in usage.duration.values()) == seconds  # unknown: 0 s
+
+
+def test_a_leases_calls_count_in_the_schedulers_counters_by_outcome() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    before = dict(h.core.counters.as_dict())
+    items = [{"id": "a", "ok": True, "s": 0.1}, {"id": "b", "ok": False, "kind": "UserError"},
+             {"id": "c", "ok": False, "kind": "Cancelled"}, {"id": "d", "ok": True},
+             {"id": "e", "ok": False, "kind": "WorkerLost"}]
+    h.feed(b"w0", p.LeaseReport(grant.lease_id, items))
+    after = h.core.counters.as_dict()
+    delta = {k: after[k] - before[k] for k in ("submitted", "succeeded", "failed", "cancelled")}
+    assert delta == {"submitted": 5, "succeeded": 2, "failed": 2, "cancelled": 1}
+
+
+def test_a_leases_calls_are_metered_with_the_run_time_its_worker_measured() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    usage = h.core.ops.usage
+    seconds = sum(hist.total for hist in usage.duration.values())
+    h.feed(b"w0", p.LeaseReport(grant.lease_id, [{"id": "a", "ok": True, "s": 0.25,
+                                                   "wall": h.core.wall(h.now)}]))
+    assert sum(hist.total for hist in usage.duration.values()) - seconds == pytest.approx(0.25)
+
+
+def test_no_lease_on_a_worker_without_a_direct_endpoint() -> None:
+    h = Harness(devices=1)
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1})  # no `direct`
+    fid = h.register("f")
+    h.finish(b"w0", _submit(h, fid))
+    assert not _grants(h)
+
+
+def test_a_lease_is_dispatched_under_a_token_of_its_own_and_leaves_the_device_clean() -> None:
+    h, fid = _leasing()
+    _, grant, run = _granted(h, fid)
+    tokens = [r.dispatch_token for r in h.runs(b"w0")]
+    assert len(set(tokens)) == len(tokens)  # the call's and the lease's differ
+    d = h.core.devices["n:0"]
+    h.feed(b"w0", p.Result(grant.lease_id, True, "", "spent",
+                           p.ResultMeta(dispatch_token=run.dispatch_token, batch_items=[])))
+    assert not d.running and not d.running_by_fn  # nothing counted as running there
+
+
+def test_a_higher_priority_call_revokes_a_lease_and_never_requeues_it() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    h.hello(b"bob", p.Role.CLIENT)
+    urgent = h.register("f", priority=9)
+    _submit(h, urgent, client=b"bob", lease=False)
+    h.tick(1.0)
+    lease = h.core.invocations[grant.lease_id]
+    assert lease.state is InvState.RUNNING and lease not in list(h.core.queue)
+    cancels = [s.msg for s in h.sent if isinstance(s.msg, p.Cancel)
+               and s.msg.invocation_id == grant.lease_id]
+    assert [c.reason for c in cancels] == ["revoked: a call waits"]
+
+
+def test_the_scheduler_remembers_the_clients_of_its_latest_lost_leases(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufn.scheduler.desks import lease_desk
+
+    monkeypatch.setattr(lease_desk, "ACCOUNTED_MEMORY", 2)  # the bound, made small
+    h = Harness(devices=3)
+    for i in range(3):
+        h.hello(f"w{i}".encode(), p.Role.WORKER,
+                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    fid = h.register("f")
+    lost = []
+    for _ in range(3):  # a lease on each device in turn, each lost with its worker
+        inv = _submit(h, fid)
+        worker = next(s.peer for s in h.sent if isinstance(s.msg, p.Run)
+                      and s.msg.invocation_id == inv)
+        h.finish(worker, inv)
+        lease_id = _grants(h)[-1].lease_id
+        h.feed(b"sup", p.WorkerExited(f"n:{worker.decode()[1:]}", 1, -9, "killed by signal 9", 1))
+        lost.append(lease_id)
+    assert len(set(lost)) == 3
+    calls = h.core.ops.usage.calls_total
+    for k, lease_id in enumerate(lost):
+        before = sum(calls.values())
+        h.feed(b"cli", p.LeaseReport(lease_id, [{"id": f"d{k}", "ok": True}]))
+        assert sum(calls.values()) - before == (0 if k == 0 else 1), k  # the oldest forgotten
+
+
+def test_a_clients_own_waiting_call_spares_its_lease_but_revokes_anothers() -> None:
+    h = Harness(devices=2)
+    for i in (0, 1):
+        h.hello(f"w{i}".encode(), p.Role.WORKER,
+                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    h.hello(b"bob", p.Role.CLIENT)
+    fid = h.register("f")
+
+    def lease_for(client: bytes) -> p.LeaseGrant:
+        inv = _submit(h, fid, client=client)
+        worker = next(s.peer for s in h.sent if isinstance(s.msg, p.Run)
+                      and s.msg.invocation_id == inv)
+        h.finish(worker, inv)
+        return _grants(h, client)[-1]
+
+    mine, theirs = lease_for(b"cli"), lease_for(b"bob")  # one on each device
+    _submit(h, fid, lease=False)  # cli's call waits: both devices are leased
+    revoked = {s.msg.invocation_id for s in h.sent if isinstance(s.msg, p.Cancel)}
+    assert theirs.lease_id in revoked and mine.lease_id not in revoked
+
+
+def test_a_call_withdrawn_before_it_was_sent_is_not_reported_as_answered() -> None:
+    """A call parked for a probe that never came back goes through the scheduler, which
+    meters it; the lease, lost with its worker, must not report it as run there too."""
+    leases = Leases()
+    _reachable(leases, _grant(calls=10), now=0.0)
+    for k in range(2):
+        leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
+    leases.answered("i0", ok=True)
+    leases.withdraw("i1")  # parked, never sent
+    assert not leases.in_flight("i1")
+    held = leases.ended("lease:x")
+    assert held is not None and held.calls == set()
+    report = held.report()
+    assert report is not None and report.items == [{"id": "i0", "ok": True}]

@@ -153,3 +153,122 @@ def test_the_hosts_memory_is_read() -> None:
     assert 0 < limit <= total
     available = proc_table.available_memory()
     assert available is not None and 0 < available <= total
+
+
+# --- pieces cosmic-ray's mutants showed unpinned (scripts/mutants.py --room proc_table) ---
+
+
+def _fake_files(monkeypatch: pytest.MonkeyPatch, files: dict[str, str | None]) -> None:
+    """proc_table's open() sees these files (None: gone), the rest as they are."""
+    import io
+
+    real = open
+
+    def fake_open(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if path in files:
+            data = files[path]
+            if data is None:
+                raise FileNotFoundError(path)
+            return io.BytesIO(data.encode()) if "b" in mode else io.StringIO(data)
+        return real(path, mode, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(proc_table, "open", fake_open, raising=False)
+
+
+def test_kilobytes_in_proc_files_are_read_as_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {
+        "/proc/meminfo": "MemTotal:       16000 kB\nMemFree: 100 kB\nMemAvailable:    1000 kB\n",
+        "/proc/42/smaps_rollup": "00400000-7fff [rollup]\nRss:  300 kB\nPss:  250 kB\n",
+    })
+    assert proc_table.available_memory() == 1000 * 1024
+    assert proc_table.pss(42) == 250 * 1024
+
+
+def test_a_cgroup_path_with_a_colon_is_still_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/jobs/a:b\n"})
+    assert "/sys/fs/cgroup/jobs/a:b/memory.max" in proc_table._cgroup_limit_files()
+
+
+def test_no_cgroup_limit_leaves_the_hosts_ram_and_an_odd_cgroup_file_is_ignored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ram = proc_table.host_memory_limit()
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "not a cgroup line\n",
+                              "/sys/fs/cgroup/memory.max": "max\n",
+                              "/sys/fs/cgroup/memory/memory.limit_in_bytes": "4096\n"})
+    assert proc_table._cgroup_limit_files() == [
+        "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    assert proc_table.host_memory_limit() == 4096  # "max" is no limit; v1's 4096 is one
+    assert ram >= 4096
+
+
+def test_a_processs_resident_bytes_read_again_are_its_rss_not_its_size() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); "
+                              "time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        resident = proc_table.Resident(child.pid)
+        try:
+            proc = proc_table.read(child.pid)
+            # statm's resident field, not its first (the size mapped, megabytes more)
+            assert proc is not None and abs(resident.bytes() - proc.rss) < 2 * MiB
+        finally:
+            resident.close()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_cgroup_limit_above_the_hosts_ram_is_not_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    ram = proc_table.host_memory_limit()
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/\n",
+                              "/sys/fs/cgroup/memory.max": f"{ram * 2}\n"})
+    assert proc_table.host_memory_limit() == ram
+
+
+def test_unreadable_or_odd_proc_lines_read_as_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {"/proc/meminfo": "MemTotal: 16000 kB\nMemAvailable:\n",
+                              "/proc/42/smaps_rollup": "Rss: 300 kB\nPss:\n"})
+    assert proc_table.available_memory() is None
+    assert proc_table.pss(42) is None
+
+
+def test_the_children_of_every_readable_thread_are_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # task 1 is gone by the time it is read, task 2 reads oddly, task 3 has two children
+    _fake_files(monkeypatch, {"/proc/99/task/2/children": "garbage\n",
+                              "/proc/99/task/3/children": "5 6\n"})
+    real = os.listdir
+    monkeypatch.setattr(proc_table.os, "listdir",
+                        lambda path: ["1", "2", "3"] if path == "/proc/99/task" else real(path))
+    assert proc_table.children(99) == [5, 6]
+
+
+def test_the_cgroup_files_of_our_own_v1_memory_and_v2_groups_are_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "5:cpu,cpuacct:/jobs/c\n4:memory:/jobs/m\n"
+                                                   "1:name=systemd:/\n0::/jobs/v2\n"})
+    assert proc_table._cgroup_limit_files() == [
+        "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/jobs/m/memory.limit_in_bytes", "/sys/fs/cgroup/jobs/v2/memory.max"]
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/\n4:memory:/\n"})  # the root: no folder
+    assert len(proc_table._cgroup_limit_files()) == 2
+
+
+def test_without_a_cgroup_limit_the_limit_is_the_hosts_ram(monkeypatch: pytest.MonkeyPatch) -> None:
+    with open("/proc/meminfo") as f:
+        total = int(f.readline().split()[1]) * 1024  # MemTotal
+    _fake_files(monkeypatch, {"/proc/self/cgroup": "0::/\n", "/sys/fs/cgroup/memory.max": "max\n",
+                              "/sys/fs/cgroup/memory/memory.limit_in_bytes": "max\n"})
+    assert abs(proc_table.host_memory_limit() - total) < 64 * MiB
+
+
+def test_unreadable_proc_and_cgroup_files_are_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_files(monkeypatch, {"/proc/self/cgroup": None, "/sys/fs/cgroup/memory.max": None,
+                              "/sys/fs/cgroup/memory/memory.limit_in_bytes": "8192\n",
+                              "/proc/meminfo": None, "/proc/42/smaps_rollup": None})
+    assert proc_table._cgroup_limit_files() == [
+        "/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    assert proc_table.host_memory_limit() == 8192  # the v2 file is gone: v1's is read
+    assert proc_table.available_memory() is None and proc_table.pss(42) is None
+    _fake_files(monkeypatch, {"/proc/meminfo": "MemAvailable: lots kB\n",
+                              "/proc/42/smaps_rollup": "Pss: lots kB\n"})
+    assert proc_table.available_memory() is None and proc_table.pss(42) is None

@@ -190,6 +190,7 @@ def test_operations_need_the_admin_or_an_operator() -> None:
     h, _ = _cluster()
     denied = _reply(h.feed(b"bob", p.Deploy(1, "app", {}, [])), p.AppReply)
     assert isinstance(denied, p.AppReply) and denied.error_kind == "PermissionDenied"
+    assert not denied.ok
     assert "--operator" in denied.message
     for cmd in ("rollback", "stop"):
         out = _reply(h.feed(b"bob", p.AppCommand(2, cmd, {"app": "app"})), p.AppReply)
@@ -397,3 +398,49 @@ def test_held_devices_counts_a_gang_once_and_every_call_after_it() -> None:
     d0: Any = SimpleNamespace(running={"g": gang})
     d1: Any = SimpleNamespace(running={"g": gang, "s": call("s", "bob", ["d1"])})
     assert held_devices([d0, d1]) == {"alice": 2.0, "bob": 1.0}
+
+
+# --- the user desk's pieces cosmic-ray's mutants showed unpinned (--room user_desk) ---
+
+
+def test_the_user_list_says_who_is_admin_and_how_many_connections_each_has() -> None:
+    h, _ = _cluster()
+    h.feed(b"cli", p.UserCommand(1, "create", {"name": "carol"}))  # never connected
+    listed = _reply(h.feed(b"cli", p.UserCommand(2, "list")), p.AppReply)
+    assert isinstance(listed, p.AppReply) and listed.ok
+    rows = {r["name"]: r for r in listed.data["users"]}
+    assert {n: (r["admin"], r["operator"], r["connections"]) for n, r in rows.items()} == {
+        ADMIN: (True, True, 1), "alice": (False, False, 2), "bob": (False, False, 1),
+        "carol": (False, False, 0)}  # made without --operator: not one
+
+
+def test_a_failed_user_command_is_answered_not_ok_saying_why() -> None:
+    h, _ = _cluster()
+    nothing = _reply(h.feed(b"cli", p.UserCommand(1, "update", {"name": "bob"})), p.AppReply)
+    assert isinstance(nothing, p.AppReply) and not nothing.ok
+    assert nothing.error_kind == "InvalidSpec" and "nothing to change" in nothing.message
+    unknown = _reply(h.feed(b"cli", p.UserCommand(2, "frobnicate", {"name": "bob"})), p.AppReply)
+    assert isinstance(unknown, p.AppReply) and not unknown.ok
+    assert unknown.error_kind == "InvalidSpec" and "frobnicate" in unknown.message
+    assert all(k.value in unknown.message for k in p.UserCommandKind)  # what it could be
+
+
+def test_each_capped_user_sees_their_own_waiting_calls_past_anothers() -> None:
+    store = UserStore()
+    tokens = {u: store.create(u, 0.0, max_devices=1)[1] for u in ("alice", "bob")}
+    h = Harness(devices=2, users=store, token=ADMIN_TOKEN)
+    for user in ("alice", "bob"):
+        assert h.hello(user.encode(), p.Role.CLIENT, token=tokens[user]).ok  # type: ignore[attr-defined]
+    h.start_worker(0), h.start_worker(1)
+    fid = h.register("f", memory="6GiB")
+    spec = h.core.functions[fid].spec.to_wire()
+    for peer in (b"alice", b"bob"):
+        h.feed(peer, p.Register(fid, "code-f", "f", spec, [], (b"c",)))
+        _submit(h, peer, fid)
+        _submit(h, peer, fid)  # each holds one device: the second waits at the cap
+    for peer in (b"alice", b"bob"):
+        st = _reply(h.feed(peer, p.StatusRequest(1)), p.StatusReply).status  # type: ignore[attr-defined]
+        assert [(r["user"], r["waiting"], r["holds"]) for r in st["capped"]] == [
+            (peer.decode(), 1, 1.0)]
+    st = _reply(h.feed(b"cli", p.StatusRequest(2)), p.StatusReply).status  # type: ignore[attr-defined]
+    assert [r["user"] for r in st["capped"]] == ["alice", "bob"]  # the admin sees both

@@ -438,7 +438,7 @@ def test_a_lease_takes_at_most_its_depth_of_calls_in_flight() -> None:
     taken = [leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
              for k in range(LEASE_DEPTH + 5)]
     assert sum(h is not None for h in taken) == LEASE_DEPTH and taken[LEASE_DEPTH] is None
-    leases.answered("i0")  # an answer makes room for one more
+    leases.answered("i0", True)  # an answer makes room for one more
     assert leases.take(leases.mark(p.Submit("again", "f1", {})), 0.1) is not None
     assert leases.take(leases.mark(p.Submit("more", "f1", {})), 0.1) is None
 
@@ -1148,7 +1148,7 @@ def test_the_scheduler_remembers_the_clients_of_its_latest_lost_leases(
         assert sum(calls.values()) - before == (0 if k == 0 else 1), k  # the oldest forgotten
 
 
-def test_a_clients_own_waiting_call_spares_its_lease_but_revokes_anothers() -> None:
+def test_a_clients_own_waiting_call_goes_under_its_lease_and_revokes_no_other() -> None:
     h = Harness(devices=2)
     for i in (0, 1):
         h.hello(f"w{i}".encode(), p.Role.WORKER,
@@ -1164,9 +1164,12 @@ def test_a_clients_own_waiting_call_spares_its_lease_but_revokes_anothers() -> N
         return _grants(h, client)[-1]
 
     mine, theirs = lease_for(b"cli"), lease_for(b"bob")  # one on each device
-    _submit(h, fid, lease=False)  # cli's call waits: both devices are leased
+    waiting = _submit(h, fid)  # cli's call waits (both devices leased): its lease takes it
+    assert [g.lease_id for g in _grants(h) if waiting in g.reclaimed] == [mine.lease_id]
+    assert not any(isinstance(s.msg, p.Cancel) for s in h.sent)  # nobody waits now
+    _submit(h, fid, lease=False)  # one that takes no lease waits: both leases end
     revoked = {s.msg.invocation_id for s in h.sent if isinstance(s.msg, p.Cancel)}
-    assert theirs.lease_id in revoked and mine.lease_id not in revoked
+    assert revoked == {mine.lease_id, theirs.lease_id}
 
 
 def test_a_call_withdrawn_before_it_was_sent_is_not_reported_as_answered() -> None:

@@ -182,6 +182,15 @@ class Executor:
         if left:  # after the Result is on its way: stopping them may take a grace
             children.stop(sorted(left))
 
+    def _ended(self, inv: str) -> None:
+        """The user's code returned or raised: interrupts no longer land in this thread
+        (an interrupt meant for the running call had replaced a gang rank's own error
+        with Cancelled while that error's traceback was being formatted)."""
+        with self._lock:
+            if self._threads.pop(inv, None) is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(threading.get_ident()), None)
+
     def _out_of_memory(self, call: Call, exc: BaseException, t0: float) -> p.Result:
         """The call alone fails with gpufn.OutOfMemory; its memory goes back to the pool
         so the models resident on the device keep serving."""
@@ -226,7 +235,9 @@ class Executor:
             if call.finish is not None:
                 value = call.finish(value)
         except BaseException as e:
+            self._ended(inv)
             return self._raised(call, e, t0)
+        self._ended(inv)
         if call.batch is not None:
             return _batch_result(call, value, t0)
         if value is Unused.VALUE:

@@ -16,6 +16,7 @@ import mmap
 import os
 import pickle
 import sys
+import threading
 import traceback
 import types
 from collections.abc import Sequence
@@ -289,9 +290,17 @@ def _renamed(code: types.CodeType, filename: str) -> types.CodeType:
     return code.replace(co_filename=filename, co_consts=consts)
 
 
+# Unpickling code imports the modules it names; two threads doing so at once (a worker's
+# main thread loading a function, its loader thread a model's loader, both importing
+# gpufn.engines) can meet Python's import-lock deadlock detection (_DeadlockError, seen
+# in a CI run). One at a time: code is loaded once per function or model.
+_CODE_LOADS = threading.RLock()
+
+
 def load_code(frames: Sequence[Any]) -> Any:
     """The callable from dump_code frames, with its source file name and lines restored."""
-    fn, filename, lines = loads(frames)
+    with _CODE_LOADS:
+        fn, filename, lines = loads(frames)
     target = getattr(fn, "__gpufn_target__", fn)
     code = getattr(target, "__code__", None)
     if filename and code is not None and code.co_filename != filename:

@@ -160,12 +160,8 @@ class Executor:
         finally:
             if call.host_memory:
                 self.reports.call_ended(inv)
-            with self._lock:
-                if registered:
-                    self._threads.pop(inv, None)
-                    # drop an interrupt that arrived as the call ended
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                        ctypes.c_ulong(threading.get_ident()), None)
+            if registered:  # (usually `_ended` did this as the user's code finished)
+                self._ended(inv)
             ctxmod._set(None)
             set_current(None)
             self.router.finished(inv)
@@ -183,9 +179,10 @@ class Executor:
             children.stop(sorted(left))
 
     def _ended(self, inv: str) -> None:
-        """The user's code returned or raised: interrupts no longer land in this thread
-        (an interrupt meant for the running call had replaced a gang rank's own error
-        with Cancelled while that error's traceback was being formatted)."""
+        """The user's code returned or raised: interrupts no longer land in this thread,
+        and one that arrived as it ended is dropped (an interrupt meant for the running
+        call had replaced a gang rank's own error with Cancelled while that error's
+        traceback was being formatted)."""
         with self._lock:
             if self._threads.pop(inv, None) is not None:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(

@@ -187,11 +187,9 @@ class Leases:
         return fid
 
     def answered(self, invocation_id: str, ok: bool) -> None:
-        with self._lock:
-            held = self._call.pop(invocation_id, None)
-            if held is not None:
-                held.calls.discard(invocation_id)
-                held.done.append({"id": invocation_id, "ok": ok})
+        held = self.withdraw(invocation_id)
+        if held is not None:
+            held.done.append({"id": invocation_id, "ok": ok})
 
     def refused(self, msg: p.LeaseRefused) -> None:
         """The worker did not run these: the lease is over for them and for us."""
@@ -256,11 +254,13 @@ class Leases:
                         endpoint.split("?")[0])
         return ids
 
-    def withdraw(self, invocation_id: str) -> None:
-        """A call taken under a lease but never sent (its worker's probe went unanswered):
-        off the lease, and not among the calls answered under it (it goes through the
-        scheduler, which meters it there; a lost lease's report must not count it too)."""
+    def withdraw(self, invocation_id: str) -> Held | None:
+        """A call off its lease (the lease it was under, if any). Alone: taken but never
+        sent (its worker's probe went unanswered), so not among the calls answered under
+        it (it goes through the scheduler, which meters it there; a lost lease's report
+        must not count it too)."""
         with self._lock:
             held = self._call.pop(invocation_id, None)
             if held is not None:
                 held.calls.discard(invocation_id)
+            return held

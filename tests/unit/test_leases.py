@@ -30,6 +30,15 @@ def _leasing(**cfg: object) -> tuple[Harness, str]:
     return h, h.register("f")
 
 
+def _two_leasing(**cfg: object) -> Harness:
+    """Two devices, each with a worker that takes direct calls."""
+    h = Harness(devices=2, **cfg)  # type: ignore[arg-type]
+    for i in (0, 1):
+        h.hello(f"w{i}".encode(), p.Role.WORKER,
+                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    return h
+
+
 def _submit(h: Harness, fid: str, client: bytes = b"cli", lease: bool = True) -> str:
     h.n += 1
     inv = f"inv{h.n}"
@@ -171,10 +180,7 @@ def test_its_clients_call_that_takes_no_lease_is_not_handed_to_it_but_revokes_it
 
 
 def test_calls_wait_for_a_device_running_them_without_a_lease_not_for_the_lease() -> None:
-    h = Harness(devices=2, pipeline_depth=0)
-    for i, dev in enumerate(("n:0", "n:1")):
-        h.hello(f"w{i}".encode(), p.Role.WORKER, info={
-            "device": dev, "incarnation": 1, "direct": f"tcp://127.0.0.1:{5990 + i}"})
+    h = _two_leasing(pipeline_depth=0)
     fid = h.register("f")
     first, second = _submit(h, fid), _submit(h, fid)  # one on each device
     worker_of = {r.invocation_id: peer for peer in (b"w0", b"w1") for r in h.runs(peer)}
@@ -1015,10 +1021,7 @@ def test_the_status_counts_the_leases_granted() -> None:
 
 
 def test_a_waiting_call_revokes_a_newer_lease_past_one_already_revoked() -> None:
-    h = Harness(devices=2)
-    for i in (0, 1):
-        h.hello(f"w{i}".encode(), p.Role.WORKER,
-                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    h = _two_leasing()
     h.hello(b"bob", p.Role.CLIENT)
     fid = h.register("f")
     first, second = _submit(h, fid), _submit(h, fid)  # one on each device
@@ -1149,10 +1152,7 @@ def test_the_scheduler_remembers_the_clients_of_its_latest_lost_leases(
 
 
 def test_a_clients_own_waiting_call_goes_under_its_lease_and_revokes_no_other() -> None:
-    h = Harness(devices=2)
-    for i in (0, 1):
-        h.hello(f"w{i}".encode(), p.Role.WORKER,
-                info={"device": f"n:{i}", "incarnation": 1, "direct": f"tcp://127.0.0.1:59{i}0"})
+    h = _two_leasing()
     h.hello(b"bob", p.Role.CLIENT)
     fid = h.register("f")
 

@@ -40,14 +40,19 @@ def work(ms):
 def noop(x):
     return x
 n, ms = int(sys.argv[1]), float(sys.argv[2])
+if sys.argv[3] == "1":
+    from gpufn.api import map_run
+    map_run.LEASED_MAPS = True
 c = gpufn.connect()
 list(work.map([0.0] * 50)); list(noop.map(range(50)))
 out = {}
 for name, fn, args in (("work", work, [ms] * n), ("noop", noop, list(range(n)))):
     print("cpu?", flush=True); sys.stdin.readline()
+    d0 = c.leases.direct_calls
     t = time.perf_counter(); r = list(fn.map(args)); dt = time.perf_counter() - t
     assert r == args
-    print(json.dumps({"name": name, "rate": n / dt}), flush=True)
+    print(json.dumps({"name": name, "rate": n / dt, "direct": (c.leases.direct_calls - d0) / n}),
+          flush=True)
     sys.stdin.readline()
 '''
 
@@ -72,7 +77,8 @@ def scheduler_pid(serve_pid: int) -> int:
     raise SystemExit("the head's scheduler did not start")
 
 
-def one_run(hosts: int, leases: bool, calls: int, work_ms: float) -> dict[str, float]:
+def one_run(hosts: int, leases: bool, calls: int, work_ms: float,
+            leased_maps: bool = False) -> dict[str, float]:
     root = Path(tempfile.mkdtemp(prefix="gpufn-mh-"))
     net = Network(root)
     token = secrets.token_hex(16)
@@ -102,7 +108,8 @@ def one_run(hosts: int, leases: bool, calls: int, work_ms: float) -> dict[str, f
         sched = scheduler_pid(serve.pid)
         script = root / "client.py"
         script.write_text(CLIENT)
-        proc = net.spawn(client, [sys.executable, str(script), str(calls), str(work_ms)],
+        proc = net.spawn(client, [sys.executable, str(script), str(calls), str(work_ms),
+                                 "1" if leased_maps else "0"],
                          env(client.home, GPUFN_ADDRESS=address), "client.log",
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert proc.stdin is not None and proc.stdout is not None
@@ -117,6 +124,7 @@ def one_run(hosts: int, leases: bool, calls: int, work_ms: float) -> dict[str, f
             rec = json.loads(proc.stdout.readline())
             out[f"{rec['name']} calls/s"] = rec["rate"]
             out[f"{rec['name']} head us/call"] = (cpu_seconds(sched) - c0) / calls * 1e6
+            out[f"{rec['name']} direct"] = rec["direct"]
             proc.stdin.write(b"next\n")
             proc.stdin.flush()
         proc.wait(60)
@@ -130,6 +138,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--work-ms", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--leased-maps", action="store_true",
+                    help="the maps take leases in the leases rows (gpufn.api.map_run.LEASED_MAPS)")
     a = ap.parse_args()
     why = netns_unavailable()
     if why is not None:
@@ -137,11 +147,14 @@ def main() -> None:
     rows: dict[tuple[int, bool], list[dict[str, float]]] = {}
     for r in range(a.repeats):
         for hosts, leases in ((1, True), (4, True), (1, False), (4, False)):
-            rows.setdefault((hosts, leases), []).append(one_run(hosts, leases, a.calls, a.work_ms))
+            rows.setdefault((hosts, leases), []).append(one_run(hosts, leases, a.calls, a.work_ms,
+                                                                      a.leased_maps))
         print(f"round {r + 1}/{a.repeats} done", file=sys.stderr)
 
     def cell(key: tuple[int, bool], what: str) -> str:
         vals = [x[what] for x in rows[key]]
+        if what.endswith("direct"):
+            return f"{min(vals):.2f} / {statistics.median(vals):.2f}"
         return f"{min(vals):,.0f} / {statistics.median(vals):,.0f}"
 
     def med(key: tuple[int, bool], what: str) -> float:
@@ -152,9 +165,11 @@ def main() -> None:
     print(f"{'':34} {'1 host':>16} {'4 hosts':>16} {'4 / 1':>7}")
     for leases in (True, False):
         tag = "leases" if leases else "no leases"
-        for what in ("work calls/s", "noop calls/s", "work head us/call", "noop head us/call"):
+        for what in ("work calls/s", "noop calls/s", "work head us/call", "noop head us/call",
+                     "work direct", "noop direct"):
             ratio = med((4, leases), what) / med((1, leases), what)
-            label = what.replace("work", f"{a.work_ms:g} ms calls")
+            label = what.replace("work", f"{a.work_ms:g} ms calls").replace(
+                "direct", "share under a lease")
             print(f"{tag + ': ' + label:34} {cell((1, leases), what):>16} "
                   f"{cell((4, leases), what):>16} {ratio:>6.2f}x")
 

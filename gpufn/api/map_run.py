@@ -36,7 +36,7 @@ class Mappable(Protocol):
     def _start(self, client: Client, sub: p.Submit) -> FunctionCall[Any]: ...
 
 MAP_WINDOW = 4096               # calls in flight per .map()
-LEASED_MAPS = False  # see `_send`
+LEASED_MAPS = True  # see `_send`; False: a map's calls all go through the scheduler
 MAP_REFILL = 128                # refill the window in batches of at least this many
 MAP_WINDOW_BYTES = 256 * 2**20  # argument bytes in flight per .map()
 
@@ -131,10 +131,11 @@ class _MapRun:
                 call._future.add_done_callback(functools.partial(self._completed, idx))
             self.submitted += len(batch)
             return
-        # A .map takes no lease for now: the calls held for a lease all went to the first
-        # one granted, so a map over several devices ran on one (bench/multihost.py: 5 ms
-        # calls on 4 hosts 0.46x the scheduled path); its spreading is for a later
-        # release. Longest first (cost=) is an order across devices, the scheduler's too.
+        # A .map's calls take leases: each lease at most a few of them in flight by their
+        # run time (gpufn/client/leases.py DEPTH_SECONDS), the rest waiting in the client
+        # or at the scheduler for the devices no lease holds (bench/leased_maps.py,
+        # bench/multihost.py --leased-maps). Longest first (cost=) is an order across
+        # devices, the scheduler's to keep: those go through it.
         futs = client.submit_many([(sub, self.fn.name) for _, sub in batch],
                                   lease=LEASED_MAPS and not self.ordered_by_cost)
         for (idx, sub), fut in zip(batch, futs, strict=True):

@@ -50,6 +50,7 @@ log = logging.getLogger("gpufn.client")
 
 PING_SECONDS = 2.0
 BATCH_MAX = 256
+HELD_LOOK_MS = 50  # calls held back for a lease are looked at again at least this often
 
 
 @dataclass(slots=True)
@@ -485,20 +486,25 @@ class Client:
         direct = DirectSockets(self._ctx, self.leases)
         polled: set[Any] = set()
         try:
-            last_ping = time.monotonic()
+            last_ping = held_look = time.monotonic()
             while not self._closed.is_set():
                 now = time.monotonic()
                 next_ping = last_ping + self.ping_seconds  # ping_seconds may change
                 blocked = pending_send is not None
                 wait_ms = 5 if blocked else max(0, int((next_ping - now) * 1000))
-                if direct.probing:
-                    wait_ms = min(wait_ms, 50)
+                if direct.probing or self._held_back:
+                    wait_ms = min(wait_ms, HELD_LOOK_MS)
                 ready = dict(poller.poll(wait_ms))
                 if ready.get(wake_fd):
                     self._wake_pipe.drain()  # before draining the outbox below
                 if ready.get(sock):
                     self._receive(sock)
                 self._direct_io(direct, ready)
+                if self._held_back and time.monotonic() >= held_look:
+                    # calls held back for a lease's room look again now and then, also
+                    # when no answer came to move them (a hand-over's hold ran out)
+                    self._release_held()
+                    held_look = time.monotonic() + HELD_LOOK_MS / 1000
                 for s in direct.socks.values():
                     if s not in polled:
                         poller.register(s, zmq.POLLIN)
@@ -591,16 +597,26 @@ class Client:
                 if not queue:
                     del self._held_back[fid]
 
-    def _take_over(self, grant: p.LeaseGrant) -> None:
+    def _take_over(self, grant: p.LeaseGrant, handed: bool = False) -> None:
         """Send the calls the scheduler handed to the lease to its worker (once its
-        endpoint answered the probe)."""
+        endpoint answered the probe); those past its depth are routed as new calls
+        (another lease with room, else they wait here: see `Leases.hold_back`).
+        `handed`: a lease of ours took them after the grant (no device did)."""
         ep = grant.endpoint
+        if handed and grant.reclaimed:
+            self.leases.handed(grant.function_id, time.monotonic())
         for inv in grant.reclaimed:
             pend = self._calls.get(inv)
-            if pend is None or pend.frames is None or self.leases.adopt(grant.lease_id, inv) is None:
+            if pend is None or pend.frames is None:
+                self.leases.adopt("", inv)  # not ours any more: off the scheduler's count
                 continue
             sub = p.decode(pend.frames)
             assert isinstance(sub, p.Submit)
+            if self.leases.adopt(grant.lease_id, inv) is None:
+                with self._lock:
+                    if inv in self._calls:  # (not cancelled meanwhile)
+                        self._route(sub, pend.frames)
+                continue
             frames = p.encode(p.DirectRun(grant.lease_id, grant.secret, inv, sub.frames))
             if self.leases.reach.get(ep) is leasing.Reach.OK:
                 self._direct_box.append((ep, frames))
@@ -610,13 +626,15 @@ class Client:
     def _dispatch_direct(self, msg: p.Message) -> None:
         """A worker's answer to a call under a lease."""
         if isinstance(msg, p.Result):
-            self.leases.answered(msg.invocation_id, msg.ok)
+            self.leases.answered(msg.invocation_id, msg.ok, msg.meta.duration)
             if self._held_back:  # its lease has room again
                 self._release_held()
             self._dispatch(msg)
         elif isinstance(msg, p.LeaseRefused):
             self.leases.refused(msg)
             self._lease_fallback(msg.invocation_ids)
+            if self._held_back:  # the lease is over: what waited for it moves on
+                self._release_held()
         elif isinstance(msg, p.Output):
             self._dispatch(msg)
 
@@ -632,6 +650,8 @@ class Client:
         """The scheduler ended a lease of ours. Lost with its worker: the calls in flight
         there are sent again through the scheduler if their function retries, else fail."""
         held = self.leases.ended(msg.invocation_id)
+        if self._held_back:  # what waited for its room moves on
+            self._release_held()
         if held is None or msg.ok:
             return
         report = held.report()  # what ran there, for the scheduler's metering
@@ -666,7 +686,7 @@ class Client:
             self._lease_ended(msg)
         elif isinstance(msg, p.LeaseGrant):
             if self.leases.holds(msg.lease_id):  # more of our queued calls for it
-                self._take_over(msg)
+                self._take_over(msg, handed=True)
             elif self.leases.granted(msg, time.monotonic()):
                 self._take_over(msg)
                 if self._held_back:
@@ -679,7 +699,8 @@ class Client:
             if items is not None:
                 items.put(msg)
         elif isinstance(msg, p.Result):
-            if self.leases.from_head(msg.invocation_id, time.monotonic()) and self._held_back:
+            if (self.leases.from_head(msg.invocation_id, time.monotonic(), msg.meta.duration)
+                    and self._held_back):
                 self._release_held()
             with self._lock:
                 pend = self._calls.pop(msg.invocation_id, None)

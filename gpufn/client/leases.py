@@ -37,6 +37,20 @@ DENIED_SECONDS = 1.0
 # 64 short calls a round); a .map's others wait in the client or go to the scheduler, so
 # the devices whose leases come later get their share instead of the first lease all.
 LEASE_DEPTH = 64
+# ...and at most about this much work by the function's run time seen so far (at least
+# MIN_DEPTH calls: one running, one waiting): 64 calls of 5 ms queued on one lease held
+# 0.3 s of work there while other devices idled, and what was left at its end came back
+# refused (half a 4-device map's calls, sent twice).
+DEPTH_SECONDS = 0.02
+MIN_DEPTH = 2
+RUN_TIME_WEIGHT = 0.2  # of each new run time in the function's moving average
+# While a lease of the function is open (and full), a few of its calls at the scheduler
+# are enough for devices no lease holds to take some (each one's end brings a lease
+# there); the rest wait in the client for room. A hand-over (the scheduler gave queued
+# calls to a lease: no device took them) holds the function's calls back from the
+# scheduler a while: sending more would only have them handed over again.
+LEASED_HEAD_WINDOW = 4
+HANDED_SECONDS = 0.05
 
 
 def is_lease(invocation_id: str) -> bool:
@@ -89,6 +103,8 @@ class Leases:
         self._at_head: dict[str, str] = {}  # call id -> function id, sent to the scheduler
         self._head_count: dict[str, int] = {}  # function id -> its calls at the scheduler
         self._denied: dict[str, float] = {}  # function id -> until when it is not held back
+        self._handed: dict[str, float] = {}  # function id -> until when it is held back
+        self._run_time: dict[str, float] = {}  # function id -> moving average, seconds
 
     def mark(self, submit: p.Submit, stream: bool = False) -> p.Submit:
         """The Submit as sent: asking for a lease after it when it may have one."""
@@ -118,9 +134,9 @@ class Leases:
             return None
         with self._lock:
             best: Held | None = None
+            depth = self._depth(submit.function_id)
             for held in self._by_fn.get(submit.function_id, ()):
-                if (held.dead or held.left <= 0 or now >= held.ends_at
-                        or len(held.calls) >= LEASE_DEPTH
+                if (not self._open(held, now) or len(held.calls) >= depth
                         or self.reach.get(held.grant.endpoint) is not Reach.OK):
                     continue
                 if best is None or len(held.calls) < len(best.calls):
@@ -133,17 +149,47 @@ class Leases:
             self.direct_calls += 1
             return best
 
+    def _open(self, held: Held, now: float) -> bool:
+        """It takes calls now, or will once its worker answered the probe."""
+        return (not held.dead and held.left > 0 and now < held.ends_at
+                and self.reach.get(held.grant.endpoint) is not Reach.UNREACHABLE)
+
+    def _depth(self, function_id: str) -> int:
+        """Calls in flight under one lease of this function at most (see DEPTH_SECONDS);
+        MIN_DEPTH until one of its calls was answered."""
+        mean = self._run_time.get(function_id)
+        if mean is None:
+            return MIN_DEPTH
+        if mean <= DEPTH_SECONDS / LEASE_DEPTH:
+            return LEASE_DEPTH
+        return max(MIN_DEPTH, min(LEASE_DEPTH, int(DEPTH_SECONDS / mean)))
+
+    def observe(self, function_id: str, seconds: float | None) -> None:
+        """A call of the function ran this long (its Result's meta)."""
+        if seconds is None or seconds < 0:
+            return
+        mean = self._run_time.get(function_id)
+        self._run_time[function_id] = (seconds if mean is None else
+                                       mean + RUN_TIME_WEIGHT * (seconds - mean))
+
+    def handed(self, function_id: str, now: float) -> None:
+        """The scheduler handed queued calls of the function to a lease of ours."""
+        self._handed[function_id] = now + HANDED_SECONDS
+
     def adopt(self, lease_id: str, invocation_id: str) -> Held | None:
-        """A queued call the scheduler handed to this lease (`LeaseGrant.reclaimed`)."""
+        """A queued call the scheduler handed to this lease (`LeaseGrant.reclaimed`):
+        taken by it when it has room (the scheduler no longer has the call either way);
+        None: the caller routes it as a new call (another lease, the client, or the
+        scheduler)."""
+        self._left_head(invocation_id)  # the scheduler no longer has it
         with self._lock:
             held = self._by_id.get(lease_id)
-            if held is None:
+            if held is None or len(held.calls) >= self._depth(held.grant.function_id):
                 return None
             held.left -= 1
             held.calls.add(invocation_id)
             self._call[invocation_id] = held
             self.direct_calls += 1
-        self._left_head(invocation_id)  # the scheduler no longer has it
         return held
 
     def endpoint_of(self, invocation_id: str) -> str | None:
@@ -156,22 +202,33 @@ class Leases:
         return invocation_id in self._call
 
     def hold_back(self, function_id: str, now: float) -> bool:
-        """Keep this call of a function in the client for now: enough of its calls are at
-        the scheduler, and a lease may come (none refused lately)."""
-        return (self.on and self._head_count.get(function_id, 0) >= HEAD_WINDOW
-                and now >= self._denied.get(function_id, 0.0))
+        """Keep this call of a function in the client for now (`take` found no lease
+        with room): a lease of it is open and full, and a few of its calls are at the
+        scheduler or it handed some over lately (LEASED_HEAD_WINDOW); or, with none
+        open, enough of its calls are at the scheduler and a lease may come (none
+        refused lately)."""
+        if not self.on or now < self._denied.get(function_id, 0.0):
+            return False
+        at_head = self._head_count.get(function_id, 0)
+        with self._lock:
+            open_ = any(self._open(h, now) for h in self._by_fn.get(function_id, ()))
+        if open_:
+            return at_head >= LEASED_HEAD_WINDOW or now < self._handed.get(function_id, 0.0)
+        return at_head >= HEAD_WINDOW
 
     def to_head(self, function_id: str, invocation_id: str) -> None:
         """A call that asks for a lease goes to the scheduler (under the client's lock)."""
         self._at_head[invocation_id] = function_id
         self._head_count[function_id] = self._head_count.get(function_id, 0) + 1
 
-    def from_head(self, invocation_id: str, now: float) -> bool:
-        """The scheduler answered one; True when calls held back should move now (a
-        lease came with it, or none did: then its calls go to the scheduler a while)."""
+    def from_head(self, invocation_id: str, now: float, seconds: float | None = None) -> bool:
+        """The scheduler answered one (it ran `seconds`); True when calls held back
+        should move now (a lease came with it, or none did: then its calls go to the
+        scheduler a while)."""
         fid = self._left_head(invocation_id)
         if fid is None:
             return False
+        self.observe(fid, seconds)
         with self._lock:
             leased = any(not h.dead and now < h.ends_at for h in self._by_fn.get(fid, ()))
         if not leased:
@@ -186,10 +243,11 @@ class Leases:
                 del self._head_count[fid]
         return fid
 
-    def answered(self, invocation_id: str, ok: bool) -> None:
+    def answered(self, invocation_id: str, ok: bool, seconds: float | None = None) -> None:
         held = self.withdraw(invocation_id)
         if held is not None:
             held.done.append({"id": invocation_id, "ok": ok})
+            self.observe(held.grant.function_id, seconds)
 
     def refused(self, msg: p.LeaseRefused) -> None:
         """The worker did not run these: the lease is over for them and for us."""

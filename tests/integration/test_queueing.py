@@ -12,7 +12,7 @@ import pytest
 import gpufn
 
 from ..conftest import cluster_with, wait_ready
-from ._waits import running_ids, wait_for, wait_idle
+from ._waits import running_ids, settled_counters, wait_for, wait_idle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,13 +71,16 @@ def test_cancel_stops_running_work_and_kills_a_stuck_worker(one: gpufn.Client) -
 
 
 def test_closing_a_map_cancels_what_is_left(one: gpufn.Client) -> None:
-    before = one.status()["counters"]["cancelled"]
+    before = settled_counters(one)
     it = stamp.map([f"m{i}" for i in range(30)], [0.1] * 30)
     next(it)
     it.close()
-    wait_for(lambda: one.status()["counters"]["cancelled"] - before >= 25, 10,
-             "the map's remaining calls to be cancelled")
     wait_idle(one)
+    after = settled_counters(one)
+    # The calls not started are dropped where they wait: at the scheduler (counted
+    # cancelled there), under a lease at the worker, or in the client (never sent).
+    ran = after["succeeded"] - before["succeeded"]
+    assert 1 <= ran <= 5, f"{ran} of the 30 calls ran after the map was closed"
 
 
 def test_preemptible_low_priority_call_yields_and_reruns(one: gpufn.Client) -> None:

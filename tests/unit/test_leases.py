@@ -8,7 +8,17 @@ import time
 
 import pytest
 
-from gpufn.client.leases import HEAD_WINDOW, Leases, Reach
+from gpufn.client.leases import (
+    DEPTH_SECONDS,
+    HANDED_SECONDS,
+    HEAD_WINDOW,
+    LEASE_DEPTH,
+    LEASED_HEAD_WINDOW,
+    MIN_DEPTH,
+    RUN_TIME_WEIGHT,
+    Leases,
+    Reach,
+)
 from gpufn.scheduler.books.users import UserStore
 from gpufn.scheduler.nouns.states import InvState
 from gpufn.wire import protocol as p
@@ -362,6 +372,7 @@ def test_the_client_uses_a_lease_only_on_a_probed_worker_within_its_calls_and_ti
 
 def test_a_lease_ended_lost_gives_its_calls_in_flight_and_a_refusal_ends_it() -> None:
     leases = Leases()
+    leases.observe("f1", 0.0)  # short calls: the full depth
     leases.granted(_grant(calls=10), 0.0)
     leases.reach["tcp://127.0.0.1:1"] = Reach.OK
     for i in range(3):
@@ -371,6 +382,7 @@ def test_a_lease_ended_lost_gives_its_calls_in_flight_and_a_refusal_ends_it() ->
     assert held is not None and held.calls == {"i1", "i2"}
     assert leases.take(leases.mark(p.Submit("i9", "f1", {})), 0.1) is None
     again = Leases()
+    again.observe("f1", 0.0)  # short calls: the full depth
     again.granted(_grant(calls=10), 0.0)
     again.reach["tcp://127.0.0.1:1"] = Reach.OK
     again.take(again.mark(p.Submit("i1", "f1", {})), 0.1)
@@ -427,6 +439,7 @@ def test_a_call_cancelled_while_it_waits_under_a_lease_is_answered_cancelled() -
 
 def test_the_client_spreads_calls_over_its_leases_by_their_calls_in_flight() -> None:
     leases = Leases()
+    leases.observe("f1", 0.0)  # short calls: the full depth
     for i in (1, 2):
         leases.granted(p.LeaseGrant(f"lease:{i}", "f1", f"tcp://127.0.0.1:{i}", "s", 1.0, 100), 0.0)
         leases.reach[f"tcp://127.0.0.1:{i}"] = Reach.OK
@@ -439,6 +452,8 @@ def test_a_lease_takes_at_most_its_depth_of_calls_in_flight() -> None:
     from gpufn.client.leases import LEASE_DEPTH
 
     leases = Leases()
+
+    leases.observe("f1", 0.0)  # short calls: the full depth
     leases.granted(p.LeaseGrant("lease:1", "f1", "tcp://127.0.0.1:1", "s", 1.0, 10_000), 0.0)
     leases.reach["tcp://127.0.0.1:1"] = Reach.OK
     taken = [leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
@@ -457,17 +472,88 @@ def test_a_clients_calls_wait_for_a_lease_only_while_enough_are_at_the_scheduler
     assert leases.hold_back("f1", 0.0)  # the window is full: wait for a lease
     leases.granted(_grant(calls=10), 0.0)
     assert leases.adopt("lease:x", "i0") is not None  # handed to the lease: not at the head
-    assert not leases.hold_back("f1", 0.0)
+    # a lease is open (its worker not probed yet, then reachable): a few at the scheduler
+    assert leases.hold_back("f1", 0.0)
+    leases.reach["tcp://127.0.0.1:1"] = Reach.OK
+    for k in range(1, HEAD_WINDOW - LEASED_HEAD_WINDOW):
+        assert leases.from_head(f"i{k}", 0.1)  # answered with a lease alive: still hold back
+        assert leases.hold_back("f1", 0.1)
+    assert leases.from_head(f"i{HEAD_WINDOW - LEASED_HEAD_WINDOW}", 0.1)
+    assert not leases.hold_back("f1", 0.1)  # fewer than LEASED_HEAD_WINDOW there now
     leases.to_head("f1", "j")
-    assert leases.from_head("i1", 0.1)  # answered with a lease alive: still hold back
-    leases.to_head("f1", "j2")
     assert leases.hold_back("f1", 0.1)
     leases.ended("lease:x")
-    assert leases.from_head("i2", 0.2)  # answered and no lease: to the scheduler a while
+    assert leases.from_head("i62", 0.2)  # answered and no lease: to the scheduler a while
     assert not leases.hold_back("f1", 0.2)
-    assert leases.hold_back("f1", 1.3) is (len(leases._at_head) >= HEAD_WINDOW)
+    assert leases.hold_back("f1", 1.3) is (leases._head_count.get("f1", 0) >= HEAD_WINDOW)
     assert not leases.from_head("never-sent", 0.3)
 
+
+def test_a_hand_over_holds_its_functions_calls_back_from_the_scheduler_a_while() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=100, seconds=10.0), now=0.0)
+    assert not leases.hold_back("f1", 0.0)  # an open lease, none at the scheduler
+    leases.handed("f1", 1.0)  # no device took its queued calls: a lease did
+    assert leases.hold_back("f1", 1.0)
+    assert leases.hold_back("f1", 1.0 + HANDED_SECONDS - 0.001)
+    assert not leases.hold_back("f1", 1.0 + HANDED_SECONDS)
+    assert not leases.hold_back("f2", 1.0)  # its own function only
+    leases.ended("lease:x")
+    assert not leases.hold_back("f1", 1.0)  # no lease open: nothing to wait for
+
+
+def test_a_leases_depth_follows_its_functions_run_time() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=1000, seconds=10.0), now=0.0)
+
+    def taken() -> int:
+        n = 0
+        while leases.take(leases.mark(p.Submit(f"t{n}", "f1", {})), 0.1) is not None:
+            n += 1
+        for k in range(n):
+            leases.withdraw(f"t{k}")
+        return n
+
+    assert taken() == MIN_DEPTH  # no call answered yet: one running, one waiting
+    leases.observe("f1", 0.005)
+    assert taken() == int(DEPTH_SECONDS / 0.005)  # 5 ms calls: 20 ms of work queued
+    leases.observe("f2", 0.0)  # another function's run time is its own
+    assert taken() == int(DEPTH_SECONDS / 0.005)
+    slow = Leases()
+    slow.observe("f1", 3.0)
+    assert slow._depth("f1") == MIN_DEPTH
+    fast = Leases()
+    fast.observe("f1", DEPTH_SECONDS / LEASE_DEPTH)
+    assert fast._depth("f1") == LEASE_DEPTH
+    fast.observe("f1", None)  # no duration said: nothing learnt
+    fast.observe("f1", -1.0)
+    assert fast._run_time["f1"] == DEPTH_SECONDS / LEASE_DEPTH
+
+
+def test_the_run_time_is_a_moving_average_of_answers_from_leases_and_the_scheduler() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=100, seconds=10.0), now=0.0)
+    leases.take(leases.mark(p.Submit("a", "f1", {})), 0.1)
+    leases.answered("a", True, 0.010)
+    assert leases._run_time["f1"] == pytest.approx(0.010)
+    leases.to_head("f1", "b")
+    assert leases.from_head("b", 0.2, 0.020)
+    assert leases._run_time["f1"] == pytest.approx(0.010 + RUN_TIME_WEIGHT * 0.010)
+    leases.answered("never-sent", True, 5.0)  # not a call of a lease: not counted
+    assert leases._run_time["f1"] == pytest.approx(0.010 + RUN_TIME_WEIGHT * 0.010)
+
+
+def test_a_handed_call_past_the_leases_depth_is_left_to_the_client() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=100, seconds=10.0), now=0.0)
+    leases.observe("f1", 0.005)
+    depth = int(DEPTH_SECONDS / 0.005)
+    for k in range(depth + 2):
+        leases.to_head("f1", f"q{k}")
+    got = [leases.adopt("lease:x", f"q{k}") for k in range(depth + 2)]
+    assert [h is not None for h in got] == [True] * depth + [False, False]
+    assert leases._head_count.get("f1", 0) == 0  # the scheduler has none of them any more
+    assert not leases.in_flight(f"q{depth}") and leases.in_flight("q0")
 
 def test_what_a_lease_ran_is_metered_once_from_reports_its_end_and_its_lost_clients_word() -> None:
     h, fid = _leasing()
@@ -797,6 +883,7 @@ def test_a_lease_is_over_at_its_client_side_end_to_the_tick() -> None:
 
 def test_calls_adopted_by_a_lease_use_up_its_calls() -> None:
     leases = Leases()
+    leases.observe("f1", 0.0)  # short calls: the full depth
     _reachable(leases, _grant(calls=3), now=0.0)
     assert leases.adopt("lease:x", "q1") is not None
     assert leases.adopt("lease:x", "q2") is not None
@@ -809,6 +896,7 @@ def test_calls_adopted_by_a_lease_use_up_its_calls() -> None:
 def test_a_refused_lease_does_not_keep_the_others_of_its_function_from_calls() -> None:
     now = time.monotonic()  # the table prunes by the monotonic clock
     leases = Leases()
+    leases.observe("f1", 0.0)  # short calls: the full depth
     a = p.LeaseGrant("lease:1", "f1", "tcp://127.0.0.1:1", "s", 60.0, 100)
     b = p.LeaseGrant("lease:2", "f1", "tcp://127.0.0.1:2", "s", 60.0, 100)
     _reachable(leases, a, b, now=now)
@@ -855,12 +943,14 @@ def test_a_lease_that_ended_after_its_table_pruned_it_is_ended_quietly() -> None
 
 def test_a_lost_lease_reports_only_the_calls_it_got_answers_for() -> None:
     leases = Leases()
+    leases.observe("f1", 0.0)  # short calls: the full depth
     _reachable(leases, _grant(calls=10), now=0.0)
     for k in range(3):
         leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
     held = leases.ended("lease:x")
     assert held is not None and held.report() is None  # nothing answered: nothing to say
     again = Leases()
+    again.observe("f1", 0.0)  # short calls: the full depth
     _reachable(again, _grant(calls=10), now=0.0)
     for k in range(3):
         again.take(again.mark(p.Submit(f"i{k}", "f1", {})), 0.1)
@@ -916,6 +1006,7 @@ def test_a_spent_lease_listed_first_passes_its_calls_to_the_next() -> None:
 
 def test_calls_refused_or_ended_under_a_lease_are_no_longer_in_flight_there() -> None:
     leases = Leases()
+    leases.observe("f1", 0.0)  # short calls: the full depth
     _reachable(leases, _grant(calls=10), now=0.0)
     for k in range(3):
         leases.take(leases.mark(p.Submit(f"i{k}", "f1", {})), 0.1)

@@ -167,7 +167,9 @@ def main() -> None:
         tag = "leases" if leases else "no leases"
         for what in ("work calls/s", "noop calls/s", "work head us/call", "noop head us/call",
                      "work direct", "noop direct"):
-            ratio = med((4, leases), what) / med((1, leases), what)
+            if what.endswith("direct") and not leases:
+                continue  # no leases: every call through the head
+            ratio = med((4, leases), what) / max(med((1, leases), what), 1e-9)
             label = what.replace("work", f"{a.work_ms:g} ms calls").replace(
                 "direct", "share under a lease")
             print(f"{tag + ': ' + label:34} {cell((1, leases), what):>16} "

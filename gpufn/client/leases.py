@@ -122,6 +122,7 @@ class Leases:
         if not self.on or self.reach.get(grant.endpoint) is Reach.UNREACHABLE:
             return False
         held = Held(grant, now + grant.seconds - MARGIN_SECONDS, grant.max_calls)
+        self._denied.pop(grant.function_id, None)  # a lease came after all: hold back again
         with self._lock:
             self._by_id[grant.lease_id] = held
             self._by_fn.setdefault(grant.function_id, []).append(held)

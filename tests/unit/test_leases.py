@@ -1277,3 +1277,13 @@ def test_a_call_withdrawn_before_it_was_sent_is_not_reported_as_answered() -> No
     assert held is not None and held.calls == set()
     report = held.report()
     assert report is not None and report.items == [{"id": "i0", "ok": True}]
+
+
+def test_a_new_lease_ends_the_free_pass_to_the_scheduler_a_denial_gave() -> None:
+    leases = Leases()
+    for k in range(HEAD_WINDOW + 1):
+        leases.to_head("f1", f"i{k}")
+    assert leases.from_head("i0", 0.0)  # answered with no lease: to the scheduler a while
+    assert not leases.hold_back("f1", 0.1)
+    leases.granted(_grant(calls=100, seconds=10.0), 0.2)  # then a lease came after all
+    assert leases.hold_back("f1", 0.3)  # 64 at the scheduler, a lease open: hold back

@@ -302,9 +302,17 @@ def shm_threshold() -> int | None:
     """GPUFN_SHM_THRESHOLD: tensors and bytes at least this large travel through shared
     memory (/dev/shm) when caller and worker share a host and user (default 64MiB;
     0 turns it off, and every payload goes through the sockets)."""
+    global _SHM_THRESHOLD
     raw = env_str("GPUFN_SHM_THRESHOLD", "64MiB")
+    if _SHM_THRESHOLD[0] == raw:  # read for every call's result: parsed once per setting
+        return _SHM_THRESHOLD[1]
     n = parse_memory(raw, "GPUFN_SHM_THRESHOLD")
-    return n if n > 0 else None
+    value = n if n > 0 else None
+    _SHM_THRESHOLD = (raw, value)
+    return value
+
+
+_SHM_THRESHOLD: tuple[str | None, int | None] = (None, None)  # the setting last parsed, its value
 
 
 SHM_DIR_DEFAULT = "/dev/shm"

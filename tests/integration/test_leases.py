@@ -99,29 +99,6 @@ def test_many_calls_at_once_share_a_lease_by_its_depth(leasing: gpufn.Client) ->
     assert leasing.leases.direct_calls >= LEASE_DEPTH
 
 
-@pytest.mark.parametrize("lease_seconds", [30.0, 0.3])
-def test_a_leased_map_spreads_over_the_devices_and_is_metered_once(lease_seconds: float) -> None:
-    """A .map takes leases: its calls go to every device (a lease holds a few of them by
-    their run time, the rest wait in the client or at the scheduler for the other
-    device), none waits for a lease's end (30 s), few are refused at one's end (0.3 s:
-    64 calls queued under a lease came back refused and were sent again), and each is
-    metered once."""
-    with cluster_with(GPUFN_CPU_DEVICES=2, GPUFN_LEASE_SECONDS=lease_seconds) as c:
-        nap.remote(0.0)
-        before, direct = _usage_calls(c, "nap"), c.leases.direct_calls
-        t0 = time.monotonic()
-        pids = list(nap.map([0.01] * 400))
-        assert time.monotonic() - t0 < 20  # 2 s of calls over two devices, not a lease's 30 s
-        counts = sorted(pids.count(pid) for pid in set(pids))
-        assert len(counts) == 2 and counts[0] >= 100, counts  # both devices took a share
-        sent = c.leases.direct_calls - direct  # under a lease, counted each time one is sent
-        assert 200 <= sent <= 440, sent  # most went straight to the workers, few twice
-        wait_for(lambda: _usage_calls(c, "nap") - before == 400, timeout=30,
-                 what="every call of the map metered once")
-        time.sleep(0.5)
-        assert _usage_calls(c, "nap") - before == 400
-
-
 def test_a_call_of_another_client_waits_only_for_the_leased_call_running(
         leasing: gpufn.Client) -> None:
     nap.remote(0.0)  # this thread holds a 30 s lease on the device's slot for nap

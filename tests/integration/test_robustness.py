@@ -19,7 +19,7 @@ from gpufn.scheduler.core import SchedulerConfig
 from gpufn.scheduler.server import SchedulerServer
 from gpufn.wire import protocol as p
 
-from ._waits import running_ids, wait_for, wait_idle
+from ._waits import running_ids, settled_counters, wait_for, wait_idle
 from .funcs import sleepy, square
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,14 +110,15 @@ def test_cancelling_an_async_map_cancels_its_calls(cluster: gpufn.Client) -> Non
     async def consume() -> list[float]:
         return [x async for x in sleepy.map.aio([0.3] * 20)]
 
-    before = cluster.status()["counters"]["cancelled"]
+    before = settled_counters(cluster)
     with pytest.raises(asyncio.TimeoutError):
         asyncio.run(asyncio.wait_for(consume(), timeout=0.5))
-
-    def cancelled() -> bool:
-        st = cluster.status()
-        return st["counters"]["cancelled"] - before >= 10 and st["queued"] == 0
-    wait_for(cancelled, 10, "the map's calls to be cancelled")
+    wait_idle(cluster)
+    after = settled_counters(cluster)
+    # The calls not started are dropped where they wait: at the scheduler, under a
+    # lease at a worker, or in the client (never sent); only those running ran on.
+    ran = after["succeeded"] - before["succeeded"]
+    assert ran <= 8, f"{ran} of the 20 calls ran after the map was cancelled"
 
 
 def test_spmd_false_after_a_cancel_returns_its_own_value(

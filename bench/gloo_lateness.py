@@ -1,9 +1,10 @@
 """What one late rank costs a gloo all_reduce: no gpufn, four processes and a warm group.
 
     python bench/gloo_lateness.py [--calls 1000] [--world 4] [--late-us 0 100 300 1000]
+                                  [--everyone]
 
 Each rank runs `--calls` one-element all_reduces back to back; before each, the last rank
-busy-works for `--late-us` microseconds (the Python a gpufn worker runs between a Run's
+(with `--everyone`, every rank) busy-works for `--late-us` microseconds (the Python a gpufn worker runs between a Run's
 arrival and the user's collective stands for it). Printed per lateness: wall time per
 call, and each rank's CPU per call split into its main thread and gloo's threads. On
 torch 2.13's TCP transport the late rank's `gloo_tcp_loop` thread spins while its peers'
@@ -39,7 +40,8 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-def rank(r: int, world: int, port: int, late_s: float, calls: int, out: Any) -> None:
+def rank(r: int, world: int, port: int, late_s: float, calls: int, everyone: bool,
+         out: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -48,7 +50,7 @@ def rank(r: int, world: int, port: int, late_s: float, calls: int, out: Any) -> 
     t = torch.ones(1)
     for _ in range(20):
         dist.all_reduce(t)
-    late = late_s if r == world - 1 else 0.0
+    late = late_s if everyone or r == world - 1 else 0.0
     before = thread_cpu()
     w0 = time.perf_counter()
     for _ in range(calls):
@@ -64,13 +66,13 @@ def rank(r: int, world: int, port: int, late_s: float, calls: int, out: Any) -> 
     dist.destroy_process_group()
 
 
-def run(world: int, late_s: float, calls: int) -> None:
+def run(world: int, late_s: float, calls: int, everyone: bool) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     spawn = mp.get_context("spawn")
     q = spawn.Queue()
-    procs = [spawn.Process(target=rank, args=(r, world, port, late_s, calls, q))
+    procs = [spawn.Process(target=rank, args=(r, world, port, late_s, calls, everyone, q))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -78,7 +80,8 @@ def run(world: int, late_s: float, calls: int) -> None:
     for p in procs:
         p.join()
     wall = max(w for _, w, _ in results)
-    print(f"last rank {late_s * 1e6:5.0f} us late: {wall * 1e3:.2f} ms per call "
+    who = "every rank" if everyone else "last rank"
+    print(f"{who} {late_s * 1e6:5.0f} us late: {wall * 1e3:.2f} ms per call "
           f"(load {os.getloadavg()[0]:.1f})")
     for r, _, cpu in results:
         main = cpu.get("main", 0.0)
@@ -93,9 +96,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--late-us", type=float, nargs="+", default=[0, 100, 300, 1000])
+    ap.add_argument("--everyone", action="store_true",
+                    help="every rank busy-works before each call, not only the last")
     a = ap.parse_args()
     for late in a.late_us:
-        run(a.world, late / 1e6, a.calls)
+        run(a.world, late / 1e6, a.calls, a.everyone)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def labels(root: int) -> dict[int, str]:
     import psutil
 
     out = {root: "caller"}
+    hand = 0
     for child in psutil.Process(root).children(recursive=True):
         try:
             cmd = child.cmdline()
@@ -92,7 +93,8 @@ def labels(root: int) -> dict[int, str]:
         elif any("supervisor" in c for c in cmd):
             out[child.pid] = "supervisor"
         elif any("multiprocessing" in c for c in cmd):  # the hand-driven group's
-            out[child.pid] = f"process {len(out)}"
+            out[child.pid] = f"hand proc {hand}"
+            hand += 1
     return out
 
 

@@ -2,12 +2,14 @@
 driven by hand, vs the first (cold) call of a new gang, vs launching the same SPMD
 script with `torchrun --nproc-per-node 4`.
 
-    python bench/gang.py [--repeats 5] [--world 4]
+    python bench/gang.py [--repeats 5] [--world 4] [--collectives 1]
     python bench/gang.py --quick      # a short smoke run
 
 Warm alternative (the floor for a warm pool): 4 persistent processes that each hold an
 initialised gloo group and wait on a pyzmq DEALER socket (gpufn's transport, over a
 Unix socket); the driver sends each "run", they all_reduce one element and answer.
+`--collectives N`: both the gang and the hand-driven ranks run N all_reduces per call
+(the second one finds the ranks as the first left them, not woken together).
 No scheduler, no placement, no serialisation of code: how close gpufn's warm gang
 comes to it is the printed ratio. Relayed (`--relay`, a profile of the gap): the same
 group driven through one relay process in between, as gpufn's scheduler sits between
@@ -46,7 +48,7 @@ SPMD_SCRIPT = textwrap.dedent("""
 
 # ---------------------------------------------------------------------------- warm pool
 
-def pool_rank(rank: int, world: int, store_port: int, addr: str) -> None:
+def pool_rank(rank: int, world: int, store_port: int, addr: str, collectives: int = 1) -> None:
     """One rank of the hand-driven warm group: init once, then all_reduce per command."""
     import torch
     import torch.distributed as dist
@@ -60,7 +62,8 @@ def pool_rank(rank: int, world: int, store_port: int, addr: str) -> None:
     sock.send(b"ready")
     try:
         while sock.recv() == b"run":
-            dist.all_reduce(torch.ones(1))
+            for _ in range(collectives):
+                dist.all_reduce(torch.ones(1))
             sock.send(b"done")
     finally:
         dist.destroy_process_group()
@@ -98,7 +101,7 @@ class WarmGroup:
     """`world` processes holding a gloo group, driven over zmq ROUTER -> DEALER (ipc);
     with `relayed`, through a relay process in between (see `relay`)."""
 
-    def __init__(self, world: int, relayed: bool = False) -> None:
+    def __init__(self, world: int, relayed: bool = False, collectives: int = 1) -> None:
         import zmq
 
         with socket.socket() as s:
@@ -115,8 +118,8 @@ class WarmGroup:
             ranks_at = self.addr.replace(".sock", "-relay.sock")
             self.procs.append(spawn.Process(target=relay, args=(self.addr, ranks_at, world),
                                             daemon=True))
-        self.procs += [spawn.Process(target=pool_rank, args=(r, world, port, ranks_at), daemon=True)
-                       for r in range(world)]
+        self.procs += [spawn.Process(target=pool_rank, args=(r, world, port, ranks_at, collectives),
+                                     daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
         self.peers: list[bytes] = []
@@ -160,6 +163,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--warm-calls", type=int, default=50)
+    ap.add_argument("--collectives", type=int, default=1,
+                    help="all_reduces per call, in the gang and in the hand-driven ranks alike")
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
     ap.add_argument("--relay", action="store_true",
                     help="also the hand-driven group through a relay process (the extra hop alone)")
@@ -174,9 +179,12 @@ def main() -> None:
 
     import gpufn
 
+    collectives = a.collectives
+
     @gpufn.gpu(count=a.world, timeout=120)
     def noop() -> None:
-        dist.all_reduce(torch.ones(1))
+        for _ in range(collectives):
+            dist.all_reduce(torch.ones(1))
 
     client = gpufn.connect()
     deadline = time.monotonic() + 120
@@ -185,8 +193,8 @@ def main() -> None:
             raise SystemExit("workers did not start")
         time.sleep(0.1)
 
-    group = WarmGroup(a.world)
-    relayed = WarmGroup(a.world, relayed=True) if a.relay else None
+    group = WarmGroup(a.world, collectives=a.collectives)
+    relayed = WarmGroup(a.world, relayed=True, collectives=a.collectives) if a.relay else None
     for _ in range(10):
         group.call()
         if relayed is not None:
@@ -249,7 +257,8 @@ def main() -> None:
     def ms(v: list[float]) -> str:
         return f"{min(v) * 1e3:,.1f} / {statistics.median(v) * 1e3:,.1f}"
 
-    tab = Table(title=f"no-op gang call, world size {a.world} ({a.repeats} runs, min / median ms; "
+    tab = Table(title=f"no-op gang call, world size {a.world}, {a.collectives} all_reduce(s) per call "
+                    f"({a.repeats} runs, min / median ms; "
                     f"warm rows: median of {a.warm_calls} calls per run; {os.cpu_count()} cores, "
                     "gloo on simulated devices)")
     tab.add_column("path")

@@ -1287,3 +1287,23 @@ def test_a_new_lease_ends_the_free_pass_to_the_scheduler_a_denial_gave() -> None
     assert not leases.hold_back("f1", 0.1)
     leases.granted(_grant(calls=100, seconds=10.0), 0.2)  # then a lease came after all
     assert leases.hold_back("f1", 0.3)  # 64 at the scheduler, a lease open: hold back
+
+
+def test_the_run_time_average_moves_part_of_the_way_to_each_new_one() -> None:
+    leases = Leases()
+    leases.observe("f1", 0.010)
+    leases.observe("f1", 0.020)
+    assert 0.010 < leases._run_time["f1"] < 0.015  # toward the new one, by less than half
+
+
+def test_a_function_with_one_call_left_at_the_scheduler_still_counts_it() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(calls=100, seconds=10.0), now=0.0)
+    leases.to_head("f1", "a")
+    leases.to_head("f1", "b")
+    assert leases.from_head("a", 0.1)  # "b" is still at the scheduler
+    for inv in ("c", "d"):
+        leases.to_head("f1", inv)
+    assert not leases.hold_back("f1", 0.1)  # three there: one more may go
+    leases.to_head("f1", "e")
+    assert leases.hold_back("f1", 0.1)  # LEASED_HEAD_WINDOW there: the rest wait

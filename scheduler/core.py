@@ -484,6 +484,8 @@ class SchedulerCore:
             elif inv.state is InvState.RUNNING and msg.include_running:
                 self.tx.cancel_running(inv, now, msg.reason or "cancelled by the caller")
                 cancelled = True
+        elif inv is None and msg.include_running:
+            self.leases.forward_cancel(peer, msg)  # its call under a lease, maybe running
         if msg.request_id:
             self.send(peer, p.QueryReply(msg.request_id, True, {"cancelled": cancelled}))
 

@@ -259,7 +259,11 @@ class FunctionCall(Generic[R]):
         if self._items is not None:
             raise InvalidSpec(f"{self._name} is a generator function: iterate call.stream()")
         try:
-            res = await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
+            # Shielded: an await that times out or is cancelled leaves the call's own
+            # future alone (else asyncio cancels it too: a later get() raised
+            # CancelledError, and cancel() took the call for finished and left it running).
+            res = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)),
+                                         timeout)
         except asyncio.TimeoutError:
             raise Timeout(f"{self._name} call {self._id} has no result after {timeout}s") from None
         return self._decoded(res)

@@ -335,7 +335,12 @@ class Function(Generic[P, R]):
             shm.release(out.names, client.shm_reusable(result.meta if result else None))
 
     async def _remote_aio(self, *args: Any, **kwargs: Any) -> R:
-        call = self.spawn(*args, **kwargs)
+        if self._yields:
+            self._not_for_generators("remote.aio")
+        client = get_client()
+        # Not kept for `from_id` (no one holds its id): like a blocking call it may go
+        # under a lease, straight to a worker (its client's I/O thread sends it).
+        call = self._start(client, self._submit_message(client, args, kwargs))
         try:
             return await call.get.aio()
         except asyncio.CancelledError:

@@ -319,12 +319,15 @@ class Client:
                                                 f"cancelled before it was sent ({reason})"))
             return
         endpoint = self.leases.endpoint_of(invocation_id)
-        if endpoint is not None:  # under a lease: its worker stops it, the scheduler knows not
+        if endpoint is not None:  # under a lease: its worker drops it if it waits there
             with self._lock:
                 self._direct_box.append((endpoint, p.encode(p.Cancel(
                     invocation_id, reason, include_running))))
-            self._wake()
-            return
+            if not include_running:
+                self._wake()
+                return
+            # A running one (inline on the worker's main thread, which reads the lease's
+            # socket only between calls) is interrupted through the scheduler: below.
         self._enqueue(p.encode(p.Cancel(invocation_id, reason, include_running)))
 
     def cancel_checked(self, invocation_id: str, reason: str = "",

@@ -119,6 +119,23 @@ class SyncChannel:
             poller = self._pollers[g.endpoint] = zmq.Poller()
             poller.register(dsock, zmq.POLLIN)
             poller.register(self.sock, zmq.POLLIN)
+        try:
+            return self._wait_direct(held, dsock, poller, register, submit, name)
+        except KeyboardInterrupt:
+            # Dropped by its worker if it waits there; a running (inline) one is
+            # interrupted from the worker's control thread, through the scheduler.
+            cancel = p.Cancel(inv, "interrupted by the caller")
+            try:
+                sockets.send(dsock, p.encode(cancel), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._send(cancel)
+            raise
+
+    def _wait_direct(self, held: leasing.Held, dsock: zmq.Socket[Any], poller: zmq.Poller,
+                     register: p.Register | None, submit: p.Submit,
+                     name: str) -> p.Result | None:
+        g, inv = held.grant, submit.invocation_id
         while True:
             ready = dict(poller.poll(int(self.client.ping_seconds * 1000)))
             if not ready:

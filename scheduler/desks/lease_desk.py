@@ -218,6 +218,20 @@ class LeaseDesk:
                 self.core.send(target, p.Cancel(lease.id, "revoked: a call waits", True,
                                                 lease.dispatch_token))
 
+    def forward_cancel(self, client: bytes, msg: p.Cancel) -> None:
+        """A client cancels a call the scheduler does not know: one it sent under a lease
+        (it also told the worker, whose main thread reads that only between calls: a
+        running inline call is interrupted from the worker's control thread, as a
+        scheduled one is). To the devices of that client's open leases."""
+        for lease in self.open.values():
+            if lease.client != client or not lease.devices:
+                continue
+            d = self.core.devices.get(lease.devices[0])
+            target = (d.control or d.worker) if d is not None else None
+            if target is not None:
+                self.core.send(target, p.Cancel(msg.invocation_id, msg.reason or
+                                                "cancelled by the caller", True, 0))
+
     def _takers(self, now: float) -> dict[tuple[bytes, str], int]:
         """(client, function) -> its leases that may take its queued calls: none while a
         device runs one of its calls without a lease (that device takes the next, and its

@@ -1307,3 +1307,28 @@ def test_a_function_with_one_call_left_at_the_scheduler_still_counts_it() -> Non
     assert not leases.hold_back("f1", 0.1)  # three there: one more may go
     leases.to_head("f1", "e")
     assert leases.hold_back("f1", 0.1)  # LEASED_HEAD_WINDOW there: the rest wait
+
+
+def test_a_clients_cancel_of_a_call_it_sent_under_a_lease_reaches_the_workers_control() -> None:
+    """The worker's main thread reads a lease's calls (and their cancels) only between
+    calls: a running inline one is interrupted from its control thread, as a scheduled
+    call is. Only the client's own leases' devices are told, and only to stop a running
+    call."""
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    h.hello(b"bob", p.Role.CLIENT)
+
+    def cancels() -> list[tuple[bytes, p.Cancel]]:
+        return [(s.peer, s.msg) for s in h.sent if isinstance(s.msg, p.Cancel)
+                and s.msg.invocation_id == "leased-1"]
+
+    h.feed(b"bob", p.Cancel("leased-1", "not theirs"))
+    h.feed(b"cli", p.Cancel("leased-1", "only if waiting", include_running=False))
+    assert cancels() == []
+    h.feed(b"cli", p.Cancel("leased-1", "stop it"))
+    assert [(peer, c.reason, c.include_running, c.dispatch_token) for peer, c in cancels()] == [
+        (b"w0c", "stop it", True, 0)]
+    h.feed(b"cli", p.Cancel("leased-2"))
+    assert [c.reason for s in h.sent if isinstance(c := s.msg, p.Cancel)
+            and c.invocation_id == "leased-2"] == ["cancelled by the caller"]
+    assert grant.lease_id in h.core.leases.open  # the lease itself goes on

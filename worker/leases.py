@@ -196,7 +196,14 @@ class LeaseBook:
         """Start the next call of each idle lease; end the leases that are over."""
         out: list[LeaseAction] = []
         for lease in list(self.leases.values()):
-            if not lease.closing and now > lease.ends_at + GRACE_SECONDS:
+            # Over at its end once idle (its client stopped sending MARGIN_SECONDS
+            # before); a call running or waiting then may hold it up to the grace. It had
+            # held its device idle through the whole grace, the calls its client sent to
+            # the scheduler meanwhile waiting for it (a leased .map on 4 devices lost a
+            # fifth of its rate to that).
+            idle = lease.running is None and not lease.waiting
+            if not lease.closing and now > lease.ends_at and (
+                    idle or now > lease.ends_at + GRACE_SECONDS):
                 lease.closing = "the lease ran out"
             if lease.closing and lease.waiting:
                 by_peer: dict[bytes, list[str]] = {}
@@ -258,7 +265,9 @@ class LeaseBook:
 
     def next_deadline(self) -> float | None:
         """When a lease runs out (the shell wakes then to end it)."""
-        times = [lease.ends_at for lease in self.leases.values() if not lease.closing]
+        times = [lease.ends_at if lease.running is None and not lease.waiting
+                 else lease.ends_at + GRACE_SECONDS  # (its call's end wakes the shell)
+                 for lease in self.leases.values() if not lease.closing]
         times += [lease.reported + REPORT_SECONDS for lease in self.leases.values()
                   if lease.accounts]
         times += [w[0][0] + EARLY_SECONDS for w in self.early.values()]

@@ -745,9 +745,27 @@ def test_what_ended_or_was_cancelled_is_remembered_a_minute_on_a_late_clock() ->
 def test_a_direct_call_sent_at_the_very_end_of_the_grace_still_runs() -> None:
     book = LeaseBook()
     _open(book, seconds=1.0, max_calls=10)  # ends at 11.0; the grace runs to 11.25
+    [first] = book.offer(b"c", _direct("i0"), 10.99)  # runs across the lease's end
+    assert isinstance(first, Start)
+    assert book.offer(b"c", _direct("i1"), 11.2) == []  # waits behind it, in the grace
     assert not any(isinstance(a, Ended) for a in book.step(11.25))
-    [start] = book.offer(b"c", _direct("i1"), 11.25)
-    assert isinstance(start, Start)
+    assert book.next_deadline() == pytest.approx(11.25)  # busy: the grace's end
+    book.finished(p.Result("i0", True, "", ""), 0.2, 11.25)
+    [start] = book.step(11.25)
+    assert isinstance(start, Start) and start.run.invocation_id == "i1"
+
+
+def test_an_idle_lease_ends_at_its_end_not_after_the_grace() -> None:
+    """Its client stopped sending MARGIN_SECONDS before: held through the grace, its
+    device idled while that client's calls waited for it at the scheduler."""
+    book = LeaseBook()
+    _open(book, seconds=1.0, max_calls=10)  # ends at 11.0
+    assert book.next_deadline() == pytest.approx(11.0)  # the shell wakes then
+    assert not any(isinstance(a, Ended) for a in book.step(11.0))  # not before its end
+    [ended] = book.step(11.001)
+    assert isinstance(ended, Ended) and ended.result.message == "the lease ran out"
+    [refused] = book.offer(b"c", _direct("late"), 11.1)  # a late call goes back
+    assert isinstance(refused, Refuse)
 
 
 def test_a_lease_reports_at_once_when_it_ran_many_calls_in_a_moment() -> None:

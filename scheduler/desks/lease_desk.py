@@ -70,6 +70,14 @@ class LeaseDesk:
         if queued is None or not all(q.wants_lease for q in queued):
             return None  # someone else's call waits, or one of its own that takes no lease
         if not self._only_its_own(d, inv, now):
+            # Another client's lease held the device while this call ran beside it: the
+            # device is wanted by more than its holder, so that lease ends (as when a call
+            # waits); this client's next call here may get one. (A leased .map left its
+            # client's leases idle on every device for up to their second, and the
+            # blocking calls of another thread of that process ran beside them unleased.)
+            for other in list(d.running.values()):
+                if other.lease is not None and other.client != inv.client:
+                    self._revoke(other, now, "revoked: another client's calls run beside it")
             return None
         if any(self._same(lease, inv) and d.key in lease.devices
                and not self._ending(lease, now) for lease in self.open.values()):
@@ -211,12 +219,17 @@ class LeaseDesk:
                             takers[key] = left - 1
                             queued[key] = queue.only_of(key[1], lease.client)
                     continue
-            lease.preempt_asked = now
-            d = self.core.devices.get(lease.devices[0]) if lease.devices else None
-            target = (d.control or d.worker) if d is not None else None
-            if target is not None:
-                self.core.send(target, p.Cancel(lease.id, "revoked: a call waits", True,
-                                                lease.dispatch_token))
+            self._revoke(lease, now, "revoked: a call waits")
+
+    def _revoke(self, lease: Invocation, now: float, why: str) -> None:
+        """The lease takes no more calls; its slot frees when its running call ends."""
+        if lease.preempt_asked is not None:
+            return
+        lease.preempt_asked = now
+        d = self.core.devices.get(lease.devices[0]) if lease.devices else None
+        target = (d.control or d.worker) if d is not None else None
+        if target is not None:
+            self.core.send(target, p.Cancel(lease.id, why, True, lease.dispatch_token))
 
     def forward_cancel(self, client: bytes, msg: p.Cancel) -> None:
         """A client cancels a call the scheduler does not know: one it sent under a lease

@@ -1350,3 +1350,25 @@ def test_a_clients_cancel_of_a_call_it_sent_under_a_lease_reaches_the_workers_co
     assert [c.reason for s in h.sent if isinstance(c := s.msg, p.Cancel)
             and c.invocation_id == "leased-2"] == ["cancelled by the caller"]
     assert grant.lease_id in h.core.leases.open  # the lease itself goes on
+
+
+def test_a_call_of_another_client_that_runs_beside_a_lease_revokes_it() -> None:
+    """Not waiting (the device had room), but the device is wanted by more than the
+    lease's holder: the lease ends, and that other client's next call may get one."""
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    h.hello(b"bob", p.Role.CLIENT)
+
+    def revoked() -> list[str]:
+        return [s.msg.reason for s in h.sent if isinstance(s.msg, p.Cancel)
+                and s.msg.invocation_id == grant.lease_id]
+
+    mine = _submit(h, h.register("g"))  # its own client's other function, beside it
+    assert mine in h.core.devices["n:0"].running
+    h.finish(b"w0", mine)
+    assert revoked() == []  # the lease stays
+    inv = _submit(h, h.register("b"), client=b"bob")
+    assert inv in h.core.devices["n:0"].running  # beside the lease: the device had room
+    h.finish(b"w0", inv)
+    assert revoked() == ["revoked: another client's calls run beside it"]
+    assert not _grants(h, b"bob")  # not while the revoked one holds the device

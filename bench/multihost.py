@@ -42,7 +42,7 @@ def noop(x):
 n, ms = int(sys.argv[1]), float(sys.argv[2])
 if sys.argv[3] == "1":
     from gpufn.api import map_run
-    map_run.LEASED_MAPS = True
+    map_run.LEASED_MAPS = False
 c = gpufn.connect()
 list(work.map([0.0] * 50)); list(noop.map(range(50)))
 out = {}
@@ -78,7 +78,7 @@ def scheduler_pid(serve_pid: int) -> int:
 
 
 def one_run(hosts: int, leases: bool, calls: int, work_ms: float,
-            leased_maps: bool = False) -> dict[str, float]:
+            scheduled_maps: bool = False) -> dict[str, float]:
     root = Path(tempfile.mkdtemp(prefix="gpufn-mh-"))
     net = Network(root)
     token = secrets.token_hex(16)
@@ -109,7 +109,7 @@ def one_run(hosts: int, leases: bool, calls: int, work_ms: float,
         script = root / "client.py"
         script.write_text(CLIENT)
         proc = net.spawn(client, [sys.executable, str(script), str(calls), str(work_ms),
-                                 "1" if leased_maps else "0"],
+                                 "1" if scheduled_maps else "0"],
                          env(client.home, GPUFN_ADDRESS=address), "client.log",
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert proc.stdin is not None and proc.stdout is not None
@@ -138,8 +138,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--work-ms", type=float, default=5.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--leased-maps", action="store_true",
-                    help="the maps take leases in the leases rows (gpufn.api.map_run.LEASED_MAPS)")
+    ap.add_argument("--scheduled-maps", action="store_true",
+                    help="the maps go through the head in the leases rows too "
+                         "(gpufn.api.map_run.LEASED_MAPS off; single calls keep leases)")
     a = ap.parse_args()
     why = netns_unavailable()
     if why is not None:
@@ -148,7 +149,7 @@ def main() -> None:
     for r in range(a.repeats):
         for hosts, leases in ((1, True), (4, True), (1, False), (4, False)):
             rows.setdefault((hosts, leases), []).append(one_run(hosts, leases, a.calls, a.work_ms,
-                                                                      a.leased_maps))
+                                                                      a.scheduled_maps))
         print(f"round {r + 1}/{a.repeats} done", file=sys.stderr)
 
     def cell(key: tuple[int, bool], what: str) -> str:

@@ -396,3 +396,126 @@ def test_reports_are_read_every_sample_interval_and_said_only_when_changed(
     finally:
         watch.close()
         os.close(w)
+
+
+def test_sessions_are_scanned_again_at_the_scan_interval_to_the_tick(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    scans = []
+    monkeypatch.setattr(proc_table, "snapshot", lambda: scans.append(1) or [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)  # steady
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    try:
+        watch.watch("n:0", os.getpid())
+        watch.tick(100.0)
+        assert len(scans) == 1
+        watch.tick(100.0 + SCAN_S)  # SCAN_S after the last scan, exactly (and a sample)
+        assert len(scans) == 2
+    finally:
+        watch.close()
+
+
+def test_a_stop_names_the_models_the_worker_holds_in_host_memory_only_if_any() -> None:
+    [held] = over_budget({"n:0": 2 * GiB}, {"n:0": Budget(GiB, models=512 * MiB)}, 0, "h")
+    assert "limit of 1.50 GiB" in held.reason
+    assert "(with 512 MiB of models in host memory)" in held.reason
+    [bare] = over_budget({"n:0": 2 * GiB}, {"n:0": Budget(GiB)}, 0, "h")
+    assert "of models in host memory" not in bare.reason
+
+
+def test_a_worker_gone_before_it_is_watched_is_watched_without_a_reading(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)  # reaped: its /proc entry is gone
+    watch = MemoryWatch(MiB, 64 * GiB, "h")
+    try:
+        watch.watch("n:0", gone.pid)  # no error: it is found gone at the next scan
+        assert watch.limits() == {"n:0": MiB}
+        assert watch.tick(100.0) == []  # nothing read, nothing over
+    finally:
+        watch.close()
+
+
+def test_a_supervisor_behind_on_reports_gets_the_latest_state_with_the_next_change() -> None:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    reports = Reports(w)
+    try:
+        with pytest.raises(BlockingIOError):
+            while True:  # the pipe full: the supervisor has not read for a while
+                os.write(w, b"x" * 65536)
+        reports.call_started("big", 3 * GiB)  # cannot be written now: not an error
+        assert reports.fd == w
+        with pytest.raises(BlockingIOError):
+            while os.read(r, 65536):  # the supervisor catches up
+                pass
+        reports.call_started("small", GiB)  # the state to say is still the big call's
+        assert os.read(r, 4096) == f"{3 * GiB} 0\n".encode()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_reports_say_nothing_declared_as_zero_and_nothing_new_not_at_all() -> None:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    reports = Reports(w)
+    try:
+        reports.models(0)  # no call, no model: what the supervisor assumes already
+        with pytest.raises(BlockingIOError):
+            os.read(r, 4096)
+        reports.models(5 * MiB)
+        assert os.read(r, 4096) == f"0 {5 * MiB}\n".encode()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_worker_over_its_limit_by_pss_to_the_byte_is_stopped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over by resident bytes (this test process is far over a MiB), the proportional
+    bytes decide: at the limit it stays, a byte over it is stopped."""
+    me = os.getpid()
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [proc_table.Proc(me, 1, 1, me, 0)])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    for pss, stopped in ((MiB, []), (MiB + 1, ["n:0"])):
+        monkeypatch.setattr(proc_table, "pss", lambda pid, n=pss: n)
+        watch = MemoryWatch(MiB, 64 * GiB, "h")
+        try:
+            watch.watch("n:0", me)
+            stops = watch.tick(100.0)
+            assert [s.key for s in stops] == stopped and [s.used for s in stops] == (
+                [pss] if stopped else [])
+        finally:
+            watch.close()
+
+
+def test_a_report_pipe_closed_by_its_worker_never_makes_the_watch_close_another_descriptor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        saved: int | None = os.dup(0)
+    except OSError:
+        saved = None
+    os.dup2(null, 0)  # fd 0 is ours for the test (and put back after)
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    r, w = watch.pipe()
+    try:
+        watch.watch("n:0", os.getpid(), r)
+        os.close(w)  # the worker exited: its end of the pipe closed
+        watch.tick(100.0)
+        with pytest.raises(OSError):
+            os.fstat(r)  # the watch closed its read end
+        watch.forget("n:0")
+        assert os.path.samestat(os.fstat(0), os.fstat(null))  # and nothing else
+    finally:
+        watch.close()
+        if saved is None:
+            os.close(0)
+        else:
+            os.dup2(saved, 0)
+            os.close(saved)
+        os.close(null)

@@ -1372,3 +1372,66 @@ def test_a_call_of_another_client_that_runs_beside_a_lease_revokes_it() -> None:
     h.finish(b"w0", inv)
     assert revoked() == ["revoked: another client's calls run beside it"]
     assert not _grants(h, b"bob")  # not while the revoked one holds the device
+
+
+# ---------------------------------- scheduler, mutation survivors (renewal, hand-over)
+
+
+def test_a_lost_leases_calls_its_client_reports_are_metered_in_the_minute_of_the_report() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    h.feed(b"sup", p.WorkerExited("n:0", 1, -9, "killed by signal 9", 1))
+    wall = h.core.wall(h.now)
+    h.tick((wall // 60 + 1) * 60 + 0.5 - wall)  # half a second into a minute (wall clock)
+    usage = h.core.ops.usage
+
+    def this_minute() -> int:
+        return sum(r["calls"] for r in usage.report(h.core.wall(h.now), since=0.25))
+
+    before = this_minute()
+    h.feed(b"cli", p.LeaseReport(grant.lease_id, [{"id": "d1", "ok": True}]))
+    assert this_minute() == before + 1  # no run time: it ended as it was reported
+
+
+def _ends_at(h: Harness, fid: str, at: float) -> None:
+    """A call of cli's through the scheduler runs beside its lease and ends at `at`."""
+    inv = _submit(h, fid)
+    assert h.runs(b"w0")[-1].invocation_id == inv  # a free slot beside the lease
+    h.now = at
+    h.feed(b"w0", p.Result(inv, True, "", "", p.ResultMeta(dispatch_token=h.token(inv),
+                                                          duration=0.0005), (b"value",)))
+
+
+@pytest.mark.parametrize("seconds, renewable", [(1.0, 0.25), (0.2, 0.1)])
+def test_a_lease_is_renewed_from_its_last_quarter_or_last_tenth_of_a_second_to_the_tick(
+        seconds: float, renewable: float) -> None:
+    """The last quarter of a lease, but at least its last RENEW_SECONDS (0.1 s): a short
+    lease's client stops using it 50 ms before its end."""
+    h, fid = _leasing(lease_seconds=seconds)
+    h.finish(b"w0", _submit(h, fid), duration=0.0005)
+    [first] = _grants(h)
+    started = h.core.invocations[first.lease_id].run_started
+    assert started is not None
+    _ends_at(h, fid, started + seconds - renewable - 0.01)
+    assert len(_grants(h)) == 1
+    _ends_at(h, fid, started + seconds - renewable)
+    assert len(_grants(h)) == 2 and _grants(h)[1].lease_id != first.lease_id
+
+
+def test_a_clients_waiting_calls_are_not_shared_with_its_lease_that_is_ending() -> None:
+    h = _two_leasing(pipeline_depth=0, lease_seconds=1.0)
+    fid = h.register("f")
+    first, second = _submit(h, fid), _submit(h, fid)  # one on each device
+    worker_of = {r.invocation_id: peer for peer in (b"w0", b"w1") for r in h.runs(peer)}
+    h.finish(worker_of[first], first)
+    [a] = _grants(h)
+    waiting = [_submit(h, fid) for _ in range(4)]  # behind `second`, run without a lease
+    assert len(h.core.queue) == 4
+    h.tick(0.8)  # lease a is in its last quarter: its client stops using it soon
+    h.finish(worker_of[second], second)
+    b = _grants(h)[-1]
+    assert b.lease_id != a.lease_id
+    # b takes its share at its grant (every other call: two devices), then the rest, in
+    # queue order: none is left for a.
+    assert [i for g in _grants(h)[1:] for i in g.reclaimed] == waiting[::2] + waiting[1::2]
+    assert all(g.lease_id == b.lease_id for g in _grants(h)[1:]) and len(h.core.queue) == 0

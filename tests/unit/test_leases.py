@@ -1435,3 +1435,41 @@ def test_a_clients_waiting_calls_are_not_shared_with_its_lease_that_is_ending() 
     # queue order: none is left for a.
     assert [i for g in _grants(h)[1:] for i in g.reclaimed] == waiting[::2] + waiting[1::2]
     assert all(g.lease_id == b.lease_id for g in _grants(h)[1:]) and len(h.core.queue) == 0
+
+
+def test_a_clients_waiting_calls_are_shared_by_all_its_leases_in_one_pass() -> None:
+    h = _two_leasing(pipeline_depth=0, lease_seconds=10.0)
+    fid = h.register("f")
+    first, second = _submit(h, fid), _submit(h, fid)  # one on each device
+    worker_of = {r.invocation_id: peer for peer in (b"w0", b"w1") for r in h.runs(peer)}
+    h.finish(worker_of[first], first)
+    [a] = _grants(h)
+    waiting = [_submit(h, fid) for _ in range(8)]  # behind `second`, run without a lease
+    h.finish(worker_of[second], second)
+    b = _grants(h)[-1]
+    assert b.lease_id != a.lease_id
+    # b's grant takes every other call; in the same pass a takes every other call of the
+    # rest (two leases), and b the rest of those: nothing waits.
+    taken = {g.lease_id: [] for g in (a, b)}
+    for g in _grants(h)[1:]:
+        taken[g.lease_id] += g.reclaimed
+    assert taken[a.lease_id] == [waiting[1], waiting[5]]
+    assert taken[b.lease_id] == [*waiting[::2], waiting[3], waiting[7]]
+    assert len(h.core.queue) == 0
+
+
+def test_a_call_waiting_beside_its_clients_ending_lease_revokes_another_clients_lease() -> None:
+    h = _two_leasing(pipeline_depth=0, lease_seconds=1.0)
+    h.hello(b"bob", p.Role.CLIENT)
+    fid = h.register("f")
+    mine = _submit(h, fid)
+    theirs = _submit(h, fid, client=b"bob")  # one on each device
+    worker_of = {r.invocation_id: peer for peer in (b"w0", b"w1") for r in h.runs(peer)}
+    h.finish(worker_of[mine], mine)
+    [a] = _grants(h)
+    h.tick(0.8)  # a is in its last quarter: it takes no more calls through the scheduler
+    h.finish(worker_of[theirs], theirs)
+    [b] = _grants(h, b"bob")
+    _submit(h, fid)  # cli's call waits: a lets it wait for a device, b is revoked for it
+    revoked = [s.msg.invocation_id for s in h.sent if isinstance(s.msg, p.Cancel)]
+    assert revoked == [b.lease_id] and a.lease_id in h.core.leases.open

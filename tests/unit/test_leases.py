@@ -1473,3 +1473,12 @@ def test_a_call_waiting_beside_its_clients_ending_lease_revokes_another_clients_
     _submit(h, fid)  # cli's call waits: a lets it wait for a device, b is revoked for it
     revoked = [s.msg.invocation_id for s in h.sent if isinstance(s.msg, p.Cancel)]
     assert revoked == [b.lease_id] and a.lease_id in h.core.leases.open
+
+
+def test_no_lease_while_its_clients_own_call_that_takes_none_waits() -> None:
+    h, fid = _leasing(pipeline_depth=0)
+    first = _submit(h, fid)
+    spawned = _submit(h, fid, lease=False)  # waits behind it (one slot)
+    h.finish(b"w0", first)
+    assert not _grants(h)
+    assert h.runs(b"w0")[-1].invocation_id == spawned  # the device is its next

@@ -519,3 +519,11 @@ def test_a_report_pipe_closed_by_its_worker_never_makes_the_watch_close_another_
             os.dup2(saved, 0)
             os.close(saved)
         os.close(null)
+
+
+def test_the_workers_together_at_the_ceiling_are_not_over_it() -> None:
+    budgets = {"a": Budget(8 * GiB), "b": Budget(8 * GiB)}
+    ceiling = 10 * GiB
+    assert over_budget({"a": 6 * GiB, "b": 4 * GiB}, budgets, ceiling, "h") == []
+    [stop] = over_budget({"a": 6 * GiB, "b": 4 * GiB + 1}, budgets, ceiling, "h")
+    assert stop.key == "a" and stop.limit == ceiling

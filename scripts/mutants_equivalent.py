@@ -632,4 +632,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_MEMWATCH, 'chunk = os.read(w.reports, 4096)',
                'chunk = os.read(w.reports, 4095)',
                '_read_reports reads until the pipe is empty (BlockingIOError) or closed, so the chunk size changes only how many reads it takes'),
+    Equivalent(_MEMWATCH, "self._next_scan = 0.0  # find its session's members at the next tick",
+               "self._next_scan = -1.0  # find its session's members at the next tick",
+               "tick's now is time.monotonic() (the supervisor's), never negative: now >= 0.0 and now >= -1.0 are both true, the next tick scans either way"),
+    Equivalent(_MEMWATCH, 'w.reports = -1',
+               'w.reports = - 2',
+               'every negative reports fd means none (_read_reports: < 0 returns; close: >= 0 closes): -1 and -2 are alike'),
 )

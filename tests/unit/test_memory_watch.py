@@ -527,3 +527,47 @@ def test_the_workers_together_at_the_ceiling_are_not_over_it() -> None:
     assert over_budget({"a": 6 * GiB, "b": 4 * GiB}, budgets, ceiling, "h") == []
     [stop] = over_budget({"a": 6 * GiB, "b": 4 * GiB + 1}, budgets, ceiling, "h")
     assert stop.key == "a" and stop.limit == ceiling
+
+
+def test_a_workers_limit_is_capped_at_the_hosts_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    watch = MemoryWatch(GiB, 10 * GiB, "h")
+    r, w = watch.pipe()
+    try:
+        watch.watch("n:0", os.getpid(), r)
+        os.write(w, f"{20 * GiB} 0\n".encode())  # declares more than the host has
+        watch.tick(100.0)
+        assert watch.limits() == {"n:0": int(10 * GiB * HOST_CEILING)}
+    finally:
+        watch.close()
+        os.close(w)
+
+
+def test_a_budget_of_any_bytes_is_watched_and_only_zero_is_not() -> None:
+    assert MemoryWatch(1, 64 * GiB, "h").enabled
+    assert not MemoryWatch(0, 64 * GiB, "h").enabled
+
+
+def test_a_workers_last_report_before_it_closed_its_pipe_counts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    r, w = watch.pipe()
+    try:
+        watch.watch("n:0", os.getpid(), r)
+        os.write(w, f"{2 * GiB} 0\n".encode())
+        os.close(w)  # and exited
+        watch.tick(100.0)
+        assert watch.limits() == {"n:0": 2 * GiB}
+    finally:
+        watch.close()
+
+
+def test_a_worker_without_a_report_pipe_says_nothing_and_does_not_fail() -> None:
+    reports = Reports(-1)
+    reports.call_started("inv1", GiB)
+    reports.models(MiB)
+    reports.call_ended("inv1")
+    assert reports.fd == -1

@@ -638,4 +638,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_MEMWATCH, 'w.reports = -1',
                'w.reports = - 2',
                'every negative reports fd means none (_read_reports: < 0 returns; close: >= 0 closes): -1 and -2 are alike'),
+    Equivalent(_MEMWATCH, 'if reports >= 0:',
+               'if reports > 0:',
+               "in watch() on a host that is not watched: the supervisor's fd 0 is always open (gpufn serve and the embedded cluster start it with stdin=DEVNULL), so the read end os.pipe() gives it is never fd 0, and -1 (none) is closed by neither"),
+    Equivalent(_MEMWATCH, 'if reports >= 0:',
+               'if reports >= 1:',
+               "in watch() on a host that is not watched: the supervisor's fd 0 is always open (gpufn serve and the embedded cluster start it with stdin=DEVNULL), so the read end os.pipe() gives it is never fd 0, and -1 (none) is closed by neither"),
 )

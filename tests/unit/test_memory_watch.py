@@ -571,3 +571,17 @@ def test_a_worker_without_a_report_pipe_says_nothing_and_does_not_fail() -> None
     reports.models(MiB)
     reports.call_ended("inv1")
     assert reports.fd == -1
+
+
+def test_closing_the_watch_closes_every_workers_descriptors() -> None:
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    before = len(os.listdir("/proc/self/fd"))
+    pipes = [watch.pipe() for _ in range(2)]
+    for k, (r, _) in enumerate(pipes):
+        watch.watch(f"n:{k}", os.getpid(), r)  # a report pipe and a reader each
+    watch.close()
+    for r, w in pipes:
+        with pytest.raises(OSError):
+            os.fstat(r)
+        os.close(w)
+    assert len(os.listdir("/proc/self/fd")) == before and watch.limits() == {}

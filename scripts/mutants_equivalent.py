@@ -644,4 +644,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_MEMWATCH, 'if reports >= 0:',
                'if reports >= 1:',
                "in watch() on a host that is not watched: the supervisor's fd 0 is always open (gpufn serve and the embedded cluster start it with stdin=DEVNULL), so the read end os.pipe() gives it is never fd 0, and -1 (none) is closed by neither"),
+    Equivalent(_MEMWATCH, 'self._next_sample = 0.0',
+               'self._next_sample = 1.0',
+               "in __init__: tick's now is time.monotonic() (the supervisor's), far past 1 s: the first tick samples either way"),
+    Equivalent(_MEMWATCH, 'if self.fd < 0 or state == self._sent:',
+               'if self.fd < -1 or state == self._sent:',
+               'with no pipe (fd -1) the mutant writes to fd -1, whose EBADF the same function catches (except OSError: self.fd = -1): nothing is sent either way'),
 )

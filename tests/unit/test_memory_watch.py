@@ -495,12 +495,14 @@ def test_a_report_pipe_closed_by_its_worker_never_makes_the_watch_close_another_
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(proc_table, "snapshot", lambda: [])
     monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
-    null = os.open(os.devnull, os.O_RDONLY)
-    try:
-        saved: int | None = os.dup(0)
-    except OSError:
-        saved = None
-    os.dup2(null, 0)  # fd 0 is ours for the test (and put back after)
+    null = os.open(os.devnull, os.O_RDWR)
+    saved: dict[int, int | None] = {}
+    for fd in (0, 1):  # stdin and stdout are ours for the test (and put back after)
+        try:
+            saved[fd] = os.dup(fd)
+        except OSError:
+            saved[fd] = None
+        os.dup2(null, fd)
     watch = MemoryWatch(GiB, 64 * GiB, "h")
     r, w = watch.pipe()
     try:
@@ -510,14 +512,16 @@ def test_a_report_pipe_closed_by_its_worker_never_makes_the_watch_close_another_
         with pytest.raises(OSError):
             os.fstat(r)  # the watch closed its read end
         watch.forget("n:0")
-        assert os.path.samestat(os.fstat(0), os.fstat(null))  # and nothing else
+        for fd in (0, 1):  # and nothing else
+            assert os.path.samestat(os.fstat(fd), os.fstat(null)), fd
     finally:
         watch.close()
-        if saved is None:
-            os.close(0)
-        else:
-            os.dup2(saved, 0)
-            os.close(saved)
+        for fd, was in saved.items():
+            if was is None:
+                os.close(fd)
+            else:
+                os.dup2(was, fd)
+                os.close(was)
         os.close(null)
 
 

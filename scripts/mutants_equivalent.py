@@ -650,4 +650,7 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_MEMWATCH, 'if self.fd < 0 or state == self._sent:',
                'if self.fd < -1 or state == self._sent:',
                'with no pipe (fd -1) the mutant writes to fd -1, whose EBADF the same function catches (except OSError: self.fd = -1): nothing is sent either way'),
+    Equivalent(_MEMWATCH, 'if w.reports < 0:',
+               'if w.reports < 1:',
+               "the supervisor's fd 0 is always open (gpufn serve and the embedded cluster start it with stdin=DEVNULL, as it starts its workers), so the read end os.pipe() gives it is never fd 0: 0 and 'none' (-1) are never told apart"),
 )

@@ -653,4 +653,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_MEMWATCH, 'if w.reports < 0:',
                'if w.reports < 1:',
                "the supervisor's fd 0 is always open (gpufn serve and the embedded cluster start it with stdin=DEVNULL, as it starts its workers), so the read end os.pipe() gives it is never fd 0: 0 and 'none' (-1) are never told apart"),
+    Equivalent(_MEMWATCH, 'self.reports = -1',
+               'self.reports = - 2',
+               'in _Watched.close: a watched worker is closed only as it leaves the watch (forget pops it first), so its reports fd is never read again'),
+    Equivalent(_MEMWATCH, 'if self.fd < 0 or state == self._sent:',
+               'if self.fd < 1 or state == self._sent:',
+               'the report pipe is never fd 0: the supervisor passes its pipe under the same number (pass_fds) to a worker whose fd 0 is its stdin (DEVNULL), so a pipe at 0 could not reach the worker at all'),
 )

@@ -589,3 +589,20 @@ def test_closing_the_watch_closes_every_workers_descriptors() -> None:
             os.fstat(r)
         os.close(w)
     assert len(os.listdir("/proc/self/fd")) == before and watch.limits() == {}
+
+
+def test_forgetting_a_worker_whose_report_pipe_is_already_gone_does_not_fail(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    r, w = watch.pipe()
+    try:
+        watch.watch("n:0", os.getpid(), r)
+        os.close(r)  # gone under the watch (EBADF on every read)
+        watch.tick(100.0)
+        watch.forget("n:0")
+        assert watch.limits() == {}
+    finally:
+        watch.close()
+        os.close(w)

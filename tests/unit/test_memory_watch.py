@@ -606,3 +606,22 @@ def test_forgetting_a_worker_whose_report_pipe_is_already_gone_does_not_fail(
     finally:
         watch.close()
         os.close(w)
+
+
+def test_an_unreadable_latest_report_is_warned_about_and_changes_nothing(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(proc_table, "snapshot", lambda: [])
+    monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)
+    watch = MemoryWatch(GiB, 64 * GiB, "h")
+    r, w = watch.pipe()
+    try:
+        watch.watch("n:0", os.getpid(), r)
+        os.write(w, b"lots\n")
+        with caplog.at_level("WARNING", logger="gpufn.supervisor"):
+            assert watch.tick(100.0) == []
+        assert watch.limits() == {"n:0": GiB}
+        assert [rec.getMessage() for rec in caplog.records] == [
+            f"unreadable memory report from worker {os.getpid()}: b'lots'"]
+    finally:
+        watch.close()
+        os.close(w)

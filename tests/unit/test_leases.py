@@ -1450,7 +1450,7 @@ def test_a_clients_waiting_calls_are_shared_by_all_its_leases_in_one_pass() -> N
     assert b.lease_id != a.lease_id
     # b's grant takes every other call; in the same pass a takes every other call of the
     # rest (two leases), and b the rest of those: nothing waits.
-    taken = {g.lease_id: [] for g in (a, b)}
+    taken: dict[str, list[str]] = {g.lease_id: [] for g in (a, b)}
     for g in _grants(h)[1:]:
         taken[g.lease_id] += g.reclaimed
     assert taken[a.lease_id] == [waiting[1], waiting[5]]

@@ -400,8 +400,13 @@ def test_reports_are_read_every_sample_interval_and_said_only_when_changed(
 
 def test_sessions_are_scanned_again_at_the_scan_interval_to_the_tick(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    scans = []
-    monkeypatch.setattr(proc_table, "snapshot", lambda: scans.append(1) or [])
+    scans: list[float] = []
+
+    def snapshot() -> list[proc_table.Proc]:
+        scans.append(time.monotonic())
+        return []
+
+    monkeypatch.setattr(proc_table, "snapshot", snapshot)
     monkeypatch.setattr(proc_table, "available_memory", lambda: 32 * GiB)  # steady
     watch = MemoryWatch(GiB, 64 * GiB, "h")
     try:

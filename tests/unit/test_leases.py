@@ -1482,3 +1482,22 @@ def test_no_lease_while_its_clients_own_call_that_takes_none_waits() -> None:
     h.finish(b"w0", first)
     assert not _grants(h)
     assert h.runs(b"w0")[-1].invocation_id == spawned  # the device is its next
+
+
+def test_a_clients_cancel_under_a_lease_reaches_its_lease_past_another_clients() -> None:
+    h = _two_leasing()
+    h.hello(b"bob", p.Role.CLIENT)
+    fid = h.register("f")
+
+    def lease_for(client: bytes) -> tuple[bytes, p.LeaseGrant]:
+        inv = _submit(h, fid, client=client)
+        worker = next(s.peer for s in h.sent if isinstance(s.msg, p.Run)
+                      and s.msg.invocation_id == inv)
+        h.finish(worker, inv)
+        return worker, _grants(h, client)[-1]
+
+    lease_for(b"bob")  # opened first: the first the cancel meets
+    mine, _ = lease_for(b"cli")
+    h.feed(b"cli", p.Cancel("leased-1", "stop it"))
+    assert [s.peer for s in h.sent if isinstance(s.msg, p.Cancel)
+            and s.msg.invocation_id == "leased-1"] == [mine]

@@ -1501,3 +1501,13 @@ def test_a_clients_cancel_under_a_lease_reaches_its_lease_past_another_clients()
     h.feed(b"cli", p.Cancel("leased-1", "stop it"))
     assert [s.peer for s in h.sent if isinstance(s.msg, p.Cancel)
             and s.msg.invocation_id == "leased-1"] == [mine]
+
+
+def test_a_busy_leases_call_offered_at_the_graces_very_end_is_taken() -> None:
+    book = LeaseBook()
+    _open(book, seconds=1.0, max_calls=10)  # ends at 11.0; the grace runs to 11.25
+    [first] = book.offer(b"c", _direct("i0"), 10.99)  # runs across the lease's end
+    assert isinstance(first, Start)
+    assert book.offer(b"c", _direct("i1"), 11.25) == []  # waits behind it: not refused
+    [late] = book.offer(b"c", _direct("i2"), 11.2501)
+    assert isinstance(late, Refuse) and late.msg.reason == "the lease ran out"

@@ -1511,3 +1511,11 @@ def test_a_busy_leases_call_offered_at_the_graces_very_end_is_taken() -> None:
     assert book.offer(b"c", _direct("i1"), 11.25) == []  # waits behind it: not refused
     [late] = book.offer(b"c", _direct("i2"), 11.2501)
     assert isinstance(late, Refuse) and late.msg.reason == "the lease ran out"
+
+
+def test_a_lease_running_its_last_call_wakes_the_worker_at_the_graces_end_not_its_end() -> None:
+    book = LeaseBook()
+    _open(book, seconds=1.0, max_calls=10)  # ends at 11.0; the grace runs to 11.25
+    [first] = book.offer(b"c", _direct("i0"), 10.99)  # nothing waits behind it
+    assert isinstance(first, Start)
+    assert book.next_deadline() == pytest.approx(11.25)  # busy: not at its end (11.0)

@@ -613,6 +613,8 @@ class SchedulerCore:
                 self.tx.lost_with_worker(inv, d, now,
                                          f"the worker for device {d.key} was lost ({reason})")
             else:
+                if inv.lease is not None:  # cancelled meanwhile (its client left)
+                    self.leases.open.pop(inv.id, None)
                 self.tx.release_device(inv, d)
         self.gangs.forget_device(d.key)
         self.tx.dirty = True

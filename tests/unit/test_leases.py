@@ -243,6 +243,16 @@ def test_a_lease_lost_with_its_worker_tells_its_client() -> None:
     assert len(h.core.queue) == 0  # never queued again as if it were a call
 
 
+def test_a_lease_whose_client_left_and_whose_worker_died_is_not_left_open() -> None:
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    h.feed(b"cli", p.Goodbye("closed"))  # the lease is cancelled; its worker has not said so
+    assert grant.lease_id in h.core.devices["n:0"].running
+    h.feed(b"sup", p.WorkerExited("n:0", 1, -9, "killed by signal 9", 1))
+    assert grant.lease_id not in h.core.leases.open
+    assert not h.core.devices["n:0"].running
+
+
 def test_a_draining_scheduler_revokes_leases() -> None:
     h, fid = _leasing()
     _, grant, _ = _granted(h, fid)

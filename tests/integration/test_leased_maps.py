@@ -3,8 +3,10 @@ lease holding a few of them by their run time, and each is metered once."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +50,40 @@ def test_a_leased_map_spreads_over_the_devices_and_is_metered_once(lease_seconds
                  what="every call of the map metered once")
         time.sleep(0.5)
         assert _usage_calls(c, "nap") - before == 400
+
+
+@gpufn.gpu(memory="1MiB")
+def mark_after(path: str, seconds: float) -> str:
+    time.sleep(seconds)
+    Path(path).write_text("ran to the end")
+    return path
+
+
+def test_awaited_calls_go_under_a_lease_and_a_cancelled_await_stops_its_call(
+        tmp_path: Path) -> None:
+    """Its own cluster: another function's idle lease of the same client would keep this
+    one's calls off leases until it ended (30 s here; see docs/performance.md)."""
+    with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_LEASE_SECONDS=30) as leasing:
+        _awaited(leasing, tmp_path)
+
+
+def _awaited(leasing: gpufn.Client, tmp_path: Path) -> None:
+    async def some() -> list[str]:
+        return await asyncio.gather(*[mark_after.remote.aio(str(tmp_path / f"w{i}"), 0.0)
+                                      for i in range(40)])
+
+    assert len(asyncio.run(some())) == 40  # the first ones bring the lease
+    direct = leasing.leases.direct_calls
+    assert len(asyncio.run(some())) == 40
+    assert leasing.leases.direct_calls - direct >= 20  # awaited calls take leases too
+    late = tmp_path / "late"
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(mark_after.remote.aio(str(late), 3.0), timeout=0.5))
+    time.sleep(4.0)
+    assert not late.exists()  # the call was stopped on its worker, not left to run
+    assert asyncio.run(some())  # and the function still answers
+    # an await that times out leaves the call itself alone: it can be awaited again
+    call = mark_after.spawn(str(tmp_path / "spawned"), 1.0)
+    with pytest.raises(gpufn.Timeout):
+        asyncio.run(call.get.aio(timeout=0.1))
+    assert call.get(timeout=30) == str(tmp_path / "spawned")

@@ -99,37 +99,6 @@ def test_many_calls_at_once_share_a_lease_by_its_depth(leasing: gpufn.Client) ->
     assert leasing.leases.direct_calls >= LEASE_DEPTH
 
 
-@gpufn.gpu(memory="1MiB")
-def mark_after(path: str, seconds: float) -> str:
-    time.sleep(seconds)
-    Path(path).write_text("ran to the end")
-    return path
-
-
-def test_awaited_calls_go_under_a_lease_and_a_cancelled_await_stops_its_call(
-        leasing: gpufn.Client, tmp_path: Path) -> None:
-    import asyncio
-
-    async def some() -> list[str]:
-        return await asyncio.gather(*[mark_after.remote.aio(str(tmp_path / f"w{i}"), 0.0)
-                                      for i in range(40)])
-
-    direct = leasing.leases.direct_calls
-    assert len(asyncio.run(some())) == 40
-    assert leasing.leases.direct_calls - direct >= 20  # awaited calls take leases too
-    late = tmp_path / "late"
-    with pytest.raises(asyncio.TimeoutError):
-        asyncio.run(asyncio.wait_for(mark_after.remote.aio(str(late), 3.0), timeout=0.5))
-    time.sleep(4.0)
-    assert not late.exists()  # the call was stopped on its worker, not left to run
-    assert asyncio.run(some())  # and the function still answers
-    # an await that times out leaves the call itself alone: it can be awaited again
-    call = mark_after.spawn(str(tmp_path / "spawned"), 1.0)
-    with pytest.raises(gpufn.Timeout):
-        asyncio.run(call.get.aio(timeout=0.1))
-    assert call.get(timeout=30) == str(tmp_path / "spawned")
-
-
 def test_a_call_of_another_client_waits_only_for_the_leased_call_running(
         leasing: gpufn.Client) -> None:
     nap.remote(0.0)  # this thread holds a 30 s lease on the device's slot for nap

@@ -619,7 +619,7 @@ class Client:
         for inv in grant.reclaimed:
             pend = self._calls.get(inv)
             if pend is None or pend.frames is None:
-                self.leases.adopt("", inv)  # not ours any more: off the scheduler's count
+                self.leases.left_head(inv)  # not ours any more: off the scheduler's count
                 continue
             sub = p.decode(pend.frames)
             assert isinstance(sub, p.Submit)

@@ -182,7 +182,7 @@ class Leases:
         taken by it when it has room (the scheduler no longer has the call either way);
         None: the caller routes it as a new call (another lease, the client, or the
         scheduler)."""
-        self._left_head(invocation_id)  # the scheduler no longer has it
+        self.left_head(invocation_id)  # the scheduler no longer has it
         with self._lock:
             held = self._by_id.get(lease_id)
             if held is None or len(held.calls) >= self._depth(held.grant.function_id):
@@ -226,7 +226,7 @@ class Leases:
         """The scheduler answered one (it ran `seconds`); True when calls held back
         should move now (a lease came with it, or none did: then its calls go to the
         scheduler a while)."""
-        fid = self._left_head(invocation_id)
+        fid = self.left_head(invocation_id)
         if fid is None:
             return False
         self.observe(fid, seconds)
@@ -236,7 +236,9 @@ class Leases:
             self._denied[fid] = now + DENIED_SECONDS
         return True
 
-    def _left_head(self, invocation_id: str) -> str | None:
+    def left_head(self, invocation_id: str) -> str | None:
+        """The scheduler no longer has this call (answered, or handed to a lease): off its
+        function's count there; the function's id, or None if it was not counted."""
         fid = self._at_head.pop(invocation_id, None)
         if fid is not None:
             left = self._head_count[fid] = self._head_count.get(fid, 1) - 1

@@ -49,6 +49,11 @@ class Lease:
     def lease_id(self) -> str:
         return self.run.invocation_id
 
+    @property
+    def idle(self) -> bool:
+        """No call of it running or waiting here."""
+        return self.running is None and not self.waiting
+
 
 @dataclass(frozen=True, slots=True)
 class Refuse:
@@ -201,9 +206,8 @@ class LeaseBook:
             # held its device idle through the whole grace, the calls its client sent to
             # the scheduler meanwhile waiting for it (a leased .map on 4 devices lost a
             # fifth of its rate to that).
-            idle = lease.running is None and not lease.waiting
             if not lease.closing and now > lease.ends_at and (
-                    idle or now > lease.ends_at + GRACE_SECONDS):
+                    lease.idle or now > lease.ends_at + GRACE_SECONDS):
                 lease.closing = "the lease ran out"
             if lease.closing and lease.waiting:
                 by_peer: dict[bytes, list[str]] = {}
@@ -265,7 +269,7 @@ class LeaseBook:
 
     def next_deadline(self) -> float | None:
         """When a lease runs out (the shell wakes then to end it)."""
-        times = [lease.ends_at if lease.running is None and not lease.waiting
+        times = [lease.ends_at if lease.idle
                  else lease.ends_at + GRACE_SECONDS  # (its call's end wakes the shell)
                  for lease in self.leases.values() if not lease.closing]
         times += [lease.reported + REPORT_SECONDS for lease in self.leases.values()

@@ -226,10 +226,14 @@ class LeaseDesk:
         if lease.preempt_asked is not None:
             return
         lease.preempt_asked = now
-        d = self.core.devices.get(lease.devices[0]) if lease.devices else None
-        target = (d.control or d.worker) if d is not None else None
+        target = self._control_of(lease)
         if target is not None:
             self.core.send(target, p.Cancel(lease.id, why, True, lease.dispatch_token))
+
+    def _control_of(self, lease: Invocation) -> bytes | None:
+        """Where the lease's device takes cancels (its worker's control channel)."""
+        d = self.core.devices.get(lease.devices[0]) if lease.devices else None
+        return (d.control or d.worker) if d is not None else None
 
     def forward_cancel(self, client: bytes, msg: p.Cancel) -> None:
         """A client cancels a call the scheduler does not know: one it sent under a lease
@@ -237,10 +241,7 @@ class LeaseDesk:
         running inline call is interrupted from the worker's control thread, as a
         scheduled one is). To the devices of that client's open leases."""
         for lease in self.open.values():
-            if lease.client != client or not lease.devices:
-                continue
-            d = self.core.devices.get(lease.devices[0])
-            target = (d.control or d.worker) if d is not None else None
+            target = self._control_of(lease) if lease.client == client else None
             if target is not None:
                 self.core.send(target, p.Cancel(msg.invocation_id, msg.reason or
                                                 "cancelled by the caller", True, 0))

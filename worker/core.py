@@ -102,6 +102,7 @@ class Execute:
 class Interrupt:
     invocation_id: str
     dispatch_token: int = 0  # the dispatch meant (0: any)
+    include_running: bool = True  # for a lease: False ends it only once idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,7 @@ def control_actions(msg: p.Message) -> list[Action]:
     """Cancel, Credit and GroupOp: pure and stateless, so the control thread uses it too (it
     must act while the main thread runs user code); the shell carries these out thread-safely."""
     if isinstance(msg, p.Cancel):
-        return [Interrupt(msg.invocation_id, msg.dispatch_token)]
+        return [Interrupt(msg.invocation_id, msg.dispatch_token, msg.include_running)]
     if isinstance(msg, p.Credit):
         return [Grant(msg.invocation_id, msg.dispatch_token, msg.allowed)]
     if isinstance(msg, p.GroupOp) and msg.op is p.GroupOpKind.ABORT:

@@ -27,6 +27,10 @@ EARLY_SECONDS = 2.0
 REPORT_SECONDS = 0.2  # what a lease ran reaches the scheduler this often (or per REPORT_CALLS)
 REPORT_CALLS = 256
 ENDED_MEMORY_SECONDS = 60.0  # a DirectRun naming a lease ended this lately is refused at once
+# A lease the scheduler asked to end once idle (its client's other function wants the
+# device) ends when no call of it has run or waited for this long: a thread alternating
+# two functions keeps it, a finished .map's idle leases give way to the next function's.
+IDLE_SECONDS = 0.05
 
 
 @dataclass(slots=True)
@@ -44,6 +48,8 @@ class Lease:
     closing: str = ""  # why it ends ("" while open)
     accounts: list[dict[str, Any]] = field(default_factory=list)
     reported: float = 0.0  # when its calls were last reported
+    used: float = 0.0  # when a call of it last came or ended
+    end_when_idle: bool = False  # the scheduler asked it to end once IDLE_SECONDS idle
 
     @property
     def lease_id(self) -> str:
@@ -103,7 +109,7 @@ class LeaseBook:
         assert run.meta.lease is not None
         secret, seconds, max_calls = run.meta.lease[:3]
         self.leases[run.invocation_id] = Lease(run, str(secret), now + float(seconds),
-                                               int(max_calls), now, reported=now)
+                                               int(max_calls), now, reported=now, used=now)
 
     def opened(self, lease_id: str, now: float) -> list[LeaseAction]:
         """After `open`: the DirectRuns that came before it, offered now."""
@@ -131,6 +137,7 @@ class LeaseBook:
             return [Refuse(peer, p.LeaseRefused(msg.lease_id, [msg.invocation_id], why))]
         assert lease is not None
         lease.taken += 1
+        lease.used = now
         early = self.cancelled.pop(msg.invocation_id, None)
         if early is not None and early[0] == peer:
             lease.accounts.append(self._item(lease, msg.invocation_id, False,
@@ -157,13 +164,16 @@ class LeaseBook:
             self.cancelled[invocation_id] = (peer, now)
         return [], entry is not None and entry[1] == peer
 
-    def revoke(self, lease_id: str, why: str) -> bool:
-        """The scheduler (or a restart) ends a lease: no call starts under it any more.
-        Safe from the control thread: it only sets a field the main thread reads."""
+    def revoke(self, lease_id: str, why: str, when_idle: bool = False) -> bool:
+        """The scheduler (or a restart) ends a lease: no call starts under it any more
+        (`when_idle`: once none has come or run for IDLE_SECONDS). Safe from the control
+        thread: it only sets a field the main thread reads."""
         lease = self.leases.get(lease_id)
         if lease is None:
             return False
-        if not lease.closing:
+        if when_idle:
+            lease.end_when_idle = True
+        elif not lease.closing:
             lease.closing = why
         return True
 
@@ -181,6 +191,7 @@ class LeaseBook:
         if lease is not None:
             if lease.running == result.invocation_id:
                 lease.running = None
+            lease.used = now
             lease.accounts.append(self._item(
                 lease, result.invocation_id, result.ok, result.error_kind,
                 duration if duration is not None else now - started, now - started))
@@ -209,6 +220,9 @@ class LeaseBook:
             if not lease.closing and now > lease.ends_at and (
                     lease.idle or now > lease.ends_at + GRACE_SECONDS):
                 lease.closing = "the lease ran out"
+            if (not lease.closing and lease.end_when_idle and lease.idle
+                    and now >= lease.used + IDLE_SECONDS):
+                lease.closing = "idle while its client's other calls wanted the device"
             if lease.closing and lease.waiting:
                 by_peer: dict[bytes, list[str]] = {}
                 for peer, msg in lease.waiting:
@@ -272,6 +286,8 @@ class LeaseBook:
         times = [lease.ends_at if lease.idle
                  else lease.ends_at + GRACE_SECONDS  # (its call's end wakes the shell)
                  for lease in self.leases.values() if not lease.closing]
+        times += [lease.used + IDLE_SECONDS for lease in self.leases.values()
+                  if lease.end_when_idle and lease.idle and not lease.closing]
         times += [lease.reported + REPORT_SECONDS for lease in self.leases.values()
                   if lease.accounts]
         times += [w[0][0] + EARLY_SECONDS for w in self.early.values()]

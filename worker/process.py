@@ -346,7 +346,8 @@ class WorkerProcess:
         interrupt or abort must land while the main thread runs user code, so the control
         thread carries these out itself instead of queueing them for the main thread."""
         if isinstance(a, Interrupt):
-            if self.leases.revoke(a.invocation_id, "revoked by the scheduler"):
+            if self.leases.revoke(a.invocation_id, "revoked by the scheduler",
+                                  when_idle=not a.include_running):
                 self._wake.wake()  # the main thread refuses what waits and ends it
                 return
             self.executor.interrupt(a.invocation_id, a.dispatch_token)  # or refused when it starts

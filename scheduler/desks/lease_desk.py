@@ -47,6 +47,7 @@ class LeaseDesk:
         self.open: dict[str, Invocation] = {}
         self._metered: OrderedDict[str, set[str]] = OrderedDict()  # lease -> calls metered
         self._lost: OrderedDict[str, tuple[bytes, UsageKey]] = OrderedDict()  # lost leases
+        self._idle_asked: set[str] = set()  # open leases asked to end once idle
         self.granted = 0
         self.leased_calls = 0
 
@@ -75,9 +76,16 @@ class LeaseDesk:
             # waits); this client's next call here may get one. (A leased .map left its
             # client's leases idle on every device for up to their second, and the
             # blocking calls of another thread of that process ran beside them unleased.)
+            # A lease of this client's other function gives way only once idle (a thread
+            # alternating two functions keeps it; a finished .map's leases, idle, had
+            # kept the next function's calls off leases for up to their second).
             for other in list(d.running.values()):
-                if other.lease is not None and other.client != inv.client:
+                if other.lease is None:
+                    continue
+                if other.client != inv.client:
                     self._revoke(other, now, "revoked: another client's calls run beside it")
+                elif other.function is not inv.function and not self._ending(other, now):
+                    self._end_when_idle(other)
             return None
         if any(self._same(lease, inv) and d.key in lease.devices
                and not self._ending(lease, now) for lease in self.open.values()):
@@ -229,6 +237,19 @@ class LeaseDesk:
         target = self._control_of(lease)
         if target is not None:
             self.core.send(target, p.Cancel(lease.id, why, True, lease.dispatch_token))
+
+    def _end_when_idle(self, lease: Invocation) -> None:
+        """Ask the lease's worker to end it once no call has used it for a moment
+        (`worker/leases.py` IDLE_SECONDS): once per lease."""
+        if lease.preempt_asked is not None or lease.id in self._idle_asked:
+            return
+        if len(self._idle_asked) >= len(self.open):
+            self._idle_asked &= self.open.keys()
+        target = self._control_of(lease)
+        if target is not None:
+            self._idle_asked.add(lease.id)
+            self.core.send(target, p.Cancel(lease.id, "its client's other calls want the device",
+                                            False, lease.dispatch_token))
 
     def _control_of(self, lease: Invocation) -> bytes | None:
         """Where the lease's device takes cancels (its worker's control channel)."""

@@ -53,6 +53,28 @@ def test_a_leased_map_spreads_over_the_devices_and_is_metered_once(lease_seconds
 
 
 @gpufn.gpu(memory="1MiB")
+def nap_too(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_a_finished_maps_idle_leases_give_way_to_its_clients_next_function() -> None:
+    """After one function's .map its client's leases stay open, idle, on both devices (30 s
+    here). The next function's calls, awaited one at a time, never wait at the scheduler
+    (the devices have room beside the leases), so nothing revoked those: none of them
+    went under a lease until those ended. Now each such call asks them to end once idle,
+    and the next ones take a lease of their own."""
+    async def one_by_one(n: int) -> list[int]:
+        return [await nap_too.remote.aio(0.0) for _ in range(n)]
+
+    with cluster_with(GPUFN_CPU_DEVICES=2, GPUFN_LEASE_SECONDS=30) as c:
+        assert len(set(nap.map([0.002] * 200))) == 2  # leases on both devices
+        direct = c.leases.direct_calls
+        assert len(asyncio.run(one_by_one(300))) == 300
+        assert c.leases.direct_calls - direct >= 200, c.leases.direct_calls - direct
+
+
+@gpufn.gpu(memory="1MiB")
 def mark_after(path: str, seconds: float) -> str:
     time.sleep(seconds)
     Path(path).write_text("ran to the end")

@@ -845,6 +845,47 @@ def test_an_open_lease_with_calls_left_and_none_running_stays_open() -> None:
     assert end.result.message == "revoked: a call waits"  # its client hears why
 
 
+def test_a_lease_asked_to_end_once_idle_ends_after_a_moment_without_a_call() -> None:
+    from gpufn.worker.leases import IDLE_SECONDS
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.0)
+    assert book.revoke("lease:x", "asked", when_idle=True)
+    assert book.next_deadline() == pytest.approx(40.25)  # busy: its own end's grace
+    book.finished(p.Result("i1", True, "", ""), 0.01, 10.02)
+    assert book.next_deadline() == pytest.approx(10.02 + IDLE_SECONDS)  # wakes then
+    assert not any(isinstance(a, Ended) for a in book.step(10.02 + IDLE_SECONDS * 0.9))
+    [start] = book.offer(b"c", _direct("i2"), 10.06)  # still takes calls meanwhile
+    assert isinstance(start, Start)
+    book.finished(p.Result("i2", True, "", ""), 0.01, 10.07)
+    assert not any(isinstance(a, Ended) for a in book.step(10.07 + IDLE_SECONDS - 0.001))
+    [ended] = book.step(10.07 + IDLE_SECONDS)
+    assert isinstance(ended, Ended) and "idle" in ended.result.message
+    assert [i["id"] for i in ended.result.meta.batch_items or []] == ["i1", "i2"]
+
+
+def test_a_lease_not_asked_to_end_once_idle_stays_open_idle_and_a_plain_revoke_ends_it() -> None:
+    book = LeaseBook()
+    _open(book, seconds=30.0, max_calls=10)
+    book.offer(b"c", _direct("i1"), 10.0)
+    book.finished(p.Result("i1", True, "", ""), 0.01, 10.02)
+    assert len(book.reports(15.0)) == 1  # (what it ran, said)
+    assert book.step(15.0) == [] and book.next_deadline() == pytest.approx(40.0)
+    book.offer(b"c", _direct("i2"), 15.0)
+    book.revoke("lease:x", "revoked by the scheduler", when_idle=True)
+    book.revoke("lease:x", "revoked by the scheduler")  # now at once, though busy
+    assert book.offer(b"c", _direct("i3"), 15.0)[0].msg.reason == "revoked by the scheduler"  # type: ignore[union-attr]
+    book.finished(p.Result("i2", True, "", ""), 0.01, 15.001)
+    [ended] = book.step(15.001)
+    assert isinstance(ended, Ended) and ended.result.message == "revoked by the scheduler"
+
+
+def test_a_cancel_carries_whether_it_takes_a_running_call_to_the_worker_shell() -> None:
+    from gpufn.worker.core import Interrupt, control_actions
+    assert control_actions(p.Cancel("lease:x", "r", False, 7)) == [Interrupt("lease:x", 7, False)]
+    assert control_actions(p.Cancel("i", "r", True, 8)) == [Interrupt("i", 8, True)]
+
+
 def test_revoking_every_lease_ends_each_of_them() -> None:
     book = LeaseBook()
     _open(book, seconds=30.0, max_calls=10)
@@ -1376,12 +1417,54 @@ def test_a_call_of_another_client_that_runs_beside_a_lease_revokes_it() -> None:
     mine = _submit(h, h.register("g"))  # its own client's other function, beside it
     assert mine in h.core.devices["n:0"].running
     h.finish(b"w0", mine)
-    assert revoked() == []  # the lease stays
+    assert revoked() == ["its client's other calls want the device"]  # once idle only
     inv = _submit(h, h.register("b"), client=b"bob")
     assert inv in h.core.devices["n:0"].running  # beside the lease: the device had room
     h.finish(b"w0", inv)
-    assert revoked() == ["revoked: another client's calls run beside it"]
+    assert revoked()[1:] == ["revoked: another client's calls run beside it"]
+    [hard] = [s.msg for s in h.sent if isinstance(s.msg, p.Cancel) and s.msg.reason.startswith(
+        "revoked")]
+    assert hard.include_running  # at once, busy or not
     assert not _grants(h, b"bob")  # not while the revoked one holds the device
+
+
+def test_its_clients_other_function_ending_beside_a_lease_asks_it_to_end_once_idle() -> None:
+    """A finished .map's leases, idle on every device, had kept the next function's calls
+    off leases for up to their second. They end once idle now (a thread alternating the
+    two keeps its lease: the worker ends it only after IDLE_SECONDS without a call); then
+    the other function's next call there gets a lease."""
+    h, fid = _leasing()
+    _, grant, run = _granted(h, fid)
+    g = h.register("g")
+
+    def asked() -> list[p.Cancel]:
+        return [s.msg for s in h.sent if isinstance(s.msg, p.Cancel)
+                and s.msg.invocation_id == grant.lease_id]
+
+    h.finish(b"w0", _submit(h, g))
+    h.finish(b"w0", _submit(h, g))
+    [ask] = asked()  # once
+    assert not ask.include_running and ask.dispatch_token == run.dispatch_token
+    assert [s.peer for s in h.sent if s.msg is ask] == [b"w0c"]  # its control channel
+    lease = h.core.invocations[grant.lease_id]
+    assert lease.preempt_asked is None and grant.lease_id in h.core.leases.open  # still open
+    assert not _grants(h)[1:]
+    h.feed(b"w0", p.Result(grant.lease_id, True, "", "idle", p.ResultMeta(
+        dispatch_token=run.dispatch_token, batch_items=[])))
+    assert grant.lease_id not in h.core.leases.open
+    h.finish(b"w0", _submit(h, g))
+    assert _grants(h)[-1].function_id == g
+
+
+def test_a_lease_in_its_last_quarter_is_not_asked_to_end_once_idle() -> None:
+    h, fid = _leasing(lease_seconds=1.0)
+    h.finish(b"w0", _submit(h, fid), duration=0.0005)
+    [grant] = _grants(h)
+    started = h.core.invocations[grant.lease_id].run_started
+    assert started is not None
+    g = h.register("g")
+    _ends_at(h, g, started + 0.76)
+    assert not [s for s in h.sent if isinstance(s.msg, p.Cancel)]  # it ends by itself soon
 
 
 # ---------------------------------- scheduler, mutation survivors (renewal, hand-over)

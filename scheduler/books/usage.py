@@ -126,6 +126,28 @@ class UsageMeter:
         if started is not None:
             self.duration.setdefault(fk, Histogram()).observe(max(0.0, now - started))
 
+    def record_ran(self, key: Key, outcome: str, spans: list[tuple[float, float]]) -> None:
+        """Calls that ran the moment they came (under a lease: no queue wait), each a
+        (started, ended) span: as `record_call` for each, counted once per minute."""
+        if not spans:
+            return
+        fk = (key.app, key.function)
+        waits = self.queue_wait.setdefault(fk, Histogram())
+        durations = self.duration.setdefault(fk, Histogram())
+        ck = (key.app, key.function, key.version, outcome)
+        self.calls_total[ck] = self.calls_total.get(ck, 0) + len(spans)
+        waits.counts[bisect.bisect_left(BOUNDS, 0.0)] += len(spans)
+        minutes: dict[int, tuple[float, int]] = {}  # minute -> (a time in it, calls)
+        for started, ended in spans:
+            durations.observe(max(0.0, ended - started))
+            b = int(ended // BUCKET_S)
+            n = minutes.get(b)
+            minutes[b] = (ended, 1) if n is None else (n[0], n[1] + 1)
+        for t, calls in minutes.values():
+            cell = self._cell(t, key)
+            cell.calls += calls
+            cell.outcomes[outcome] = cell.outcomes.get(outcome, 0) + calls
+
     def record_devices(self, key: Key, started: float, now: float, devices: float) -> None:
         """`devices` were held from `started` to `now`: spread the device-seconds over the
         buckets the interval covers."""

@@ -36,6 +36,10 @@ RENEW_SECONDS = 0.1  # a lease this close to its end may be renewed (`_ending`)
 ACCOUNTED_MEMORY = 1024  # leases whose metered calls are remembered (a late or repeated report)
 
 
+_SUCCEEDED, _CANCELLED, _FAILED = _OUTCOMES = (
+    InvState.SUCCEEDED.value, InvState.CANCELLED.value, InvState.FAILED.value)
+
+
 def is_lease(invocation_id: str) -> bool:
     return invocation_id.startswith(PREFIX)
 
@@ -388,23 +392,27 @@ class LeaseDesk:
         fresh = [i for i in items if i.get("id") not in seen]
         if not fresh:
             return
+        ran: dict[tuple[UsageKey, str], list[tuple[float, float]]] = {}
+        by_outcome = dict.fromkeys(_OUTCOMES, 0)
+        wall = self.core.wall(now)
         for item in fresh:
             seen.add(str(item.get("id")))
             k = key or UsageKey(str(item.get("app", "")), str(item.get("fn", "?")),
                                 int(item.get("v", 0)), str(item.get("user", "")))
-            started = float(item.get("wall", self.core.wall(now)))
-            outcome = (InvState.SUCCEEDED if item.get("ok") else InvState.CANCELLED
-                       if item.get("kind") == CANCELLED else InvState.FAILED).value
-            self.ops.usage.record_call(k, outcome, started, started,
-                                       started + float(item.get("s", 0.0)))
+            started = float(item.get("wall", wall))
+            outcome = (_SUCCEEDED if item.get("ok") else _CANCELLED
+                       if item.get("kind") == CANCELLED else _FAILED)
+            by_outcome[outcome] += 1
+            ran.setdefault((k, outcome), []).append(
+                (started, started + float(item.get("s", 0.0))))
+        for (k, outcome), spans in ran.items():  # one meter entry per key, outcome, minute
+            self.ops.usage.record_ran(k, outcome, spans)
         self.leased_calls += len(fresh)
         if lease is not None:  # `gpufn status`'s calls per function count them too
             lease.function.calls += len(fresh)
         counters = getattr(self.core, "counters", None)
         if counters is not None:
-            ok = sum(1 for i in fresh if i.get("ok"))
-            cancelled = sum(1 for i in fresh if not i.get("ok") and i.get("kind") == CANCELLED)
             counters.submitted += len(fresh)
-            counters.succeeded += ok
-            counters.cancelled += cancelled
-            counters.failed += len(fresh) - ok - cancelled
+            counters.succeeded += by_outcome[_SUCCEEDED]
+            counters.cancelled += by_outcome[_CANCELLED]
+            counters.failed += by_outcome[_FAILED]

@@ -59,6 +59,32 @@ def test_usage_meter_splits_device_time_over_minutes_and_counts_gangs() -> None:
     assert m.duration[("app", "train")].counts[BOUNDS.index(120.0)] == 1  # in (60, 120]
 
 
+def test_calls_that_ran_at_once_are_metered_as_each_call_alone_would_be() -> None:
+    """A lease's report meters its calls together (per key, outcome and minute): the
+    same minutes, counts, outcomes and histograms as one record_call per call."""
+    k, other = Key("app", "f", 1, "ann"), Key("app", "f", 1, "bob")
+    t0 = 10 * BUCKET_S
+    spans = [(t0 + 59.0, t0 + 59.5), (t0 + 59.9, t0 + 60.2), (t0 + 61.0, t0 + 61.0),
+             (t0 + 130.0, t0 + 129.0), (t0 + 5.0, t0 + 65.0)]
+    alone, together = UsageMeter(), UsageMeter()
+    alone.track = together.track = True
+    for started, ended in spans:
+        alone.record_call(k, "succeeded", started, started, ended)
+    alone.record_call(other, "failed", t0, t0, t0 + 1.0)
+    together.record_ran(k, "succeeded", spans)
+    together.record_ran(other, "failed", [(t0, t0 + 1.0)])
+    together.record_ran(other, "failed", [])
+    now = t0 + 200
+    for by in ("function", "user"):
+        assert together.report(now, by=by) == alone.report(now, by=by)
+    for since in (60.0, 120.0, 180.0):
+        assert together.report(now, since=since) == alone.report(now, since=since)
+    assert together.calls_total == alone.calls_total
+    assert together.queue_wait == alone.queue_wait and together.duration == alone.duration
+    assert sorted(map(repr, together.take_dirty())) == sorted(map(repr, alone.take_dirty()))
+    assert together.duration[("app", "f")].counts[BOUNDS.index(60.0)] == 1  # the 60 s one
+
+
 def test_queue_depth_by_priority_is_a_counter() -> None:
     h = Harness(devices=1)
     fid = h.register("f")

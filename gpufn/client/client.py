@@ -59,6 +59,14 @@ class _Pending:
     name: str
     function_id: str = ""
     frames: list[Any] | None = None  # the encoded Submit, sent again if the scheduler forgets us
+    # The Submit itself, encoded only when it goes to the scheduler (most of a leased
+    # .map's calls never do: they leave as DirectRuns).
+    submit: p.Submit | None = None
+
+    def encoded(self) -> list[Any] | None:
+        if self.frames is None and self.submit is not None:
+            self.frames = p.encode(self.submit)
+        return self.frames
 
 
 class Client:
@@ -92,7 +100,7 @@ class Client:
         self._parked: dict[str, list[tuple[str, list[Any]]]] = {}  # until its probe answers
         # Calls of a function kept here while a few of it go to the scheduler, until it
         # grants a lease (they go to the worker) or answers without one (to the scheduler).
-        self._held_back: dict[str, deque[tuple[p.Submit, list[Any]]]] = {}
+        self._held_back: dict[str, deque[p.Submit]] = {}
         self._held_ids: set[str] = set()
         # Sent before the outbox: the new Hello, then what the Welcome makes us send again.
         # While `_resubmit` is set the outbox is held (see `_send_again`).
@@ -196,22 +204,22 @@ class Client:
             fut.set_exception(ConnectionLost("this gpufn client is closed; call gpufn.connect() again"))
             return fut
         submit = self.leases.mark(submit, submit.invocation_id in self._streams)
-        frames = p.encode(submit)
         with self._lock:  # in `_calls` and the outbox together (see `_send_again`)
-            self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, frames)
-            self._route(submit, frames)
+            self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id,
+                                                         None, submit)
+            self._route(submit)
         self._wake()
         return fut
 
-    def _route(self, submit: p.Submit, frames: list[Any]) -> None:
+    def _route(self, submit: p.Submit) -> None:
         """To the worker under a lease when one with room is held for its function, else
         to the scheduler, else (enough of its calls are there, and a lease may come) kept
         here for now (under `_lock`)."""
-        if not self._send_now(submit, frames):
-            self._held_back.setdefault(submit.function_id, deque()).append((submit, frames))
+        if not self._send_now(submit):
+            self._held_back.setdefault(submit.function_id, deque()).append(submit)
             self._held_ids.add(submit.invocation_id)
 
-    def _send_now(self, submit: p.Submit, frames: list[Any]) -> bool:
+    def _send_now(self, submit: p.Submit) -> bool:
         """`_route` but for holding back: False when the call should wait here."""
         now = time.monotonic()
         held = self.leases.take(submit, now)
@@ -221,7 +229,9 @@ class Client:
                 return False
             if submit.lease:
                 self.leases.to_head(fid, submit.invocation_id)
-            self._outbox.append(frames)
+            pend = self._calls.get(submit.invocation_id)
+            frames = pend.encoded() if pend is not None else None
+            self._outbox.append(frames if frames is not None else p.encode(submit))
             return True
         g = held.grant
         self._direct_box.append((g.endpoint, p.encode(p.DirectRun(
@@ -259,19 +269,19 @@ class Client:
         """Submit calls together; `lease=False`: all through the scheduler (a .map whose
         order across devices is the scheduler's to keep: `cost=`)."""
         futs: list[Future[p.Result]] = []
-        frames: list[tuple[p.Submit, list[Any]]] = []
+        submits: list[p.Submit] = []
         closed = self._closed.is_set()
         with self._lock:
             for submit, name in items:
                 fut: Future[p.Result] = Future()
                 submit = self.leases.mark(submit) if lease else submit
-                enc = p.encode(submit)
-                self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id, enc)
+                self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id,
+                                                             None, submit)
                 futs.append(fut)
-                frames.append((submit, enc))
+                submits.append(submit)
             if not closed:
-                for submit, enc in frames:
-                    self._route(submit, enc)
+                for submit in submits:
+                    self._route(submit)
         if closed:
             for f in futs:
                 f.set_exception(ConnectionLost("this gpufn client is closed"))
@@ -598,10 +608,10 @@ class Client:
             for fid in list(self._held_back):
                 queue = self._held_back[fid]
                 while queue:
-                    submit, frames = queue[0]
+                    submit = queue[0]
                     inv = submit.invocation_id
                     if inv in self._held_ids:  # else cancelled meanwhile
-                        if not self._send_now(submit, frames):
+                        if not self._send_now(submit):
                             break
                         self._held_ids.discard(inv)
                     queue.popleft()
@@ -618,15 +628,16 @@ class Client:
             self.leases.handed(grant.function_id, time.monotonic())
         for inv in grant.reclaimed:
             pend = self._calls.get(inv)
-            if pend is None or pend.frames is None:
+            sub: p.Message | None = pend.submit if pend is not None else None
+            if pend is not None and sub is None and pend.frames is not None:
+                sub = p.decode(pend.frames)
+            if not isinstance(sub, p.Submit):
                 self.leases.left_head(inv)  # not ours any more: off the scheduler's count
                 continue
-            sub = p.decode(pend.frames)
-            assert isinstance(sub, p.Submit)
             if self.leases.adopt(grant.lease_id, inv) is None:
                 with self._lock:
                     if inv in self._calls:  # (not cancelled meanwhile)
-                        self._route(sub, pend.frames)
+                        self._route(sub)
                 continue
             frames = p.encode(p.DirectRun(grant.lease_id, grant.secret, inv, sub.frames))
             if self.leases.reach.get(ep) is leasing.Reach.OK:
@@ -654,8 +665,9 @@ class Client:
         with self._lock:
             for inv in ids:
                 pend = self._calls.get(inv)
-                if pend is not None and pend.frames is not None:
-                    self._outbox.append(pend.frames)
+                frames = pend.encoded() if pend is not None else None
+                if frames is not None:
+                    self._outbox.append(frames)
 
     def _lease_ended(self, msg: p.Result) -> None:
         """The scheduler ended a lease of ours. Lost with its worker: the calls in flight
@@ -812,8 +824,8 @@ class Client:
             # call being submitted right now needs its function known when it arrives.
             self._registered = set(self._register_frames)
             again = list(self._register_frames.values())
-            again += [c.frames for inv, c in self._calls.items()
-                      if c.frames is not None and not self.leases.in_flight(inv)]
+            again += [f for inv, c in self._calls.items()
+                      if not self.leases.in_flight(inv) and (f := c.encoded()) is not None]
             again += list(self._status_frames.values())
             sent = {id(f) for f in again}
             self._front.extend(again)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 
 from gpufn.wire import config
@@ -110,7 +110,9 @@ class Leases:
         """The Submit as sent: asking for a lease after it when it may have one."""
         if not self.on or stream or submit.lease or not leasable(submit):
             return submit
-        return replace(submit, lease=True)
+        # (not dataclasses.replace: 7 us a call, a tenth of a leased .map's client time)
+        return p.Submit(submit.invocation_id, submit.function_id, submit.options, submit.keep,
+                        submit.shm, True, submit.frames)
 
     def holds(self, lease_id: str) -> bool:
         """A grant of a lease already held hands it more queued calls (`reclaimed`)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import gpufn
+from gpufn.api.function import Function
 from gpufn.client import default as client_mod
 from gpufn.exceptions import WorkerLost
 from gpufn.wire import protocol as p
@@ -126,8 +127,23 @@ def test_a_call_of_another_client_waits_only_for_the_leased_call_running(
         t.join(30)
 
 
+def _leased_pid(c: gpufn.Client, fn: Function[[float], int]) -> int:
+    """Call `fn` until a call went under a lease (the earlier tests' idle leases of other
+    threads, other clients, hold the device until a call of ours revokes them)."""
+    pids: list[int] = []
+
+    def leased() -> bool:
+        ch = _channel(c)
+        before = ch.leases.direct_calls if ch is not None else 0  # type: ignore[attr-defined]
+        pids.append(fn.remote(0.0))
+        return _channel(c).leases.direct_calls > before  # type: ignore[attr-defined]
+
+    wait_for(leased, timeout=30, what=f"a call of {fn.name} under a lease")
+    return pids[-1]
+
+
 def test_a_worker_lost_during_a_leased_call(leasing: gpufn.Client) -> None:
-    pid = nap.remote(0.0)  # the lease
+    pid = _leased_pid(leasing, nap)  # the lease
     ch = _channel(leasing)
     sent = ch.leases.direct_calls  # type: ignore[attr-defined]
     threading.Timer(0.8, os.kill, (pid, signal.SIGKILL)).start()
@@ -135,7 +151,7 @@ def test_a_worker_lost_during_a_leased_call(leasing: gpufn.Client) -> None:
         nap.remote(5.0)
     assert ch.leases.direct_calls == sent + 1  # type: ignore[attr-defined]
     # With retries, the call runs again (through the scheduler) on the next worker.
-    pid = nap_retried.remote(0.0)
+    pid = _leased_pid(leasing, nap_retried)
     sent = ch.leases.direct_calls  # type: ignore[attr-defined]
     threading.Timer(0.8, os.kill, (pid, signal.SIGKILL)).start()
     again = nap_retried.remote(2.0)

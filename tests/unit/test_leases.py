@@ -361,6 +361,15 @@ def test_the_client_asks_only_for_plain_calls() -> None:
     assert not leases.mark(p.Submit("i", "f1", {}), stream=True).lease
 
 
+def test_a_marked_submit_keeps_every_other_field() -> None:
+    """mark builds the Submit field by field (dataclasses.replace cost 7 us a call)."""
+    import dataclasses
+    sub = p.Submit("i", "f1", {}, keep=False, shm=True, frames=(b"a", b"b"))
+    assert {f.name for f in dataclasses.fields(p.Submit)} == {
+        "invocation_id", "function_id", "options", "keep", "shm", "lease", "frames"}
+    assert Leases().mark(sub) == dataclasses.replace(sub, lease=True)
+
+
 def test_the_client_uses_a_lease_only_on_a_probed_worker_within_its_calls_and_time() -> None:
     leases = Leases()
     sub = leases.mark(p.Submit("i1", "f1", {}))

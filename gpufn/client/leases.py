@@ -29,10 +29,14 @@ PREFIX = "lease:"
 MARGIN_SECONDS = 0.05  # stop using a lease this long before the worker's end
 PROBE_SECONDS = 2.0  # an endpoint that does not answer a probe this fast is unreachable
 # While a function has no lease, at most this many of its calls go to the scheduler at a
-# time (the others wait in the client for a lease); after the scheduler answered one with
-# no lease granted, its calls go to the scheduler freely for DENIED_SECONDS.
+# time (the others wait in the client for a lease); once the scheduler has answered its
+# calls with no lease granted for DENIED_AFTER_SECONDS, they go to the scheduler freely
+# for DENIED_SECONDS. (At the first such answer, a .map's whole window of calls had gone
+# to the scheduler, when a lease came some 50 ms later: the one of its client's other
+# function that held the device ending once idle, or the grants of devices still busy.)
 HEAD_WINDOW = 64
 DENIED_SECONDS = 1.0
+DENIED_AFTER_SECONDS = 0.1
 # Calls in flight under one lease at most: enough to keep its worker busy (it runs up to
 # 64 short calls a round); a .map's others wait in the client or go to the scheduler, so
 # the devices whose leases come later get their share instead of the first lease all.
@@ -103,6 +107,8 @@ class Leases:
         self._at_head: dict[str, str] = {}  # call id -> function id, sent to the scheduler
         self._head_count: dict[str, int] = {}  # function id -> its calls at the scheduler
         self._denied: dict[str, float] = {}  # function id -> until when it is not held back
+        # function id -> (first, latest) answer from the scheduler without a lease, lately
+        self._unleased: dict[str, tuple[float, float]] = {}
         self._handed: dict[str, float] = {}  # function id -> until when it is held back
         self._run_time: dict[str, float] = {}  # function id -> moving average, seconds
 
@@ -125,6 +131,7 @@ class Leases:
             return False
         held = Held(grant, now + grant.seconds - MARGIN_SECONDS, grant.max_calls)
         self._denied.pop(grant.function_id, None)  # a lease came after all: hold back again
+        self._unleased.pop(grant.function_id, None)
         with self._lock:
             self._by_id[grant.lease_id] = held
             self._by_fn.setdefault(grant.function_id, []).append(held)
@@ -235,7 +242,12 @@ class Leases:
         with self._lock:
             leased = any(not h.dead and now < h.ends_at for h in self._by_fn.get(fid, ()))
         if not leased:
-            self._denied[fid] = now + DENIED_SECONDS
+            first, latest = self._unleased.get(fid, (now, now))
+            if now - latest > DENIED_SECONDS:  # an old spell: this one starts now
+                first = now
+            self._unleased[fid] = (first, now)
+            if now - first >= DENIED_AFTER_SECONDS:
+                self._denied[fid] = now + DENIED_SECONDS
         return True
 
     def left_head(self, invocation_id: str) -> str | None:

@@ -9,6 +9,8 @@ import time
 import pytest
 
 from gpufn.client.leases import (
+    DENIED_AFTER_SECONDS,
+    DENIED_SECONDS,
     DEPTH_SECONDS,
     HANDED_SECONDS,
     HEAD_WINDOW,
@@ -953,7 +955,9 @@ def test_a_lease_is_over_at_its_client_side_end_to_the_tick() -> None:
     assert leases.take(leases.mark(p.Submit("i2", "f1", {})), held.ends_at - 0.01) is held
     # The scheduler's answer at that very moment finds no live lease: calls move on freely.
     leases.to_head("f1", "h1")
-    assert leases.from_head("h1", held.ends_at)
+    leases.to_head("f1", "h2")
+    assert leases.from_head("h1", held.ends_at)  # (a spell without a lease starts)
+    assert leases.from_head("h2", held.ends_at + DENIED_AFTER_SECONDS + 1e-9)
     for k in range(HEAD_WINDOW):
         leases.to_head("f1", f"w{k}")
     assert not leases.hold_back("f1", held.ends_at + 0.5)
@@ -995,18 +999,30 @@ def test_an_answer_from_the_scheduler_with_only_a_refused_lease_alive_lets_calls
         leases.to_head("f1", f"w{k}")
     assert leases.hold_back("f1", now)
     assert leases.from_head("w0", now)  # answered: no live lease (the one left is dead)
+    assert leases.from_head("w1", now + DENIED_AFTER_SECONDS + 1e-9)
     leases.to_head("f1", "w64")
+    leases.to_head("f1", "w65")
     assert not leases.hold_back("f1", now + 0.5)
 
 
 def test_calls_go_to_the_scheduler_freely_for_a_second_after_it_granted_none() -> None:
+    """...once it has answered without one for DENIED_AFTER_SECONDS: at the first such
+    answer a lease may be on its way (a .map's whole window had gone to the scheduler)."""
     leases = Leases()
-    for k in range(HEAD_WINDOW):
+    for k in range(HEAD_WINDOW + 4):
         leases.to_head("f1", f"w{k}")
     assert leases.from_head("w0", 10.0)  # no lease came with the answer
-    leases.to_head("f1", "w-last")  # the window is full again
+    assert leases.from_head("w1", 10.0 + DENIED_AFTER_SECONDS * 0.9)
+    assert leases.hold_back("f1", 10.0 + DENIED_AFTER_SECONDS * 0.9)  # not yet
+    assert leases.from_head("w2", 10.0 + DENIED_AFTER_SECONDS + 1e-9)  # still none: denied
     assert not leases.hold_back("f1", 10.5)
+    assert not leases.hold_back("f1", 10.0 + DENIED_AFTER_SECONDS + DENIED_SECONDS - 0.01)
     assert leases.hold_back("f1", 11.25)  # a second on: wait for a lease again
+    # A spell long after the last starts afresh: not denied at its first answer.
+    assert leases.from_head("w3", 20.0)
+    assert leases.hold_back("f1", 20.0)
+    assert leases.from_head("w4", 20.0 + DENIED_AFTER_SECONDS + 1e-9)
+    assert not leases.hold_back("f1", 20.0 + DENIED_AFTER_SECONDS + 1e-9)
 
 
 def test_a_lease_that_ended_after_its_table_pruned_it_is_ended_quietly() -> None:
@@ -1359,12 +1375,18 @@ def test_a_call_withdrawn_before_it_was_sent_is_not_reported_as_answered() -> No
 
 def test_a_new_lease_ends_the_free_pass_to_the_scheduler_a_denial_gave() -> None:
     leases = Leases()
-    for k in range(HEAD_WINDOW + 1):
+    for k in range(HEAD_WINDOW + 2):
         leases.to_head("f1", f"i{k}")
-    assert leases.from_head("i0", 0.0)  # answered with no lease: to the scheduler a while
+    assert leases.from_head("i0", 0.0)  # answered with no lease...
+    assert leases.from_head("i1", 0.1)  # ... for a while: to the scheduler a while
     assert not leases.hold_back("f1", 0.1)
     leases.granted(_grant(calls=100, seconds=10.0), 0.2)  # then a lease came after all
     assert leases.hold_back("f1", 0.3)  # 64 at the scheduler, a lease open: hold back
+    leases.ended("lease:x")
+    for k in range(3):
+        leases.to_head("f1", f"j{k}")
+    assert leases.from_head("i2", 0.4)  # the next spell without one starts afresh
+    assert leases.hold_back("f1", 0.4)
 
 
 def test_the_run_time_average_moves_part_of_the_way_to_each_new_one() -> None:

@@ -201,12 +201,21 @@ class LeaseBook:
     def _item(lease: Lease, invocation_id: str, ok: bool, kind: str, seconds: float,
               ago: float) -> dict[str, Any]:
         """A call the lease ran (or cancelled), as the scheduler meters it."""
+        return {"id": invocation_id, "ok": ok, "kind": kind, "s": seconds,
+                "wall": time.time() - ago}
+
+    @staticmethod
+    def _said(lease: Lease, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The items as sent: the first names the lease's function, app, version and user
+        for all (a scheduler that restarted meters by them; decoding them with every item
+        was a third of the head's CPU per leased call)."""
+        if not items:
+            return items
         meta = lease.run.meta
         terms = meta.lease or []
-        return {"id": invocation_id, "ok": ok, "kind": kind, "fn": lease.run.name,
-                "app": meta.app, "v": meta.version,
-                "user": str(terms[3]) if len(terms) > 3 else "", "s": seconds,
-                "wall": time.time() - ago}
+        first = {**items[0], "fn": lease.run.name, "app": meta.app, "v": meta.version,
+                 "user": str(terms[3]) if len(terms) > 3 else ""}
+        return [first, *items[1:]]
 
     def step(self, now: float) -> list[LeaseAction]:
         """Start the next call of each idle lease; end the leases that are over."""
@@ -244,7 +253,8 @@ class LeaseBook:
                 del self.leases[lease.lease_id]
                 self.ended[lease.lease_id] = now
                 meta = p.ResultMeta(dispatch_token=lease.run.dispatch_token,
-                                    duration=now - lease.opened, batch_items=lease.accounts)
+                                    duration=now - lease.opened,
+                                    batch_items=self._said(lease, lease.accounts))
                 out.append(Ended(p.Result(lease.lease_id, True, "", lease.closing or
                                           "its calls are spent", meta)))
         return out
@@ -273,7 +283,7 @@ class LeaseBook:
         for lease in self.leases.values():
             if lease.accounts and (now - lease.reported >= REPORT_SECONDS
                                    or len(lease.accounts) >= REPORT_CALLS):
-                out.append(p.LeaseReport(lease.lease_id, lease.accounts))
+                out.append(p.LeaseReport(lease.lease_id, self._said(lease, lease.accounts)))
                 lease.accounts, lease.reported = [], now
         return out
 

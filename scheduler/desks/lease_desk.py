@@ -395,10 +395,12 @@ class LeaseDesk:
         ran: dict[tuple[UsageKey, str], list[tuple[float, float]]] = {}
         by_outcome = dict.fromkeys(_OUTCOMES, 0)
         wall = self.core.wall(now)
+        # The worker names the lease's function and user in its first item (for all).
+        k = key or next((UsageKey(str(i.get("app", "")), str(i.get("fn", "?")),
+                                  int(i.get("v", 0)), str(i.get("user", "")))
+                         for i in items if "fn" in i), UsageKey("", "?", 0, ""))
         for item in fresh:
             seen.add(str(item.get("id")))
-            k = key or UsageKey(str(item.get("app", "")), str(item.get("fn", "?")),
-                                int(item.get("v", 0)), str(item.get("user", "")))
             started = float(item.get("wall", wall))
             outcome = (_SUCCEEDED if item.get("ok") else _CANCELLED
                        if item.get("kind") == CANCELLED else _FAILED)

@@ -596,6 +596,28 @@ def test_what_a_lease_ran_is_metered_once_from_reports_its_end_and_its_lost_clie
     assert sum(calls.values()) == 3
 
 
+def test_a_lease_this_scheduler_does_not_know_is_metered_by_its_first_items_names() -> None:
+    """A lease of the scheduler before a restart: its worker's first item names the
+    function, app, version and user for all of the report's items."""
+    book = LeaseBook()
+    _open(book, max_calls=10)
+    for inv in ("i1", "i2", "i3"):
+        book.offer(b"c", _direct(inv), 10.1)
+        book.finished(p.Result(inv, inv != "i2", "" if inv != "i2" else "UserError", ""),
+                      0.01, 10.2)
+        book.step(10.2)
+    [report] = book.reports(10.5)
+    assert [("fn" in i) for i in report.items] == [True, False, False]
+    h = Harness(devices=1)
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1})
+    h.feed(b"w0", report)
+    assert h.core.ops.usage.calls_total == {("a", "f", 2, "succeeded"): 2, ("a", "f", 2, "failed"): 1}
+    [row] = h.core.ops.usage.report(h.core.wall(h.now), by="user")
+    assert (row["user"], row["calls"]) == ("ann", 3)
+    h.feed(b"w0", p.LeaseReport("lease:y", [{"id": "z", "ok": True}]))  # names none
+    assert h.core.ops.usage.calls_total[("", "?", 0, "succeeded")] == 1
+
+
 def test_the_worker_reports_what_a_lease_ran_while_it_lasts() -> None:
     book = LeaseBook()
     _open(book, max_calls=10)
@@ -693,7 +715,8 @@ def test_cancelled_calls_are_reported_as_cancelled_now_and_the_rest_as_they_ran(
     for inv in ("early", "i2"):
         assert (items[inv]["ok"], items[inv]["kind"], items[inv]["s"]) == (False, "Cancelled", 0.0)
         assert abs(items[inv]["wall"] - now) < 5.0  # when it was cancelled: now
-    assert items["i1"]["s"] == pytest.approx(0.5) and items["i1"]["user"] == ""
+    assert items["i1"]["s"] == pytest.approx(0.5) and report.items[0]["user"] == ""
+    assert all("fn" not in i for i in report.items[1:])  # the first names them for all
 
 
 def test_cancels_of_calls_that_never_came_are_forgotten_after_a_minute() -> None:

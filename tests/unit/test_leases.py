@@ -616,6 +616,11 @@ def test_a_lease_this_scheduler_does_not_know_is_metered_by_its_first_items_name
     assert (row["user"], row["calls"]) == ("ann", 3)
     h.feed(b"w0", p.LeaseReport("lease:y", [{"id": "z", "ok": True}]))  # names none
     assert h.core.ops.usage.calls_total[("", "?", 0, "succeeded")] == 1
+    # A first item naming only the function: version 0, and no run time counts as none.
+    h.feed(b"w0", p.LeaseReport("lease:z", [{"id": "z1", "ok": True, "fn": "g"}]))
+    assert h.core.ops.usage.calls_total[("", "g", 0, "succeeded")] == 1
+    from gpufn.scheduler.books.usage import BOUNDS
+    assert h.core.ops.usage.duration[("", "g")].counts[BOUNDS.index(min(BOUNDS))] == 1
 
 
 def test_the_worker_reports_what_a_lease_ran_while_it_lasts() -> None:
@@ -1508,6 +1513,37 @@ def test_its_clients_other_function_ending_beside_a_lease_asks_it_to_end_once_id
     assert grant.lease_id not in h.core.leases.open
     h.finish(b"w0", _submit(h, g))
     assert _grants(h)[-1].function_id == g
+
+
+def test_another_clients_call_revokes_a_lease_that_runs_after_its_clients_own_call() -> None:
+    """The device's running calls are looked at past a plain call (the lease's client's
+    own call of its function, running there since before the lease)."""
+    h, fid = _leasing()
+    h.finish(b"w0", _submit(h, fid, lease=False), duration=0.0005)  # short: pipelined
+    first, second = _submit(h, fid), _submit(h, fid)
+    assert {first, second} <= {r.invocation_id for r in h.runs(b"w0")}
+    h.finish(b"w0", first, duration=0.0005)
+    [grant] = _grants(h)
+    running = list(h.core.devices["n:0"].running)
+    assert running == [second, grant.lease_id]  # the plain call first
+    h.hello(b"bob", p.Role.CLIENT)
+    theirs = _submit(h, h.register("b"), client=b"bob")
+    h.finish(b"w0", theirs)
+    assert [s.msg.reason for s in h.sent if isinstance(s.msg, p.Cancel)] == [
+        "revoked: another client's calls run beside it"]
+
+
+def test_the_leases_asked_to_end_once_idle_are_remembered_only_while_open() -> None:
+    h, fid = _leasing()
+    g = h.register("g")
+    for _ in range(6):
+        _, grant, run = _granted(h, fid)
+        h.finish(b"w0", _submit(h, g))  # asks it to end once idle
+        h.feed(b"w0", p.Result(grant.lease_id, True, "", "idle", p.ResultMeta(
+            dispatch_token=run.dispatch_token, batch_items=[])))
+        assert len(h.core.leases._idle_asked) <= len(h.core.leases.open) + 1
+    asks = [s for s in h.sent if isinstance(s.msg, p.Cancel) and not s.msg.include_running]
+    assert len(asks) == 6
 
 
 def test_a_lease_in_its_last_quarter_is_not_asked_to_end_once_idle() -> None:

@@ -84,6 +84,10 @@ ROOMS: dict[str, Room] = {
     "discovery": Room(("gpufn/net/discovery.py",),
                       (f"{UNIT}/test_discovery.py", "tests/integration/test_discovery_cli.py"),
                       timeout=240.0),
+    # The unit-only first pass of `discovery` (its integration file costs about a minute a
+    # mutant here); both rooms share the module's session, so `--room discovery --survivors`
+    # runs only this pass's survivors with the integration file added.
+    "discovery_unit": Room(("gpufn/net/discovery.py",), (f"{UNIT}/test_discovery.py",)),
     "head": Room(("gpufn/cluster/head.py",),
                  (f"{UNIT}/test_launchers.py", "tests/integration/test_restart.py"),
                  timeout=400.0),

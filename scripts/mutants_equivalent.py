@@ -29,6 +29,7 @@ _LDESK = "scheduler/desks/lease_desk.py"
 _UDESK = "scheduler/desks/user_desk.py"
 _PROC = "worker/host/proc_table.py"
 _MEMWATCH = "worker/host/memory_watch.py"
+_DISC = "gpufn/net/discovery.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -662,4 +663,28 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_MEMWATCH, 'if self.fd < 0 or state == self._sent:',
                'if self.fd < 1 or state == self._sent:',
                'the report pipe is never fd 0: the supervisor passes its pipe under the same number (pass_fds) to a worker whose fd 0 is its stdin (DEVNULL), so a pipe at 0 could not reach the worker at all'),
+    Equivalent(_DISC, "@dataclass(frozen=True, slots=True)", "@dataclass(frozen=True, slots=False)",
+               "Target and ServeProcess: slots only save memory; no attribute is set outside the fields"),
+    Equivalent(_DISC, "@dataclass(frozen=True, slots=True)", "@dataclass(frozen=False, slots=True)",
+               "Target and ServeProcess: nothing assigns to, hashes or keys a dict by either; frozen only guards against it"),
+    Equivalent(_DISC, "except OSError:", "except CosmicRayTestingException:",
+               "serve_processes' listing of /proc: on Linux /proc is always there to list; the except is for systems without it (no serve is found there). The other `except OSError:` lines of the module (reading a process, _same, _owned) have tests that kill theirs, so this entry matches only this one in a run's survivors"),
+    Equivalent(_DISC, "s = mine[0]", "s = mine[ -1]",
+               "inside `if len(mine) == 1`: the first is the last"),
+    Equivalent(_DISC, "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds",
+               "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 2)  # as ZeroMQ binds",
+               "any nonzero value sets the option"),
+    Equivalent(_DISC, "if port == 0 or not _port_in_use(host, port):",
+               "if port == -1 or not _port_in_use(host, port):",
+               "port 0 binds (the kernel picks a free port), so _port_in_use(host, 0) is False and None is returned either way; the check only saves the bind (port -1 is an OverflowError from bind either way)"),
+    Equivalent(_DISC, 'if s.address and config.split_address(s.address)[0].rsplit(":", 1)[-1] == str(port):',
+               'if s.address and config.split_address(s.address)[0].rsplit(":", 1)[+1] == str(port):',
+               'a cluster file\'s endpoint is tcp://HOST:PORT (normalized when written), so rsplit(":", 1) gives two parts: [1] is [-1]'),
+    Equivalent(_DISC, 'if s.address and config.split_address(s.address)[0].rsplit(":", 1)[-1] == str(port):',
+               'if s.address and config.split_address(s.address)[0].rsplit(":", 2)[-1] == str(port):',
+               "the last part after a colon is the same however many splits are made"),
+    Equivalent(_DISC, "except zmq.ZMQError:", "except zmqCosmicRayTestingExceptionZMQError:",
+               "port_holder, _speaks_gpufn's only caller, reaches it only for a host it could bind (an IP or a name that resolves; '*' and '' are mapped to 127.0.0.1 first), which ZeroMQ's connect takes (it fails later, as no answer): no ZMQError comes"),
+    Equivalent(_DISC, "return False", "return True",
+               "_speaks_gpufn's `except zmq.ZMQError: return False`: no ZMQError comes (see the entry above). The module's other `return False` lines (_owned, _port_in_use, answers) have tests that kill theirs"),
 )

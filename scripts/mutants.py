@@ -94,6 +94,10 @@ ROOMS: dict[str, Room] = {
     "streaming": Room(("worker/streaming.py",),
                       (f"{UNIT}/test_stream_bursts.py", f"{UNIT}/test_streams_retries.py",
                        "tests/integration/test_streaming.py"), timeout=300.0),
+    # The unit-only first pass of `streaming` (sharing its session, as discovery_unit).
+    "streaming_unit": Room(("worker/streaming.py",),
+                           (f"{UNIT}/test_stream_bursts.py", f"{UNIT}/test_streams_retries.py"),
+                           timeout=90.0),
     "http": Room(tuple(f"gpufn/http/{m}.py" for m in ("calls", "events", "directory", "pool")),
                  (f"{UNIT}/test_http_pieces.py", "tests/integration/test_http_faults.py"),
                  timeout=400.0),

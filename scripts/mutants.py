@@ -97,7 +97,7 @@ ROOMS: dict[str, Room] = {
     # The unit-only first pass of `streaming` (sharing its session, as discovery_unit).
     "streaming_unit": Room(("worker/streaming.py",),
                            (f"{UNIT}/test_stream_bursts.py", f"{UNIT}/test_streams_retries.py"),
-                           timeout=90.0),
+                           timeout=40.0),
     "http": Room(tuple(f"gpufn/http/{m}.py" for m in ("calls", "events", "directory", "pool")),
                  (f"{UNIT}/test_http_pieces.py", "tests/integration/test_http_faults.py"),
                  timeout=400.0),

@@ -30,6 +30,7 @@ _UDESK = "scheduler/desks/user_desk.py"
 _PROC = "worker/host/proc_table.py"
 _MEMWATCH = "worker/host/memory_watch.py"
 _DISC = "gpufn/net/discovery.py"
+_STREAM = "worker/streaming.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -687,4 +688,28 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "port_holder, _speaks_gpufn's only caller, reaches it only for a host it could bind (an IP or a name that resolves; '*' and '' are mapped to 127.0.0.1 first), which ZeroMQ's connect takes (it fails later, as no answer): no ZMQError comes"),
     Equivalent(_DISC, "return False", "return True",
                "_speaks_gpufn's `except zmq.ZMQError: return False`: no ZMQError comes (see the entry above). The module's other `return False` lines (_owned, _port_in_use, answers) have tests that kill theirs"),
+    Equivalent(_STREAM, "self.is_async = False", "self.is_async = True",
+               "_Flow.__init__: drive sets is_async on the next line, before the flow is registered where is_async() could read it"),
+    Equivalent(_STREAM, "if allowed > self.allowed:", "if allowed >= self.allowed:",
+               "a Credit repeating the current window finds nothing more to take: every value is recorded (`sent`) before it is sent, so the consumer never read one the first grant of that window did not see; the extra notify only wakes a waiter that waits again"),
+    Equivalent(_STREAM, "self.cond.wait(0.5)", "self.cond.wait( 1.5)",
+               "every grant and cancel notifies the waiters: the timeout is only a safety net, 0.5 s or 1.5 s"),
+    Equivalent(_STREAM, "self.cond.wait(0.5)  # big values: a few in flight, not a window of them",
+               "self.cond.wait( 1.5)  # big values: a few in flight, not a window of them",
+               "every grant and cancel notifies the waiters: the timeout is only a safety net, 0.5 s or 1.5 s"),
+    Equivalent(_STREAM, "if not self._batches and not (invocation_id is None and self._told):",
+               "if not self._batches and not (invocation_id is None or self._told):",
+               "the lock-free early return only saves the lock: with no batches the locked path returns [] too, and resets _told only where the original would (a full drain) or where it is already False"),
+    Equivalent(_STREAM, "if nbytes > limit:", "if nbytes >= limit:",
+               "check_payload raises only for a size over the limit: at the limit it returns either way"),
+    Equivalent(_STREAM, 'call.meta["items_per_s"] = n / took if took > 0 and n else None',
+               'call.meta["items_per_s"] = n / took if took >= 0 and n else None',
+               "took is a perf_counter difference across at least one step() call: never 0 (nor negative)"),
+    Equivalent(_STREAM, 'call.meta["items_per_s"] = n / took if took > 0 and n else None',
+               'call.meta["items_per_s"] = n / took if took > -1 and n else None',
+               "took is a perf_counter difference across at least one step() call: never 0 (nor negative)"),
+    Equivalent(_STREAM, "if flow is not None:", "if flow is None:",
+               "the finally of _await (line after `return fut.result()`): a step's finished future left in flow.step is harmless (cancel() on a done future does nothing), and with no flow (aclose) the AttributeError is swallowed by _stream's close like any close error, after aclose ran. The same text before the wait (`flow.step = fut`) has tests that kill its mutants"),
+    Equivalent(_STREAM, "if flow is not None:", "if not flow is not None:",
+               "as the entry above: only the finally's reset of flow.step is left out, harmlessly"),
 )

@@ -84,12 +84,20 @@ ROOMS: dict[str, Room] = {
     "discovery": Room(("gpufn/net/discovery.py",),
                       (f"{UNIT}/test_discovery.py", "tests/integration/test_discovery_cli.py"),
                       timeout=240.0),
+    # The unit-only first pass of `discovery` (its integration file costs about a minute a
+    # mutant here); both rooms share the module's session, so `--room discovery --survivors`
+    # runs only this pass's survivors with the integration file added.
+    "discovery_unit": Room(("gpufn/net/discovery.py",), (f"{UNIT}/test_discovery.py",)),
     "head": Room(("gpufn/cluster/head.py",),
                  (f"{UNIT}/test_launchers.py", "tests/integration/test_restart.py"),
                  timeout=400.0),
     "streaming": Room(("worker/streaming.py",),
                       (f"{UNIT}/test_stream_bursts.py", f"{UNIT}/test_streams_retries.py",
                        "tests/integration/test_streaming.py"), timeout=300.0),
+    # The unit-only first pass of `streaming` (sharing its session, as discovery_unit).
+    "streaming_unit": Room(("worker/streaming.py",),
+                           (f"{UNIT}/test_stream_bursts.py", f"{UNIT}/test_streams_retries.py"),
+                           timeout=40.0),
     "http": Room(tuple(f"gpufn/http/{m}.py" for m in ("calls", "events", "directory", "pool")),
                  (f"{UNIT}/test_http_pieces.py", "tests/integration/test_http_faults.py"),
                  timeout=400.0),

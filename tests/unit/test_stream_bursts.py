@@ -230,3 +230,39 @@ def test_a_fast_producer_s_small_values_never_pile_into_one_unbounded_item() -> 
     assert len(items) >= 3
     assert all(sum(i.sizes) <= ITEM_BYTES for i in items)
     assert sum(i.values() for i in items) == n and items[0].seq == 0
+
+
+def test_a_value_under_64_kib_joins_the_burst_and_one_of_64_kib_goes_alone() -> None:
+    """The bound the docs give (docs/performance.md, Streams): a one-frame value of
+    64 KiB or more goes alone."""
+    from gpufn.worker.streaming import ItemOutbox
+
+    box = ItemOutbox(lambda: None)
+    for seq, size in enumerate((65535, 1, 65536, 1)):
+        box.add("inv", 1, seq, [b"v" * size], size)
+    items = box.drain()
+    assert [(i.seq, i.sizes) for i in items] == [(0, [65535, 1]), (2, []), (3, [])]
+    assert [len(i.frames[0]) for i in items] == [65536, 65536, 1]
+
+
+def test_a_call_s_values_after_its_own_drain_come_in_the_next() -> None:
+    """Draining one call (before its Result) closes its open burst: a value of it added
+    later starts a new one, which the next drain takes, not one already sent."""
+    from gpufn.worker.streaming import ItemOutbox
+
+    box = ItemOutbox(lambda: None)
+    box.add("inv1", 7, 0, ser.dumps(0), len(ser.dumps(0)[0]))
+    assert _values(box.drain("inv1")) == [(0, 0)]
+    box.add("inv1", 7, 1, ser.dumps(1), len(ser.dumps(1)[0]))
+    assert _values(box.drain()) == [(1, 1)]
+
+
+def test_a_burst_grows_to_one_mib_exactly_and_no_further() -> None:
+    from gpufn.worker.streaming import ItemOutbox
+
+    box = ItemOutbox(lambda: None)
+    sizes = [32768] * 32 + [1, 1]  # 32 fill 1 MiB exactly
+    for seq, size in enumerate(sizes):
+        box.add("inv", 1, seq, [b"v" * size], size)
+    items = box.drain()
+    assert [(i.seq, i.sizes) for i in items] == [(0, [32768] * 32), (32, [1, 1])]

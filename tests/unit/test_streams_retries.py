@@ -255,3 +255,264 @@ def test_worker_core_turns_credits_into_grants_and_never_inlines_generators() ->
     core.handle(p.LoadCode(code_id, "iter_gen", tuple(frames)))
     actions = core.handle(p.Run("i", "f", code_id, "iter_gen", 1, p.RunMeta(inline=True), ()))
     assert isinstance(actions[-1], Execute) and actions[-1].inline is False
+
+
+def _until_true(cond: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_driver_interrupt_takes_its_own_dispatch_or_any_and_credit_for_any() -> None:
+    """A cancel names the dispatch it stops (0 or none: whichever runs); one for another
+    dispatch or an unknown call stops nothing. A Credit with dispatch 0 counts for the
+    running one."""
+    from gpufn.worker.streaming import Driver
+
+    sent: list[p.Message] = []
+    driver = Driver(sent.append)
+    t, out = _drive_in_thread(driver, _call(), iter_gen(10_000))
+    assert _until_true(lambda: len(sent) == p.STREAM_WINDOW)
+    driver.grant("inv1", 0, p.STREAM_WINDOW + 3)
+    assert _until_true(lambda: len(sent) == p.STREAM_WINDOW + 3)
+    assert not driver.is_async("inv1") and not driver.is_async("inv2")
+    assert not driver.interrupt("inv2")  # no such call
+    assert not driver.interrupt("inv1", 99)  # another dispatch of it
+    time.sleep(0.2)
+    assert t.is_alive() and not out
+    assert driver.interrupt("inv1")  # no dispatch named: the running one
+    t.join(10)
+    assert isinstance(out[0], Cancelled)
+    assert not driver.interrupt("inv1")  # ended: nothing to stop
+
+
+def test_driver_streams_an_async_generator_and_closes_it_when_cancelled() -> None:
+    import asyncio
+
+    from gpufn.wire import serialization as ser
+    from gpufn.worker.streaming import Driver
+
+    async def agen(n: int, closed: threading.Event) -> Any:
+        try:
+            for i in range(n):
+                await asyncio.sleep(0)
+                yield i
+        finally:
+            closed.set()
+
+    sent: list[p.Message] = []
+    driver = Driver(sent.append)
+    call, closed = _call(), threading.Event()
+    assert driver.drive(call, agen(5, closed)) is None
+    assert [ser.loads(m.frames) for m in sent] == list(range(5))  # type: ignore[attr-defined]
+    assert call.meta["items"] == 5 and call.meta["items_per_s"] > 0 and closed.is_set()
+    # Cancelled while it waits for credit: aclose runs its finally before drive returns
+    # (the generator is kept referenced here, so nothing else would close it).
+    sent.clear()
+    call, closed = _call(), threading.Event()
+    gen = agen(10_000, closed)
+    t, out = _drive_in_thread(driver, call, gen)
+    assert _until_true(lambda: len(sent) == p.STREAM_WINDOW)
+    assert driver.is_async("inv1")
+    assert driver.interrupt("inv1", 7)
+    t.join(10)
+    assert isinstance(out[0], Cancelled) and closed.is_set()
+    assert call.meta["items"] == p.STREAM_WINDOW
+
+
+def test_driver_cancels_a_coroutine_while_it_awaits() -> None:
+    import asyncio
+
+    from gpufn.worker.streaming import Driver
+
+    started, closed = threading.Event(), threading.Event()
+
+    async def slow() -> int:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            closed.set()
+        return 1
+
+    driver = Driver(lambda m: None)
+    t, out = _drive_in_thread(driver, _call(), slow())
+    assert started.wait(10)
+    assert driver.interrupt("inv1", 7)
+    t.join(10)
+    assert not t.is_alive() and isinstance(out[0], Cancelled) and closed.wait(5)
+
+
+def test_a_generator_whose_cleanup_raises_still_ends_cancelled_with_its_meta() -> None:
+    """The generator's own close (its finally) failing does not replace why the stream
+    ended, nor lose the call's stream meta."""
+    from gpufn.worker.streaming import Driver
+
+    def gen() -> Any:
+        try:
+            yield from range(10_000)
+        finally:
+            raise ValueError("cleanup failed")
+
+    sent: list[p.Message] = []
+    driver = Driver(sent.append)
+    call = _call()
+    t, out = _drive_in_thread(driver, call, gen())
+    assert _until_true(lambda: len(sent) == p.STREAM_WINDOW)
+    assert driver.interrupt("inv1", 7)
+    t.join(10)
+    assert isinstance(out[0], Cancelled)
+    assert call.meta["items"] == p.STREAM_WINDOW and call.meta["first_item_s"] >= 0
+
+
+def test_a_stream_of_no_values_has_no_rate() -> None:
+    from gpufn.worker.streaming import Driver
+
+    call = _call()
+    assert Driver(lambda m: None).drive(call, iter_gen(0)) is None
+    assert call.meta == {"items": 0, "first_item_s": None, "items_per_s": None}
+
+
+def _waits(flow: Any, seq: int, for_s: float = 0.3) -> tuple[bool, threading.Event]:
+    """Whether `flow.wait_credit(seq)` is still waiting after `for_s` (in a thread; the
+    event is set when it returns or raises)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            flow.wait_credit(seq)
+        except Cancelled:
+            pass
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return not done.wait(for_s), done
+
+
+def test_unread_bytes_stop_the_producer_from_exactly_stream_bytes() -> None:
+    """Values unread holding STREAM_BYTES or more stop the producer (the first value
+    may always go); one byte less does not; a Credit that reads them lets it on."""
+    from gpufn.worker.streaming import _Flow
+
+    flow = _Flow(7)
+    flow.sent(p.STREAM_BYTES - 1)
+    waits, _ = _waits(flow, 1)
+    assert not waits, "one byte under STREAM_BYTES unread stopped the producer"
+    flow.sent(1)  # now exactly STREAM_BYTES unread
+    waits, done = _waits(flow, 2)
+    assert waits, "the producer went on with STREAM_BYTES unread"
+    flow.grant(p.STREAM_WINDOW + 1)  # the consumer read the first value
+    assert done.wait(5)
+    assert (flow.read, flow.read_bytes) == (1, p.STREAM_BYTES - 1)
+    flow.cancel()
+
+
+def test_credit_is_waited_for_past_the_window_and_a_cancel_wins_over_room() -> None:
+    from gpufn.worker.streaming import _Flow
+
+    flow = _Flow(7)
+    waits, done = _waits(flow, p.STREAM_WINDOW + 1)  # beyond the window, not only at it
+    assert waits
+    flow.grant(p.STREAM_WINDOW + 2)
+    assert done.wait(5)
+    flow.cancel()
+    with pytest.raises(Cancelled):
+        flow.wait_credit(0)  # room enough, but the consumer closed the stream
+
+
+def test_a_producer_waiting_for_credit_or_for_its_bytes_to_be_read_does_not_spin() -> None:
+    from gpufn.worker.streaming import _Flow
+
+    by_count, by_bytes = _Flow(7), _Flow(8)
+    by_bytes.sent(p.STREAM_BYTES)
+    cpu = time.process_time()
+    waits = [_waits(by_count, p.STREAM_WINDOW, 1.0)[0], _waits(by_bytes, 1, 1.0)[0]]
+    used = time.process_time() - cpu
+    by_count.cancel()
+    by_bytes.cancel()
+    assert waits == [True, True]
+    assert used < 0.25, f"{used:.2f} s of CPU in 2 s of waiting"
+
+
+def test_what_needs_driving() -> None:
+    from gpufn.worker.streaming import needs_driving
+
+    async def coro() -> None:
+        pass
+
+    async def agen() -> Any:
+        yield 1
+
+    c = coro()
+    assert needs_driving(iter_gen(1)) and needs_driving(c) and needs_driving(agen())
+    c.close()
+    assert not needs_driving([1, 2]) and not needs_driving(iter([1]))
+
+
+def test_a_stream_s_meta_rate_is_its_values_over_its_time() -> None:
+    from gpufn.worker.streaming import Driver
+
+    call = _call()
+    t0 = time.perf_counter()
+    Driver(lambda m: None).drive(call, iter_gen(50))
+    wall = time.perf_counter() - t0
+    assert call.meta["items"] == 50 and 0 <= call.meta["first_item_s"] <= wall
+    assert call.meta["items_per_s"] >= 50 / wall  # counted over the stream's own time
+
+
+def test_a_yielded_value_over_the_payload_limit_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufn.exceptions import PayloadTooLarge
+    from gpufn.wire import serialization as ser
+    from gpufn.worker.streaming import Driver
+
+    monkeypatch.setenv("GPUFN_MAX_PAYLOAD", "1000")
+
+    def gen() -> Any:
+        yield b"small"
+        yield b"x" * 2000
+
+    sent: list[p.Message] = []
+    with pytest.raises(PayloadTooLarge, match="a value yielded by gen"):
+        Driver(sent.append).drive(_call(), gen())
+    assert [ser.loads(m.frames) for m in sent] == [b"small"]  # type: ignore[attr-defined]
+
+
+def test_a_coroutine_sees_its_call_s_models() -> None:
+    from gpufn.runtime.context import CallContext
+    from gpufn.runtime.models import call_models
+    from gpufn.worker.executor import Call
+    from gpufn.worker.streaming import Driver
+
+    async def names() -> dict[str, str]:
+        return call_models()
+
+    call = Call("inv1", "f", lambda: None, (), CallContext("inv1", "f"), dispatch_token=7,
+                models={"llm": "key-1"})
+    assert Driver(lambda m: None).drive(call, names()) == {"llm": "key-1"}
+
+
+def test_what_never_runs_inline() -> None:
+    import functools
+
+    from gpufn.worker.streaming import is_special
+
+    async def coro() -> None:
+        pass
+
+    async def agen() -> Any:
+        yield 1
+
+    def plain() -> int:
+        return 1
+
+    @functools.wraps(coro)
+    def wrapped() -> Any:
+        return coro()
+
+    assert is_special(iter_gen) and is_special(coro) and is_special(agen)
+    assert is_special(wrapped)  # by what it wraps
+    assert not is_special(plain)

@@ -251,3 +251,255 @@ def test_a_frame_that_is_neither_a_buffer_nor_a_mark_is_refused_clearly() -> Non
         ser.loads([stream, b"not a mark"])
     with pytest.raises(ValueError, match="not a gpufn shared-memory name"):
         ser.loads([stream, shm.mark("/etc/passwd", 2 * MiB, 0, False)])
+
+
+# Written for the mutants cosmic-ray picked in gpufn/wire/shm.py
+# (scripts/mutants.py --room shm).
+
+
+def borrowed_files(owner: int, n: int, nbytes: int = 2 * MiB) -> list[str]:
+    """`n` pooled argument files of another process `owner` (as a caller's pool makes)."""
+    return [shm._new_file(f"{shm.PREFIX}{owner}-{shm.POOLED}{i:016x}", data(nbytes, i + 1))
+            for i in range(n)]
+
+
+def test_a_result_goes_into_a_dropped_argument_file_at_most_twice_its_size() -> None:
+    """A worker's result is written into an argument file of its caller's pool that no
+    view holds any more, when the file is at least as large and at most twice as large;
+    the file then carries the result (not reported free), and no new file is made."""
+    owner = os.getpid() + 10_000_000
+    names = borrowed_files(owner, 3)
+    out = shm.Outgoing(owner, MiB)
+    try:
+        with shm.borrowing() as lent:
+            args = [ser._rebuild_shm_tensor(n, 2 * MiB, "float32", (MiB // 2,), False)
+                    for n in names]
+        del args
+        gc.collect()
+        out.lent = lent
+        same = out.put(data(2 * MiB, 7))  # as large: into the first
+        half = out.put(data(MiB, 8))  # half as large: into the second
+        small = out.put(data(MiB - 64 * 1024, 9))  # less than half: a new file
+        assert (same, half) == (names[0], names[1])
+        assert small is not None and small not in names
+        assert out.names == [same, half, small] and out.nbytes == 4 * MiB - 64 * 1024
+        freed = shm.settle(lent, out, [])
+        assert freed == [names[2]]  # the two carrying the result are not free
+        with open(os.path.join(shm.SHM_DIR, names[1]), "rb") as f:
+            assert f.read(MiB) == bytes(data(MiB, 8))
+    finally:
+        for n in [*names, *out.names]:
+            shm._unlink(n)
+
+
+def test_a_kept_argument_returned_in_part_is_copied_only_as_far_as_the_result_reaches() -> None:
+    owner = os.getpid() + 10_000_000
+    names = borrowed_files(owner, 1)
+    out = shm.Outgoing(owner, 64 * 1024)
+    try:
+        with shm.borrowing() as lent:
+            arg = ser._rebuild_shm_tensor(names[0], 2 * MiB, "float32", (MiB // 2,), False)
+        out.lent = lent
+        frames = ser.dumps(arg[:MiB // 4], out)  # the first MiB of the 2 MiB file
+        assert out.names == names
+        freed = shm.settle(lent, out, frames)  # `arg` still views it: a copy
+        assert freed == [] and out.names != names
+        assert os.path.getsize(os.path.join(shm.SHM_DIR, out.names[0])) == MiB
+        arg.fill_(-1.0)
+        assert torch.equal(ser.loads(frames), torch.full((MiB // 4,), 1.0))
+    finally:
+        for n in [*names, *out.names]:
+            shm._unlink(n)
+
+
+def test_a_kept_argument_from_a_caller_s_pool_is_returned_as_a_copy() -> None:
+    """The copy's name is as long as a pooled file's (the stream holds the name)."""
+    caller = shm.Pool(64 * MiB)
+    caller.pid = os.getpid() + 10_000_000  # another process's pool
+    name = caller.write(data(2 * MiB, 5))
+    out = shm.Outgoing(caller.pid, MiB)
+    try:
+        with shm.borrowing() as lent:
+            arg = ser._rebuild_shm_tensor(name, 2 * MiB, "float32", (MiB // 2,), False)
+        out.lent = lent
+        frames = ser.dumps(arg, out)
+        shm.settle(lent, out, frames)
+        assert out.names != [name] and len(out.names[0]) == len(name)
+        arg.fill_(-1.0)
+        assert torch.equal(ser.loads(frames), torch.full((MiB // 2,), 5.0))
+    finally:
+        for n in [name, *out.names]:
+            shm._unlink(n)
+
+
+def test_a_mark_with_a_negative_size_or_offset_is_refused() -> None:
+    assert shm.marked(shm.mark("gpufn-1-x", 5, 3, True)) == ("gpufn-1-x", 5, 3, True)
+    for nbytes, offset in ((-1, 0), (0, -1), (-1, -1)):
+        with pytest.raises(SerializationError, match="negative size"):
+            shm.marked(shm.mark("gpufn-1-x", nbytes, offset, False))
+
+
+def test_a_full_tmpfs_is_said_at_most_once_a_minute(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    clock = [50_000.0]
+    monkeypatch.setattr(shm.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(shm, "_said_full", 0.0)
+    e = OSError(28, "No space left on device")
+    with caplog.at_level("WARNING", logger="gpufn.shm"):
+        for t in (50_000.0, 50_001.0, 50_059.9, 50_060.0, 50_060.5, 50_120.0):
+            clock[0] = t
+            shm._say_full(e, 4 * MiB)
+    said = [r.getMessage() for r in caplog.records if r.name == "gpufn.shm"]
+    assert len(said) == 3 and all("No space left on device" in s for s in said)
+
+
+def test_a_payload_file_gone_before_its_reader_unlinks_it_is_still_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender removes a call's files when the call ends (a cancel): one removed
+    while its worker maps it is read all the same (the mapping holds the memory)."""
+    import mmap
+
+    out = shm.Outgoing(os.getpid(), MiB)
+    name = out.put(data(2 * MiB, 4))
+    assert name is not None
+    real = mmap.mmap
+
+    def sender_releases_first(fd: int, n: int, **kw: int) -> mmap.mmap:
+        shm.release([name])
+        return real(fd, n, **kw)
+
+    monkeypatch.setattr(mmap, "mmap", sender_releases_first)
+    got = shm.take(name, 2 * MiB)
+    assert bytes(got[:8]) == bytes(data(2 * MiB, 4)[:8]) and mine() == []
+
+
+def test_a_released_pooled_file_does_not_stop_the_release_of_the_next(pool: shm.Pool) -> None:
+    """Releasing a call's files: one of this process's pool goes back to it, one of
+    another process's pool is left to its owner, and the files after each still go."""
+    a = pool.write(data(2 * MiB, 1))
+    theirs = borrowed_files(os.getpid() + 10_000_000, 1)[0]
+    out = shm.Outgoing(os.getpid(), MiB)
+    b, c = out.put(data(2 * MiB, 2)), out.put(data(2 * MiB, 3))
+    assert b is not None and c is not None and mine() == sorted([a, b, c])
+    try:
+        shm.release([a, b, theirs, c], reuse=[a])
+        assert mine() == [a] and pool.free_names() == [a]
+        assert os.path.exists(os.path.join(shm.SHM_DIR, theirs))
+    finally:
+        shm._unlink(theirs)
+
+
+def test_payload_files_are_made_readable_by_their_user_only() -> None:
+    import stat
+
+    out = shm.Outgoing(os.getpid(), MiB)
+    name = out.put(data(2 * MiB, 1))
+    assert name is not None
+    try:
+        mode = os.stat(os.path.join(shm.SHM_DIR, name)).st_mode
+        assert stat.S_IMODE(mode) == 0o600
+    finally:
+        shm.release([name])
+
+
+def test_owned_keeps_only_gpufn_file_names_of_a_list() -> None:
+    names = ["gpufn-12-ab", "gpufn-12-p00", "other-1-x", "gpufn-/../x", 7, None]
+    assert shm.owned(names) == ["gpufn-12-ab", "gpufn-12-p00"]
+    assert shm.owned("gpufn-12-ab") == [] and shm.owned(None) == []
+    assert shm.owned(("gpufn-12-ab",)) == []
+
+
+def test_each_process_gets_its_own_pool_of_the_configured_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "_pool", None)
+    monkeypatch.setenv("GPUFN_SHM_POOL", "3MiB")
+    p = shm.pool()
+    assert p is not None and p.cap == 3 * MiB and p.pid == os.getpid()
+    assert shm.pool() is p  # kept
+    p.pid = os.getpid() + 10_000_000  # as a forked child sees its parent's
+    child = shm.pool()
+    assert child is not None and child is not p and child.pid == os.getpid()
+    monkeypatch.setattr(shm, "_pool", None)
+    monkeypatch.setenv("GPUFN_SHM_POOL", "0")
+    assert shm.pool() is None
+
+
+def test_a_shm_folder_that_is_a_file_turns_shared_memory_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    where = tmp_path / "shm"
+    where.write_bytes(b"")  # writable, but no folder
+    monkeypatch.setattr(shm, "SHM_DIR", str(where))
+    monkeypatch.setattr(shm, "_host", None)
+    with caplog.at_level("WARNING", logger="gpufn.shm"):
+        assert shm.host_id() == ""
+    assert "not a folder this user can write" in caplog.text
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm, "_host", None)
+    assert shm.host_id().endswith(f"/{os.getuid()}{tmp_path}")
+
+
+def test_a_file_exactly_filling_the_cap_is_kept_free() -> None:
+    p = shm.Pool(2 * MiB)
+    a = p.write(data(2 * MiB, 1))
+    try:
+        p.done(a, True)
+        assert p.free_names() == [a]
+        b = p.write(data(2 * MiB, 2))
+        c = p.write(data(MiB, 3))  # a 1 MiB file besides: over the cap, removed when done
+        p.done(b, True)
+        p.done(c, True)
+        assert b == a and p.free_names() == [a] and mine() == [a]
+    finally:
+        p.clear()
+
+
+def test_the_idle_timer_removes_only_files_idle_long_enough() -> None:
+    p = shm.Pool(64 * MiB, idle_s=30.0)
+    a = p.write(data(2 * MiB, 1))
+    try:
+        p.done(a, True)
+        p._expire()  # as the timer would, far too early for this file
+        assert p.free_names() == [a] and mine() == [a]
+    finally:
+        p.clear()
+    assert mine() == []
+
+
+def test_a_free_file_removed_under_the_pool_is_replaced_or_forgotten() -> None:
+    """The sweep (or a person) removed a free file: the next argument gets a new file,
+    and clearing the pool passes over one already gone."""
+    p = shm.Pool(64 * MiB)
+    a = p.write(data(2 * MiB, 1))
+    b = p.write(data(2 * MiB, 2))
+    try:
+        p.done(a, True)
+        p.done(b, True)
+        for n in (a, b):
+            os.unlink(os.path.join(shm.SHM_DIR, n))
+        c = p.write(data(2 * MiB, 3))  # the free file it picked is gone: a new one
+        assert c not in (a, b) and mine() == [c]
+        with open(os.path.join(shm.SHM_DIR, c), "rb") as f:
+            assert f.read(8) == bytes(data(2 * MiB, 3)[:8])
+        p.clear()  # the other one, gone too
+        assert p.free_names() == []
+    finally:
+        p.clear()
+        for n in mine():
+            os.unlink(os.path.join(shm.SHM_DIR, n))
+
+
+def test_a_pool_s_idle_timer_does_not_hold_up_the_process_s_exit() -> None:
+    import subprocess
+    import sys
+
+    code = ("import os\n"
+            "from gpufn.wire import shm\n"
+            "p = shm.Pool(64 * 2**20, idle_s=60.0)\n"
+            "a = p.write(memoryview(bytes(2**20)))\n"
+            "p.done(a, True)\n"
+            "assert p.free_names() == [a]\n"
+            "os.unlink(os.path.join(shm.SHM_DIR, a))\n")
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=20)
+    assert time.monotonic() - t0 < 30  # not the 60 s of the timer

@@ -78,7 +78,7 @@ ROOMS: dict[str, Room] = {
                        (f"{UNIT}/test_proc_table.py", f"{UNIT}/test_memory_watch.py")),
     "memory_watch": Room(("worker/host/memory_watch.py",), (f"{UNIT}/test_memory_watch.py",)),
     "children": Room(("worker/host/children.py",),
-                     (f"{UNIT}/test_memory_watch.py",
+                     (f"{UNIT}/test_children.py", f"{UNIT}/test_memory_watch.py",
                       "tests/integration/test_call_children.py"), timeout=180.0),
     "shm": Room(("gpufn/wire/shm.py",),
                 (f"{UNIT}/test_shm_pool.py", "tests/integration/test_shm.py"), timeout=240.0),

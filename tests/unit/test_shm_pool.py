@@ -26,6 +26,13 @@ pytestmark = [pytest.mark.timeout(60),
 MiB = 2**20
 
 
+def another() -> int:
+    """Another process's pid, alive while the test runs (the pytest parent): files named
+    after a dead pid would be removed under the test by any supervisor's sweep running
+    meanwhile (an integration file on another xdist worker, every 10 s)."""
+    return os.getppid()
+
+
 def mine() -> list[str]:
     return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"{shm.PREFIX}{os.getpid()}-"))
 
@@ -127,7 +134,7 @@ def test_an_argument_is_only_reused_for_one_at_least_as_large_and_at_most_twice(
 
 def test_a_worker_reports_only_the_files_nothing_views_and_copies_one_still_viewed() -> None:
     """What the executor does: unpickle under borrowing(), drop the arguments, settle()."""
-    owner = os.getpid() + 10_000_000  # not this process's pool: nothing is reused here
+    owner = another()  # not this process's pool: nothing is reused here
     names = [shm._new_file(f"{shm.PREFIX}{owner}-{shm.POOLED}{i:016x}",
                            data(2 * MiB, i)) for i in range(3)]
     try:
@@ -218,7 +225,7 @@ def test_a_worker_s_array_result_in_its_argument_file_is_named_or_copied_if_kept
     worker does to it later does not reach the result."""
     import numpy as np
 
-    owner = os.getpid() + 10_000_000  # not this process's pool: nothing is reused here
+    owner = another()  # not this process's pool: nothing is reused here
     names = [shm._new_file(f"{shm.PREFIX}{owner}-{shm.POOLED}{i:016x}",
                            data(2 * MiB, i)) for i in range(2)]
     stream = ser.dumps(np.zeros(MiB // 2, dtype=np.float32))[0]
@@ -271,7 +278,7 @@ def test_a_result_goes_into_a_dropped_argument_file_at_most_twice_its_size() -> 
     """A worker's result is written into an argument file of its caller's pool that no
     view holds any more, when the file is at least as large and at most twice as large;
     the file then carries the result (not reported free), and no new file is made."""
-    owner = os.getpid() + 10_000_000
+    owner = another()
     names = borrowed_files(owner, 3)
     out = shm.Outgoing(owner, MiB)
     try:
@@ -297,7 +304,7 @@ def test_a_result_goes_into_a_dropped_argument_file_at_most_twice_its_size() -> 
 
 
 def test_a_kept_argument_returned_in_part_is_copied_only_as_far_as_the_result_reaches() -> None:
-    owner = os.getpid() + 10_000_000
+    owner = another()
     names = borrowed_files(owner, 1)
     out = shm.Outgoing(owner, 64 * 1024)
     try:
@@ -319,7 +326,7 @@ def test_a_kept_argument_returned_in_part_is_copied_only_as_far_as_the_result_re
 def test_a_kept_argument_from_a_caller_s_pool_is_returned_as_a_copy() -> None:
     """The copy's name is as long as a pooled file's (the stream holds the name)."""
     caller = shm.Pool(64 * MiB)
-    caller.pid = os.getpid() + 10_000_000  # another process's pool
+    caller.pid = another()  # another process's pool
     name = caller.write(data(2 * MiB, 5))
     out = shm.Outgoing(caller.pid, MiB)
     try:
@@ -386,7 +393,7 @@ def test_a_released_pooled_file_does_not_stop_the_release_of_the_next(pool: shm.
     """Releasing a call's files: one of this process's pool goes back to it, one of
     another process's pool is left to its owner, and the files after each still go."""
     a = pool.write(data(2 * MiB, 1))
-    theirs = borrowed_files(os.getpid() + 10_000_000, 1)[0]
+    theirs = borrowed_files(another(), 1)[0]
     out = shm.Outgoing(os.getpid(), MiB)
     b, c = out.put(data(2 * MiB, 2)), out.put(data(2 * MiB, 3))
     assert b is not None and c is not None and mine() == sorted([a, b, c])
@@ -616,7 +623,7 @@ def test_a_result_read_past_its_pooled_file_s_end_fails_and_frees_the_file(
 
 
 def test_a_borrowed_file_is_unmapped_once_settled_and_no_longer_viewed() -> None:
-    owner = os.getpid() + 10_000_000
+    owner = another()
     names = borrowed_files(owner, 1)
     try:
         with shm.borrowing() as lent:
@@ -634,7 +641,7 @@ def test_a_borrowed_file_is_unmapped_once_settled_and_no_longer_viewed() -> None
 
 
 def test_only_a_buffer_wholly_inside_an_argument_file_is_named() -> None:
-    owner = os.getpid() + 10_000_000
+    owner = another()
     names = borrowed_files(owner, 1)
     try:
         with shm.borrowing() as lent:
@@ -651,7 +658,7 @@ def test_only_a_buffer_wholly_inside_an_argument_file_is_named() -> None:
 
 
 def test_a_zero_byte_read_of_a_borrowed_file_is_an_empty_array() -> None:
-    owner = os.getpid() + 10_000_000
+    owner = another()
     names = borrowed_files(owner, 1)
     try:
         with shm.borrowing() as lent:

@@ -779,3 +779,9 @@ def test_a_forked_child_never_removes_its_parent_s_pooled_files(pool: shm.Pool) 
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert mine() == [a]
+
+
+def test_the_sweep_of_a_folder_that_cannot_be_listed_removes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path / "gone"))
+    assert shm.sweep() == 0

@@ -785,3 +785,57 @@ def test_the_sweep_of_a_folder_that_cannot_be_listed_removes_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path / "gone"))
     assert shm.sweep() == 0
+
+
+def test_an_argument_under_half_a_free_file_s_size_gets_a_new_file(pool: shm.Pool) -> None:
+    a = pool.write(data(2 * MiB, 1))
+    shm.release([a], reuse=[a])
+    small = pool.write(data(3 * MiB // 4, 2))  # 2 MiB is more than twice 0.75 MiB
+    assert small != a and pool.free_names() == [a]
+
+
+def test_a_file_whose_write_fails_is_closed_and_removed() -> None:
+    import numpy as np
+
+    name = f"{shm.PREFIX}{os.getpid()}-{0:016x}"
+    strided = memoryview(np.arange(2 * MiB, dtype=np.uint8)[::2])  # pwrite refuses it
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        shm._new_file(name, strided)
+    assert mine() == [] and len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_hold_without_a_pool_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "_pool", None)
+    shm.hold([f"{shm.PREFIX}{os.getpid()}-{shm.POOLED}{0:016x}"])  # no pool: no error
+
+
+def test_a_host_without_a_boot_id_uses_no_shared_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_proc(path: str, *a: object, **kw: object) -> object:
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(shm, "open", no_proc, raising=False)  # /proc masked
+    monkeypatch.setattr(shm, "_host", None)
+    assert shm.host_id() == ""
+
+
+def test_a_result_s_bytes_that_begin_like_a_mark_are_not_rewritten() -> None:
+    """settle() renames a copied file in the stream and in the marks, never inside a
+    socket frame of the result's own bytes, whatever they hold."""
+    owner = another()
+    names = borrowed_files(owner, 1)
+    out = shm.Outgoing(owner, MiB)
+    try:
+        with shm.borrowing() as lent:
+            arg = ser._rebuild_shm_tensor(names[0], 2 * MiB, "float32", (MiB // 2,), False)
+        out.lent = lent
+        payload = shm.MARK + names[0].encode() + b" " * (100 * 1024)  # out of band, no file
+        frames = ser.dumps((arg, bytearray(payload)), out)
+        shm.settle(lent, out, frames)  # `arg` is still viewed: a copy, renamed
+        assert out.names != names
+        back_arg, back = ser.loads(frames)
+        assert bytes(back) == payload and torch.equal(back_arg, torch.full((MiB // 2,), 1.0))
+    finally:
+        for n in [*names, *out.names]:
+            shm._unlink(n)

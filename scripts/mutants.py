@@ -8,6 +8,7 @@ listed with their diffs, minus the ones `mutants_equivalent.py` says no test can
     python scripts/mutants.py --room users --resume  # go on with an interrupted run
     python scripts/mutants.py --room users --survivors  # only the last run's survivors again
     python scripts/mutants.py --room users --report  # the last run's score and survivors
+    python scripts/mutants.py --room shm --unit-only # a first pass with the unit files only
 
 cosmic-ray edits the module on disk, runs the test command as a subprocess and puts the
 file back; so the editable install (`scheduler/` is `gpufn.scheduler` through
@@ -77,7 +78,7 @@ ROOMS: dict[str, Room] = {
                        (f"{UNIT}/test_proc_table.py", f"{UNIT}/test_memory_watch.py")),
     "memory_watch": Room(("worker/host/memory_watch.py",), (f"{UNIT}/test_memory_watch.py",)),
     "children": Room(("worker/host/children.py",),
-                     (f"{UNIT}/test_memory_watch.py",
+                     (f"{UNIT}/test_children.py", f"{UNIT}/test_memory_watch.py",
                       "tests/integration/test_call_children.py"), timeout=180.0),
     "shm": Room(("gpufn/wire/shm.py",),
                 (f"{UNIT}/test_shm_pool.py", "tests/integration/test_shm.py"), timeout=240.0),
@@ -162,9 +163,11 @@ def slug(module: str) -> str:
     return module.removesuffix(".py").replace("/", ".")
 
 
-def config_for(module: str, room: Room) -> Path:
-    """The cosmic-ray config of one module (written into .mutation/)."""
-    tests = " ".join(room.tests)
+def config_for(module: str, room: Room, unit_only: bool = False) -> Path:
+    """The cosmic-ray config of one module (written into .mutation/); with `unit_only`
+    the room's integration files are left out (a fast first pass: `--survivors` without
+    it then runs only what the unit files let survive against every test)."""
+    tests = " ".join(t for t in room.tests if not unit_only or t.startswith(f"{UNIT}/"))
     # -p no:cacheprovider: the mutant's run leaves nothing behind; -x: the first failure kills
     command = f"{sys.executable} -m pytest -x -q -p no:cacheprovider -o addopts= -m 'not slow' {tests}"
     excluded = ", ".join(json.dumps(e) for e in EXCLUDED_OPERATORS)
@@ -194,8 +197,9 @@ def forget_survivors(db: Path) -> None:
                     "AND test_outcome = 'SURVIVED'")
 
 
-def run_module(module: str, room: Room, deadline: float, resume: bool) -> dict[str, object]:
-    cfg = config_for(module, room)
+def run_module(module: str, room: Room, deadline: float, resume: bool,
+               unit_only: bool = False) -> dict[str, object]:
+    cfg = config_for(module, room, unit_only)
     db = WORK / f"{slug(module)}.sqlite"
     if not (resume and db.exists()):
         db.unlink(missing_ok=True)
@@ -303,6 +307,8 @@ def main() -> int:
     ap.add_argument("--survivors", action="store_true",
                     help="run the last session's survivors again")
     ap.add_argument("--report", action="store_true", help="only report the last session")
+    ap.add_argument("--unit-only", action="store_true",
+                    help="run the room's unit files only (a first pass; then --survivors)")
     ap.add_argument("--list", action="store_true")
     a = ap.parse_args()
     if a.list or not a.room:
@@ -322,7 +328,8 @@ def main() -> int:
             if a.survivors:
                 forget_survivors(db)
             out = (summarize(module, db) if a.report
-                   else run_module(module, room, deadline, a.resume or a.survivors))
+                   else run_module(module, room, deadline, a.resume or a.survivors,
+                                   a.unit_only))
             report(out)
             worst = min(worst, float(out["score"]))  # type: ignore[arg-type]
     return 0 if worst >= 90.0 else 1

@@ -1161,6 +1161,26 @@ def test_the_count_of_calls_at_the_scheduler_goes_down_to_zero_one_by_one() -> N
     assert leases.hold_back("f1", 0.0)  # b and 63 more: the window is full
 
 
+def test_answers_while_a_lease_is_alive_start_no_spell_toward_a_free_pass() -> None:
+    leases = Leases()
+    _reachable(leases, _grant(seconds=60.0, calls=1), now=0.0)
+    for k in range(HEAD_WINDOW + 2):
+        leases.to_head("f1", f"w{k}")
+    assert leases.from_head("w0", 0.0)  # a lease is alive (spent, not over): no spell
+    leases.ended("lease:x")
+    assert leases.from_head("w1", 0.0 + DENIED_AFTER_SECONDS + 1e-9)  # the spell starts
+    assert leases.hold_back("f1", 0.2)  # not denied yet: the window holds
+
+
+def test_a_spell_without_a_lease_goes_on_across_a_gap_of_exactly_its_free_pass() -> None:
+    leases = Leases()
+    for k in range(HEAD_WINDOW + 2):
+        leases.to_head("f1", f"w{k}")
+    assert leases.from_head("w0", 10.0)
+    assert leases.from_head("w1", 10.0 + DENIED_SECONDS)  # the same spell: denied
+    assert not leases.hold_back("f1", 10.0 + DENIED_SECONDS)
+
+
 # ------------------------------------------------------- scheduler, mutation survivors
 
 

@@ -94,7 +94,11 @@ def load_module(path: str | Path) -> ModuleType:
     old = sys.modules.get(name)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        # Compiled from the file as it is now, not through the loader: its bytecode cache
+        # is keyed by the source's mtime in whole seconds and its size, so an app edited
+        # and deployed again within the same second (same size) ran the old code.
+        code = compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+        exec(code, module.__dict__)
     except BaseException as e:
         if old is not None:
             sys.modules[name] = old

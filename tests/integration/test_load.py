@@ -78,7 +78,10 @@ def load(start_cluster: Any, tmp_path: Path, total: int) -> float:
             if proc.is_alive():
                 proc.kill()
     assert all(m == ("done", 0) for m in msgs), msgs
-    assert queued >= total - 2 * CLIENTS, st
+    # 2 devices, each running one call and holding up to 7 more pipelined behind it (the
+    # first call's run time was short): 8 had been the bound, and 10 were seen (1 in 4 runs)
+    from gpufn.scheduler.nouns.settings import SchedulerConfig
+    assert queued >= total - 2 * (1 + SchedulerConfig().pipeline_depth), st
     per_call = (full - base) / queued
     print(f"\nload: {total:,} calls from {CLIENTS} client processes; {queued:,} queued at once; "
           f"scheduler RSS {base / 2**20:.1f} MiB -> {full / 2**20:.1f} MiB = {per_call:.0f} bytes "

@@ -39,7 +39,7 @@ def test_an_app_that_fails_to_load_names_its_line_and_leaves_the_old_module(
     app.write_text("X = 1\n")
     good = load_module(app)
     app.write_text("X = (\n")
-    with pytest.raises(DeployError, match="broken_app.py failed to import: SyntaxError") as e:
+    with pytest.raises(DeployError, match=r"broken_app\.py failed to import: SyntaxError") as e:
         load_module(app)
     assert 'broken_app.py", line 1' in e.value.details and "X = (" in e.value.details
     assert sys.modules["broken_app"] is good

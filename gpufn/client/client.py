@@ -628,11 +628,9 @@ class Client:
             self.leases.handed(grant.function_id, time.monotonic())
         for inv in grant.reclaimed:
             pend = self._calls.get(inv)
-            sub: p.Message | None = pend.submit if pend is not None else None
-            if pend is not None and sub is None and pend.frames is not None:
-                sub = p.decode(pend.frames)
-            if not isinstance(sub, p.Submit):
-                self.leases.left_head(inv)  # not ours any more: off the scheduler's count
+            sub = pend.submit if pend is not None else None
+            if sub is None:  # not ours any more (or an Attach): off the scheduler's count
+                self.leases.left_head(inv)
                 continue
             if self.leases.adopt(grant.lease_id, inv) is None:
                 with self._lock:

@@ -58,6 +58,12 @@ def _submit(h: Harness, fid: str, client: bytes = b"cli", lease: bool = True) ->
     return inv
 
 
+def _one_on_each(h: Harness, fid: str) -> tuple[str, str, dict[str, bytes]]:
+    """Two calls of cli's, one on each of two devices: (first, second, worker of each)."""
+    first, second = _submit(h, fid), _submit(h, fid)
+    return first, second, {r.invocation_id: peer for peer in (b"w0", b"w1") for r in h.runs(peer)}
+
+
 def _grants(h: Harness, client: bytes = b"cli") -> list[p.LeaseGrant]:
     return [s.msg for s in h.sent if isinstance(s.msg, p.LeaseGrant) and s.peer == client]
 
@@ -194,8 +200,7 @@ def test_its_clients_call_that_takes_no_lease_is_not_handed_to_it_but_revokes_it
 def test_calls_wait_for_a_device_running_them_without_a_lease_not_for_the_lease() -> None:
     h = _two_leasing(pipeline_depth=0)
     fid = h.register("f")
-    first, second = _submit(h, fid), _submit(h, fid)  # one on each device
-    worker_of = {r.invocation_id: peer for peer in (b"w0", b"w1") for r in h.runs(peer)}
+    first, second, worker_of = _one_on_each(h, fid)
     h.finish(worker_of[first], first)  # a lease there; the other device runs `second`
     assert len(_grants(h)) == 1
     third = _submit(h, fid)
@@ -1624,8 +1629,7 @@ def test_a_lease_is_renewed_from_its_last_quarter_or_last_tenth_of_a_second_to_t
 def test_a_clients_waiting_calls_are_not_shared_with_its_lease_that_is_ending() -> None:
     h = _two_leasing(pipeline_depth=0, lease_seconds=1.0)
     fid = h.register("f")
-    first, second = _submit(h, fid), _submit(h, fid)  # one on each device
-    worker_of = {r.invocation_id: peer for peer in (b"w0", b"w1") for r in h.runs(peer)}
+    first, second, worker_of = _one_on_each(h, fid)
     h.finish(worker_of[first], first)
     [a] = _grants(h)
     waiting = [_submit(h, fid) for _ in range(4)]  # behind `second`, run without a lease
@@ -1643,8 +1647,7 @@ def test_a_clients_waiting_calls_are_not_shared_with_its_lease_that_is_ending() 
 def test_a_clients_waiting_calls_are_shared_by_all_its_leases_in_one_pass() -> None:
     h = _two_leasing(pipeline_depth=0, lease_seconds=10.0)
     fid = h.register("f")
-    first, second = _submit(h, fid), _submit(h, fid)  # one on each device
-    worker_of = {r.invocation_id: peer for peer in (b"w0", b"w1") for r in h.runs(peer)}
+    first, second, worker_of = _one_on_each(h, fid)
     h.finish(worker_of[first], first)
     [a] = _grants(h)
     waiting = [_submit(h, fid) for _ in range(8)]  # behind `second`, run without a lease

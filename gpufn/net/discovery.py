@@ -170,7 +170,7 @@ def serve_processes() -> list[ServeProcess]:
 def _same(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve()
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
         return a == b
 
 

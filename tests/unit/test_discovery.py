@@ -330,6 +330,11 @@ def test_the_same_home_is_told_also_where_it_cannot_be_resolved(
         Path("h").resolve()
     assert discovery._same(Path("h"), Path("h"))
     assert not discovery._same(Path("h"), Path("g"))
+    # a symlink loop: Python 3.11 raises RuntimeError from resolve(), not OSError
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "loop")
+    assert discovery._same(loop, loop)
+    assert not discovery._same(loop, real)
 
 
 def test_a_home_is_owned_by_its_folder_or_if_gone_by_its_parent(tmp_path: Path) -> None:

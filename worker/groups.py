@@ -21,9 +21,22 @@ Abort (`GroupManager.abort`, callable from any thread while a collective is bloc
   only closes its sockets in its destructor, which any lingering reference (a DeviceMesh,
   a DTensor model) delays; a blocked collective would wait for its full timeout. So the
   manager records the TCP sockets the backend opened during `init_process_group` and, on
-  abort, `shutdown(SHUT_RDWR)`s the connected ones (never the listener, never closes an
-  fd it does not own). Blocked collectives here and on every peer then fail at once with
-  "Connection closed by peer", and the destructor closes the fds later as usual.
+  abort, `shutdown(SHUT_RD)`s the connected ones (never the listener, never closes an fd
+  it does not own), holding a duplicate of each for `HOLD_SECONDS`. gloo's loop then
+  reads EOF on each, fails every op posted on it ("Connection closed by peer") and
+  closes its fd; the held duplicate keeps the connection itself open meanwhile. Every
+  other rank is aborted by the scheduler and does the same; when the hold ends, the
+  connections close, which also ends a peer's collective that no abort reached.
+
+  Why only the reading side, and why the hold: a gloo bug (torch 2.13's, and gloo's main
+  today). A send of an unbound buffer whose write fails (EPIPE, ECONNRESET) is queued, and
+  the pair's failure never fails queued sends, so that collective waits for the gang's
+  whole timeout and the scheduler kills the worker 10 s after its abort. A write fails so
+  when this side shut its writing side down, or when the peer's socket is closed (its
+  kernel resets what arrives). While the hold lasts, a send of any rank's gloo thread
+  still under way (posted just before its abort) finds both ends open and completes. The
+  breaker loop of `bench/gang_abort.py` (gangs whose rank 0 raises while the others enter
+  an all_reduce) left a worker stuck in 3.3-5.3% of gangs with `SHUT_RDWR` and no hold.
 """
 
 from __future__ import annotations
@@ -86,14 +99,15 @@ def _socket_fds() -> dict[int, str]:
     return out
 
 
-def _shutdown_sockets(fds: dict[int, str]) -> int:
-    """shutdown(SHUT_RDWR) the connected TCP sockets among `fds` still open as recorded.
+def _shutdown_sockets(fds: dict[int, str]) -> list[int]:
+    """shutdown(SHUT_RD) the connected TCP sockets among `fds` still open as recorded.
 
     Never closes an fd (the owner does); skips listeners (gloo's accept loop aborts the
     process on an error there) and any fd that was since reused for another socket.
-    Returns how many sockets were shut down.
+    Returns a duplicate fd of each socket shut down, which keeps the connection open
+    after its owner closes its fd: the caller closes them (`_close_later`).
     """
-    n = 0
+    held: list[int] = []
     for fd, inode in fds.items():
         try:
             if os.readlink(f"/proc/self/fd/{fd}") != inode:
@@ -106,13 +120,39 @@ def _shutdown_sockets(fds: dict[int, str]) -> int:
                 continue
             if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 continue
-            s.shutdown(socket.SHUT_RDWR)
-            n += 1
+            try:
+                held.append(os.dup(fd))
+            except OSError:  # no fd left: shut it down all the same
+                pass
+            s.shutdown(socket.SHUT_RD)
         except OSError:
             pass
         finally:
             s.detach()
-    return n
+    return held
+
+
+def _close_later(fds: list[int], seconds: float) -> None:
+    """Close `fds` after `seconds`, on a daemon timer (at once for 0)."""
+
+    def close() -> None:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    if seconds <= 0:
+        close()
+        return
+    timer = threading.Timer(seconds, close)
+    timer.daemon = True
+    timer.start()
+
+
+# How long an aborted group's connections stay open after their reading side was shut
+# down: long enough for every rank to take the scheduler's abort (see the module doc).
+HOLD_SECONDS = 2.0
 
 
 # --------------------------------------------------------------------------- manager
@@ -265,9 +305,10 @@ class GroupManager:
             gang.gang_id if gang else "?", gang.generation if gang else "?", reason,
         )
         try:
-            # gloo: make blocked recvs here and on every peer fail at once (see module doc).
-            # Done while we still hold the group, so its fds cannot have been closed.
-            _shutdown_sockets(self._fds)
+            # gloo: make blocked ops here fail at once, and keep the connections open a
+            # while (see module doc). Done while we still hold the group, so its fds
+            # cannot have been closed.
+            _close_later(_shutdown_sockets(self._fds), HOLD_SECONDS)
             if pg is not None and dist.is_initialized() and dist.group.WORLD is pg:
                 if "nccl" in backend:
                     c10d._abort_process_group()  # ncclCommAbort on all comms, clears _world
@@ -297,7 +338,7 @@ class GroupManager:
         except Exception as e:
             log.warning("leaving gang %s failed (%s: %s); aborting it instead",
                         gang.gang_id if gang else "?", type(e).__name__, e)
-            _shutdown_sockets(self._fds)
+            _close_later(_shutdown_sockets(self._fds), HOLD_SECONDS)
             self._drop_world()
         finally:
             self._forget()

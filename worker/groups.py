@@ -168,10 +168,15 @@ class GroupManager:
 
     def __init__(self) -> None:
         self.inits = 0  # init_process_group calls made by this process
+        self.connects = 0  # connections made to the scheduler's store
         self.last_init_s = 0.0  # seconds the last join took (store connect + init)
         self.current: GangSpec | None = None
         self._pg: ProcessGroup | None = None
         self._store: Any = None
+        # The connection to the scheduler's store, kept across joins: connecting costs a
+        # reverse DNS lookup in torch (its socket's name for logs), which waited 5 s for a
+        # DNS server that did not answer in ~1% of re-joins on a machine without network.
+        self._client: tuple[tuple[str, int], Any] | None = None
         self._fds: dict[int, str] = {}  # gloo sockets opened by the last init
         self._lock = threading.RLock()
         self._abort_epoch = 0
@@ -207,6 +212,7 @@ class GroupManager:
         except BaseException:
             with self._lock:
                 self._joining = None
+                self._client = None  # a broken connection is not kept: the next join connects
             self._drop_world()  # a half-made default group would block the next join
             raise
 
@@ -225,6 +231,22 @@ class GroupManager:
         )
         return pg
 
+    def _store_client(self, gang: GangSpec, timeout: timedelta) -> Any:
+        """The client of the scheduler's store at the gang's address: the one kept from an
+        earlier join if it is the same address, else a new one (kept for the next)."""
+        import torch.distributed as dist
+
+        where = (gang.store_host, gang.store_port)
+        if self._client is not None and self._client[0] == where:
+            store = self._client[1]
+            store.set_timeout(timeout)
+            return store
+        self._client = None
+        store = dist.TCPStore(gang.store_host, gang.store_port, is_master=False, timeout=timeout)
+        self.connects += 1
+        self._client = (where, store)
+        return store
+
     def _join(
         self, gang: GangSpec, device: torch.device
     ) -> tuple[ProcessGroup, Any, dict[int, str], float]:
@@ -241,7 +263,7 @@ class GroupManager:
                 os.environ.setdefault(k, v)
         if cuda:
             torch.cuda.set_device(device)
-        store = dist.TCPStore(gang.store_host, gang.store_port, is_master=False, timeout=timeout)
+        store = self._store_client(gang, timeout)
         prefix = dist.PrefixStore(gang.prefix, store)
         track = gang.backend == "gloo"
         before = _socket_fds() if track else {}

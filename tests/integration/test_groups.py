@@ -60,7 +60,8 @@ def _worker_main(conn: Connection) -> None:
             gang = GangSpec.from_wire(arg)
             pg = mgr.ensure(gang, device)
             return {"inits": mgr.inits, "rank": pg.rank(), "size": pg.size(),
-                    "init_s": mgr.last_init_s}
+                    "init_s": mgr.last_init_s,
+                    "connects": mgr.connects}
         if op == "ensure_abort_while_joining":  # an abort arrives while this rank is joining
             def abort_once_joining() -> None:
                 while mgr._joining is None:  # the join has begun (it cannot end without a peer)
@@ -390,6 +391,11 @@ def test_regang_to_another_pair_and_generation(workers: Pool) -> None:
     # same pair, new generation (what the scheduler hands out after a failure)
     third = workers.form([b, c], gang_id=g2, generation=2)
     assert [t["inits"] - s["inits"] for s, t in zip(second, third, strict=True)] == [1, 1]
+    # each join used the connection to the store kept from the first (a connect costs a
+    # reverse DNS lookup in torch, which can wait 5 s for a DNS server)
+    assert first[1]["connects"] >= 1
+    assert first[1]["connects"] == second[0]["connects"] == third[0]["connects"]
+    assert second[1]["connects"] == third[1]["connects"]
     assert workers.all_reduce([b, c]) == [expect(2)] * 2
     # all three together; a leaves its stale group on the way
     workers.form([c, a, b], gang_id=gid())

@@ -239,8 +239,13 @@ class GroupManager:
         where = (gang.store_host, gang.store_port)
         if self._client is not None and self._client[0] == where:
             store = self._client[1]
-            store.set_timeout(timeout)
-            return store
+            try:  # one round trip: a store restarted on the same port broke this connection
+                store.check(["gpufn/alive"])
+            except Exception as e:
+                log.info("reconnecting to the gang store at %s:%s (%s)", *where, type(e).__name__)
+            else:
+                store.set_timeout(timeout)
+                return store
         self._client = None
         store = dist.TCPStore(gang.store_host, gang.store_port, is_master=False, timeout=timeout)
         self.connects += 1

@@ -315,6 +315,41 @@ def test_abort_without_group_is_a_no_op() -> None:
 
 
 @TIMEOUT
+def test_the_store_connection_is_kept_and_made_again_once_broken() -> None:
+    """Joins at one store address share one connection; a store restarted on the same
+    port (a head restart) broke it, and the next join connects again."""
+    import socket as sk
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with sk.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    mgr = GroupManager()
+    gang = GangSpec("g", 1, 0, 1, "127.0.0.1", port, "gloo")
+    first = mgr._store_client(gang, timedelta(seconds=5))
+    first.set("k", "v")
+    assert mgr._store_client(gang, timedelta(seconds=7)) is first and mgr.connects == 1
+    assert first.timeout == timedelta(seconds=7)  # the later join's timeout applies
+    del server
+    time.sleep(0.3)
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    again = mgr._store_client(gang, timedelta(seconds=5))
+    assert again is not first and mgr.connects == 2
+    again.set("k", "v2")
+    assert server.get("k") == b"v2"
+    with sk.socket() as s:  # another address: another connection
+        s.bind(("127.0.0.1", 0))
+        other = s.getsockname()[1]
+    server2 = dist.TCPStore("127.0.0.1", other, is_master=True, wait_for_workers=False)
+    mgr._store_client(GangSpec("g", 1, 0, 1, "127.0.0.1", other, "gloo"), timedelta(seconds=5))
+    assert mgr.connects == 3
+    del server, server2
+
+
+@TIMEOUT
 def test_abort_ends_our_reads_and_keeps_the_connection_open_a_while() -> None:
     """Our reads end at once (gloo's loop sees EOF and fails every op posted on the
     socket), but the connection stays open through the held duplicate after gloo closes

@@ -41,6 +41,7 @@ Abort (`GroupManager.abort`, callable from any thread while a collective is bloc
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -132,22 +133,44 @@ def _shutdown_sockets(fds: dict[int, str]) -> list[int]:
     return held
 
 
+# The held duplicates of this process, oldest first, and how many may be held at once:
+# aborts in a fast loop of a wide gang must not run the worker out of descriptors, so
+# past the bound the oldest are closed early (each fd is closed once, under the lock).
+HELD_MAX = 256
+_held: collections.deque[int] = collections.deque()
+_held_lock = threading.Lock()
+
+
 def _close_later(fds: list[int], seconds: float) -> None:
-    """Close `fds` after `seconds`, on a daemon timer (at once for 0)."""
-
-    def close() -> None:
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
+    """Close `fds` after `seconds`, on a daemon timer (at once for 0), or earlier when
+    more than HELD_MAX are held."""
+    with _held_lock:
+        _held.extend(fds)
+        while len(_held) > HELD_MAX:
+            _close_quietly(_held.popleft())
     if seconds <= 0:
-        close()
+        _release(fds)
         return
-    timer = threading.Timer(seconds, close)
+    timer = threading.Timer(seconds, _release, args=(fds,))
     timer.daemon = True
     timer.start()
+
+
+def _release(fds: list[int]) -> None:
+    with _held_lock:
+        for fd in fds:
+            try:
+                _held.remove(fd)
+            except ValueError:  # closed early by the bound
+                continue
+            _close_quietly(fd)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 # How long an aborted group's connections stay open after their reading side was shut

@@ -315,6 +315,48 @@ def test_abort_without_group_is_a_no_op() -> None:
 
 
 @TIMEOUT
+def test_held_duplicates_are_bounded_and_each_closed_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past HELD_MAX the oldest held fds close early; a timer whose fds were closed so
+    closes nothing else (not an fd number reused since)."""
+    import os
+
+    from gpufn.worker import groups
+
+    monkeypatch.setattr(groups, "HELD_MAX", 3)
+    monkeypatch.setattr(groups, "_held", groups.collections.deque())
+    r, w = os.pipe()
+    try:
+        first = [os.dup(r), os.dup(r)]
+        groups._close_later(first, 60)
+        second = [os.dup(r), os.dup(r)]
+        groups._close_later(second, 60)
+        assert list(groups._held) == [first[1], *second]  # the oldest went at once
+
+        def is_open(fd: int) -> bool:
+            try:
+                os.fstat(fd)
+                return True
+            except OSError:
+                return False
+
+        assert not is_open(first[0]) and all(map(is_open, [first[1], *second]))
+        reused = os.dup(r)  # takes the number the bound freed
+        assert reused == first[0]
+        groups._release(first)  # first's timer: closes first[1] only
+        assert is_open(reused) and not is_open(first[1])
+        groups._release(second)  # second's timer
+        assert not any(map(is_open, second)) and not groups._held
+        third = [os.dup(r)]
+        groups._close_later(third, 0)  # 0 s: at once
+        assert not is_open(third[0]) and not groups._held
+        os.close(reused)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@TIMEOUT
 def test_the_store_connection_is_kept_and_made_again_once_broken() -> None:
     """Joins at one store address share one connection; a store restarted on the same
     port (a head restart) broke it, and the next join connects again."""

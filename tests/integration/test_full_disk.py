@@ -25,13 +25,16 @@ from .test_deploy import write_app
 pytestmark = pytest.mark.timeout(300)
 
 CALLS = """
-import sys
+import faulthandler, sys
 import gpufn
 
+faulthandler.dump_traceback_later(150, exit=True)  # where it waits, if it hangs (CI once did)
 address, token, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 gpufn.connect(address, token=token)
 square = gpufn.lookup("disk", "square")
-assert [square.remote(i) for i in range(n)] == [i * i for i in range(n)]
+for i in range(n):
+    assert square.remote(i) == i * i
+    print(i, file=sys.stderr, flush=True)
 print("ok")
 """
 
@@ -88,7 +91,8 @@ def test_a_full_state_disk_fails_deploys_and_keeps_usage(small_disk: Path,
         calls = subprocess.run([sys.executable, "-c", CALLS, head.address, TOKEN, "110"],
                                env=head.env(), cwd=head.home / "cwd", capture_output=True,
                                text=True, timeout=180)
-        assert calls.returncode == 0 and "ok" in calls.stdout, calls.stdout + calls.stderr
+        assert calls.returncode == 0 and "ok" in calls.stdout, (
+            calls.stdout + calls.stderr[-6000:] + "\n--- the head's log:\n" + head.log()[-6000:])
         time.sleep(2.5)  # the books' writes fail a few more times, once a second
         log = head.log()
         assert log.count("usage and logs") == 1, log[-3000:]

@@ -173,7 +173,15 @@ class WorkerProcess:
         # can ask for the Results again (see scheduler/calls/recovery.py).
         self.held = HeldResults(config.held_result_bytes())
         # The calls started here, for the supervisor if this process dies meanwhile.
-        self.journal = RunJournal(journal) if journal else None
+        self.journal: RunJournal | None = None
+        if journal:
+            try:
+                self.journal = RunJournal(journal)
+            except OSError as e:  # a full disk: work on, without it
+                log.warning("no journal of the calls started (%s: %s): if this worker dies "
+                            "while no scheduler is connected, its calls are not reported to "
+                            "the next one. Free space in %s.", journal, e.strerror or e,
+                            os.path.dirname(journal) or ".")
 
     # ------------------------------------------------------------------ main thread
 

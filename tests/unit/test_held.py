@@ -5,6 +5,7 @@ Written for the mutants cosmic-ray picked there (scripts/mutants.py --room held)
 from __future__ import annotations
 
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,57 @@ def test_a_trailing_partial_slot_is_not_read_and_clear_makes_an_owner_only_file(
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o600
     assert fresh.stat().st_size == held.JOURNAL_SLOTS * held.SLOT
     RunJournal.clear(tmp_path / "no" / "such" / "folder")  # cannot: nothing to clear
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (skipped, saying why, where it cannot be mounted)."""
+    import os
+    import subprocess
+
+    where = tmp_path / "disk"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(where)],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], timeout=30, check=False)
+
+
+JOURNAL_ON_A_FULL_DISK = """
+import errno, sys
+from gpufn.worker.host.held import JOURNAL_SLOTS, RunJournal
+folder = sys.argv[1]
+j = RunJournal(folder + "/worker.ran")
+try:
+    with open(folder + "/filler", "wb", buffering=0) as f:
+        while True:
+            f.write(bytes(4096))
+except OSError as e:
+    assert e.errno == errno.ENOSPC, e
+for i in range(2 * JOURNAL_SLOTS):
+    j.started(f"{i:016x}")
+try:
+    RunJournal(folder + "/another.ran")
+except OSError as e:
+    print("refused", errno.errorcode[e.errno])
+print("ok")
+"""
+
+
+def test_a_journal_made_before_the_disk_filled_takes_every_slot(small_tmpfs: Path) -> None:
+    """Its pages are all allocated when it is made: writing a slot on a new page of a
+    full disk was SIGBUS (the worker died at its 65th call once the state disk was full);
+    one made on a full disk is refused with OSError (the worker goes on without it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", JOURNAL_ON_A_FULL_DISK, str(small_tmpfs)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert out.stdout.split() == ["refused", "ENOSPC", "ok"], out.stdout

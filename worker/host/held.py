@@ -115,11 +115,16 @@ class RunJournal:
     survives the process (not the machine, which takes the calls with it anyway)."""
 
     def __init__(self, path: Path | str) -> None:
+        """Raises OSError when the file cannot be made, e.g. on a full disk."""
+        size = JOURNAL_SLOTS * SLOT
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size != JOURNAL_SLOTS * SLOT:
-                os.ftruncate(fd, JOURNAL_SLOTS * SLOT)
-            self._map = mmap.mmap(fd, JOURNAL_SLOTS * SLOT)
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+            # Every page now: a write into a hole of the mapping on a full disk is SIGBUS,
+            # which killed the worker at the call that reached a new page.
+            os.posix_fallocate(fd, 0, size)
+            self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         self._next = 0

@@ -1,8 +1,9 @@
 """A full state disk (issue 29, defect 4), on a real `gpufn serve` whose state directory
 is a 2 MiB tmpfs: once it is full, `gpufn deploy` fails at once with "no space left on
-<the state dir>", 110 calls all succeed, the scheduler says once (not every second) that
-usage waits in memory, and after space comes back and serve is killed (SIGKILL) and
-started again, `gpufn usage` counts all 110 calls."""
+<the state dir>", 300 calls all succeed (the workers' logs and journals on that disk too,
+as by default), the scheduler says once (not every second) that usage waits in memory,
+and after space comes back and serve is killed (SIGKILL) and started again, `gpufn
+usage` counts all 300 calls."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def fill(folder: Path) -> Path:
 
 def test_a_full_state_disk_fails_deploys_and_keeps_usage(small_disk: Path,
                                                           tmp_path: Path) -> None:
-    head = Head(tmp_path / "head", devices=2)
+    # the logs in the state dir, as by default: the workers' journals and logs fill up too
+    head = Head(tmp_path / "head", devices=2, GPUFN_LOG_DIR=str(small_disk / "logs"))
     try:
         head.start()
         app = write_app(tmp_path / "app", "disk", "v1")
@@ -88,7 +90,7 @@ def test_a_full_state_disk_fails_deploys_and_keeps_usage(small_disk: Path,
         assert f"no space left on {small_disk}" in said, said
         assert took < 30, took
 
-        calls = subprocess.run([sys.executable, "-c", CALLS, head.address, TOKEN, "110"],
+        calls = subprocess.run([sys.executable, "-c", CALLS, head.address, TOKEN, "300"],
                                env=head.env(), cwd=head.home / "cwd", capture_output=True,
                                text=True, timeout=180)
         assert calls.returncode == 0 and "ok" in calls.stdout, (
@@ -106,7 +108,7 @@ def test_a_full_state_disk_fails_deploys_and_keeps_usage(small_disk: Path,
         usage = head.gpufn("usage", "--json")
         assert usage.returncode == 0, usage.stdout + usage.stderr
         rows = {r["function"]: r["calls"] for r in json.loads(usage.stdout)["rows"]}
-        assert rows.get("square") == 110, rows
+        assert rows.get("square") == 300, rows
         again = head.gpufn("deploy", str(app))
         assert again.returncode == 0 and "v2" in again.stdout, again.stdout + again.stderr
         head.shutdown()

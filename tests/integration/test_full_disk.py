@@ -90,8 +90,10 @@ def test_a_full_state_disk_fails_deploys_and_keeps_usage(small_disk: Path,
         assert f"no space left on {small_disk}" in said, said
         assert took < 30, took
 
+        # through the scheduler (no leases): each call is noted in its worker's journal
         calls = subprocess.run([sys.executable, "-c", CALLS, head.address, TOKEN, "300"],
-                               env=head.env(), cwd=head.home / "cwd", capture_output=True,
+                               env=head.env(GPUFN_LEASES="0"), cwd=head.home / "cwd",
+                               capture_output=True,
                                text=True, timeout=180)
         assert calls.returncode == 0 and "ok" in calls.stdout, (
             calls.stdout + calls.stderr[-6000:] + "\n--- the head's log:\n" + head.log()[-6000:])

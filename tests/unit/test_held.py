@@ -185,9 +185,10 @@ print("ok")
 
 
 def test_a_journal_made_before_the_disk_filled_takes_every_slot(small_tmpfs: Path) -> None:
-    """Its pages are all allocated when it is made: writing a slot on a new page of a
-    full disk was SIGBUS (the worker died at its 65th call once the state disk was full);
-    one made on a full disk is refused with OSError (the worker goes on without it)."""
+    """Its pages are all allocated when it is made, so no slot can fault later; one made
+    on a full disk is refused with OSError (the worker goes on without it). Before, a
+    journal made with holes (a worker started on a full disk, after its supervisor's
+    zeroing failed) was SIGBUS at the first slot written into a hole."""
     import subprocess
     import sys
 

@@ -121,8 +121,9 @@ class RunJournal:
         try:
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
-            # Every page now: a write into a hole of the mapping on a full disk is SIGBUS,
-            # which killed the worker at the call that reached a new page.
+            # Every page now: a write into a hole of the mapping on a full disk is SIGBUS
+            # (a worker started on a full disk, its supervisor's zeroing failed, died at
+            # its first call whose slot fell in a hole, and again after each restart).
             os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size)
         finally:

@@ -180,6 +180,9 @@ try:
     RunJournal(folder + "/another.ran")
 except OSError as e:
     print("refused", errno.errorcode[e.errno])
+RunJournal.clear(folder + "/new.ran")  # a supervisor's first spawn on the full disk
+import os
+print("cleared" if not os.path.exists(folder + "/new.ran") else "left")
 print("ok")
 """
 
@@ -188,11 +191,12 @@ def test_a_journal_made_before_the_disk_filled_takes_every_slot(small_tmpfs: Pat
     """Its pages are all allocated when it is made, so no slot can fault later; one made
     on a full disk is refused with OSError (the worker goes on without it). Before, a
     journal made with holes (a worker started on a full disk, after its supervisor's
-    zeroing failed) was SIGBUS at the first slot written into a hole."""
+    zeroing failed) was SIGBUS at the first slot written into a hole; and that zeroing's
+    ENOSPC escaped `clear` into the supervisor. A journal it cannot zero is removed."""
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-c", JOURNAL_ON_A_FULL_DISK, str(small_tmpfs)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
-    assert out.stdout.split() == ["refused", "ENOSPC", "ok"], out.stdout
+    assert out.stdout.split() == ["refused", "ENOSPC", "cleared", "ok"], out.stdout

@@ -165,11 +165,19 @@ class RunJournal:
     def clear(path: Path | str) -> None:
         """Empty the journal for a new worker process (its predecessor's was read). It is
         zeroed, never truncated: a process that still maps it must not fault."""
+        size = JOURNAL_SLOTS * SLOT
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
             return
         try:
-            os.pwrite(fd, bytes(JOURNAL_SLOTS * SLOT), 0)
+            zeroed = os.pwrite(fd, bytes(size), 0) == size
+        except OSError:  # a full disk
+            zeroed = False
         finally:
             os.close(fd)
+        if not zeroed:  # none of the predecessor's ids left to be read again: no file
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

@@ -144,7 +144,8 @@ def test_an_admission_says_how_cold_it_was() -> None:
 # --------------------------------------------------------------------------- events
 
 
-def test_a_load_event_learns_the_size_and_counts_the_load() -> None:
+def test_a_load_event_learns_the_size_and_counts_the_load(
+        caplog: pytest.LogCaptureFixture) -> None:
     book, (a,) = _book(("a", 2 * GiB))
     d0, d1 = _devices(2).values()
     rec = book.models[a]
@@ -153,6 +154,9 @@ def test_a_load_event_learns_the_size_and_counts_the_load() -> None:
     assert _event(book, d0, a, p.ModelState.RESIDENT, 3 * GiB, 2.0) is True  # resized
     assert d0.ledger.state(a) is Residency.RESIDENT and d0.ledger.models[a].nbytes == 3 * GiB
     assert (rec.measured, rec.loads, rec.load_seconds, rec.failing) == (3 * GiB, 1, 2.0, 0)
+    # 3 GiB is 50% over its 2 GiB estimate: said once, in the log
+    [said] = [r.getMessage() for r in caplog.records if r.name == "gpufn.scheduler"]
+    assert "50% over its estimate" in said
     _loading(book, d1, a)
     assert _event(book, d1, a, p.ModelState.RESIDENT, 3 * GiB, 4.0) is False  # the same size
     assert (rec.loads, rec.load_seconds, rec.restores) == (2, 6.0, 0)
@@ -269,6 +273,7 @@ def test_a_stale_or_unknown_model_event_is_ignored() -> None:
     rec = book.models[a]
     # no entry on the device: nothing happens
     assert _event(book, d0, a, p.ModelState.RESIDENT, 3 * GiB, 1.0) is False
+    assert _event(book, d0, a, p.ModelState.EVICTED) is False
     assert a not in d0.ledger.models and (rec.measured, rec.loads) == (0, 0)
     # a model the book has no record of (it outlived a restart) still moves its entry
     d0.ledger.adopt("old@x", GiB, 0.0)
@@ -402,7 +407,9 @@ def test_the_remembered_plans_are_dropped_past_their_bound() -> None:
 def _sharded_book(devices: int = 4, size: int = 2 * GiB) -> tuple[ModelBook, str, dict[str, Device]]:
     """A book whose 2-way sharded model `s` is resident on n:0 and n:1, loaded in the
     group that both devices' workers still hold."""
-    book, (s,) = _book(("s", size), count=2)
+    book, _ = _book(("w", GiB))  # a whole model first, which the gang planning passes over
+    (s,) = book.register([{"name": "s", "code_id": "s-code", "memory": size, "nframes": 1,
+                           "count": 2}], (b"s-loader",))
     devs = _devices(devices)
     formed, _ = book.gangs.form(("n:0", "n:1"))  # both workers hold its group now
     book.models[s].holder = Holder(("n:0", "n:1"), (formed.gang_id, formed.generation))
@@ -456,6 +463,10 @@ def test_a_gang_call_waits_for_its_shards_gang_when_it_frees_sooner_than_a_load(
     assert book.gang_choice(inv, every - {"n:1"}, devs, 0.0) is None  # exactly the load
     devs["n:1"].running.clear()
     _busy(devs["n:1"], 7.5)
+    assert book.gang_choice(inv, every - {"n:1"}, devs, 0.0) == ((), ("n:0", "n:1"))
+    book.models[s].loads, book.models[s].load_seconds = 4, 2.0  # measured: 0.5 s a load
+    devs["n:1"].running.clear()
+    _busy(devs["n:1"], 1.0)
     assert book.gang_choice(inv, every - {"n:1"}, devs, 0.0) == ((), ("n:0", "n:1"))
     book.gangs.held["n:1"] = ("g9", 1)  # n:1's worker joined another group: stale shards
     assert not book.valid(book.models[s])
@@ -639,6 +650,8 @@ def test_never_fits_names_the_device_closest_to_fitting() -> None:
     devs["n:2"].ledger.capacity = 16 * GiB
     why = book.never_fits(_fn("big", (a,)), 0, devs.values())
     assert why is not None and "best device (n:1)" in why and why.startswith("big with models [a]")
+    why = book.never_fits(_fn("big", (a,)), 0, [devs["n:2"], devs["n:1"], devs["n:0"]])
+    assert why is not None and "best device (n:1)" in why  # a tie goes to the first key
     assert book.never_fits(_fn("none"), 0, devs.values()) is None  # no models
     assert book.never_fits(_fn("big", (a,)), 0, []) is None  # no devices yet
     devs["n:2"].ledger.capacity = 32 * GiB
@@ -674,6 +687,10 @@ def test_one_model_moves_at_a_time_on_a_device() -> None:
     (d0,) = devs.values()
     _loading(book, d0, x)
     assert book.best_plan(_inv(_fn("u", (a,))), [d0], devs.values(), 0.0) is None
+    (c,) = book.register([{"name": "c", "code_id": "c-code", "memory": GiB, "nframes": 1}],
+                         (b"c-loader",))
+    _put(book, d0, c, "offloaded")  # a restore only: it waits too
+    assert book.best_plan(_inv(_fn("w", (c,))), [d0], devs.values(), 0.0) is None
     spare = _devices(2)["n:1"]
     _busy(spare, 100.0)  # busy a long while, but no model moving there
     got = book.best_plan(_inv(_fn("u", (a,))), [d0, spare], [d0, spare], 0.0)
@@ -766,8 +783,10 @@ def test_a_stale_shards_host_copy_is_dropped_and_a_device_without_a_worker_waits
                            "count": 3}], (b"s-loader",))
     devs = _devices(4)
     rec = book.models[s]
-    rec.holder = Holder(("n:2", "n:0", "n:1"), ("g0", 1))  # no device holds g0 any more
-    for k in rec.holder.devices:
+    # no device holds g0 any more; n:9 (its node gone) is no device at all now, and n:3
+    # (a new ledger since) has no entry for it
+    rec.holder = Holder(("n:9", "n:3", "n:2", "n:0", "n:1"), ("g0", 1))
+    for k in ("n:2", "n:0", "n:1"):
         _resident(book, devs[k], s)
     _resident(book, devs["n:3"], w)
     host = devs["n:0"].ledger.host
@@ -856,3 +875,17 @@ def test_a_plan_made_before_the_ledger_changed_is_made_again_at_admission() -> N
     d0.ledger.reserve("more", 2 * GiB)  # now it no longer fits at all
     with pytest.raises(StaleFit):
         book.admit(late, d0, plan, 0.0, devs)
+
+
+def test_a_measured_restore_time_is_weighed_against_a_load() -> None:
+    """a's restores took 1.5 s on average: its host copy on d1 beats loading it on d0
+    (3 s), whichever device is looked at first."""
+    book, (a,) = _book(("a", 2 * GiB))
+    devs = _devices(2)
+    d0, d1 = devs.values()
+    _put(book, d1, a, "offloaded")
+    book.models[a].restores, book.models[a].restore_seconds = 2, 3.0
+    inv = _inv(_fn("u", (a,), memory="1GiB"))
+    for order in ([d0, d1], [d1, d0]):
+        got = book.best_plan(inv, order, devs.values(), 0.0)
+        assert got is not None and got[0] is d1 and got[1].restore == (a,), order

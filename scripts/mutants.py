@@ -70,9 +70,13 @@ ROOMS: dict[str, Room] = {
                          (f"{UNIT}/test_kept_results.py", f"{UNIT}/test_detached_restart.py")),
     "open_index": Room(("scheduler/placement/open_index.py",),
                        (f"{UNIT}/test_open_index.py", f"{UNIT}/test_queues_placement.py")),
+    # test_sharded and test_model_heal (last: the slower ones) cover the sharded models'
+    # gangs and sweeps, and the load failures' records, which the other files never make.
     "model_book": Room(("scheduler/books/model_book.py",),
-                       (f"{UNIT}/test_scheduler_pieces.py", f"{UNIT}/test_open_index.py",
-                        f"{UNIT}/test_residency.py", f"{UNIT}/test_eviction.py")),
+                       (f"{UNIT}/test_model_book.py", f"{UNIT}/test_scheduler_pieces.py",
+                        f"{UNIT}/test_open_index.py",
+                        f"{UNIT}/test_residency.py", f"{UNIT}/test_eviction.py",
+                        f"{UNIT}/test_model_heal.py", f"{UNIT}/test_sharded.py")),
     "held": Room(("worker/host/held.py",), (f"{UNIT}/test_held.py", f"{UNIT}/test_restart.py")),
     "proc_table": Room(("worker/host/proc_table.py",),
                        (f"{UNIT}/test_proc_table.py", f"{UNIT}/test_memory_watch.py")),

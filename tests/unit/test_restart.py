@@ -560,3 +560,63 @@ def test_what_a_restart_carries_over_is_immutable() -> None:
 
     with pytest.raises(dataclasses.FrozenInstanceError):
         Restored().first_token = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("wrong", ["device", "token"])
+def test_a_result_from_another_device_or_dispatch_does_not_mark_a_report_held(
+        wrong: str) -> None:
+    """A call reported running on n:0 (token 9): a Result for it before its resubmit from
+    n:1, or from n:0 with another dispatch token, is not its run's; the worker that runs
+    it is not thought to hold it: the resubmit takes the running call over, no Resend."""
+    h = _restarted()
+    f = h.register("f")
+    w0 = _worker_back(h, 0, running={"c1": [9, 1]})
+    w1 = _worker_back(h, 1)
+    if wrong == "device":
+        _result(h, w1, "c1", 9, b"not its run")
+    else:
+        _result(h, w0, "c1", 8, b"an earlier dispatch")
+    assert "c1" not in h.results(b"back")
+    h.feed(b"back", p.Submit("c1", f, {}, frames=(b"args",)))
+    assert not h.of_type(p.Resend)
+    st = h.core.status(h.now)
+    assert [(d["key"], r["id"]) for d in st["devices"] for r in d["running"]] == [("n:0", "c1")]
+    _result(h, w0, "c1", 9, b"done")
+    assert h.results(b"back")["c1"].frames == (b"done",)
+    h.tick(3.5)
+    assert not runs_of(h, "c1")
+
+
+def test_the_report_memory_keeps_a_report_of_exactly_its_age() -> None:
+    """RAN_MEMORY_SECONDS (300 s) to the second, in each of the three books: at 1301 s
+    the reports of 1000 s (301 s old) are forgotten, those of 1001 s (exactly 300 s) kept."""
+    from gpufn.scheduler.calls.recovery import RAN, RAN_MEMORY_SECONDS, STOPPED, Recovery
+
+    assert RAN_MEMORY_SECONDS == 300.0
+    r = Recovery(grace=3.0)
+    r.start(None, 1000.0)
+    r.worker_report("n:0", b"w0", p.HelloInfo(ran=["ran-old"], running={"run-old": [1, 1]}),
+                    1000.0)
+    r.client_forgotten(["stopped-old"], 1000.0)
+    r.worker_report("n:0", b"w0", p.HelloInfo(ran=["ran-new"], running={"run-new": [2, 1]}),
+                    1001.0)
+    r.client_forgotten(["stopped-new"], 1001.0)
+    r.worker_report("n:1", b"w1", p.HelloInfo(), 1301.0)  # the books are looked at here
+    r.client_forgotten([], 1301.0)
+    assert r.claim("ran-new") == RAN and r.claim("ran-old") is None
+    kept = r.claim("run-new")
+    assert not isinstance(kept, str) and kept is not None and kept.dispatch_token == 2
+    assert r.claim("run-old") is None
+    assert r.claim("stopped-new") == STOPPED and r.claim("stopped-old") is None
+
+
+def test_a_scheduler_that_saw_no_devices_before_holds_nothing(tmp_path: Path) -> None:
+    """A durable scheduler whose store saw no devices (its first start) has no hold: a
+    resubmitted call a supervisor said ran counts as a lost attempt at once, not after
+    the grace or the first worker."""
+    h = _restarted(ops=OpsStore(tmp_path / "ops.sqlite"))
+    assert not h.core.recovery.holding(h.now)
+    h.hello(b"sup2", p.Role.SUPERVISOR, info={"node": "m", "devices": [
+        d.to_wire() for d in simulated_devices("m", 1, 8 * 2**30)], "ran": ["gone1"]})
+    h.feed(b"back", p.Submit("gone1", h.register("f"), {}, frames=(b"x",)))
+    assert h.results(b"back")["gone1"].error_kind == "WorkerLost"

@@ -504,6 +504,16 @@ def test_a_sharded_models_load_and_restore_count_once_on_rank_zero() -> None:
         led.restore_started(s, 0.0)
         _event(book, devs[k], s, p.ModelState.RESIDENT, 0, seconds)
     assert (rec.restores, rec.restore_seconds) == (1, 1.0)
+    # loaded again, smaller: rank 0's report sets the size afresh, the others' only raise it
+    for k in ("n:1", "n:0"):
+        devs[k].ledger.evict_started(s, 0.0)
+        devs[k].ledger.evict_done(s, 0.0)
+    _loading(book, devs["n:1"], s)
+    _event(book, devs["n:1"], s, p.ModelState.RESIDENT, GiB, 1.0)
+    assert rec.measured == GiB
+    _loading(book, devs["n:0"], s)
+    _event(book, devs["n:0"], s, p.ModelState.RESIDENT, GiB // 2, 1.0)
+    assert rec.measured == GiB and rec.loads == 2
 
 
 def test_stale_shards_are_swept_where_they_can_be_and_kept_track_of_where_not() -> None:

@@ -1,4 +1,5 @@
-"""Models, trace and statistics for bench/multimodel.py (pure helpers, no cluster).
+"""Models, trace and statistics for bench/multimodel.py (pure helpers, no cluster), and
+`connect_ready`, the start every bench that drives a cluster shares.
 
 * `plan_models`: N torch MLPs whose sizes are spread log-uniformly over a range (one
   size per log-stratum, jittered, so a short list still covers the whole range), with
@@ -18,6 +19,7 @@ import bisect
 import math
 import os
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -215,3 +217,17 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+
+
+def connect_ready(timeout: float = 120.0) -> Any:
+    """`gpufn.connect()`, then wait until every device's worker is ready."""
+    import gpufn
+
+    client = gpufn.connect()
+    deadline = time.monotonic() + timeout
+    while any(d["state"] != "ready" for d in client.status()["devices"]):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"workers did not start within {timeout:.0f}s: "
+                             f"{client.status()['devices']}")
+        time.sleep(0.1)
+    return client

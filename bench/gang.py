@@ -37,6 +37,10 @@ import textwrap
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _models import connect_ready
+
 SPMD_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")
@@ -186,12 +190,7 @@ def main() -> None:
         for _ in range(collectives):
             dist.all_reduce(torch.ones(1))
 
-    client = gpufn.connect()
-    deadline = time.monotonic() + 120
-    while any(d["state"] != "ready" for d in client.status()["devices"]):
-        if time.monotonic() > deadline:
-            raise SystemExit("workers did not start")
-        time.sleep(0.1)
+    connect_ready()
 
     group = WarmGroup(a.world, collectives=a.collectives)
     relayed = WarmGroup(a.world, relayed=True, collectives=a.collectives) if a.relay else None

@@ -20,6 +20,10 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _models import connect_ready
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -45,12 +49,7 @@ def main() -> None:
             raise RuntimeError("break the group")
         dist.all_reduce(torch.ones(1))
 
-    client = gpufn.connect()
-    deadline = time.monotonic() + 120
-    while any(d["state"] != "ready" for d in client.status()["devices"]):
-        if time.monotonic() > deadline:
-            raise SystemExit("workers did not start")
-        time.sleep(0.1)
+    connect_ready()
 
     broke: list[float] = []
     after: list[float] = []

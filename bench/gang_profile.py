@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _models import connect_ready
 from gang import WarmGroup
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -122,12 +123,7 @@ def main() -> None:
         elif body == "sleep":
             time.sleep(pause)
 
-    client = gpufn.connect()
-    deadline = time.monotonic() + 120
-    while any(d["state"] != "ready" for d in client.status()["devices"]):
-        if time.monotonic() > deadline:
-            raise SystemExit("workers did not start")
-        time.sleep(0.1)
+    connect_ready()
     measure(f"gpufn warm gang, body {body}", gang.remote, labels(os.getpid()), a.calls)
     gpufn_pids = set(labels(os.getpid()))
     group = WarmGroup(a.world)

@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _models import alive, descendants
+from _models import alive, connect_ready, descendants
 
 SLO_FACTOR = 5.0
 LOADS = (0.5, 1.0, 1.5, 2.0, 3.0)
@@ -132,16 +132,8 @@ def run_level(fns: dict[str, Any], arrivals: list[tuple[float, str]], seconds: f
 # ---------------------------------------------------------------------------- cluster
 
 def start_cluster(devices: int, aging: float) -> Any:
-    import gpufn
-
     os.environ["GPUFN_AGING_SECONDS"] = str(aging)
-    client = gpufn.connect()
-    deadline = time.monotonic() + 120
-    while any(d["state"] != "ready" for d in client.status()["devices"]):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"workers did not start: {client.status()['devices']}")
-        time.sleep(0.1)
-    return client
+    return connect_ready()
 
 
 def stop_cluster(before: set[int]) -> list[int]:

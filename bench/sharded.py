@@ -31,6 +31,10 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _models import connect_ready
+
 MiB = 2**20
 
 
@@ -97,15 +101,7 @@ def make_functions(cfg: dict[str, int], memory: int) -> dict[str, Any]:
 
 
 def connect() -> Any:
-    import gpufn
-
-    client = gpufn.connect()
-    deadline = time.monotonic() + 180
-    while any(d["state"] != "ready" for d in client.status()["devices"]):
-        if time.monotonic() > deadline:
-            raise SystemExit("workers did not start")
-        time.sleep(0.1)
-    return client
+    return connect_ready(180)
 
 
 def record(client: Any, name: str) -> dict[str, Any]:

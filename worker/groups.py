@@ -133,6 +133,11 @@ def _shutdown_sockets(fds: dict[int, str]) -> list[int]:
     return held
 
 
+# How long an aborted group's connections stay open after their reading side was shut
+# down: long enough for every rank to take the scheduler's abort (see the module doc).
+HOLD_SECONDS = 2.0
+
+
 # The held duplicates of this process, oldest first, and how many may be held at once:
 # aborts in a fast loop of a wide gang must not run the worker out of descriptors, so
 # past the bound the oldest are closed early (each fd is closed once, under the lock).
@@ -171,11 +176,6 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-
-# How long an aborted group's connections stay open after their reading side was shut
-# down: long enough for every rank to take the scheduler's abort (see the module doc).
-HOLD_SECONDS = 2.0
 
 
 # --------------------------------------------------------------------------- manager

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.tmpfs import small_tmpfs
 
 from ._head import TOKEN, Head
 from ._waits import wait_for
@@ -43,18 +44,8 @@ print("ok")
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """tmp_path/head/state as a 2 MiB tmpfs (skipped, saying why, where it cannot be)."""
-    state = tmp_path / "head" / "state"
-    state.mkdir(parents=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs as the state dir needs root")
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs",
-                          str(state)], capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "head" / "state", "2m") as state:
         yield state
-    finally:
-        subprocess.run(["umount", "-l", str(state)], timeout=30, check=False)
 
 
 def fill(folder: Path) -> Path:

@@ -13,6 +13,7 @@ import pytest
 from gpufn.wire import protocol as p
 from gpufn.worker.host import held
 from gpufn.worker.host.held import HeldResults, RunJournal
+from tests.tmpfs import small_tmpfs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,23 +145,9 @@ def test_a_trailing_partial_slot_is_not_read_and_clear_makes_an_owner_only_file(
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (skipped, saying why, where it cannot be mounted)."""
-    import os
-    import subprocess
-
-    where = tmp_path / "disk"
-    where.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(where)],
-                         capture_output=True, text=True, timeout=30)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-    try:
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with small_tmpfs(tmp_path / "disk", "1m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], timeout=30, check=False)
 
 
 JOURNAL_ON_A_FULL_DISK = """
@@ -187,7 +174,7 @@ print("ok")
 """
 
 
-def test_a_journal_made_before_the_disk_filled_takes_every_slot(small_tmpfs: Path) -> None:
+def test_a_journal_made_before_the_disk_filled_takes_every_slot(small_disk: Path) -> None:
     """Its pages are all allocated when it is made, so no slot can fault later; one made
     on a full disk is refused with OSError (the worker goes on without it). Before, a
     journal made with holes (a worker started on a full disk, after its supervisor's
@@ -196,7 +183,7 @@ def test_a_journal_made_before_the_disk_filled_takes_every_slot(small_tmpfs: Pat
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", JOURNAL_ON_A_FULL_DISK, str(small_tmpfs)],
+    out = subprocess.run([sys.executable, "-c", JOURNAL_ON_A_FULL_DISK, str(small_disk)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
     assert out.stdout.split() == ["refused", "ENOSPC", "cleared", "ok"], out.stdout

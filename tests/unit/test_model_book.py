@@ -612,13 +612,21 @@ def test_a_joint_plans_outside_orders_go_with_the_gangs_first_device() -> None:
     assert book._joint == {}
 
 
-def test_a_joint_plan_that_no_longer_fits_is_not_admitted() -> None:
+def _joint_plans_of_another_model(
+) -> tuple[ModelBook, str, str, dict[str, Device], Any, Any]:
+    """A sharded model on n:0 and n:1, and a 2-rank call of another model planned on
+    n:1 and n:2 (which must evict the shards: the joint plan)."""
     book, s, devs = _sharded_book()
     (t,) = book.register([{"name": "t", "code_id": "t-code", "memory": GiB, "nframes": 1}],
                          (b"t-loader",))
     inv = _inv(_fn("other", (t,), count=2))
     inv.devices = ("n:1", "n:2")
     plans = book.gang_plans(inv, [devs["n:1"], devs["n:2"]], devs)
+    return book, s, t, devs, inv, plans
+
+
+def test_a_joint_plan_that_no_longer_fits_is_not_admitted() -> None:
+    book, s, _, devs, inv, plans = _joint_plans_of_another_model()
     assert plans is not None
     devs["n:0"].ledger.acquire("late", [ModelNeed(s)], 0.0)  # the sibling shard is busy now
     with pytest.raises(StaleFit):
@@ -627,12 +635,7 @@ def test_a_joint_plan_that_no_longer_fits_is_not_admitted() -> None:
 
 
 def test_a_joint_plan_made_again_when_a_ledger_changed_is_admitted() -> None:
-    book, s, devs = _sharded_book()
-    (t,) = book.register([{"name": "t", "code_id": "t-code", "memory": GiB, "nframes": 1}],
-                         (b"t-loader",))
-    inv = _inv(_fn("other", (t,), count=2))
-    inv.devices = ("n:1", "n:2")
-    plans = book.gang_plans(inv, [devs["n:1"], devs["n:2"]], devs)
+    book, s, t, devs, inv, plans = _joint_plans_of_another_model()
     assert plans is not None and book._joint[inv.id].outside == (("n:0", s, "evict"),)
     devs["n:0"].ledger.reserve("late", GiB)  # changed, but the plan still fits
     adm = book.admit(inv, devs["n:1"], plans["n:1"], 0.0, devs)

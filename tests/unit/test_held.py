@@ -187,3 +187,31 @@ def test_a_journal_made_before_the_disk_filled_takes_every_slot(small_disk: Path
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
     assert out.stdout.split() == ["refused", "ENOSPC", "cleared", "ok"], out.stdout
+
+
+def test_a_journal_that_cannot_be_zeroed_is_removed_quietly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor's clear before a spawn: a failed zeroing (ENOSPC) removes the file
+    (no ids of the predecessor left to be read again) and never raises, not even when
+    the removal fails too."""
+    import errno
+    import os
+
+    path = tmp_path / "w.ran"
+    j = RunJournal(path)
+    j.started("0123456789abcdef")
+    j.close()
+
+    def full(*_: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(held.os, "pwrite", full)
+    RunJournal.clear(path)
+    assert not path.exists()
+    RunJournal(path).started("0123456789abcdef")
+    monkeypatch.setattr(held.os, "unlink", lambda _p: full())
+    RunJournal.clear(path)  # quiet: the worker then finds what it finds
+    assert RunJournal.read(path) == ["0123456789abcdef"]
+    monkeypatch.undo()
+    os.unlink(path)
+    assert len(RunJournal(path)._map) == held.JOURNAL_SLOTS * held.SLOT  # a new file grows

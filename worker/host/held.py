@@ -119,11 +119,10 @@ class RunJournal:
         size = JOURNAL_SLOTS * SLOT
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)
-            # Every page now: a write into a hole of the mapping on a full disk is SIGBUS
-            # (a worker started on a full disk, its supervisor's zeroing failed, died at
-            # its first call whose slot fell in a hole, and again after each restart).
+            # Its size and every page now (a new file grows to `size`): a write into a hole
+            # of the mapping on a full disk is SIGBUS (a worker started on a full disk, its
+            # supervisor's zeroing failed, died at its first call whose slot fell in a
+            # hole, and again after each restart).
             os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size)
         finally:

@@ -274,7 +274,9 @@ class Function(Generic[P, R]):
     def _submit_message(self, client: Client, args: tuple[Any, ...], kwargs: dict[str, Any],
                         target: tuple[p.Register | None, str, dict[str, Any]] | None = None,
                         keep: bool = False) -> p.Submit:
-        out = None if self.spec.cache else client.shm_outgoing()  # cached: keyed by its frames
+        # cached: keyed by its frames; plain values: nothing could go to shared memory
+        out = (None if self.spec.cache or ser.plain((args, kwargs))
+               else client.shm_outgoing())
         frames = ser.dump_args(self.name, args, kwargs, out)
         reg, fid, options = target or self._prepare(client)
         if reg is not None:

@@ -27,6 +27,7 @@ import zmq
 
 from gpufn.client import leases as leasing
 from gpufn.client.direct import DirectSockets
+from gpufn.client.futures import CallFuture
 from gpufn.client.items import ItemQueue
 from gpufn.client.sync_channel import SyncChannel
 from gpufn.exceptions import (
@@ -199,7 +200,7 @@ class Client:
         self._enqueue(frames)
 
     def submit(self, submit: p.Submit, name: str) -> Future[p.Result]:
-        fut: Future[p.Result] = Future()
+        fut: Future[p.Result] = CallFuture()
         if self._closed.is_set():
             fut.set_exception(ConnectionLost("this gpufn client is closed; call gpufn.connect() again"))
             return fut
@@ -273,7 +274,7 @@ class Client:
         closed = self._closed.is_set()
         with self._lock:
             for submit, name in items:
-                fut: Future[p.Result] = Future()
+                fut: Future[p.Result] = CallFuture()
                 submit = self.leases.mark(submit) if lease else submit
                 self._calls[submit.invocation_id] = _Pending(fut, name, submit.function_id,
                                                              None, submit)
@@ -720,7 +721,8 @@ class Client:
             if items is not None:
                 items.put(msg)
         elif isinstance(msg, p.Result):
-            if (self.leases.from_head(msg.invocation_id, time.monotonic(), msg.meta.duration)
+            if (self.leases.from_head(msg.invocation_id, time.monotonic(), msg.meta.duration,
+                                      msg.meta.devices)
                     and self._held_back):
                 self._release_held()
             with self._lock:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -231,16 +232,24 @@ class Leases:
         self._at_head[invocation_id] = function_id
         self._head_count[function_id] = self._head_count.get(function_id, 0) + 1
 
-    def from_head(self, invocation_id: str, now: float, seconds: float | None = None) -> bool:
-        """The scheduler answered one (it ran `seconds`); True when calls held back
-        should move now (a lease came with it, or none did: then its calls go to the
-        scheduler a while)."""
+    def from_head(self, invocation_id: str, now: float, seconds: float | None = None,
+                  devices: Sequence[str] = ()) -> bool:
+        """The scheduler answered one (it ran `seconds` on `devices`); True when calls
+        held back should move now (a lease came with it, or none did: then its calls go
+        to the scheduler a while). One it ran beside an open lease of ours on the same
+        device holds the function's calls back from the scheduler a while, as a hand-over
+        does: no other device was free for it, and each such call costs the scheduler a
+        full dispatch (3% of a 2-device .map's calls, half the scheduler's CPU)."""
         fid = self.left_head(invocation_id)
         if fid is None:
             return False
         self.observe(fid, seconds)
         with self._lock:
-            leased = any(not h.dead and now < h.ends_at for h in self._by_fn.get(fid, ()))
+            open_ = [h for h in self._by_fn.get(fid, ()) if not h.dead and now < h.ends_at]
+            beside = bool(devices) and any(h.grant.device in devices for h in open_)
+            leased = bool(open_)
+        if beside:
+            self.handed(fid, now)
         if not leased:
             first, latest = self._unleased.get(fid, (now, now))
             if now - latest > DENIED_SECONDS:  # an old spell: this one starts now

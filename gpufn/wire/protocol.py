@@ -647,6 +647,9 @@ class LeaseGrant(Message):
     # Calls of this client the scheduler had queued and hands to the lease instead: the
     # client sends them to the worker (they are no longer the scheduler's).
     reclaimed: list[str] = field(default_factory=list)
+    # The leased device's key: a call of the client's that the scheduler ran there beside
+    # the lease (`ResultMeta.devices`) says no other device was free for it.
+    device: str = ""
 
 
 @message(121)

@@ -191,7 +191,7 @@ def _wrap_bytes(obj: Any, depth: int = 3) -> Any:
 _SCALARS = (int, float, str, bool, type(None), complex)
 
 
-def _plain(obj: Any, depth: int = 3) -> bool:
+def plain(obj: Any, depth: int = 3) -> bool:
     """Small scalars and small containers of them: the C pickler alone is exact for these
     (nothing to send by value) and several times faster than cloudpickle's."""
     t = type(obj)
@@ -200,9 +200,9 @@ def _plain(obj: Any, depth: int = 3) -> bool:
     if depth == 0:
         return False
     if t is tuple or t is list:
-        return len(obj) <= 32 and all(_plain(x, depth - 1) for x in obj)
+        return len(obj) <= 32 and all(plain(x, depth - 1) for x in obj)
     if t is dict:
-        return len(obj) <= 32 and all(type(k) is str and _plain(v, depth - 1)
+        return len(obj) <= 32 and all(type(k) is str and plain(v, depth - 1)
                                       for k, v in obj.items())
     return False
 
@@ -212,7 +212,7 @@ def dumps(obj: Any, shm: shmem.Outgoing | None = None) -> list[Any]:
     buffers of at least `shm.threshold` bytes go into shared-memory files instead (their
     names in the stream or in the buffer's frame); on failure the files made so far are
     removed."""
-    if _plain(obj):
+    if plain(obj):
         return [pickle.dumps(obj, protocol=5)]
     obj = _wrap_bytes(obj)
     buffers: list[Any] = []

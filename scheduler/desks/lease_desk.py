@@ -102,7 +102,7 @@ class LeaseDesk:
         core.send(inv.client, p.LeaseGrant(
             lease.id, inv.function.function_id, worker.info.direct, lease.lease[0],
             cfg.lease_seconds, cfg.lease_max_calls, inv.spec.retries,
-            self._reclaim(queued, now)))
+            self._reclaim(queued, now), d.key))
         return lease
 
     def _reclaim(self, queued: list[Invocation], now: float) -> list[str]:
@@ -304,7 +304,7 @@ class LeaseDesk:
         secret, seconds, max_calls = lease.lease[:3]
         self.core.send(lease.client, p.LeaseGrant(
             lease.id, fn.function_id, worker.info.direct, str(secret), float(seconds),
-            int(max_calls), fn.spec.retries, self._take(share, now)))
+            int(max_calls), fn.spec.retries, self._take(share, now), d.key if d else ""))
 
     # ------------------------------------------------------------------ ends
 

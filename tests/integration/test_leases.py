@@ -82,6 +82,25 @@ def test_repeat_calls_go_straight_to_the_worker_and_are_metered(leasing: gpufn.C
     assert _usage_calls(leasing, "ident") - before == 2060
 
 
+@gpufn.gpu(memory="1MiB")
+def ended_at(x: int) -> float:  # 3 ms: a lease takes about 6 in flight (DEPTH_SECONDS)
+    time.sleep(0.003)
+    return time.monotonic()  # (one clock for every process of a host)
+
+
+def test_a_leased_calls_answer_leaves_as_it_ends_not_with_the_rest_of_its_batch(
+        leasing: gpufn.Client) -> None:
+    """The worker sends a batch's answers as they end (`DIRECT_FLUSH_SECONDS`), not once
+    the whole batch ran: its client refills the lease meanwhile. Held to the batch's end,
+    half the answers of a batch of 6 such calls arrive 6 ms or more after their call."""
+    list(ended_at.map(range(20)))  # its run time is known, a lease held
+    direct = leasing.leases.direct_calls
+    lags = sorted(time.monotonic() - end for end in ended_at.map(range(120), order_outputs=False))
+    assert leasing.leases.direct_calls - direct >= 100
+    late = [lag for lag in lags if lag > 0.005]
+    assert len(late) <= len(lags) // 5, f"answers late by {[round(x * 1e3, 1) for x in late]} ms"
+
+
 def test_many_calls_at_once_share_a_lease_by_its_depth(leasing: gpufn.Client) -> None:
     """Many calls submitted at once through the client's I/O thread (the HTTP gateway's
     path): beyond a lease's depth they wait in the client or go to the scheduler, which

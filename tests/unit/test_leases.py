@@ -83,6 +83,7 @@ def test_a_call_that_asks_gets_a_lease_on_its_idle_device_ahead_of_its_result() 
     order = [s.msg for s in h.sent if s.peer == b"cli" and isinstance(s.msg, (p.LeaseGrant, p.Result))]
     assert isinstance(order[-2], p.LeaseGrant) and order[-1].invocation_id == inv
     assert grant.endpoint == "tcp://127.0.0.1:5999" and grant.function_id == fid
+    assert grant.device == "n:0"  # (its client tells a call run beside it by that)
     assert run.meta.lease[:3] == [grant.secret, grant.seconds, grant.max_calls]
     lease = h.core.invocations[grant.lease_id]
     assert lease.state is InvState.RUNNING and grant.lease_id in h.core.devices["n:0"].running
@@ -178,6 +179,7 @@ def test_its_clients_calls_that_wait_behind_its_lease_are_handed_to_it() -> None
     again = [g for g in _grants(h) if g.lease_id == grant.lease_id and g.reclaimed]
     assert sorted(i for g in again for i in g.reclaimed) == sorted(waiting)
     assert again[-1].secret == grant.secret and again[-1].endpoint == grant.endpoint
+    assert again[-1].device == grant.device == "n:0"
     assert len(h.core.queue) == 0 and not any(w in h.core.invocations for w in waiting)
     assert not any(isinstance(s.msg, p.Cancel) for s in h.sent)  # the lease goes on
 
@@ -526,6 +528,26 @@ def test_a_hand_over_holds_its_functions_calls_back_from_the_scheduler_a_while()
     assert not leases.hold_back("f2", 1.0)  # its own function only
     leases.ended("lease:x")
     assert not leases.hold_back("f1", 1.0)  # no lease open: nothing to wait for
+
+
+def test_a_call_the_scheduler_ran_beside_its_own_open_lease_holds_calls_back_a_while() -> None:
+    leases = Leases()
+    g = p.LeaseGrant("lease:x", "f1", "tcp://127.0.0.1:1", "s", 10.0, 100, 0, device="n:0")
+    _reachable(leases, g, now=0.0)
+    sent = [p.Submit(f"c{i}", "f1", {}, lease=True) for i in range(3)]
+    for sub in sent:
+        leases.to_head("f1", sub.invocation_id)
+    assert not leases.hold_back("f1", 1.0)  # a few at the scheduler: within the window
+    leases.from_head("c0", 1.0, 0.001, ["n:1"])  # ran on a device no lease of ours holds
+    assert not leases.hold_back("f1", 1.0)
+    leases.from_head("c1", 1.0, 0.001, ["n:0"])  # beside our lease: no other device was free
+    assert leases.hold_back("f1", 1.0)
+    assert leases.hold_back("f1", 1.0 + HANDED_SECONDS - 0.001)
+    assert not leases.hold_back("f1", 1.0 + HANDED_SECONDS)
+    assert not leases.hold_back("f2", 1.0)
+    leases.ended("lease:x")  # beside a lease that is over: nothing to hold back for
+    leases.from_head("c2", 2.0, 0.001, ["n:0"])
+    assert not leases.hold_back("f1", 2.0)
 
 
 def test_a_leases_depth_follows_its_functions_run_time() -> None:

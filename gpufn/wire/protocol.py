@@ -15,6 +15,7 @@ from typing import Any
 
 from gpufn.wire.codec import (
     BATCH_TAG,
+    PACKED_TAG,
     DecodeError,
     Frame,
     Message,
@@ -29,7 +30,7 @@ from gpufn.wire.codec import (
     struct,
 )
 
-__all__ = ["BATCH_TAG", "PROTOCOL_VERSION", "DecodeError", "Frame", "Message", "Role",
+__all__ = ["BATCH_TAG", "PACKED_TAG", "PROTOCOL_VERSION", "DecodeError", "Frame", "Message", "Role",
            "as_bytes", "batch_frames", "decode", "decode_all", "encode", "encode_batch",
            "message", "message_types", "struct"]
 

@@ -107,13 +107,52 @@ def test_garbage_is_a_decode_error(frames: list[bytes]) -> None:
 def test_batches_round_trip_in_order() -> None:
     msgs = [p.Ping(1), p.Submit("i", "f", {}, frames=(b"a", b"b")), p.Output("i", "stdout", "x"), p.Ping(2)]
     frames = p.encode_batch(msgs)
-    assert frames[0] == p.BATCH_TAG
+    assert frames[0] == p.PACKED_TAG and len(frames) == 2  # small: packed into one frame
     back = p.decode_all(frames)
     assert [type(m) for m in back] == [type(m) for m in msgs]
     assert back[1].frames == (b"a", b"b") and back[3].seq == 2  # type: ignore[attr-defined]
     assert p.decode_all(p.encode_batch([p.Ping(7)])) == [p.Ping(7)]
     with pytest.raises(p.DecodeError):
         p.decode_all([p.BATCH_TAG, msgpack.packb([5]), b"\x03"])
+
+
+def test_a_batch_with_a_big_frame_keeps_its_frames_apart() -> None:
+    big = b"x" * (codec.PACK_FRAME_MAX + 1)
+    msgs = [p.Ping(1), p.Submit("i", "f", {}, frames=(big,))]
+    frames = p.encode_batch(msgs)
+    assert frames[0] == p.BATCH_TAG and frames[-1] is big  # zero-copy, not packed
+    assert p.decode_all(frames)[1].frames[0] == big  # type: ignore[attr-defined]
+    edge = p.encode_batch([p.Ping(1), p.Submit("i", "f", {}, frames=(big[:-1],))])
+    assert edge[0] == p.PACKED_TAG  # a frame of exactly PACK_FRAME_MAX is packed
+    many = codec.PACK_MAX // codec.PACK_FRAME_MAX
+    over = [p.Submit(str(i), "f", {}, frames=(big[:-1],)) for i in range(many + 1)]
+    assert p.encode_batch(over)[0] == p.BATCH_TAG  # over PACK_MAX in all: apart
+    assert p.encode_batch(over[:many - 1])[0] == p.PACKED_TAG
+
+
+def test_a_packed_batch_takes_any_small_buffer_as_bytes() -> None:
+    import zmq
+
+    parts = [p.encode(p.Ping(1)),
+             [*p.encode(p.Submit("i", "f", {})), memoryview(b"mv"), bytearray(b"ba"),
+              zmq.Frame(b"zf")]]
+    frames = p.batch_frames(parts)
+    assert frames[0] == p.PACKED_TAG
+    back = p.decode_all(frames)
+    assert back[1].frames == (b"mv", b"ba", b"zf")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("packed", [
+    b"\xc1",  # not msgpack
+    msgpack.packb({"not": "a list"}),
+    msgpack.packb([b"not a list of frames"]),
+    msgpack.packb([[b"\x01"]]),  # one frame: no header
+    msgpack.packb([["\x01", b"\x90"]]),  # a str, not bytes
+    msgpack.packb([[b"\x01", b"\x90"]]) + b"\x00",  # trailing bytes
+])
+def test_a_bad_packed_batch_is_a_decode_error(packed: bytes) -> None:
+    with pytest.raises(p.DecodeError):
+        p.decode_all([p.PACKED_TAG, packed])
 
 
 def test_states_are_enums_that_travel_as_strings() -> None:

@@ -275,9 +275,9 @@ class Function(Generic[P, R]):
                         target: tuple[p.Register | None, str, dict[str, Any]] | None = None,
                         keep: bool = False) -> p.Submit:
         # cached: keyed by its frames; plain values: nothing could go to shared memory
-        out = (None if self.spec.cache or ser.plain((args, kwargs))
-               else client.shm_outgoing())
-        frames = ser.dump_args(self.name, args, kwargs, out)
+        is_plain = ser.plain((args, kwargs))
+        out = None if self.spec.cache or is_plain else client.shm_outgoing()
+        frames = ser.dump_args(self.name, args, kwargs, out, is_plain)
         reg, fid, options = target or self._prepare(client)
         if reg is not None:
             client.ensure_registered(reg)

@@ -192,6 +192,8 @@ class Client:
         return f"{self._prefix}{next(self._counter):08x}"
 
     def ensure_registered(self, register: p.Register) -> None:
+        if register.function_id in self._registered:  # (once registered, always: no lock)
+            return
         with self._lock:
             if register.function_id in self._registered:
                 return
@@ -215,8 +217,10 @@ class Client:
     def _route(self, submit: p.Submit) -> None:
         """To the worker under a lease when one with room is held for its function, else
         to the scheduler, else (enough of its calls are there, and a lease may come) kept
-        here for now (under `_lock`)."""
-        if not self._send_now(submit):
+        here for now (under `_lock`). Behind calls of its function held back already
+        it waits too (in order; the answers that make room release them)."""
+        held = self._held_back.get(submit.function_id)
+        if held or not self._send_now(submit):
             self._held_back.setdefault(submit.function_id, deque()).append(submit)
             self._held_ids.add(submit.invocation_id)
 

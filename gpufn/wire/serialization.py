@@ -207,12 +207,12 @@ def plain(obj: Any, depth: int = 3) -> bool:
     return False
 
 
-def dumps(obj: Any, shm: shmem.Outgoing | None = None) -> list[Any]:
+def dumps(obj: Any, shm: shmem.Outgoing | None = None, is_plain: bool = False) -> list[Any]:
     """Frames for obj: the pickle stream then each large out-of-band buffer. With `shm`,
     buffers of at least `shm.threshold` bytes go into shared-memory files instead (their
     names in the stream or in the buffer's frame); on failure the files made so far are
-    removed."""
-    if plain(obj):
+    removed. `is_plain`: the caller found `plain(obj)` already."""
+    if is_plain or plain(obj):
         return [pickle.dumps(obj, protocol=5)]
     obj = _wrap_bytes(obj)
     buffers: list[Any] = []
@@ -331,11 +331,11 @@ def check_payload(frames: Sequence[Any], what: str, extra: int = 0) -> None:
 
 
 def dump_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              shm: shmem.Outgoing | None = None) -> list[Any]:
+              shm: shmem.Outgoing | None = None, is_plain: bool = False) -> list[Any]:
     """Frames for a call's arguments; on failure name the argument that cannot be pickled.
     Arguments over GPUFN_MAX_PAYLOAD raise PayloadTooLarge here, at the call site."""
     try:
-        frames = dumps((args, kwargs), shm)
+        frames = dumps((args, kwargs), shm, is_plain)
     except Exception as e:
         culprit = "the arguments"
         for i, a in enumerate(args):

@@ -239,7 +239,8 @@ class Executor:
             return _batch_result(call, value, t0)
         if value is Unused.VALUE:
             return p.Result(inv, True, "", "", p.ResultMeta(duration=time.perf_counter() - t0))
-        threshold = config.shm_threshold() if call.shm_owner else None
+        is_plain = ser.plain(value)  # then nothing of it could go to shared memory
+        threshold = config.shm_threshold() if call.shm_owner and not is_plain else None
         # One run on one device may send its result back in its arguments' pooled files
         # (gpufn/wire/shm.py): those it dropped are written over, those it returns named.
         alone = call.context.world_size == 1 and call.context.attempt <= 1
@@ -248,7 +249,7 @@ class Executor:
         del args, kwargs
         try:
             frames = (jsonwire.dump_value(value, f"the value returned by {call.name}") if call.json
-                      else ser.dumps(value, out))
+                      else ser.dumps(value, out, is_plain))
         except NotJSONSerializable as e:
             return _gpufn_failure(inv, e, t0)
         except Exception as e:

@@ -19,6 +19,7 @@ import concurrent.futures
 import inspect
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -31,10 +32,13 @@ from gpufn.wire import protocol as p
 from gpufn.wire import serialization as ser
 from gpufn.worker.output import set_current_async
 
+_DRIVEN = frozenset((types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType))
+
 
 def needs_driving(value: Any) -> bool:
-    """The function returned something to run or iterate, not a value."""
-    return inspect.isgenerator(value) or inspect.iscoroutine(value) or inspect.isasyncgen(value)
+    """The function returned something to run or iterate, not a value (a generator, a
+    coroutine or an async generator: types that cannot be subclassed)."""
+    return type(value) in _DRIVEN
 
 
 def is_special(fn: Any) -> bool:

@@ -108,6 +108,10 @@ ROOMS: dict[str, Room] = {
                  timeout=400.0),
     "leases": Room(("worker/leases.py", "gpufn/client/leases.py", "scheduler/desks/lease_desk.py"),
                    (f"{UNIT}/test_leases.py",)),
+    # The call futures (a hang, e.g. a waiter never notified, is killed at 30 s).
+    "futures": Room(("gpufn/client/futures.py",), (f"{UNIT}/test_futures.py",), timeout=30.0),
+    # Batches packed into one frame, and the rest of the codec.
+    "codec": Room(("gpufn/wire/codec.py",), (f"{UNIT}/test_protocol.py",)),
 }
 
 _COMPARE_KEPT = ("Eq_NotEq", "NotEq_Eq", "Is_IsNot", "IsNot_Is", "In_NotIn", "NotIn_In",

@@ -24,8 +24,19 @@ def test_a_result_set_with_nobody_waiting_needs_no_condition() -> None:
     assert f.done() and f.result() == 7 and f.result(0) == 7 and f.exception() is None
     assert seen == [f] and f._cond is None  # the callback ran once, and no Condition
     late: list[Future[int]] = []
-    f.add_done_callback(late.append)  # after the end: at once
-    assert late == [f] and not f.cancelled() and not f.running()
+    f.add_done_callback(late.append)  # after the end: at once, still no Condition
+    assert late == [f] and f._cond is None and not f.cancelled() and not f.running()
+
+
+def test_a_callback_added_once_a_thread_waited_runs_at_the_end_not_before() -> None:
+    f: CallFuture[int] = CallFuture()
+    with pytest.raises(cf.TimeoutError):
+        f.result(0.01)  # a waiter made the Condition
+    seen: list[bool] = []
+    f.add_done_callback(lambda x: seen.append(x.done()))
+    assert seen == []
+    f.set_result(1)
+    assert seen == [True]
 
 
 def test_an_exception_is_raised_by_result_and_returned_by_exception() -> None:
@@ -122,3 +133,6 @@ def test_a_failing_callback_is_logged_and_the_others_still_run(
     f.add_done_callback(lambda x: ran.append(x.result()))
     f.set_result(3)
     assert ran == [3] and "exception calling callback" in caplog.text
+    caplog.clear()
+    f.add_done_callback(lambda _: 1 / 0)  # added after the end: run at once, logged too
+    assert "exception calling callback" in caplog.text

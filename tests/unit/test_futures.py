@@ -134,5 +134,7 @@ def test_a_failing_callback_is_logged_and_the_others_still_run(
     f.set_result(3)
     assert ran == [3] and "exception calling callback" in caplog.text
     caplog.clear()
-    f.add_done_callback(lambda _: 1 / 0)  # added after the end: run at once, logged too
+    g: CallFuture[int] = CallFuture()
+    g.set_result(4)
+    g.add_done_callback(lambda _: 1 / 0)  # added after the end: run at once, logged too
     assert "exception calling callback" in caplog.text

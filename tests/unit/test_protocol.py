@@ -116,6 +116,40 @@ def test_batches_round_trip_in_order() -> None:
         p.decode_all([p.BATCH_TAG, msgpack.packb([5]), b"\x03"])
 
 
+def test_a_batch_packs_frames_up_to_16_kib_and_1_mib_in_all() -> None:
+    def submit(i: int, n: int) -> list[object]:
+        return p.encode(p.Submit(str(i), "f", {}, frames=(b"x" * n,)))
+
+    assert p.batch_frames([submit(0, 16 * 1024), submit(1, 1)])[0] == p.PACKED_TAG
+    assert p.batch_frames([submit(0, 16 * 1024 + 1), submit(1, 1)])[0] == p.BATCH_TAG
+    parts = [submit(i, 16 * 1024) for i in range(64)]  # exactly 1 MiB of payload frames
+    overhead = sum(len(f) for fs in parts for f in fs) - 1024 * 1024
+    parts[0] = submit(0, 16 * 1024 - overhead)  # all frames: exactly 1 MiB
+    assert sum(len(f) for fs in parts for f in fs) == 1024 * 1024
+    assert p.batch_frames(parts)[0] == p.PACKED_TAG
+    parts[0] = submit(0, 16 * 1024 - overhead + 1)
+    assert p.batch_frames(parts)[0] == p.BATCH_TAG
+
+
+def test_a_single_message_is_no_batch() -> None:
+    frames = p.encode(p.Ping(3))
+    assert p.batch_frames([frames]) is frames and p.encode_batch([p.Ping(3)]) == frames
+
+
+def test_a_buffer_is_measured_in_bytes_not_items() -> None:
+    import array
+
+    ints = memoryview(array.array("i", range(5000)))  # 5,000 items, 20,000 bytes
+    frames = p.batch_frames([p.encode(p.Ping(1)), [*p.encode(p.Submit("i", "f", {})), ints]])
+    assert frames[0] == p.BATCH_TAG and frames[-1] is ints
+
+
+def test_a_batch_header_that_is_not_a_list_of_counts_is_a_decode_error() -> None:
+    for header in ({"not": "a list"}, ["x"], [0]):
+        with pytest.raises(p.DecodeError):
+            p.decode_all([p.BATCH_TAG, msgpack.packb(header), b"\x03", b"\x90"])
+
+
 def test_a_batch_with_a_big_frame_keeps_its_frames_apart() -> None:
     big = b"x" * (codec.PACK_FRAME_MAX + 1)
     msgs = [p.Ping(1), p.Submit("i", "f", {}, frames=(big,))]

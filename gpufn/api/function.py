@@ -322,8 +322,9 @@ class Function(Generic[P, R]):
         if self.spec.cache:
             return self.spawn(*args, **kwargs).get()
         client = get_client()
-        out = client.shm_outgoing()
-        frames = ser.dump_args(self.name, args, kwargs, out)
+        is_plain = ser.plain((args, kwargs))  # then nothing could go to shared memory
+        out = None if is_plain else client.shm_outgoing()
+        frames = ser.dump_args(self.name, args, kwargs, out, is_plain)
         reg, fid, options = self._prepare(client)
         sub = p.Submit(client.new_id(), fid, options, shm=client.shm_results,
                        frames=tuple(frames))

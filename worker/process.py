@@ -333,7 +333,7 @@ class WorkerProcess:
     def _direct_receive(self) -> None:
         """DirectRuns (and probes) from clients holding a lease."""
         now = flushed = time.monotonic()
-        while True:
+        while sockets.waiting(self.direct):
             try:
                 frames = sockets.recv(self.direct, zmq.NOBLOCK)
             except zmq.Again:

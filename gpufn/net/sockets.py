@@ -71,10 +71,19 @@ def recv(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
     return parts
 
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def waiting(sock: zmq.Socket[Any]) -> bool:
+    """A message can be read from `sock` now. Cheaper than the `zmq.Again` a read of
+    none raises (an exception object each: 5.7 µs against 2.4 here)."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+
+
 def received(sock: zmq.Socket[Any], log: logging.Logger) -> Iterator[p.Message]:
     """Every message waiting on `sock`, without blocking (a batch's one by one); an
     undecodable one is logged and skipped."""
-    while True:
+    while waiting(sock):
         try:
             frames = recv(sock, zmq.NOBLOCK)
         except zmq.Again:

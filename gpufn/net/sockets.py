@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -77,7 +77,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 def waiting(sock: zmq.Socket[Any]) -> bool:
     """A message can be read from `sock` now. Cheaper than the `zmq.Again` a read of
     none raises (an exception object each: 5.7 µs against 2.4 here)."""
-    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+    return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
 def received(sock: zmq.Socket[Any], log: logging.Logger) -> Iterator[p.Message]:

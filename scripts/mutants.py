@@ -104,12 +104,13 @@ ROOMS: dict[str, Room] = {
                            (f"{UNIT}/test_stream_bursts.py", f"{UNIT}/test_streams_retries.py"),
                            timeout=40.0),
     "http": Room(tuple(f"gpufn/http/{m}.py" for m in ("calls", "events", "directory", "pool")),
-                 (f"{UNIT}/test_http_pieces.py", "tests/integration/test_http_faults.py"),
+                 (f"{UNIT}/test_http_gateway.py", f"{UNIT}/test_http_pieces.py",
+                  "tests/integration/test_http_faults.py"),
                  timeout=400.0),
     # Unit-only first passes of `http` and `head` (sharing their sessions, as discovery_unit):
     # their integration files cost a minute or more a mutant here.
     "http_unit": Room(tuple(f"gpufn/http/{m}.py" for m in ("calls", "events", "directory", "pool")),
-                      (f"{UNIT}/test_http_pieces.py",)),
+                      (f"{UNIT}/test_http_gateway.py", f"{UNIT}/test_http_pieces.py")),
     "head_unit": Room(("gpufn/cluster/head.py",), (f"{UNIT}/test_launchers.py",)),
     "leases": Room(("worker/leases.py", "gpufn/client/leases.py", "scheduler/desks/lease_desk.py"),
                    (f"{UNIT}/test_leases.py",)),

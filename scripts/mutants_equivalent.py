@@ -34,6 +34,7 @@ _STREAM = "worker/streaming.py"
 _SHM = "gpufn/wire/shm.py"
 _CHILDREN = "worker/host/children.py"
 _MODELS = "scheduler/books/model_book.py"
+_HTTP_CALLS = "gpufn/http/calls.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -998,4 +999,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                'except (KeyError, CosmicRayTestingException) as e:  # an event from before a reset: stale',
                "no ledger call on_event makes can raise KeyError (the entry is there) or ValueError (load_done's and restore_done's are for a restore taken as a load and back, which on_event tells apart by from_host); an illegal move raises IllegalResidency, a RuntimeError, which neither tuple catches"),
 
+    Equivalent(_HTTP_CALLS, "CREDIT_EVERY = max(1, p.STREAM_WINDOW // 4)",
+               "CREDIT_EVERY = max( 2, p.STREAM_WINDOW // 4)",
+               "the floor only matters for a window under 8 values: STREAM_WINDOW // 4 is 16"),
+    Equivalent(_HTTP_CALLS, "CREDIT_EVERY = max(1, p.STREAM_WINDOW // 4)",
+               "CREDIT_EVERY = max( 0, p.STREAM_WINDOW // 4)",
+               "the floor only matters for a window under 4 values: STREAM_WINDOW // 4 is 16"),
 )

@@ -384,6 +384,12 @@ def test_a_finished_spawned_result_is_kept_under_the_default_bounds_and_forgotte
         fut.set_result(p.Result("c1", True, "", "", frames=(b"x" * 5000,)))
         await settle()
         assert list(book.calls) == ["c1"] and book.finished_bytes == 5000
+        lost: Future[p.Result] = Future()  # no Result: counts no bytes
+        book.add(calls.Spawned("c2", "alice", "a.f", lost, e), asyncio.get_running_loop())
+        lost.set_exception(ConnectionLost("gone"))
+        await settle()
+        assert list(book.calls) == ["c1", "c2"] and book.finished_bytes == 5000
+        book.forget("c2")
         book.forget("nope")
         assert book.finished_bytes == 5000
         book.forget("c1")

@@ -453,12 +453,65 @@ def test_a_client_leaving_stops_an_event_stream_waiting_for_its_next_value() -> 
         rx = Receive()
         task = asyncio.ensure_future(events.EventStream(gen())({"type": "http"}, rx, send))
         await settle(10)
-        assert [m.get("body") for m in sent[1:]] == [b"data: 0\n\n"]
+        assert sent[0]["status"] == 200 and [m.get("body") for m in sent[1:]] == [b"data: 0\n\n"]
         t0 = time.monotonic()
         rx.gone.set()
         await asyncio.wait_for(task, 5)
         assert time.monotonic() - t0 < 1 and closed == ["finally"]
         assert len(sent) == 2  # no end of body for a client that left
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_stopped_at_a_yield_is_closed_before_the_response_returns() -> None:
+    """A slow client: the send of a value blocks, the generator waits at its yield; when
+    the client leaves, the generator's finally (which cancels the remote call) has run by
+    the time the response returns, not whenever the generator is collected."""
+
+    async def scenario() -> None:
+        closed: list[str] = []
+
+        async def gen() -> Any:
+            try:
+                for i in range(10):
+                    yield f"data: {i}\n\n".encode()
+            finally:
+                closed.append("finally")
+
+        blocked = asyncio.Event()
+
+        async def send(msg: dict[str, Any]) -> None:
+            if msg.get("body"):
+                blocked.set()
+                await asyncio.Event().wait()  # the client reads nothing
+
+        rx = Receive()
+        task = asyncio.ensure_future(events.EventStream(gen())({"type": "http"}, rx, send))
+        await asyncio.wait_for(blocked.wait(), 5)
+        rx.gone.set()
+        await asyncio.wait_for(task, 5)
+        assert closed == ["finally"]
+
+        class Values:  # an async iterator with no aclose
+            def __init__(self) -> None:
+                self.left = 2
+
+            def __aiter__(self) -> Values:
+                return self
+
+            async def __anext__(self) -> bytes:
+                if not self.left:
+                    raise StopAsyncIteration
+                self.left -= 1
+                return b"data: x\n\n"
+
+        sent: list[dict[str, Any]] = []
+
+        async def record(msg: dict[str, Any]) -> None:
+            sent.append(msg)
+
+        await events.EventStream(Values())({"type": "http"}, Receive(), record)
+        assert [m.get("body") for m in sent[1:]] == [b"data: x\n\n", b"data: x\n\n", b""]
 
     asyncio.run(scenario())
 

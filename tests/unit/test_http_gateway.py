@@ -11,6 +11,7 @@ close; the routes over a real scheduler are tests/integration/test_http*.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -728,6 +729,8 @@ def test_a_target_checks_arguments_against_its_recorded_signature() -> None:
     old = directory._target("app", {"name": "f"}, 1, False)  # deployed before interfaces
     assert directory.signature_text(old.interface) == "*args, **kwargs"
     old.check([1, 2], {"z": 3})
+    with pytest.raises(dataclasses.FrozenInstanceError):  # cached, shared by requests
+        t.version = 5  # type: ignore[misc]
     gen = directory._target("app", {"name": "g", "interface": {"generator": True,
                                                                "chat_model": "m"}}, 1, False)
     assert gen.generator and gen.chat_model == "m"
@@ -747,13 +750,14 @@ def test_the_listing_is_asked_at_most_once_a_second_unless_fresh(
         assert [a["name"] for a in await d.apps()] == ["a"]
         await d.apps()
         assert len(conn.requests) == 1
+        clock = time.monotonic()
+        monkeypatch.setattr(directory.time, "monotonic", lambda: clock)
         await d.apps(fresh=True)
         assert len(conn.requests) == 2
-        clock = time.monotonic()
-        monkeypatch.setattr(directory.time, "monotonic", lambda: clock + directory.LIST_TTL - 0.01)
+        monkeypatch.setattr(directory.time, "monotonic", lambda: clock + 1.0)  # a second on
         await d.apps()
         assert len(conn.requests) == 2
-        monkeypatch.setattr(directory.time, "monotonic", lambda: clock + directory.LIST_TTL + 0.01)
+        monkeypatch.setattr(directory.time, "monotonic", lambda: clock + 1.001)
         await d.apps()
         assert len(conn.requests) == 3
         conn.replies[p.AppCommand] = GpufnError("denied")
@@ -828,15 +832,16 @@ def test_openai_models_are_named_by_their_declared_names() -> None:
             return {"name": name, "interface": {"openai": roles}}
 
         conn.replies[p.AppCommand] = _apps(
+            ("c", 1, "stopped", [fn("x", chat="gone")]),
             ("a", 1, "active", [fn("chat", chat="llama"), fn("emb", embedding="e5")]),
-            ("b", 2, "active", [fn("chat", chat="llama", completion="llama")]),
-            ("c", 1, "stopped", [fn("x", chat="gone")]))
+            ("b", 2, "active", [fn("chat", chat="llama", completion="llama")]))
         d = directory.Directory(entry(conn))
         models = await d.openai_models()
         assert set(models) == {"a/llama", "b/llama", "e5"}
         assert set(models["b/llama"]) == {"chat", "completion"}
         t = await d.openai_target("b/llama", "completion")
-        assert (t.app, t.name, t.version) == ("b", "chat", 2)
+        assert (t.app, t.name, t.version, t.pinned) == ("b", "chat", 2, False)
+        assert t.function_id() == p.app_alias("b", "chat")  # bound to the current version
         with pytest.raises(HTTPError) as wrong_role:
             await d.openai_target("e5", "chat")
         assert wrong_role.value.status == 404 and wrong_role.value.code == "model_not_found"

@@ -556,8 +556,43 @@ def test_ask_answers_the_reply_and_forgets_the_request() -> None:
     asyncio.run(scenario())
 
 
+def test_a_request_waits_thirty_seconds_and_the_reaper_looks_every_five(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The defaults: how long a reply is waited for, and how often idle connections are
+    looked for (at most as long as the idle time itself)."""
+    waits: list[float] = []
+    sleeps: list[float] = []
+    real_wait_for, real_sleep = asyncio.wait_for, asyncio.sleep
+
+    async def wait_for(aw: Any, timeout: float) -> Any:
+        waits.append(timeout)
+        return await real_wait_for(aw, 0.01)
+
+    async def sleep(delay: float) -> None:
+        sleeps.append(delay)
+        await real_sleep(0)
+        if len(sleeps) >= 2:
+            raise asyncio.CancelledError
+
+    async def scenario() -> None:
+        with pytest.raises(ConnectionLost) as lost:
+            await pool.ask(Conn(), lambda rid: p.AppCommand(rid, "list", {}))  # type: ignore[arg-type]
+        assert waits == [30.0] and "within 30s" in str(lost.value)
+        for idle_s in (3600.0, 0.5):
+            sleeps.clear()
+            cp = pool.ClientPool("tcp://h:1", idle_s=idle_s)
+            with pytest.raises(asyncio.CancelledError):
+                await cp._reap_loop()
+            assert sleeps == [min(5.0, idle_s)] * 2
+
+    monkeypatch.setattr(asyncio, "wait_for", wait_for)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    asyncio.run(scenario())
+
+
 def test_an_entry_counts_what_it_holds_and_when_it_was_last_used() -> None:
     e = entry()
+    assert not e.admin and e.inflight == 0
     before = e.last_used
     time.sleep(0.01)
     e.hold()
@@ -596,6 +631,9 @@ def test_a_token_gets_one_connection_shared_by_its_requests() -> None:
         return conns[-1]
 
     async def scenario() -> None:
+        default = pool.ClientPool("tcp://h:1", idle_s=60, make_client=make)  # type: ignore[arg-type]
+        await default.entry("t-default")
+        assert made.pop() == ("tcp://h:1", "t-default", 15.0)
         cp = pool.ClientPool("tcp://h:1", idle_s=60, connect_timeout=7.0,
                              make_client=make)  # type: ignore[arg-type]
         a, b = await asyncio.gather(cp.entry("t-anon"), cp.entry("t-anon"))
@@ -606,11 +644,19 @@ def test_a_token_gets_one_connection_shared_by_its_requests() -> None:
         assert await cp.entry("t-anon") is a and a.last_used > before and len(made) == 1
         bob, admin = await cp.entry("t-bob"), await cp.entry("t-admin")
         assert (bob.owner, bob.admin, admin.admin) == ("bob", False, True)
+        older = Conn()  # a scheduler that names no admin flag: not an admin
+        del older.info
+        older.info = type("Info", (), {"user": "carol"})()
+        cp._make = lambda *_: older  # type: ignore[assignment]
+        carol = await cp.entry("t-carol")
+        assert (carol.owner, carol.admin) == ("carol", False)
+        cp._make = make  # type: ignore[assignment]
         a.client.closed = True  # its connection went away: a new one, the old one closed
         again = await cp.entry("t-anon")
-        assert again is not a and len(made) == 4 and conns[0].close_calls == 1
+        assert again is not a and len(made) == 4 and a.client.close_calls == 1  # type: ignore[attr-defined]
         await cp.close()
         assert len(cp) == 0 and all(c.close_calls == 1 for c in conns[1:])
+        assert older.close_calls == 1 and conns[0].close_calls == 0  # another pool's
 
     asyncio.run(scenario())
 

@@ -339,6 +339,9 @@ def main() -> int:
         deadline = time.monotonic() + 60 * (a.budget or room.budget)
         for module in room.modules:
             db = WORK / f"{slug(module)}.sqlite"
+            if a.report and not db.exists():
+                print(f"\n{module}: not run yet")
+                continue
             if a.survivors:
                 forget_survivors(db)
             out = (summarize(module, db) if a.report

@@ -700,3 +700,115 @@ def test_a_full_disk_in_run_is_logged_and_does_not_stop(tmp_path: Path,
     assert c.restarts == 1
     assert f"could not write {tmp_path / RECORD}" in caplog.text
     assert "cannot adopt this host's workers" in caplog.text
+
+
+# ---------------------------------------------------------------- for the tool's survivors
+
+
+def test_a_record_naming_no_serve_signals_nothing(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # A record whose serve is null (pid 1's start time beside it): not read as pid 1. The
+    # stop is noted only, so a mistaken reading signals nobody.
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(head_mod, "_stop_pid", lambda *a: calls.append(a))
+    _record(tmp_path, serve=None, serve_started=pids.start_time(1), supervisor=None)
+    assert stop_recorded(tmp_path) is False
+    assert calls == [] and not (tmp_path / RECORD).exists()
+
+
+def test_stop_gives_a_supervisor_not_ours_ten_seconds(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    sup = _sleeper()
+    st = _started(sup)
+    _left(tmp_path, sup)
+    h = Head(Cluster(), tmp_path)  # type: ignore[arg-type]
+    h.start()
+    assert h.adopted
+    calls = _stop_calls(monkeypatch)
+    h.stop()
+    assert calls == [(sup.pid, st, signal.SIGTERM, 10.0)]
+    assert sup.wait(5) == -signal.SIGTERM
+
+
+class _Waited:
+    """A scheduler that stays (Popen's wait/kill/poll), noting how long it is waited for."""
+
+    def __init__(self) -> None:
+        self.waits: list[float | None] = []
+        self.killed = False
+
+    def poll(self) -> int | None:
+        return -9 if self.killed else None
+
+    def terminate(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.waits.append(timeout)
+        if not self.killed:
+            raise subprocess.TimeoutExpired("scheduler", timeout or 0)
+        return -9
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def test_wait_left_waits_ten_seconds_by_default(tmp_path: Path) -> None:
+    c = Cluster(workers=0)
+    h = Head(c, tmp_path)  # type: ignore[arg-type]
+    h.start()
+    assert c.scheduler is not None
+    c.scheduler.kill()
+    c.scheduler.wait()
+    w = _Waited()
+    c.scheduler = w  # type: ignore[assignment]
+    h.wait_left()
+    assert w.waits == [10.0, None] and w.killed
+
+
+def test_leave_and_wait_left_without_a_scheduler(tmp_path: Path) -> None:
+    c = Cluster(workers=0)
+    h = Head(c, tmp_path)  # type: ignore[arg-type]
+    h.start()
+    assert c.scheduler is not None
+    c.scheduler.kill()
+    c.scheduler.wait()
+    c.scheduler = None
+    h.leave()
+    h.wait_left()
+    assert h.leaving
+
+
+def test_stop_recorded_when_the_serve_removes_its_record_itself(tmp_path: Path) -> None:
+    # A real `gpufn serve` stopped by SIGINT removes head.json on its way out.
+    serve = _spawn("sh", "-c", f"trap 'rm -f {tmp_path / RECORD}; exit 0' INT; echo ready; "
+                   "while :; do sleep 0.05; done", stdout=subprocess.PIPE)
+    assert serve.stdout is not None and serve.stdout.readline() == b"ready\n"
+    _record(tmp_path, serve=serve.pid, serve_started=_started(serve), supervisor=None)
+    assert stop_recorded(tmp_path) is True
+    assert serve.wait(5) == 0 and not (tmp_path / RECORD).exists()
+
+
+def test_stop_pid_a_process_gone_between_the_check_and_the_signal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The race (it exits right after `same` said it runs) made certain: `same` answers
+    # from just before, for a process already ended (a zombie, then reaped).
+    p = _sleeper()
+    st = _started(p)
+    p.kill()
+    deadline = time.monotonic() + 5
+    while pids.alive(p.pid) and time.monotonic() < deadline:  # a zombie: kill() still finds it
+        time.sleep(0.01)
+    answers = [True, True]
+
+    def same(pid: int, started: int | None) -> bool:
+        if len(answers) == 1:
+            p.wait()  # reaped now: the SIGKILL finds no process
+        return answers.pop(0) if answers else False
+
+    monkeypatch.setattr(head_mod, "processes", SimpleNamespace(same=same))
+    head_mod._stop_pid(p.pid, st, 0, 0.0)
+    assert answers == [] and p.returncode == -signal.SIGKILL
+    answers[:] = [True]
+    head_mod._stop_pid(p.pid, st, signal.SIGTERM, 5.0)  # its signal finds no process
+    assert answers == []

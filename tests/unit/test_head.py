@@ -812,3 +812,23 @@ def test_stop_pid_a_process_gone_between_the_check_and_the_signal(
     answers[:] = [True]
     head_mod._stop_pid(p.pid, st, signal.SIGTERM, 5.0)  # its signal finds no process
     assert answers == []
+
+
+@pytest.mark.timeout(10)
+def test_a_sigterm_during_a_restart_still_leaves(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # SIGTERM (leave) while the dead scheduler is being replaced, before the new one runs:
+    # the new one is terminated too, not waited for until it dies of something else.
+    h, c = _running(tmp_path, [(3, 1000.0), (None, 1001.0)], monkeypatch)
+    real = c.restart_scheduler
+
+    def restart() -> str:
+        h.leave()
+        return real()
+
+    monkeypatch.setattr(c, "restart_scheduler", restart)
+    t0 = time.monotonic()
+    assert h.run() == 0
+    assert time.monotonic() - t0 < 5
+    assert c.scheduler is not None and c.scheduler.wait(5) == -signal.SIGTERM
+    assert c.stops == [] and (tmp_path / RECORD).exists()

@@ -94,7 +94,7 @@ ROOMS: dict[str, Room] = {
     # runs only this pass's survivors with the integration file added.
     "discovery_unit": Room(("gpufn/net/discovery.py",), (f"{UNIT}/test_discovery.py",)),
     "head": Room(("gpufn/cluster/head.py",),
-                 (f"{UNIT}/test_launchers.py", "tests/integration/test_restart.py"),
+                 (f"{UNIT}/test_head.py", "tests/integration/test_restart.py"),
                  timeout=400.0),
     "streaming": Room(("worker/streaming.py",),
                       (f"{UNIT}/test_stream_bursts.py", f"{UNIT}/test_streams_retries.py",
@@ -111,7 +111,9 @@ ROOMS: dict[str, Room] = {
     # their integration files cost a minute or more a mutant here.
     "http_unit": Room(tuple(f"gpufn/http/{m}.py" for m in ("calls", "events", "directory", "pool")),
                       (f"{UNIT}/test_http_gateway.py", f"{UNIT}/test_http_pieces.py")),
-    "head_unit": Room(("gpufn/cluster/head.py",), (f"{UNIT}/test_launchers.py",)),
+    # test_head: the record, the stops, start's refuse/adopt/replace and run's restart
+    # policy, against real processes and a stand-in cluster (a few seconds a mutant).
+    "head_unit": Room(("gpufn/cluster/head.py",), (f"{UNIT}/test_head.py",), timeout=40.0),
     "leases": Room(("worker/leases.py", "gpufn/client/leases.py", "scheduler/desks/lease_desk.py"),
                    (f"{UNIT}/test_leases.py",)),
     # The call futures (a hang, e.g. a waiter never notified, is killed at 30 s).

@@ -35,6 +35,7 @@ _SHM = "gpufn/wire/shm.py"
 _CHILDREN = "worker/host/children.py"
 _MODELS = "scheduler/books/model_book.py"
 _HTTP_CALLS = "gpufn/http/calls.py"
+_HEAD = "gpufn/cluster/head.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -1005,4 +1006,37 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_HTTP_CALLS, "CREDIT_EVERY = max(1, p.STREAM_WINDOW // 4)",
                "CREDIT_EVERY = max( 0, p.STREAM_WINDOW // 4)",
                "the floor only matters for a window under 4 values: STREAM_WINDOW // 4 is 16"),
+
+    Equivalent(_HEAD, "deadline = time.monotonic() + grace", "deadline = time.monotonic() - grace",
+               "the one after the SIGKILL (the first, before the loop, is killed: a process "
+               "ignoring SIGTERM is SIGKILLed after the grace, not at once): it only sends "
+               "SIGKILL again every 50 ms instead of every grace while the process is not "
+               "yet gone, and a SIGKILLed process cannot act on a second one"),
+    Equivalent(_HEAD, "if time.monotonic() > deadline:", "if time.monotonic() >= deadline:",
+               "a clock reading equal to the deadline to the nanosecond only moves the "
+               "SIGKILL one 50 ms poll earlier; no test can time that"),
+    Equivalent(_HEAD, 'pid, started = int(rec.get("serve") or 0), rec.get("serve_started")',
+               'pid, started = int(rec.get("serve") or -1), rec.get("serve_started")',
+               "no serve in the record: pid 0 or -1, and `same` is False for any pid <= 0 "
+               "(pid 1 instead is killed: test_a_record_naming_no_serve_signals_nothing)"),
+    Equivalent(_HEAD, "pid, started = (int(rec[key][0]), rec[key][1]) if rec.get(key) else (0, None)",
+               "pid, started = (int(rec[key][0]), rec[key][1]) if rec.get(key) else ( 1, None)",
+               "no supervisor in the record: its start time is None, and `same(pid, None)` "
+               "is False for every pid"),
+    Equivalent(_HEAD, "pid, started = (int(rec[key][0]), rec[key][1]) if rec.get(key) else (0, None)",
+               "pid, started = (int(rec[key][0]), rec[key][1]) if rec.get(key) else ( -1, None)",
+               "no supervisor in the record: its start time is None, and `same(pid, None)` "
+               "is False for every pid"),
+    Equivalent(_HEAD, 'serve = int(old.get("serve", 0))', 'serve = int(old.get("serve", -1))',
+               "no serve in the record: `alive(-1)` sends signal 0 (nothing) and `same(-1, "
+               "...)` is False like `same(0, ...)`, so neither is refused (pid 1 instead is "
+               "killed: test_a_record_without_serve_is_not_a_live_serve)"),
+    Equivalent(_HEAD, 'sched = old.get("scheduler") or [0, None]',
+               'sched = old.get("scheduler") or [ 1, None]',
+               "no scheduler in the record: its start time is None, so `_stop_pid` returns "
+               "at once for any pid"),
+    Equivalent(_HEAD, 'sched = old.get("scheduler") or [0, None]',
+               'sched = old.get("scheduler") or [ -1, None]',
+               "no scheduler in the record: its start time is None, so `_stop_pid` returns "
+               "at once for any pid"),
 )

@@ -187,6 +187,8 @@ class Head:
         while True:
             sched = self.cluster.scheduler
             assert sched is not None
+            if self._leaving:  # SIGTERM while it was started again: `leave` saw the dead one
+                self.leave()
             code = sched.wait()
             if self._leaving:
                 return 0

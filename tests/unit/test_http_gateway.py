@@ -903,3 +903,130 @@ def test_openai_models_are_named_by_their_declared_names() -> None:
             "embedding models: none (declare one with @gpufn.embedding_model)")
 
     asyncio.run(scenario())
+
+
+# --------------------------------------------------------------------------- error shapes
+
+
+def test_an_error_in_the_native_and_the_openai_shape() -> None:
+    from gpufn.http import errors
+
+    e = errors.HTTPError(429, "QueueFull", "wait ✓", headers={"Retry-After": "2"}, param="n",
+                         code="busy", at=time)
+    assert (e.status, e.type, e.message, e.headers, e.param, e.code) == (
+        429, "QueueFull", "wait ✓", {"Retry-After": "2"}, "n", "busy")
+    assert e.extra == {"at": time}
+    assert json.loads(e.body()) == {"error": {"type": "QueueFull", "message": "wait ✓",
+                                              "at": str(time)}}
+    assert "✓".encode() in e.body()  # not escaped
+    assert e.event() == b"event: error\ndata: " + e.body_inner() + b"\n\n"
+    assert e.openai() == {"message": "wait ✓", "type": "rate_limit_error", "param": "n",
+                          "code": "busy"}
+    assert json.loads(e.openai_body()) == {"error": e.openai()}
+    assert "✓".encode() in e.openai_body()
+    plain = errors.HTTPError(404, "NotFound", "no f")
+    assert plain.headers == {} and plain.extra == {} and plain.param is None
+    assert plain.openai() == {"message": "no f", "type": "not_found_error", "param": None,
+                              "code": "not_found"}
+    kinds = {s: errors.HTTPError(s, "X", "m").openai()["type"]
+             for s in (400, 401, 403, 404, 405, 408, 409, 413, 422, 429, 499, 500, 503, 504)}
+    assert kinds == {400: "invalid_request_error", 401: "authentication_error",
+                     403: "permission_error", 404: "not_found_error",
+                     405: "invalid_request_error", 408: "invalid_request_error",
+                     409: "invalid_request_error", 413: "invalid_request_error",
+                     422: "invalid_request_error", 429: "rate_limit_error",
+                     499: "invalid_request_error", 500: "server_error", 503: "server_error",
+                     504: "server_error"}
+    remote = errors.HTTPError(500, "KeyError", "'k'", remote=True).openai()
+    assert (remote["message"], remote["code"]) == ("KeyError: 'k'", "key_error")
+    assert [errors._snake(k) for k in ("QueueFull", "V2Error", "HTTPError", "")] == [
+        "queue_full", "v2_error", "httperror", "error"]
+    bad = errors.bad_request("too long", param="messages", code="context_length_exceeded")
+    assert (bad.status, bad.type, bad.param, bad.code) == (400, "BadRequest", "messages",
+                                                           "context_length_exceeded")
+    assert errors.bad_request("x", "InvalidJSON").type == "InvalidJSON"
+    with pytest.raises(TypeError):  # param and code are named, never positional
+        errors.bad_request("x", "T", "p")  # type: ignore[misc]
+
+
+def test_no_answer_carries_a_traceback_or_a_server_path(caplog: pytest.LogCaptureFixture) -> None:
+    from gpufn.http import errors
+
+    tb = ('Traceback (most recent call last):\n  File "/srv/app.py", line 3, in f\n'
+          "    x()\nKeyError: 'k'")
+    assert errors.public(f"load failed\n{tb}") == "load failed"
+    assert errors.public('bad\n  File "/srv/m.py", line 9, in g\nafter ') == "bad\nafter"
+    assert errors.public("  plain  ") == "plain"
+    token = errors.request_id.set("req_abc")
+    try:
+        caplog.clear()
+        with caplog.at_level("WARNING", "gpufn.http"):
+            assert errors._logged("Timeout", "too slow") == "too slow"
+            assert caplog.records == []  # nothing hidden: nothing logged
+            assert errors._logged("ModelLoadError", f"no weights\n{tb}") == "no weights"
+            assert errors._logged("KeyError", "'k'", "the traceback") == "'k'"
+        assert len(caplog.records) == 2
+        assert "request req_abc: ModelLoadError: no weights" in caplog.records[0].getMessage()
+        assert "/srv/app.py" in caplog.records[0].getMessage()
+        assert caplog.records[1].getMessage().endswith("KeyError: 'k'\nthe traceback")
+    finally:
+        errors.request_id.reset(token)
+    caplog.clear()
+    with caplog.at_level("WARNING", "gpufn.http"):
+        errors._logged("X", "m", "tb")
+    assert "request -: X: m" in caplog.records[0].getMessage()
+
+
+def test_gpufn_errors_and_failed_results_get_their_status() -> None:
+    from gpufn.http import errors
+
+    assert [(x.status, x.type) for x in (
+        errors.from_gpufn(NotFound("no app")), errors.from_gpufn(Timeout("slow")),
+        errors.from_gpufn(GpufnError("odd")))] == [(404, "NotFound"), (504, "Timeout"),
+                                                   (500, "GpufnError")]
+    stopped = errors.from_result(p.Result("c", False, "AppStopped", "app a is stopped"))
+    assert (stopped.status, stopped.type, stopped.extra) == (503, "AppStopped", {})
+    odd = errors.from_result(p.Result("c", False, "Strange", "m"))
+    assert (odd.status, odd.type) == (500, "Strange")
+    remote = errors.from_result(p.Result("c", False, "", "boom", p.ResultMeta(traceback="tb")))
+    assert (remote.status, remote.type, remote.message, remote.extra) == (
+        500, "Exception", "boom", {"remote": True})
+
+
+def test_every_answer_carries_a_request_id() -> None:
+    from gpufn.http import errors
+
+    async def scenario() -> None:
+        seen: list[tuple[str, dict[str, Any]]] = []
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            seen.append((errors.request_id.get(), scope))
+            if scope["type"] == "http":
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"X-Request-Id", b"inner"), (b"a", b"1")]})
+                await send({"type": "http.response.body", "body": b"ok"})
+
+        async def run(scope: dict[str, Any]) -> list[dict[str, Any]]:
+            sent: list[dict[str, Any]] = []
+
+            async def send(m: dict[str, Any]) -> None:
+                sent.append(m)
+
+            await errors.RequestIds(app)(scope, Receive(), send)  # type: ignore[arg-type]
+            return sent
+
+        sent = await run({"type": "http", "headers": [(b"x-request-id", b"mine-1.2_3")]})
+        assert sent[0]["headers"] == [(b"a", b"1"), (b"x-request-id", b"mine-1.2_3")]
+        assert sent[1] == {"type": "http.response.body", "body": b"ok"}
+        assert seen[-1][0] == "mine-1.2_3" and seen[-1][1]["state"]["request_id"] == "mine-1.2_3"
+        sent = await run({"type": "http", "headers": [(b"x-request-id", b"x" * 64)]})
+        assert dict(sent[0]["headers"])[b"x-request-id"] == b"x" * 64
+        for given in (b"x" * 65, b"bad id", b"bad\nid", b""):
+            sent = await run({"type": "http", "headers": [(b"x-request-id", given)]})
+            rid = dict(sent[0]["headers"])[b"x-request-id"].decode()
+            assert rid.startswith("req_") and len(rid) == 28 and seen[-1][0] == rid
+        assert (await run({"type": "http"}))[0]["status"] == 200  # no headers at all
+        assert errors.request_id.get() == ""  # reset after each request
+        assert await run({"type": "lifespan"}) == [] and seen[-1] == ("", {"type": "lifespan"})
+
+    asyncio.run(scenario())

@@ -143,7 +143,7 @@ class RequestIds:
     log lines about it); a caller's own `x-request-id` (up to 64 of `[A-Za-z0-9._-]`) is
     kept."""
 
-    _OK = re.compile(rb"^[A-Za-z0-9._-]{1,64}$")
+    _OK = re.compile(rb"[A-Za-z0-9._-]{1,64}")  # whole: `$` would pass a final newline
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -153,7 +153,7 @@ class RequestIds:
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
-        rid = given.decode() if self._OK.match(given) else f"req_{secrets.token_hex(12)}"
+        rid = given.decode() if self._OK.fullmatch(given) else f"req_{secrets.token_hex(12)}"
         scope.setdefault("state", {})["request_id"] = rid
         token = request_id.set(rid)
 

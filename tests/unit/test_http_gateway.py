@@ -1021,7 +1021,7 @@ def test_every_answer_carries_a_request_id() -> None:
         assert seen[-1][0] == "mine-1.2_3" and seen[-1][1]["state"]["request_id"] == "mine-1.2_3"
         sent = await run({"type": "http", "headers": [(b"x-request-id", b"x" * 64)]})
         assert dict(sent[0]["headers"])[b"x-request-id"] == b"x" * 64
-        for given in (b"x" * 65, b"bad id", b"bad\nid", b""):
+        for given in (b"x" * 65, b"bad id", b"bad\nid", b"end\n", b""):
             sent = await run({"type": "http", "headers": [(b"x-request-id", given)]})
             rid = dict(sent[0]["headers"])[b"x-request-id"].decode()
             assert rid.startswith("req_") and len(rid) == 28 and seen[-1][0] == rid

@@ -113,8 +113,8 @@ ROOMS: dict[str, Room] = {
                       (f"{UNIT}/test_http_gateway.py", f"{UNIT}/test_http_pieces.py")),
     # test_head: the record, the stops, start's refuse/adopt/replace and run's restart
     # policy, against real processes and a stand-in cluster (a few seconds a mutant).
-    # The gateway's error shapes (native and OpenAI), with the unit files that use them.
-    "http_errors": Room(("gpufn/http/errors.py",),
+    # The gateway's error shapes (native and OpenAI) and its bounded request bodies.
+    "http_errors": Room(("gpufn/http/errors.py", "gpufn/http/bodies.py"),
                         (f"{UNIT}/test_http_pieces.py", f"{UNIT}/test_openai_pieces.py",
                          f"{UNIT}/test_http_gateway.py")),
     "head_unit": Room(("gpufn/cluster/head.py",), (f"{UNIT}/test_head.py",), timeout=40.0),

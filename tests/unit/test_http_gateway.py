@@ -1030,3 +1030,135 @@ def test_every_answer_carries_a_request_id() -> None:
         assert await run({"type": "lifespan"}) == [] and seen[-1] == ("", {"type": "lifespan"})
 
     asyncio.run(scenario())
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+def _request(chunks: list[dict[str, Any]], length: str | None = None) -> Any:
+    from starlette.requests import Request
+
+    headers = [(b"content-length", length.encode())] if length is not None else []
+    it = iter(chunks)
+
+    async def receive() -> dict[str, Any]:
+        try:
+            return next(it)
+        except StopIteration:
+            await asyncio.Event().wait()  # a stalled client
+            raise AssertionError("unreachable") from None
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": headers},
+                   receive)
+
+
+def _body(data: bytes, more: bool = False) -> dict[str, Any]:
+    return {"type": "http.request", "body": data, "more_body": more}
+
+
+def test_the_body_budget_refuses_past_its_total_and_gives_back_what_a_request_held() -> None:
+    from gpufn.http import bodies
+
+    budget = bodies.BodyBudget(100)
+    a, b = budget.lease(), budget.lease()
+    a.grow(60)
+    b.grow(40)  # exactly the total
+    assert (budget.used, a.held, b.held) == (100, 60, 40)
+    b.grow(0)  # nothing more: never refused
+    with pytest.raises(HTTPError) as busy:
+        b.grow(1)
+    assert (busy.value.status, busy.value.type, busy.value.headers) == (
+        503, "Busy", {"Retry-After": "1"})
+    assert "reading 100 bytes" in busy.value.message and "budget of 100" in busy.value.message
+    assert "again in 1s" in busy.value.message and b.held == 40
+    a.release()
+    assert (budget.used, a.held) == (40, 0)
+    a.release()
+    assert budget.used == 40
+
+
+def test_a_body_is_read_within_its_limit_counted_as_it_comes() -> None:
+    from gpufn.http import bodies
+
+    async def read(chunks: list[dict[str, Any]], length: str | None = None, limit: int = 10,
+                   total: int = 100, idle_s: float = 5.0) -> tuple[bytes, bodies.Lease]:
+        lease = bodies.BodyBudget(total).lease()
+        got = await bodies.read(_request(chunks, length), limit, lease, idle_s)
+        return bytes(got), lease
+
+    async def refused(*args: Any, **kw: Any) -> HTTPError:
+        with pytest.raises(HTTPError) as e:
+            await read(*args, **kw)
+        return e.value
+
+    async def scenario() -> None:
+        got, lease = await read([_body(b"abc", True), _body(b"defg", True), _body(b"hij")])
+        assert got == b"abcdefghij" and lease.held == 10  # exactly the limit
+        got, lease = await read([_body(b"ab", True), {"type": "http.request"}], "9")
+        assert got == b"ab" and lease.held == 9  # a declared length counts whole
+        e = await refused([_body(b"abcdefghijk")])
+        assert (e.status, e.type) == (413, "PayloadTooLarge")
+        assert "passed 10 bytes" in e.message and "GPUFN_MAX_PAYLOAD" in e.message
+        e = await refused([], "11")  # refused before any byte is read
+        assert e.status == 413 and "the body has 11 bytes" in e.message
+        e = await refused([], "10", total=9)  # the budget: before any byte too
+        assert e.status == 503
+        e = await refused([_body(b"abcdef", True), _body(b"ghij")], total=8)
+        assert e.status == 503
+        for bad in ("ten", "-1", " "):
+            e = await refused([], bad)
+            assert (e.status, e.headers) == (400, bodies.CLOSE) and repr(bad) in e.message
+        e = await refused([_body(b"abcd", True)], idle_s=0.05)
+        assert (e.status, e.type, e.headers) == (408, "RequestTimeout", bodies.CLOSE)
+        assert "for 0.05s after 4 bytes" in e.message
+        e = await refused([_body(b"ab", True), {"type": "http.disconnect"}])
+        assert (e.status, e.headers) == (400, bodies.CLOSE) and "left" in e.message
+
+    asyncio.run(scenario())
+
+
+def test_a_body_is_json_without_nan_or_endless_nesting() -> None:
+    from gpufn.http import bodies
+
+    assert bodies.parse(b"") == {} and bodies.parse(bytearray(b" \n")) == {}
+    assert bodies.parse(b'{"a": [1, 2.5, null]}') == {"a": [1, 2.5, None]}
+    for raw, why in ((b'{"x": NaN}', "NaN is not a JSON number"),
+                     (b"[Infinity]", "Infinity is not a JSON number"),
+                     (b"[-Infinity]", "-Infinity is not a JSON number"),
+                     (b"{oops", "the body is not JSON"),
+                     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply")):
+        with pytest.raises(HTTPError) as e:
+            bodies.parse(raw)
+        assert e.value.status == 400 and why in e.value.message
+
+
+def test_a_request_gives_back_its_budget_when_it_ends_even_failing() -> None:
+    from gpufn.http import bodies
+
+    async def scenario() -> None:
+        budget = bodies.BodyBudget(100)
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            lease = budget.lease()
+            lease.grow(30)
+            scope.setdefault("state", {})["lease"] = lease
+            if scope.get("fail"):
+                raise RuntimeError("route failed")
+
+        wrapped = bodies.ReleaseLeases(app)  # type: ignore[arg-type]
+        await wrapped({"type": "http"}, Receive(), None)  # type: ignore[arg-type]
+        assert budget.used == 0
+        with pytest.raises(RuntimeError):
+            await wrapped({"type": "http", "fail": True}, Receive(), None)  # type: ignore[arg-type]
+        assert budget.used == 0
+
+        async def other(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            scope["state"] = {"lease": "not a lease"}
+
+        await bodies.ReleaseLeases(other)({"type": "http"}, Receive(), None)  # type: ignore[arg-type]
+        async def nothing(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            pass
+
+        await bodies.ReleaseLeases(nothing)({"type": "lifespan", "state": None}, Receive(), None)  # type: ignore[arg-type]
+
+    asyncio.run(scenario())

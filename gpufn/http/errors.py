@@ -35,11 +35,11 @@ STATUS: dict[str, int] = {
     "Timeout": 504,
 }
 
-# HTTP status -> OpenAI's error type (what the official clients map to their exceptions).
+# HTTP status -> OpenAI's error type (what the official clients map to their exceptions);
+# any other 4xx (400, 405, 408, 413, 422, ...) is "invalid_request_error", a 5xx "server_error".
 OPENAI_TYPES: dict[int, str] = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
-    413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+    401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    429: "rate_limit_error",
 }
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("gpufn_request_id", default="")

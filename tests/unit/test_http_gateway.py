@@ -977,7 +977,8 @@ def test_no_answer_carries_a_traceback_or_a_server_path(caplog: pytest.LogCaptur
     assert "request -: X: m" in caplog.records[0].getMessage()
 
 
-def test_gpufn_errors_and_failed_results_get_their_status() -> None:
+def test_gpufn_errors_and_failed_results_get_their_status(
+        caplog: pytest.LogCaptureFixture) -> None:
     from gpufn.http import errors
 
     assert [(x.status, x.type) for x in (
@@ -988,9 +989,22 @@ def test_gpufn_errors_and_failed_results_get_their_status() -> None:
     assert (stopped.status, stopped.type, stopped.extra) == (503, "AppStopped", {})
     odd = errors.from_result(p.Result("c", False, "Strange", "m"))
     assert (odd.status, odd.type) == (500, "Strange")
-    remote = errors.from_result(p.Result("c", False, "", "boom", p.ResultMeta(traceback="tb")))
+    assert {k: errors.from_result(p.Result("c", False, k, "m")).status for k in errors.STATUS} == {
+        "InvalidSpec": 400, "AuthenticationError": 401, "NotFound": 404, "RequestTimeout": 408,
+        "PayloadTooLarge": 413, "QueueFull": 429, "ConnectionLost": 503, "AppStopped": 503,
+        "Cancelled": 503, "Timeout": 504}
+    caplog.clear()
+    with caplog.at_level("WARNING", "gpufn.http"):
+        remote = errors.from_result(p.Result("c", False, "", "boom",
+                                             p.ResultMeta(traceback="the tb")))
+        plain = errors.from_result(p.Result("c", False, "", f"bad\n{'Traceback (most recent call last)'}",
+                                            p.ResultMeta(error_type="ValueError")))
     assert (remote.status, remote.type, remote.message, remote.extra) == (
         500, "Exception", "boom", {"remote": True})
+    assert (plain.type, plain.message) == ("ValueError", "bad")
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged[0].endswith("Exception: boom\nthe tb")  # the traceback, to the log only
+    assert logged[1].endswith("most recent call last)\n")  # no traceback: nothing after
 
 
 def test_every_answer_carries_a_request_id() -> None:

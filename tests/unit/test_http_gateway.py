@@ -920,6 +920,7 @@ def test_an_error_in_the_native_and_the_openai_shape() -> None:
                                               "at": str(time)}}
     assert "✓".encode() in e.body()  # not escaped
     assert e.event() == b"event: error\ndata: " + e.body_inner() + b"\n\n"
+    assert "✓".encode() in e.event()
     assert e.openai() == {"message": "wait ✓", "type": "rate_limit_error", "param": "n",
                           "code": "busy"}
     assert json.loads(e.openai_body()) == {"error": e.openai()}
@@ -956,7 +957,8 @@ def test_no_answer_carries_a_traceback_or_a_server_path(caplog: pytest.LogCaptur
           "    x()\nKeyError: 'k'")
     assert errors.public(f"load failed\n{tb}") == "load failed"
     assert errors.public('bad\n  File "/srv/m.py", line 9, in g\nafter ') == "bad\nafter"
-    assert errors.public("  plain  ") == "plain"
+    assert errors.public("  plain  ") == "plain" and errors.public("no tb!") == "no tb!"
+    assert errors.public(tb) == ""  # a message that is only a traceback
     token = errors.request_id.set("req_abc")
     try:
         caplog.clear()

@@ -35,6 +35,7 @@ _SHM = "gpufn/wire/shm.py"
 _CHILDREN = "worker/host/children.py"
 _MODELS = "scheduler/books/model_book.py"
 _HTTP_CALLS = "gpufn/http/calls.py"
+_BODIES = "gpufn/http/bodies.py"
 _HEAD = "gpufn/cluster/head.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
@@ -1039,4 +1040,8 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                'sched = old.get("scheduler") or [ -1, None]',
                "no scheduler in the record: its start time is None, so `_stop_pid` returns "
                "at once for any pid"),
+    Equivalent(_BODIES, "if n > 0 and b.used + n > b.total:", "if n >= 0 and b.used + n > b.total:",
+               "the budget's use never passes its total (every grow is checked), so a grow of 0 is never refused either way"),
+    Equivalent(_BODIES, "if n > 0 and b.used + n > b.total:", "if n > -1 and b.used + n > b.total:",
+               "the budget's use never passes its total (every grow is checked), so a grow of 0 is never refused either way"),
 )

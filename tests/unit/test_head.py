@@ -39,8 +39,14 @@ pytestmark = pytest.mark.timeout(30)
 _PROCS: list[subprocess.Popen[bytes]] = []
 
 
+def _default_signals() -> None:
+    # A suite started in the background (CI's `.ci/run &`) hands its children SIGINT
+    # ignored; the processes these tests signal must die of it as a serve would.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(*cmd: str, **kw: Any) -> subprocess.Popen[bytes]:
-    p = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, **kw)
+    p = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, preexec_fn=_default_signals, **kw)
     _PROCS.append(p)
     return p
 

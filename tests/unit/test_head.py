@@ -759,13 +759,18 @@ class _Waited:
         self.killed = True
 
 
-def test_wait_left_waits_ten_seconds_by_default(tmp_path: Path) -> None:
+def _head_whose_scheduler_died(tmp_path: Path) -> tuple[Cluster, Head]:
     c = Cluster(workers=0)
     h = Head(c, tmp_path)  # type: ignore[arg-type]
     h.start()
     assert c.scheduler is not None
     c.scheduler.kill()
     c.scheduler.wait()
+    return c, h
+
+
+def test_wait_left_waits_ten_seconds_by_default(tmp_path: Path) -> None:
+    c, h = _head_whose_scheduler_died(tmp_path)
     w = _Waited()
     c.scheduler = w  # type: ignore[assignment]
     h.wait_left()
@@ -773,12 +778,7 @@ def test_wait_left_waits_ten_seconds_by_default(tmp_path: Path) -> None:
 
 
 def test_leave_and_wait_left_without_a_scheduler(tmp_path: Path) -> None:
-    c = Cluster(workers=0)
-    h = Head(c, tmp_path)  # type: ignore[arg-type]
-    h.start()
-    assert c.scheduler is not None
-    c.scheduler.kill()
-    c.scheduler.wait()
+    c, h = _head_whose_scheduler_died(tmp_path)
     c.scheduler = None
     h.leave()
     h.wait_left()

@@ -37,6 +37,7 @@ _MODELS = "scheduler/books/model_book.py"
 _HTTP_CALLS = "gpufn/http/calls.py"
 _BODIES = "gpufn/http/bodies.py"
 _HEAD = "gpufn/cluster/head.py"
+_CODEC = "gpufn/wire/codec.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -1044,4 +1045,31 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "the budget's use never passes its total (every grow is checked), so a grow of 0 is never refused either way"),
     Equivalent(_BODIES, "if n > 0 and b.used + n > b.total:", "if n > -1 and b.used + n > b.total:",
                "the budget's use never passes its total (every grow is checked), so a grow of 0 is never refused either way"),
+    Equivalent(_CODEC, 'single = operator.attrgetter(header_names[0])',
+               'single = operator.attrgetter(header_names[ -1])',
+               'this branch is taken only for a header of one field: of a one-element list or tuple, [0] and [-1] are the same element'),
+    Equivalent(_CODEC, 'cls = _BY_TAG.get(tag[0]) if len(tag) == 1 else None',
+               'cls = _BY_TAG.get(tag[ -1]) if len(tag) == 1 else None',
+               'a tag of one byte only: of a one-element list or tuple, [0] and [-1] are the same element'),
+    Equivalent(_CODEC, 'for value, (name, kinds) in zip(values, checks[: len(values)], strict=True):',
+               'for value, (name, kinds) in zip(values, checks[: len(values)], strict=False):',
+               "the line before refuses more values than checks, and the checks are cut to the values' length: the two always have the same length"),
+    Equivalent(_CODEC, 'env[f"k{i}"] = kinds[0] if len(kinds) == 1 else kinds',
+               'env[f"k{i}"] = kinds[ -1] if len(kinds) == 1 else kinds',
+               'a type tuple of one: of a one-element list or tuple, [0] and [-1] are the same element'),
+    Equivalent(_CODEC, 'env[f"k{i}"] = kinds[0] if len(kinds) == 1 else kinds',
+               'env[f"k{i}"] = kinds[0] if len(kinds) == 0 else kinds',
+               'no type tuple is empty, so the tuple itself is always checked: isinstance of a one-type tuple is the same test as of its type (only a little slower)'),
+    Equivalent(_CODEC, 'if len(msgs) == 1:',
+               'if len(msgs) == 0:',
+               'one message then goes through `batch_frames`, which returns a single part as it is: the same frames as `encode`'),
+    Equivalent(_CODEC, 'return encode(msgs[0])',
+               'return encode(msgs[ -1])',
+               'len(msgs) == 1 here: of a one-element list or tuple, [0] and [-1] are the same element'),
+    Equivalent(_CODEC, 'return parts[0]',
+               'return parts[ -1]',
+               'len(parts) == 1 here: of a one-element list or tuple, [0] and [-1] are the same element'),
+    Equivalent(_CODEC, 'total, other = 0, False',
+               'total, other = 0, True',
+               'the flag only makes every frame go through `as_bytes`, which returns bytes as they are'),
 )

@@ -62,8 +62,10 @@ def message(tag: int, structs: dict[str, type[Any]] | None = None,
     kind's record, each of its type (checked on decode like every other field)."""
 
     def register(cls: M) -> M:
-        if tag in _BY_TAG or not 0 < tag < 256:
-            raise ValueError(f"tag {tag} is taken or out of range")
+        # 0 and 255 open batches (BATCH_TAG, PACKED_TAG): a message under either would be
+        # read as one
+        if tag in _BY_TAG or not 0 < tag < 255:
+            raise ValueError(f"tag {tag} is taken or out of range (1 to 254)")
         names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
         has_frames = bool(names) and names[-1] == "frames"
         header_names = names[:-1] if has_frames else names
@@ -309,8 +311,8 @@ def decode_all(frames: Sequence[Frame]) -> list[Message]:
     if len(frames) >= 2 and as_bytes(frames[0]) == BATCH_TAG:
         try:
             counts = msgpack.unpackb(as_bytes(frames[1]))
-            if not isinstance(counts, list) or not all(isinstance(n, int) and n > 0 for n in counts):
-                raise ValueError("the header must list positive frame counts")
+            if not isinstance(counts, list) or not all(isinstance(n, int) and n >= 2 for n in counts):
+                raise ValueError("the header must list each message's frame count (2 or more)")
         except (ValueError, TypeError, msgpack.ExtraData) as e:
             raise DecodeError(f"bad batch header: {e}") from e
         out, i = [], 2

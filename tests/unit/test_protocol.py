@@ -237,3 +237,92 @@ def test_well_typed_arguments_and_unknown_kinds_pass_decode() -> None:
                 p.AppCommand(1, "rollback", {"app": "a", "version": None, "who": "me"}),
                 p.AppCommand(1, "frobnicate", {"anything": 1})):  # its handler answers it
         assert p.decode(p.encode(msg)) == msg
+
+
+def test_a_tag_is_taken_once_and_within_1_to_254() -> None:
+    """0 and 255 open batches (a message under either would be read as a batch)."""
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Probe(p.Message):
+        n: int
+
+    for tag in (0, 255, 256, -1):
+        with pytest.raises(ValueError, match=f"tag {tag} is taken or out of range"):
+            codec.message(tag)(Probe)
+    taken = codec._TAG_OF[p.Ping][0]
+    with pytest.raises(ValueError, match="is taken"):
+        codec.message(taken)(Probe)
+    assert Probe not in codec._TAG_OF
+    assert 254 not in codec._BY_TAG
+    try:
+        codec.message(254)(Probe)  # the last free tag
+        assert p.decode(p.encode(Probe(5))) == Probe(5)
+    finally:
+        for book in (codec._BY_TAG, codec._TAG_OF, codec._GETTER, codec._HAS_FRAMES):
+            book.pop(254 if book is codec._BY_TAG else Probe, None)  # type: ignore[call-overload]
+
+
+def test_bytes_in_a_header_stay_bytes() -> None:
+    """msgpack's bin type: a str would come back for bytes (or fail on non-UTF-8)."""
+    reply = p.StatusReply(7, {"blob": b"\xff\x00", "text": "t"})
+    assert p.decode(p.encode(reply)) == reply
+
+
+def test_a_one_frame_message_is_refused_as_too_short() -> None:
+    with pytest.raises(p.DecodeError, match="at least 2 frames, got 1"):
+        p.decode(p.encode(p.Ping(1))[:1])
+
+
+def test_fields_of_any_type_or_of_a_tuple_are_not_checked() -> None:
+    from typing import Any, TypeVar
+
+    assert codec._wire_types(Any) is None and codec._wire_types(tuple) is None
+    assert codec._wire_types(TypeVar("T")) is None
+    assert codec._wire_types(int | Any) is None
+    assert codec._wire_types(float) == (int, float) and codec._wire_types(bool) == (bool, int)
+
+
+def test_a_shorter_header_takes_defaults_and_a_longer_one_is_refused() -> None:
+    full = p.encode(p.WorkerExited("n:0", 124, -9, "killed", 3))
+    header = msgpack.unpackb(full[1])
+    back = p.decode([full[0], msgpack.packb(header[:-1])])
+    assert back == p.WorkerExited("n:0", 124, -9, "killed")  # a field added since: default
+    with pytest.raises(p.DecodeError, match=r"6 fields, at most 5 expected"):
+        p.decode([full[0], msgpack.packb([*header, 1])])
+    query = p.encode(p.Query(3, p.QueryKind.LOGS, {"target": "f"}))
+    short = msgpack.unpackb(query[1])[:2]  # no args field: its kind's check has nothing to see
+    assert p.decode([query[0], msgpack.packb(short)]) == p.Query(3, p.QueryKind.LOGS)
+
+
+def test_a_well_typed_full_header_never_takes_the_slow_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled check passes every sample's header by itself (a float in an int-or-float
+    field, an int in a bool-or-int one): the slow path is for refusals and short headers."""
+    slow: list[str] = []
+
+    def record(cls: type, values: object) -> None:
+        slow.append(cls.__name__)
+
+    monkeypatch.setattr(codec, "_CHECKERS", {})
+    monkeypatch.setattr(codec, "_check_slowly", record)
+    for msg in [*SAMPLES, p.Drain(4, 30, "x"), p.Drain(4, 30.5, "x")]:
+        assert p.decode(p.encode(msg)) == msg
+    assert slow == []
+
+
+@pytest.mark.parametrize("frames, why", [
+    ([p.BATCH_TAG], "at least 2 frames"),
+    ([p.BATCH_TAG, msgpack.packb([1]), b"\x03"], "frame count"),
+    ([p.BATCH_TAG, msgpack.packb([0])], "frame count"),
+    ([p.BATCH_TAG, msgpack.packb([2.0]), b"\x03", b"\x90"], "frame count"),
+    ([p.PACKED_TAG, msgpack.packb([[b"\x03"]])], "bad packed batch"),
+])
+def test_a_batch_of_messages_shorter_than_2_frames_is_refused_as_such(
+        frames: list[bytes], why: str) -> None:
+    with pytest.raises(p.DecodeError, match=why):
+        p.decode_all(frames)
+
+
+def test_an_empty_batch_holds_no_message() -> None:
+    assert p.decode_all([p.BATCH_TAG, msgpack.packb([])]) == []
+    ping = p.encode(p.Ping(5))
+    assert p.decode_all([p.BATCH_TAG, msgpack.packb([2]), *ping]) == [p.Ping(5)]

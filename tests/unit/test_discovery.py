@@ -452,10 +452,14 @@ class _Router:
     def __init__(self, welcome: Any, delay: float = 0.0) -> None:
         import zmq
 
+        from gpufn.net import sockets
         from gpufn.wire import protocol as p
 
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
+        # as the scheduler's: a probe that reconnects under the identity of one just closed
+        # (not yet noticed gone, on a loaded machine) takes it over instead of being ignored
+        sockets.configure(self._sock, router=True)
         self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self._stop = threading.Event()
 

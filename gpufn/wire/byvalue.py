@@ -31,37 +31,46 @@ def generation() -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def _installed() -> tuple[tuple[str, ...], frozenset[str]]:
-    """Folders of the interpreter and its packages, and installed top-level names
-    (an editable install of a package under the program's folder is still installed)."""
-    from importlib.metadata import packages_distributions
-
+def _install_roots() -> tuple[str, ...]:
+    """Folders of the interpreter and its packages."""
     dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(),
             site.getusersitepackages(), *sysconfig.get_paths().values()}
-    roots = tuple(sorted({os.path.realpath(d) for d in dirs if d}))
+    return tuple(sorted({os.path.realpath(d) for d in dirs if d}))
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_names() -> frozenset[str]:
+    """Installed top-level names (an editable install of a package under the program's
+    folder is still installed). Reads every distribution's metadata: ~0.2 s with a few
+    hundred installed, so asked only when a module under the folder needs it."""
+    from importlib.metadata import packages_distributions
+
     try:
         names = frozenset(packages_distributions())
     except Exception:
         names = frozenset()
-    return roots, names | {"gpufn"}
+    return names | {"gpufn"}
 
 
 def local_modules(root: str) -> list[ModuleType]:
     """Imported modules whose files lie under `root`, other than installed packages."""
     root = os.path.realpath(root)
-    roots, installed = _installed()
-    out = []
+    roots = _install_roots()
+    found: list[tuple[str, ModuleType]] = []
     for name, mod in list(sys.modules.items()):
         path = getattr(mod, "__file__", None)
-        if not path or name == "__main__" or name.split(".")[0] in installed:
+        if not path or name == "__main__" or name.split(".")[0] == "gpufn":
             continue
         path = os.path.realpath(path)
         if not path.startswith(root + os.sep):
             continue
         if any(path.startswith(r + os.sep) for r in roots if not root.startswith(r + os.sep)):
             continue
-        out.append(mod)
-    return out
+        found.append((name, mod))
+    if not found:
+        return []
+    installed = _installed_names()
+    return [mod for name, mod in found if name.split(".")[0] not in installed]
 
 
 def _register(modules: Iterable[ModuleType]) -> list[ModuleType]:

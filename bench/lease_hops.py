@@ -8,7 +8,10 @@ through PYTHONPATH only in the processes this script starts). The raw floor, a p
 DEALER -> ROUTER echo over TCP loopback (`bench/_raw.py` RawDirect), is measured in the
 same run. Medians per call, over --repeats rounds (min / median of the medians).
 
-    python bench/lease_hops.py [--n 3000] [--repeats 3]
+    python bench/lease_hops.py [--n 3000] [--repeats 3] [--one-cpu]
+
+On a VM a wake-up on another vCPU can cost more than the work (this machine: the raw echo
+26 µs on one vCPU, ~110 µs across two); `--one-cpu` measures with every process on one.
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--one-cpu", action="store_true",
+                    help="every process on one CPU (as `taskset -c 0`): no cross-CPU wake-ups, "
+                         "so the round trips are the CPU both sides spend (docs/performance.md)")
     a = ap.parse_args()
+    if a.one_cpu:  # inherited by the cluster's processes and the raw echo's
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     hops_dir = tempfile.mkdtemp(prefix="gpufn-hops-")
     os.environ.update(GPUFN_CPU_DEVICES="1", GPUFN_PROGRESS="0", GPUFN_BENCH_HOPS_DIR=hops_dir,
                       PYTHONPATH=os.pathsep.join(

@@ -30,7 +30,7 @@ from gpufn.http import calls
 from gpufn.http import openai_completions as oc
 from gpufn.http import openai_embeddings as oe
 from gpufn.http.directory import Directory, Target
-from gpufn.http.errors import HTTPError
+from gpufn.http.errors import HTTPError, from_result
 from gpufn.http.events import EventStream
 from gpufn.http.openai_params import DATA, bad, declared, function_kwargs
 from gpufn.http.pool import Entry
@@ -235,8 +235,7 @@ class OpenAIRoutes:
         name = f"{target.app}.{target.name}"
         entry.hold()
         try:
-            results = await calls.until_gone(_gather(
-                [calls.call(entry, sub, name, None) for sub in subs]), request.receive)
+            results = await calls.until_gone(_results(entry, subs, name), request.receive)
         except calls.ClientGone:
             return Response(status_code=499)
         finally:
@@ -259,6 +258,27 @@ async def _gather(work: list[Any]) -> list[Any]:
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _results(entry: Entry, subs: list[p.Submit], name: str) -> list[p.Result]:
+    """Every call's Result, in order. The first that failed ends the wait with its error,
+    and the calls not answered yet are cancelled on their workers, as all of them are when
+    this is cancelled (its HTTP client left: `calls.until_gone`)."""
+    futs = [asyncio.wrap_future(entry.client.submit(sub, name)) for sub in subs]
+    reason = "the HTTP client disconnected"
+    try:
+        pending: set[asyncio.Future[p.Result]] = set(futs)
+        while pending:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = next((f.result() for f in futs if f.done() and not f.result().ok), None)
+            if failed is not None:
+                reason = f"another input of its request failed ({failed.invocation_id})"
+                raise from_result(failed)
+        return [f.result() for f in futs]
+    finally:
+        for sub, fut in zip(subs, futs, strict=True):
+            if not fut.done():  # (the client's own future is left alone: it ends as cancelled)
+                entry.client.cancel(sub.invocation_id, reason)
 
 
 async def _complete(entry: Entry, sub: p.Submit, name: str) -> Completion:

@@ -124,6 +124,11 @@ ROOMS: dict[str, Room] = {
     "futures": Room(("gpufn/client/futures.py",), (f"{UNIT}/test_futures.py",), timeout=30.0),
     # Batches packed into one frame, and the rest of the codec.
     "codec": Room(("gpufn/wire/codec.py",), (f"{UNIT}/test_protocol.py",)),
+    # The OpenAI surface's pure pieces: parameters, prompts and choices, embeddings.
+    "openai_pieces": Room(("gpufn/http/openai_params.py", "gpufn/http/openai_embeddings.py",
+                           "gpufn/http/openai_completions.py"),
+                          (f"{UNIT}/test_openai_pieces.py", f"{UNIT}/test_openai_embeddings.py"),
+                          timeout=30.0),
 }
 
 _COMPARE_KEPT = ("Eq_NotEq", "NotEq_Eq", "Is_IsNot", "IsNot_Is", "In_NotIn", "NotIn_In",

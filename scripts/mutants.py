@@ -127,7 +127,9 @@ ROOMS: dict[str, Room] = {
     # The OpenAI surface's pure pieces: parameters, prompts and choices, embeddings.
     "openai_pieces": Room(("gpufn/http/openai_params.py", "gpufn/http/openai_embeddings.py",
                            "gpufn/http/openai_completions.py"),
-                          (f"{UNIT}/test_openai_pieces.py", f"{UNIT}/test_openai_embeddings.py"),
+                          (f"{UNIT}/test_openai_pieces.py", f"{UNIT}/test_openai_params.py",
+                           f"{UNIT}/test_openai_completions.py",
+                           f"{UNIT}/test_openai_embeddings.py"),
                           timeout=30.0),
 }
 

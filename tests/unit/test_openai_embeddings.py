@@ -72,3 +72,62 @@ def test_a_client_that_leaves_cancels_every_unanswered_call() -> None:
         assert not any(conn.submitted[s.invocation_id].cancelled() for s in subs)
 
     asyncio.run(go())
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+def test_input_forms_and_their_bound() -> None:
+    from gpufn.http import openai_embeddings as oe
+
+    assert oe.inputs({"input": "a"}) == ["a"]
+    assert oe.inputs({"input": [0, 7]}) == [[0, 7]]
+    assert oe.inputs({"input": ["a", "b"]}) == ["a", "b"]
+    assert oe.inputs({"input": [[1], [2, 3]]}) == [[1], [2, 3]]
+    assert len(oe.inputs({"input": ["a"] * oe.MAX_INPUTS})) == oe.MAX_INPUTS
+    with pytest.raises(HTTPError, match="at most 2048 inputs per request, got 2049") as e:
+        oe.inputs({"input": ["a"] * (oe.MAX_INPUTS + 1)})
+    assert e.value.param == "input"
+    for bad in ("", [], [""], [-1], [1, "a"], [[1], []], [True], [[True]], [1.5], None, 3):
+        with pytest.raises(HTTPError, match="input must be a non-empty string") as e:
+            oe.inputs({"input": bad})
+        assert (e.value.status, e.value.param) == (400, "input")
+
+
+def test_encoding_format_is_float_or_base64() -> None:
+    from gpufn.http import openai_embeddings as oe
+
+    assert oe.encoding({}) == "float" and oe.encoding({"encoding_format": None}) == "float"
+    assert oe.encoding({"encoding_format": "base64"}) == "base64"
+    with pytest.raises(HTTPError, match="'float' or 'base64', got 'int8'") as e:
+        oe.encoding({"encoding_format": "int8"})
+    assert e.value.param == "encoding_format"
+
+
+@pytest.mark.parametrize("value, why", [
+    (b"[]", "no embedding"), (b'"x"', "no embedding"), (b"[1, true]", "no embedding"),
+    (b'[1, "2"]', "no embedding"), (b"[1, NaN]", "no embedding"), (b"[Infinity]", "no embedding"),
+    (b'{"embedding": null}', "no embedding"), (b'{"vector": [1]}', "no embedding"),
+    (b'{"embedding": [1], "tokens": -1}', "'tokens': -1, not a count"),
+    (b'{"embedding": [1], "tokens": true}', "'tokens': True, not a count"),
+    (b'{"embedding": [1], "tokens": 1.5}', "'tokens': 1.5, not a count"),
+])
+def test_a_bad_embedding_is_the_models_fault_and_says_so(value: bytes, why: str) -> None:
+    from gpufn.http import openai_embeddings as oe
+
+    with pytest.raises(HTTPError) as e:
+        oe.item(value, 0, "float", None)
+    assert why in e.value.message and e.value.status == 500
+    assert (e.value.type, e.value.code) == ("BadEmbedding", "bad_model_output")
+    assert e.value.message.startswith("an embedding model returned ")
+
+
+def test_an_embedding_with_its_tokens_and_dimensions() -> None:
+    from gpufn.http import openai_embeddings as oe
+
+    emb, tokens = oe.item(b'{"embedding": [1, 2.5], "tokens": 0}', 3, "float", 2)
+    assert emb == {"object": "embedding", "index": 3, "embedding": [1.0, 2.5]} and tokens == 0
+    assert all(type(x) is float for x in emb["embedding"])
+    assert oe.item(b"[0.25]", 0, "float", None)[1] == 0  # a bare list counts no tokens
+    with pytest.raises(HTTPError, match="2 dimensions where 1 were asked for"):
+        oe.item(b"[1, 2]", 0, "float", 1)

@@ -131,6 +131,10 @@ ROOMS: dict[str, Room] = {
                            f"{UNIT}/test_openai_completions.py",
                            f"{UNIT}/test_openai_embeddings.py"),
                           timeout=30.0),
+    # The OpenAI routes over a stand-in gateway and connection.
+    "openai_routes": Room(("gpufn/http/openai_routes.py",),
+                          (f"{UNIT}/test_openai_routes.py", f"{UNIT}/test_openai_embeddings.py"),
+                          timeout=30.0),
 }
 
 _COMPARE_KEPT = ("Eq_NotEq", "NotEq_Eq", "Is_IsNot", "IsNot_Is", "In_NotIn", "NotIn_In",

@@ -38,6 +38,7 @@ _HTTP_CALLS = "gpufn/http/calls.py"
 _BODIES = "gpufn/http/bodies.py"
 _HEAD = "gpufn/cluster/head.py"
 _CODEC = "gpufn/wire/codec.py"
+_OPARAMS = "gpufn/http/openai_params.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -1072,4 +1073,10 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_CODEC, 'total, other = 0, False',
                'total, other = 0, True',
                'the flag only makes every frame go through `as_bytes`, which returns bytes as they are'),
+    Equivalent(_OPARAMS, 'if "best_of" in kwargs and kwargs["best_of"] < kwargs.get("n", 1):',
+               'if "best_of" in kwargs and kwargs["best_of"] < kwargs.get("n", 2):',
+               "best_of reaches the keyword arguments only when it is set, and 1 is its neutral value (not set): a best_of there is at least 2, so n's default 1 made 2 or 0 refuses the same values (n itself, when sent, is there)"),
+    Equivalent(_OPARAMS, 'if "best_of" in kwargs and kwargs["best_of"] < kwargs.get("n", 1):',
+               'if "best_of" in kwargs and kwargs["best_of"] < kwargs.get("n", 0):',
+               "best_of reaches the keyword arguments only when it is set, and 1 is its neutral value (not set): a best_of there is at least 2, so n's default 1 made 2 or 0 refuses the same values (n itself, when sent, is there)"),
 )

@@ -129,7 +129,7 @@ ROOMS: dict[str, Room] = {
                            "gpufn/http/openai_completions.py"),
                           (f"{UNIT}/test_openai_pieces.py", f"{UNIT}/test_openai_params.py",
                            f"{UNIT}/test_openai_completions.py",
-                           f"{UNIT}/test_openai_embeddings.py"),
+                           f"{UNIT}/test_openai_embeddings.py", f"{UNIT}/test_openai_routes.py"),
                           timeout=30.0),
     # The OpenAI routes over a stand-in gateway and connection.
     "openai_routes": Room(("gpufn/http/openai_routes.py",),

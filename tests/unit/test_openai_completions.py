@@ -192,3 +192,78 @@ def test_a_failed_stream_ends_with_an_error_event_and_cancels_the_others() -> No
             assert e.inflight == 0
 
     asyncio.run(go())
+
+
+def _runs(e: Any, n_prompts: int, n: int = 1) -> list[Any]:
+    runs = []
+    for i in range(n_prompts):
+        sub = calls.submit(e, _target(), [], {"prompt": str(i)}, {})
+        runs.append((sub, oc.PromptCalls(first=i * n, n=n)))
+    return runs
+
+
+def test_streamed_finishes_name_every_choice_of_every_prompt() -> None:
+    async def go() -> None:
+        e = entry()
+        runs = _runs(e, 2, n=2)
+        got: list[bytes] = []
+        reader = asyncio.ensure_future(_read(oc.stream_chunks(
+            e, runs, "app.complete", {}, logprobs=False, include_usage=False), got))
+        await settle()
+        for sub, _ in runs:
+            e.client.streams[sub.invocation_id].put(_item(sub.invocation_id, 0, {
+                "text": "t", "index": 1, "finish_reason": "length"}))
+            e.client.submitted[sub.invocation_id].set_result(result(sub.invocation_id))
+        await asyncio.wait_for(reader, 5)
+        finishes = [(ev["choices"][0]["index"], ev["choices"][0]["finish_reason"])
+                    for ev in _events(got)[2:-1]]
+        assert finishes == [(0, "stop"), (1, "length"), (2, "stop"), (3, "length")]
+
+    asyncio.run(go())
+
+
+def test_a_stream_that_cannot_start_or_breaks_its_order_ends_with_its_error() -> None:
+    async def go() -> None:
+        e = entry()
+        runs = _runs(e, 2)
+
+        def lost(sub: Any, name: str) -> Any:
+            raise ConnectionLost("the scheduler at tcp://sched:1 went away")
+
+        e.client.submit_stream = lost  # type: ignore[method-assign]
+        got: list[bytes] = []
+        await asyncio.wait_for(_read(oc.stream_chunks(
+            e, runs, "app.complete", {}, logprobs=False, include_usage=False), got), 5)
+        assert "went away" in _events(got)[-1]["error"]["message"]
+
+        e = entry()
+        runs = _runs(e, 1)
+        got = []
+        reader = asyncio.ensure_future(_read(oc.stream_chunks(
+            e, runs, "app.complete", {}, logprobs=False, include_usage=False), got))
+        await settle()
+        (sub, _), = runs
+        e.client.streams[sub.invocation_id].put(_item(sub.invocation_id, 3, "late"))
+        await asyncio.wait_for(reader, 5)
+        assert "error" in _events(got)[-1] and e.inflight == 0
+
+    asyncio.run(go())
+
+
+def test_a_stream_closed_early_cancels_its_calls_before_it_returns() -> None:
+    async def go() -> None:
+        e = entry()
+        runs = _runs(e, 2)
+        gen = oc.stream_chunks(e, runs, "app.complete", {}, logprobs=False,
+                               include_usage=False)
+        first = asyncio.ensure_future(gen.__anext__())
+        await settle()
+        (s0, _), (s1, _) = runs
+        e.client.streams[s0.invocation_id].put(_item(s0.invocation_id, 0, "a"))
+        assert b'"a"' in await asyncio.wait_for(first, 5)
+        await gen.aclose()  # the HTTP client left
+        assert sorted(inv for inv, _ in e.client.cancels) == sorted(
+            [s0.invocation_id, s1.invocation_id])
+        assert e.inflight == 0
+
+    asyncio.run(go())

@@ -129,5 +129,6 @@ def test_an_embedding_with_its_tokens_and_dimensions() -> None:
     assert emb == {"object": "embedding", "index": 3, "embedding": [1.0, 2.5]} and tokens == 0
     assert all(type(x) is float for x in emb["embedding"])
     assert oe.item(b"[0.25]", 0, "float", None)[1] == 0  # a bare list counts no tokens
+    assert oe.item(b'{"embedding": [0.25]}', 0, "float", None)[1] == 0  # nor a dict without
     with pytest.raises(HTTPError, match="2 dimensions where 1 were asked for"):
         oe.item(b"[1, 2]", 0, "float", 1)

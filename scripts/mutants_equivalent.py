@@ -39,6 +39,7 @@ _BODIES = "gpufn/http/bodies.py"
 _HEAD = "gpufn/cluster/head.py"
 _CODEC = "gpufn/wire/codec.py"
 _OPARAMS = "gpufn/http/openai_params.py"
+_OROUTES = "gpufn/http/openai_routes.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -1079,4 +1080,7 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_OPARAMS, 'if "best_of" in kwargs and kwargs["best_of"] < kwargs.get("n", 1):',
                'if "best_of" in kwargs and kwargs["best_of"] < kwargs.get("n", 0):',
                "best_of reaches the keyword arguments only when it is set, and 1 is its neutral value (not set): a best_of there is at least 2, so n's default 1 made 2 or 0 refuses the same values (n itself, when sent, is there)"),
+    Equivalent(_OROUTES, 'for sub, fut in zip(subs, futs, strict=True):',
+               'for sub, fut in zip(subs, futs, strict=False):',
+               'futs is made from subs, one future each: the two always have the same length'),
 )

@@ -30,7 +30,8 @@ def _chat(messages: list[Any], *, temperature: float = 1.0, max_tokens: int = 16
     yield ""
 
 
-def _complete(prompt: str, *, n: int = 1, max_tokens: int = 16) -> Any:
+def _complete(prompt: str, *, n: int = 1, max_tokens: int = 16,
+              logprobs: int | None = None) -> Any:
     yield ""
 
 
@@ -106,7 +107,7 @@ def test_models_are_listed_and_looked_up_with_their_roles_and_params() -> None:
         assert tiny["gpufn"] == {"app": "llm", "version": 2,
                                  "roles": {"chat": "chat", "completion": "complete"},
                                  "params": {"chat": ["max_tokens", "temperature"],
-                                            "completion": ["max_tokens", "n"]}}
+                                            "completion": ["logprobs", "max_tokens", "n"]}}
         request.scope["path_params"] = {"model": "enc"}
         status, body = await answer(r.model(request))
         assert status == 200 and body["id"] == "enc" and body["gpufn"]["roles"] == {
@@ -308,3 +309,124 @@ def test_only_the_openai_paths_are_openai() -> None:
         assert routes.is_openai(path), path
     for path in ("/v1/apps", "/v1/call/a/f", "/v1/modelsx", "/v1/chat"):
         assert not routes.is_openai(path), path
+
+
+# --------------------------------------------------------------------------- what a chat yields
+
+
+def test_a_chat_items_tool_calls_logprobs_and_usage() -> None:
+    done = routes.Completion()
+    delta = done.add(json.dumps({"tool_calls": [{"id": "a"}, {"id": "b"}]}).encode())
+    assert delta == {"tool_calls": [{"index": 0, "id": "a"}, {"index": 1, "id": "b"}]}
+    assert done.add(json.dumps({"tool_calls": [{"id": "c"}]}).encode()) == {
+        "tool_calls": [{"index": 2, "id": "c"}]}
+    assert done.add(json.dumps({"tool_calls": "x", "text": ""}).encode()) == {}  # not a list
+    assert done.add(json.dumps({"tool_calls": []}).encode()) == {}
+    assert done.finish == "tool_calls"
+    assert done.message() == {"role": "assistant", "content": None,
+                              "tool_calls": [{"id": "a"}, {"id": "b"}, {"id": "c"}]}
+    done.add(b'"and text"')
+    assert done.message()["content"] == "and text"
+    done.add(json.dumps({"logprobs": [{"token": "a"}]}).encode())
+    assert done.add(json.dumps({"logprobs": [{"token": "b"}]}).encode()) == {
+        "logprobs": [{"token": "b"}]}
+    assert done.logprobs == [{"token": "a"}, {"token": "b"}]
+    done.add(json.dumps({"usage": {"prompt_tokens": 3}}).encode())
+    assert done.usage == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    done.add(json.dumps({"usage": {"completion_tokens": 2}}).encode())
+    assert done.usage == {"prompt_tokens": 0, "completion_tokens": 2, "total_tokens": 2}
+    for bad, why in ((b"[1]", "not list"), (b'{"text": 3}', "'text' must be a string")):
+        with pytest.raises(HTTPError, match=why) as e:
+            done.add(bad)
+        assert (e.value.status, e.value.type) == (500, "BadChatItem")
+
+
+def test_a_model_without_its_creation_time_says_0() -> None:
+    async def go() -> None:
+        r, _, _, request, _ = setup({}, [{"name": "a", "version": 1, "functions": [EMBED]}])
+        _, body = await answer(r.models(request))
+        assert body["data"][0]["created"] == 0
+
+    asyncio.run(go())
+
+
+def test_answers_keep_non_ascii_text_as_it_is() -> None:
+    async def go() -> None:
+        r, _, conn, request, _ = setup({"model": "tiny", "messages": [{"role": "user"}]})
+        task = asyncio.ensure_future(r.chat(request))
+        await settle()
+        (inv, _), = conn.submitted.items()
+        _values(conn, inv, ["café"])
+        assert "café".encode() in (await asyncio.wait_for(task, 5)).body
+
+        r, _, conn, request, _ = setup({"model": "tiny", "prompt": "a"})
+        task = asyncio.ensure_future(r.completions(request))
+        await settle(20)
+        (inv, _), = conn.submitted.items()
+        _values(conn, inv, ["naïve"])
+        resp = await asyncio.wait_for(task, 5)
+        body = json.loads(resp.body)
+        assert "naïve".encode() in resp.body and len(body["choices"]) == 1  # n: 1 by default
+        assert body["choices"][0]["logprobs"] is None  # not asked for
+
+    asyncio.run(go())
+
+
+def test_completions_logprobs_when_asked() -> None:
+    async def go() -> None:
+        r, _, conn, request, _ = setup({"model": "tiny", "prompt": "a", "logprobs": 0})
+        task = asyncio.ensure_future(r.completions(request))
+        await settle(20)
+        (inv, _), = conn.submitted.items()
+        _values(conn, inv, [{"text": "x", "tokens": ["x"], "token_logprobs": [-0.5]}])
+        body = json.loads((await asyncio.wait_for(task, 5)).body)
+        assert body["choices"][0]["logprobs"]["token_logprobs"] == [-0.5]
+
+    asyncio.run(go())
+
+
+def test_a_failed_chat_stream_ends_with_an_openai_error_event() -> None:
+    async def go() -> None:
+        r, gw, conn, request, _ = setup({"model": "tiny", "messages": [{"role": "user"}],
+                                         "stream": True})
+        resp = await r.chat(request)
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            async for c in resp.events:
+                chunks.append(c)
+
+        reader = asyncio.ensure_future(read())
+        await settle()
+        (inv, _), = conn.submitted.items()
+        _values(conn, inv, ["a"], ok=False, kind="ValueError", message="melted")
+        await asyncio.wait_for(reader, 5)
+        assert all(c.startswith(b"data: ") and c.endswith(b"\n\n") for c in chunks)
+        events = [json.loads(c[6:-2]) for c in chunks]
+        assert [e["choices"][0]["index"] for e in events[:-1]] == [0, 0]
+        assert "melted" in events[-1]["error"]["message"] and gw.e.inflight == 0
+
+    asyncio.run(go())
+
+
+def test_completions_a_failed_prompt_cancels_the_others_and_a_client_that_leaves_gets_499() -> None:
+    async def go() -> None:
+        r, gw, conn, request, _ = setup({"model": "tiny", "prompt": ["a", "b"]})
+        task = asyncio.ensure_future(r.completions(request))
+        await settle(20)
+        (i0, _), (i1, _) = conn.submitted.items()
+        _values(conn, i0, [], ok=False, kind="ValueError", message="bad prompt")
+        with pytest.raises(HTTPError, match="bad prompt"):
+            await asyncio.wait_for(task, 5)
+        assert [i for i, _ in conn.cancels] == [i1] and gw.e.inflight == 0
+
+        r, gw, conn, request, receive = setup({"model": "tiny", "prompt": ["a", "b"]})
+        await receive()
+        task = asyncio.ensure_future(r.completions(request))
+        await settle(20)
+        receive.gone.set()
+        resp = await asyncio.wait_for(task, 5)
+        assert resp.status_code == 499 and sorted(i for i, _ in conn.cancels) == sorted(
+            conn.submitted) and gw.e.inflight == 0
+
+    asyncio.run(go())

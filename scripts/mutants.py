@@ -131,6 +131,8 @@ ROOMS: dict[str, Room] = {
                            f"{UNIT}/test_openai_completions.py",
                            f"{UNIT}/test_openai_embeddings.py", f"{UNIT}/test_openai_routes.py"),
                           timeout=30.0),
+    # The gateway's own routes through the whole ASGI app, over a stand-in connection.
+    "http_app": Room(("gpufn/http/app.py",), (f"{UNIT}/test_http_app.py",), timeout=30.0),
     # The OpenAI routes over a stand-in gateway and connection.
     "openai_routes": Room(("gpufn/http/openai_routes.py",),
                           (f"{UNIT}/test_openai_routes.py", f"{UNIT}/test_openai_embeddings.py"),

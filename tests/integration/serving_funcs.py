@@ -33,6 +33,18 @@ def complete(prompt: str, max_tokens: int = 16, stop: tuple[str, ...] = ()) -> I
 
 
 @gpufn.gpu(models=[tiny_engine], concurrency=16, memory="4MiB")
+def paced(prompt: str, max_tokens: int, pause: float) -> Iterator[str]:
+    """`complete` whose caller takes `pause` seconds over each token: the call stays
+    running long enough for anyone to look at what it holds."""
+    import time
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for text in engine_driver.text(tiny_engine, prompt, params):
+        yield text
+        time.sleep(pause)
+
+
+@gpufn.gpu(models=[tiny_engine], concurrency=16, memory="4MiB")
 def fails_on(prompt: str, max_tokens: int = 8) -> Iterator[str]:
     """A request whose own logit_bias names a token the model lacks: it fails alone."""
     bias = {10**6: 1.0} if prompt == "bad" else {}

@@ -15,7 +15,7 @@ from gpufn.engines import SamplingParams
 from gpufn.engines import driver as engine_driver
 
 from ..conftest import cluster_with
-from .serving_funcs import build_engine, complete, engine_steps, fails_on
+from .serving_funcs import build_engine, complete, engine_steps, fails_on, paced
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,21 +49,34 @@ def test_sixteen_concurrent_requests_each_get_their_alone_text(one_device: gpufn
     alone = _alone()
     list(complete.remote_gen("warm", 1))  # the model loaded, the code on the worker
     before = engine_steps.remote()
-    idle = one_device.status()["devices"][0]["used"]  # the model alone
     calls = [complete.spawn(prompt, n, stop) for prompt, n, stop in PROMPTS]
     with cf.ThreadPoolExecutor(len(calls)) as pool:
-        streams = pool.map(lambda c: "".join(c.stream()), calls)
-        held = 0
-        while not all(c.done() for c in calls):  # what the running calls hold in the ledger
-            held = max(held, one_device.status()["devices"][0]["used"] - idle)
-            time.sleep(0.02)
-        texts = list(streams)
+        texts = list(pool.map(lambda c: "".join(c.stream()), calls))
     steps = engine_steps.remote() - before
     assert texts == alone
     tokens = sum(n for _, n, _ in PROMPTS)
     assert steps < tokens / 2, f"{steps} steps for {tokens} tokens: the calls did not share steps"
+
+
+def test_each_running_request_holds_its_kv_bytes_in_the_ledger(one_device: gpufn.Client) -> None:
+    # The calls are paced (0.1 s a token) so that they are surely running while the test
+    # looks: unpaced, the tiny model finishes sixteen requests before a fast machine's
+    # first status answer (CI saw 0 bytes held).
+    list(complete.remote_gen("warm", 1))
+    idle = one_device.status()["devices"][0]["used"]  # the model alone
+    calls = [paced.spawn(f"request {i}", 40, 0.1) for i in range(4)]
+    held, deadline = 0, time.monotonic() + 60
+    while held < 4 * 4 * 2**20 and time.monotonic() < deadline:
+        held = max(held, one_device.status()["devices"][0]["used"] - idle)
+        time.sleep(0.02)
+    for call in calls:
+        call.cancel()
     # Each running call holds its sequence's KV bytes (memory="4MiB") in the device's ledger.
     assert held >= 4 * 4 * 2**20, f"the ledger held {held} bytes for the running calls"
+    deadline = time.monotonic() + 30
+    while one_device.status()["devices"][0]["used"] > idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert one_device.status()["devices"][0]["used"] == idle, "cancelled calls kept their bytes"
 
 
 def test_a_request_whose_kv_cannot_fit_is_refused_at_once(one_device: gpufn.Client) -> None:

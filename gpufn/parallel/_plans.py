@@ -146,12 +146,29 @@ def auto_plan(module: nn.Module) -> Sharding:
     return sharding
 
 
+def their_tp_plan(config: object) -> dict[str, str]:
+    """transformers' `base_model_tp_plan`, with the fused experts its `base_model_ep_plan`
+    names when the tp plan leaves them out: transformers 5.25 moved Mixtral's, Qwen2-MoE's
+    and most mixtures' experts from the one to the other (`ep_dispatch_experts`), and without
+    this their experts stayed whole on every rank. Each rank still holds a 1/world slice of
+    every expert (gpufn's expert tensor parallelism), whatever the ep plan would dispatch."""
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if "moe_tp_experts" in plan.values():
+        return plan
+    for key, style in (getattr(config, "base_model_ep_plan", None) or {}).items():
+        if style == "ep_dispatch_experts":
+            plan[key] = "moe_tp_experts"
+            plan[f"{key}.gate_up_proj"] = "packed_colwise"
+            plan[f"{key}.down_proj"] = "rowwise"
+    return plan
+
+
 def _family_rules(root: nn.Module, prefix: str, base: nn.Module, family: Family, sharding: Sharding) -> None:
     """Rules from the family's plan (its own, or transformers' `base_model_tp_plan` plus extras)."""
     if family.plan is not None:
         plan = dict(family.plan)
     else:
-        plan = {**(getattr(base.config, "base_model_tp_plan", None) or {}), **family.extra}
+        plan = {**their_tp_plan(base.config), **family.extra}
     modules = {n: m for n, m in root.named_modules() if n}
     params = {name for name, _ in root.named_parameters()}
     blocked: set[str] = set()  # blocks (parent modules) holding an entry we cannot express

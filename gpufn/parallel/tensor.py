@@ -38,6 +38,7 @@ Strategy = Literal["colwise", "rowwise", "replicate"]
 _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_head", "n_heads")
 _HEAD_WIDTH_ATTRS = ("embed_dim", "split_size", "all_head_size", "hidden_size", "inner_dim")
 _KV_NAMES = ("k_proj", "v_proj", "key", "value")
+_KV_COUNT_ATTRS = ("num_key_value_heads", "num_kv_heads")
 
 
 def tensor_parallel(
@@ -351,9 +352,23 @@ def _shrink_attention(
                     f"divide by the world size {world}: use a device count that divides {value}"
                 )
             setattr(parent, attr, value // world)
+        _regroup(parent)
         entry = sharding.family(name)
         if entry is not None and entry[0].localise is not None:
             entry[0].localise(parent, entry[1], world)
+
+
+def _regroup(attn: nn.Module) -> None:
+    """Queries per key/value head (`num_key_value_groups`, which transformers' attention
+    repeats k/v by) from the local counts: a multi-query model's one k/v head is kept whole
+    while its query heads divide, so the ratio divides too (Falcon reads it since 5.25)."""
+    if not isinstance(getattr(attn, "num_key_value_groups", None), int):
+        return
+    heads = next((v for a in ("num_heads", "num_attention_heads")
+                  if isinstance(v := getattr(attn, a, None), int)), None)
+    kv = next((v for a in _KV_COUNT_ATTRS if isinstance(v := getattr(attn, a, None), int)), None)
+    if heads and kv:
+        attn.num_key_value_groups = heads // kv  # type: ignore[assignment]
 
 
 def _localise_head_embeddings(

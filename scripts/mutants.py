@@ -137,6 +137,13 @@ ROOMS: dict[str, Room] = {
     "openai_routes": Room(("gpufn/http/openai_routes.py",),
                           (f"{UNIT}/test_openai_routes.py", f"{UNIT}/test_openai_embeddings.py"),
                           timeout=30.0),
+    # The gateway's server, metrics, entry point and dashboard: real sockets, a child
+    # process writing prometheus-client's files, `python -m gpufn.http` itself.
+    "http_serving": Room(("gpufn/http/server.py", "gpufn/http/metrics.py",
+                          "gpufn/http/__main__.py", "gpufn/http/dashboard.py"),
+                         (f"{UNIT}/test_http_server.py", f"{UNIT}/test_http_metrics.py",
+                          f"{UNIT}/test_http_main.py", f"{UNIT}/test_http_app.py"),
+                         timeout=60.0),
 }
 
 _COMPARE_KEPT = ("Eq_NotEq", "NotEq_Eq", "Is_IsNot", "IsNot_Is", "In_NotIn", "NotIn_In",

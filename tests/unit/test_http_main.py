@@ -4,6 +4,7 @@ it writes once it listens, and its end when the `gpufn serve` that started it is
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -37,10 +38,11 @@ def test_an_unsafe_or_broken_bind_is_refused(args: list[str], why: str,
     assert err.startswith("error: ") and why in err, err
 
 
-def _start(parent: int, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+def _start(parent: int, env: dict[str, str] | None = None,
+           port: list[str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """The gateway as `gpufn serve` starts it; (process, the port it wrote)."""
     read, write = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", "gpufn.http", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "gpufn.http", *(["--port", "0"] if port is None else port),
                              "--ready-fd", str(write), "--parent-pid", str(parent)],
                             pass_fds=(write,), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
@@ -61,6 +63,29 @@ def test_it_writes_its_port_and_serves_while_its_parent_lives(tmp_path: Path) ->
             assert r.read() == b'{"ok":true}'
         time.sleep(1.5)  # past one look at its parent
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        before = _cpu_seconds(proc.pid)
+        time.sleep(1.0)
+        assert _cpu_seconds(proc.pid) - before < 0.3, "an idle gateway keeps a core busy"
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_its_default_port_is_8000(tmp_path: Path) -> None:
+    try:
+        with socket.create_server(("127.0.0.1", 8000)):
+            pass
+    except OSError:
+        pytest.skip("port 8000 is taken on this machine")
+    env = {**os.environ, "GPUFN_ADDRESS": SCHEDULER, "HOME": str(tmp_path)}
+    proc, port = _start(os.getpid(), env, port=[])
+    try:
+        assert port == 8000
     finally:
         proc.terminate()
         proc.wait(15)

@@ -109,7 +109,9 @@ def test_latency_is_the_whole_request(recorded: dict[str, Any]) -> None:
     assert sample(f"{hist}_bucket", "/slow", le="+Inf") == 1
     assert sample(f"{hist}_count", "/v1/apps/{app}/{function}") == 3
     les = {lab["le"] for n, lab, _ in recorded["samples"] if n == f"{hist}_bucket"}
-    assert {"0.0005", "60.0", "300.0", "+Inf"} <= les
+    # the buckets are the metric's contract (dashboards and alerts name them)
+    assert les == {"0.0005", "0.001", "0.002", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25",
+                   "0.5", "1.0", "2.5", "5.0", "10.0", "30.0", "60.0", "300.0", "+Inf"}
 
 
 def test_without_the_folder_nothing_is_counted(tmp_path: Path) -> None:
@@ -118,4 +120,10 @@ def test_without_the_folder_nothing_is_counted(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", "from gpufn.http.metrics import recorder; "
                           "print(recorder() is None)"], env=env, capture_output=True,
                          text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
+    # the folder given but prometheus-client not installed: nothing counted, nothing raised
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", "import sys; sys.modules['prometheus_client'] = None; "
+                          "from gpufn.http.metrics import recorder; print(recorder() is None)"],
+                         env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out.stderr

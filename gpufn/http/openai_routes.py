@@ -179,12 +179,13 @@ class OpenAIRoutes:
         entry, body, model, target, kwargs = await self._prepare(request, "chat", messages_of)
         if kwargs.get("n", 1) != 1:
             raise bad("n", "n must be 1: one choice per chat request")
+        usage = _include_usage(body)  # refused before a call is made
         sub = calls.submit(entry, target, [], {"messages": messages_of(body), **kwargs}, {})
         self.gw.done_reading(request)  # only the encoded payload is kept from here
         head = {"id": f"chatcmpl-{sub.invocation_id}", "created": int(time.time()), "model": model}
         name = f"{target.app}.{target.name}"
         if body.get("stream"):
-            return EventStream(_chunks(entry, sub, name, head, _include_usage(body)))
+            return EventStream(_chunks(entry, sub, name, head, usage))
         entry.hold()
         try:
             done = await calls.until_gone(_complete(entry, sub, name), request.receive)
@@ -203,6 +204,7 @@ class OpenAIRoutes:
                                                                  oc.prompts)
         prompts = oc.prompts(body)
         n = int(kwargs.get("n", 1))
+        usage = _include_usage(body)  # refused before a call is made
         runs = []
         for i, prompt in enumerate(prompts):
             sub = calls.submit(entry, target, [], {"prompt": prompt, **kwargs}, {})
@@ -213,8 +215,7 @@ class OpenAIRoutes:
         name = f"{target.app}.{target.name}"
         logprobs = kwargs.get("logprobs") is not None
         if body.get("stream"):
-            return EventStream(oc.stream_chunks(entry, runs, name, head, logprobs,
-                                                _include_usage(body)))
+            return EventStream(oc.stream_chunks(entry, runs, name, head, logprobs, usage))
         entry.hold()
         try:
             parts = await calls.until_gone(_gather(

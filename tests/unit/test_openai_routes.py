@@ -143,10 +143,22 @@ def test_a_bad_chat_request_is_refused_before_any_call(body: Any, param: str, wh
             await r.chat(request)
         assert e.value.status in (400, 404) and e.value.param == param
         assert why in e.value.message
-        assert conn.submitted == {} and gw.read == (param == "stream_options")
+        assert conn.submitted == {} and not gw.read
 
     if isinstance(body, dict) and body.get("stream_options") is not None:
         body["stream"] = True
+    asyncio.run(go())
+
+
+def test_a_completion_with_bad_stream_options_is_refused_before_any_call() -> None:
+    async def go() -> None:
+        r, gw, conn, request, _ = setup({"model": "tiny", "prompt": ["a", "b"], "stream": True,
+                                         "stream_options": [1]})
+        with pytest.raises(HTTPError) as e:
+            await r.completions(request)
+        assert e.value.status == 400 and e.value.param == "stream_options"
+        assert conn.submitted == {} and not gw.read
+
     asyncio.run(go())
 
 

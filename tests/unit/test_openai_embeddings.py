@@ -5,6 +5,8 @@ running for nobody), on a real event loop with the gateway tests' stand-in conne
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 
@@ -16,15 +18,17 @@ from tests.unit.test_http_gateway import Conn, Receive, entry, result, settle
 pytestmark = pytest.mark.timeout(30)
 
 
-def _subs(conn: Conn, n: int) -> list[p.Submit]:
-    return [p.Submit(conn.new_id(), "f", {}) for _ in range(n)]
+def _waiting(n: int) -> tuple[Conn, list[p.Submit], Coroutine[Any, Any, list[p.Result]]]:
+    """A stand-in connection, `n` inputs' Submits, and the route's wait for their results."""
+    conn = Conn()
+    subs = [p.Submit(conn.new_id(), "f", {}) for _ in range(n)]
+    return conn, subs, openai_routes._results(entry(conn), subs, "app.embed")
 
 
 def test_every_inputs_result_comes_back_in_input_order() -> None:
     async def go() -> None:
-        conn = Conn()
-        subs = _subs(conn, 3)
-        task = asyncio.ensure_future(openai_routes._results(entry(conn), subs, "app.embed"))
+        conn, subs, waiting = _waiting(3)
+        task = asyncio.ensure_future(waiting)
         await settle()
         for i in (2, 0, 1):  # answered out of order
             conn.submitted[subs[i].invocation_id].set_result(result(subs[i].invocation_id, [i]))
@@ -37,9 +41,8 @@ def test_every_inputs_result_comes_back_in_input_order() -> None:
 
 def test_a_failed_input_answers_its_error_at_once_and_cancels_the_unanswered() -> None:
     async def go() -> None:
-        conn = Conn()
-        subs = _subs(conn, 3)
-        task = asyncio.ensure_future(openai_routes._results(entry(conn), subs, "app.embed"))
+        conn, subs, waiting = _waiting(3)
+        task = asyncio.ensure_future(waiting)
         await settle()
         conn.submitted[subs[0].invocation_id].set_result(result(subs[0].invocation_id, [0.0]))
         conn.submitted[subs[1].invocation_id].set_result(
@@ -54,12 +57,10 @@ def test_a_failed_input_answers_its_error_at_once_and_cancels_the_unanswered() -
 
 def test_a_client_that_leaves_cancels_every_unanswered_call() -> None:
     async def go() -> None:
-        conn = Conn()
-        subs = _subs(conn, 3)
+        conn, subs, waiting = _waiting(3)
         receive = Receive()
         await receive()  # the body was read
-        task = asyncio.ensure_future(calls.until_gone(
-            openai_routes._results(entry(conn), subs, "app.embed"), receive))
+        task = asyncio.ensure_future(calls.until_gone(waiting, receive))
         await settle()
         conn.submitted[subs[1].invocation_id].set_result(result(subs[1].invocation_id, [1.0]))
         await settle()

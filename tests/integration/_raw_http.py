@@ -8,6 +8,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -62,6 +63,20 @@ def closed_within(sock: socket.socket, timeout: float) -> float | None:
                     return time.monotonic() - start
             except ConnectionError:
                 return time.monotonic() - start
+    return None
+
+
+def sent_until_closed(sock: socket.socket, pieces: Iterable[bytes], pause: float) -> float | None:
+    """Send `pieces` one at a time, `pause` apart (reading and dropping any answer): seconds
+    until the peer closed `sock`, or None if every piece went and it is still open."""
+    start = time.monotonic()
+    for piece in pieces:
+        try:
+            sock.sendall(piece)
+            if readable(sock, pause) and not sock.recv(65536):
+                return time.monotonic() - start
+        except ConnectionError:
+            return time.monotonic() - start
     return None
 
 

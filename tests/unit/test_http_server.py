@@ -82,18 +82,9 @@ def test_a_connection_that_never_sends_a_byte_is_closed(monkeypatch: pytest.Monk
 
 def test_a_head_sent_a_byte_at_a_time_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     with serving(monkeypatch) as port, _connect(port) as slow:
-        start, closed = time.monotonic(), False
-        for b in raw.head("GET", "/slow", None, X_Padding="x" * 40):
-            try:
-                slow.sendall(bytes([b]))
-            except ConnectionError:
-                closed = True
-                break
-            if raw.readable(slow, 0.05) and not slow.recv(1024):
-                closed = True
-                break
-        took = time.monotonic() - start
-        assert closed, "a head that took longer than the timeout was kept"
+        head = raw.head("GET", "/slow", None, X_Padding="x" * 40)
+        took = raw.sent_until_closed(slow, (bytes([b]) for b in head), 0.05)
+        assert took is not None, "a head that took longer than the timeout was kept"
         assert TIMEOUT * 0.8 <= took < TIMEOUT + SLACK, took
 
 
@@ -125,23 +116,9 @@ def test_bytes_trickling_in_after_an_answer_do_not_keep_the_connection(
         # a body promised and never read: the answer goes, the rest trickles in
         sock.sendall(raw.head("POST", "/refused", None, Content_Length="10000") + b"x")
         assert raw.response(sock)[0] == 200
-        start, closed = time.monotonic(), False
-        while time.monotonic() - start < TIMEOUT + SLACK:
-            try:
-                sock.sendall(b"y")
-            except ConnectionError:
-                closed = True
-                break
-            if raw.readable(sock, 0.1):
-                try:
-                    if not sock.recv(1024):
-                        closed = True
-                        break
-                except ConnectionError:
-                    closed = True
-                    break
-        assert closed, "a client trickling leftovers kept its connection"
-        assert time.monotonic() - start >= TIMEOUT * 0.8
+        took = raw.sent_until_closed(sock, [b"y"] * int((TIMEOUT + SLACK) / 0.1), 0.1)
+        assert took is not None, "a client trickling leftovers kept its connection"
+        assert took >= TIMEOUT * 0.8, took
 
 
 def test_the_lifespan_runs(monkeypatch: pytest.MonkeyPatch) -> None:

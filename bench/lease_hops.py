@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-WORKER_STEPS = ["receive, decode, start and run", "of which: run (executor, inline)",
-                "lease step (next call, reports)", "answer: encode and send"]
+WORKER_STEPS = ["receive, decode, run, answer", "of which: run (inline, leased)",
+                "of which: answer encoded", "of which: answer sent (zmq)",
+                "after: lease step (next call, reports)", "after: the loop's other output"]
 sys.path.insert(0, str(HERE))
 
 

@@ -130,11 +130,13 @@ class Executor:
             for k in [k for k, (_, t) in self._cancelled.items() if now - t > older_than]:
                 del self._cancelled[k]
 
-    def run_inline(self, call: Call) -> None:
-        """Run in the calling thread (short calls on the worker's main thread)."""
-        self._run(call)
+    def run_inline(self, call: Call,
+                   on_done: Callable[[p.Message], None] | None = None) -> None:
+        """Run in the calling thread (short calls on the worker's main thread); its Result
+        goes to `on_done` if given, else to the executor's."""
+        self._run(call, on_done)
 
-    def _run(self, call: Call) -> None:
+    def _run(self, call: Call, on_done: Callable[[p.Message], None] | None = None) -> None:
         inv = call.invocation_id
         t0 = time.perf_counter()
         result: p.Result | None = None
@@ -173,7 +175,7 @@ class Executor:
                     "items", "first_item_s", "items_per_s"):
             if key in call.meta:
                 setattr(result.meta, key, call.meta[key])
-        self.on_done(result)
+        (on_done or self.on_done)(result)
         left = self._kids.now() - before
         if left:  # after the Result is on its way: stopping them may take a grace
             children.stop(sorted(left))

@@ -30,10 +30,15 @@ if "gpufn.worker" in sys.orig_argv and os.environ.get("GPUFN_BENCH_HOPS_DIR"):
                 _acc[key].append(time.perf_counter() - t)
         setattr(cls, name, wrapper)
 
-    _timed(_wp.WorkerProcess, "_direct_receive", "receive, decode, start and run")
-    _timed(_wp.WorkerProcess, "_execute", "of which: run (executor, inline)")
-    _timed(_wp.WorkerProcess, "_step_leases", "lease step (next call, reports)")
-    _timed(_wp.WorkerProcess, "_flush", "answer: encode and send")
+    from gpufn.net import sockets as _sockets
+    from gpufn.wire import protocol as _p
+
+    _timed(_wp.WorkerProcess, "_direct_receive", "receive, decode, run, answer")
+    _timed(_wp.WorkerProcess, "_run_leased", "of which: run (inline, leased)")
+    _timed(_p, "encode_batch", "of which: answer encoded")
+    _timed(_sockets, "send", "of which: answer sent (zmq)")
+    _timed(_wp.WorkerProcess, "_step_leases", "after: lease step (next call, reports)")
+    _timed(_wp.WorkerProcess, "_flush", "after: the loop's other output")
 
     def _dump() -> None:
         out = os.path.join(os.environ["GPUFN_BENCH_HOPS_DIR"], f"worker-{os.getpid()}.txt")

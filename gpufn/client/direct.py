@@ -71,10 +71,11 @@ class DirectSockets:
             del self.probing[ep]
         return late
 
-    def received(self, endpoint: str) -> Iterator[p.Message]:
-        """What waits on an endpoint's socket; a Pong marks it reachable."""
+    def received(self, endpoint: str, ready: bool = False) -> Iterator[p.Message]:
+        """What waits on an endpoint's socket (`ready`: a poll just said something does);
+        a Pong marks it reachable."""
         s = self.sock(endpoint)
-        for msg in sockets.received(s, log):
+        for msg in sockets.received(s, log, ready):
             if isinstance(msg, p.Pong):
                 self.probing.pop(endpoint, None)
                 self.leases.reach[endpoint] = Reach.OK

@@ -95,7 +95,7 @@ class SyncChannel:
                     self._send(p.Ping(0))
                     continue
                 self.last_heard = time.monotonic()
-                for msg in sockets.received(self.sock, log):
+                for msg in sockets.received(self.sock, log, ready=True):
                     if isinstance(msg, p.Result) and msg.invocation_id == inv:
                         return msg
                     self._other(msg, register, submit, name)
@@ -142,7 +142,7 @@ class SyncChannel:
                 self._send(p.Ping(0))  # the scheduler keeps us (and says if the lease is lost)
                 continue
             if ready.get(dsock):
-                for msg in self.direct.received(g.endpoint):
+                for msg in self.direct.received(g.endpoint, ready=True):
                     if isinstance(msg, p.Result) and msg.invocation_id == inv:
                         self.leases.answered(inv, msg.ok)
                         return msg
@@ -154,7 +154,7 @@ class SyncChannel:
                         self.client._print_output(msg, name)
             if ready.get(self.sock):
                 self.last_heard = time.monotonic()
-                for msg in sockets.received(self.sock, log):
+                for msg in sockets.received(self.sock, log, ready=True):
                     if (isinstance(msg, p.Result) and msg.invocation_id == g.lease_id
                             and not msg.ok and inv in held.calls):
                         self._lease_lost(g.lease_id)

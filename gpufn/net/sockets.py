@@ -80,10 +80,13 @@ def waiting(sock: zmq.Socket[Any]) -> bool:
     return bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
-def received(sock: zmq.Socket[Any], log: logging.Logger) -> Iterator[p.Message]:
+def received(sock: zmq.Socket[Any], log: logging.Logger,
+             ready: bool = False) -> Iterator[p.Message]:
     """Every message waiting on `sock`, without blocking (a batch's one by one); an
-    undecodable one is logged and skipped."""
-    while waiting(sock):
+    undecodable one is logged and skipped. `ready`: a poll just said one waits, so the
+    first is read without asking again."""
+    while ready or waiting(sock):
+        ready = False
         try:
             frames = recv(sock, zmq.NOBLOCK)
         except zmq.Again:

@@ -83,6 +83,40 @@ def test_repeat_calls_go_straight_to_the_worker_and_are_metered(leasing: gpufn.C
 
 
 @gpufn.gpu(memory="1MiB")
+def introspect(x: int) -> tuple[str, str, int, int, int, str]:
+    ctx = gpufn.context()
+    print(f"inside {ctx.invocation_id}")
+    if x < 0:
+        raise ValueError(f"negative {x}")
+    return ctx.invocation_id, ctx.function, ctx.attempt, ctx.world_size, x, str(ctx.device)
+
+
+def test_a_leased_call_runs_as_a_scheduled_one_does(
+        leasing: gpufn.Client, capfd: pytest.CaptureFixture[str]) -> None:
+    """Short calls under a lease run on the worker's own path (`_run_leased`): they see
+    their own context, their output reaches the caller under their id, and what they
+    raise comes back as raised."""
+    introspect.remote(0)  # its run time is known: short, so inline
+    leases = _channel(leasing).leases  # type: ignore[attr-defined]
+    direct = leases.direct_calls
+    got = [introspect.remote(i) for i in range(1, 21)]
+    assert leases.direct_calls - direct >= 18
+    assert [g[1:5] for g in got] == [(introspect.name, 1, 1, i) for i in range(1, 21)]
+    assert all(g[5] == "cpu" for g in got), got
+    ids = [g[0] for g in got]
+    assert len(set(ids)) == 20
+    with pytest.raises(ValueError, match="negative -3"):
+        introspect.remote(-3)
+    out = ""
+
+    def printed() -> bool:  # each line under the prefix of the call that printed it
+        nonlocal out
+        out += capfd.readouterr().out
+        return all(f"[{introspect.name} {i}] inside {i}" in out for i in ids)
+    wait_for(printed, 10, "every leased call's output under its own id")
+
+
+@gpufn.gpu(memory="1MiB")
 def ended_at(x: int) -> float:  # 3 ms: a lease takes about 6 in flight (DEPTH_SECONDS)
     time.sleep(0.003)
     return time.monotonic()  # (one clock for every process of a host)

@@ -158,6 +158,9 @@ class LeaseDesk:
         return (inv.shape is Shape.SINGLE and not inv.members and inv.carrier is None
                 and inv.lease is None and not inv.items and inv.spec.count == 1
                 and inv.spec.timeout is None  # the scheduler enforces timeouts: not here
+                # ... and retries on exceptions (`Retries(on=...)`): a leased call's
+                # error goes straight to its caller, which would not run it again
+                and not (inv.spec.retry_on and inv.spec.retries > 0)
                 # A call that uses shared models stays with the scheduler, which weighs
                 # waiting for the device holding them against loading another copy.
                 and not inv.function.model_keys

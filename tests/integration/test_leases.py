@@ -116,6 +116,24 @@ def test_a_leased_call_runs_as_a_scheduled_one_does(
     wait_for(printed, 10, "every leased call's output under its own id")
 
 
+@gpufn.gpu(memory="1MiB", retries=gpufn.Retries(max_retries=2, initial_delay=0.0,
+                                                on=(ValueError,)))
+def fails_first(path: str) -> int:
+    n = int(Path(path).read_text()) if os.path.exists(path) else 0
+    Path(path).write_text(str(n + 1))
+    if n == 0:
+        raise ValueError("the first attempt fails")
+    return n + 1
+
+
+def test_repeat_calls_that_retry_on_an_exception_are_retried(
+        leasing: gpufn.Client, tmp_path: Path) -> None:
+    """`Retries(on=...)` holds for repeat calls: each one's first attempt raises and the
+    second answers (a leased call's error went straight to its caller, unretried: 39 of
+    40 such calls raised)."""
+    assert [fails_first.remote(str(tmp_path / f"c{i}")) for i in range(15)] == [2] * 15
+
+
 @gpufn.gpu(memory="1MiB")
 def ended_at(x: int) -> float:  # 3 ms: a lease takes about 6 in flight (DEPTH_SECONDS)
     time.sleep(0.003)

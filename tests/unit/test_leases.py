@@ -437,6 +437,22 @@ def test_a_function_with_a_timeout_is_not_leased() -> None:
     assert not _grants(h)  # the scheduler's timers enforce timeouts: its calls stay with it
 
 
+def test_a_function_that_retries_on_an_exception_is_not_leased() -> None:
+    """Its retries are the scheduler's: a leased call's error goes straight to its caller.
+    A function with `retries=N` alone (lost workers only: the client resends those) is
+    leased."""
+    from gpufn.wire.spec import Retries
+
+    h, _ = _leasing()
+    fid = h.register("flaky", retries=Retries(max_retries=2, on=(ValueError,)))
+    h.finish(b"w0", _submit(h, fid))
+    assert not _grants(h)
+    h, _ = _leasing()
+    fid = h.register("lossy", retries=2)
+    h.finish(b"w0", _submit(h, fid))
+    assert _grants(h)
+
+
 def test_a_lease_runs_as_its_user_with_their_capped_priority() -> None:
     store = UserStore()
     token = store.create("bob", 0.0, max_priority=1)[1]

@@ -171,10 +171,11 @@ class Executor:
         result.meta.dispatch_token = call.dispatch_token
         if call.context.world_size > 1:
             result.meta.rank = call.context.rank
-        for key in ("group_inits", "group_init_s", "comm_error",  # set by the call's hooks
-                    "items", "first_item_s", "items_per_s"):
-            if key in call.meta:
-                setattr(result.meta, key, call.meta[key])
+        if call.meta:
+            for key in ("group_inits", "group_init_s", "comm_error",  # set by the call's hooks
+                        "items", "first_item_s", "items_per_s"):
+                if key in call.meta:
+                    setattr(result.meta, key, call.meta[key])
         (on_done or self.on_done)(result)
         left = self._kids.now() - before
         if left:  # after the Result is on its way: stopping them may take a grace

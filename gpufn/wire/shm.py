@@ -33,8 +33,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,17 +249,22 @@ def _owner(name: str) -> int:
 _borrowed = threading.local()
 
 
-@contextmanager
-def borrowing() -> Iterator[list[Borrowed]]:
+class borrowing:
     """Collect the pooled files that `take()` maps in this thread while the block runs
-    (a worker unpickling a call's arguments); `settle()` says which are no longer used."""
-    lent: list[Borrowed] = []
-    outer = getattr(_borrowed, "names", None)
-    _borrowed.names = lent
-    try:
-        yield lent
-    finally:
-        _borrowed.names = outer
+    (a worker unpickling a call's arguments); `settle()` says which are no longer used.
+    A class, not a generator: it runs once per call on a worker, where a generator-based
+    context manager was ~0.8 of a no-op call's ~10 us in the executor."""
+
+    __slots__ = ("lent", "outer")
+
+    def __enter__(self) -> list[Borrowed]:
+        self.lent: list[Borrowed] = []
+        self.outer = getattr(_borrowed, "names", None)
+        _borrowed.names = self.lent
+        return self.lent
+
+    def __exit__(self, *exc: object) -> None:
+        _borrowed.names = self.outer
 
 
 def settle(lent: list[Borrowed], out: Outgoing | None, frames: list[Any]) -> list[str]:

@@ -116,6 +116,40 @@ def test_a_leased_call_runs_as_a_scheduled_one_does(
     wait_for(printed, 10, "every leased call's output under its own id")
 
 
+@gpufn.gpu(memory="1MiB")
+def thread_short() -> str:
+    return threading.current_thread().name
+
+
+@gpufn.gpu(memory="1MiB")
+def thread_long() -> str:  # measured over 5 ms (`short_call_seconds`): never inline
+    time.sleep(0.02)
+    return threading.current_thread().name
+
+
+def _under_a_lease(leases: object, fn: Function[..., object]) -> bool:
+    before = leases.direct_calls  # type: ignore[attr-defined]
+    fn.remote()
+    return leases.direct_calls > before  # type: ignore[attr-defined]
+
+
+def test_only_short_plain_leased_calls_run_on_the_workers_main_thread(
+        leasing: gpufn.Client) -> None:
+    """A short call under a lease runs on the worker's main thread; one measured long in
+    the executor's threads, as a scheduled one does (on the main thread it would hold up
+    the loop: other DirectRuns, cancels, the scheduler's messages)."""
+    thread_short.remote()
+    leases = _channel(leasing).leases  # type: ignore[attr-defined]
+    for fn, main in ((thread_short, True), (thread_long, False)):
+        fn.remote()  # its run time is measured
+        wait_for(lambda fn=fn: _under_a_lease(leases, fn), timeout=20,  # type: ignore[misc]
+                 what=f"a lease for {fn.name}")  # (another function's ends once idle)
+        direct = leases.direct_calls
+        names = {fn.remote() for _ in range(6)}
+        assert leases.direct_calls - direct >= 4, fn.name
+        assert all(n.startswith("MainThread") == main for n in names), (fn.name, names)
+
+
 @gpufn.gpu(memory="1MiB", retries=gpufn.Retries(max_retries=2, initial_delay=0.0,
                                                 on=(ValueError,)))
 def fails_first(path: str) -> int:

@@ -439,18 +439,18 @@ def test_a_function_with_a_timeout_is_not_leased() -> None:
 
 def test_a_function_that_retries_on_an_exception_is_not_leased() -> None:
     """Its retries are the scheduler's: a leased call's error goes straight to its caller.
-    A function with `retries=N` alone (lost workers only: the client resends those) is
-    leased."""
+    A function with `retries=N` alone (lost workers only: the client resends those), or
+    with no retries left to make, is leased."""
     from gpufn.wire.spec import Retries
 
-    h, _ = _leasing()
-    fid = h.register("flaky", retries=Retries(max_retries=2, on=(ValueError,)))
-    h.finish(b"w0", _submit(h, fid))
-    assert not _grants(h)
-    h, _ = _leasing()
-    fid = h.register("lossy", retries=2)
-    h.finish(b"w0", _submit(h, fid))
-    assert _grants(h)
+    for name, retries, leased in (("flaky", Retries(max_retries=2, on=(ValueError,)), False),
+                                  ("once", Retries(max_retries=1, on=(ValueError,)), False),
+                                  ("never", Retries(max_retries=0, on=(ValueError,)), True),
+                                  ("lossy", 2, True)):
+        h, _ = _leasing()
+        fid = h.register(name, retries=retries)
+        h.finish(b"w0", _submit(h, fid))
+        assert bool(_grants(h)) is leased, name
 
 
 def test_a_lease_runs_as_its_user_with_their_capped_priority() -> None:

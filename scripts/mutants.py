@@ -122,6 +122,9 @@ ROOMS: dict[str, Room] = {
                    (f"{UNIT}/test_leases.py",)),
     # The call futures (a hang, e.g. a waiter never notified, is killed at 30 s).
     "futures": Room(("gpufn/client/futures.py",), (f"{UNIT}/test_futures.py",), timeout=30.0),
+    # The socket helpers every process uses and the client's sockets to leased workers.
+    "sockets": Room(("gpufn/net/sockets.py", "gpufn/client/direct.py"),
+                    (f"{UNIT}/test_sockets.py",), timeout=30.0),
     # Batches packed into one frame, and the rest of the codec.
     "codec": Room(("gpufn/wire/codec.py",), (f"{UNIT}/test_protocol.py",)),
     # The OpenAI surface's pure pieces: parameters, prompts and choices, embeddings.

@@ -125,6 +125,11 @@ ROOMS: dict[str, Room] = {
     # The socket helpers every process uses and the client's sockets to leased workers.
     "sockets": Room(("gpufn/net/sockets.py", "gpufn/client/direct.py"),
                     (f"{UNIT}/test_sockets.py",), timeout=30.0),
+    # The worker's executor: calls run inline or on its threads, cancels, batches, relays.
+    "executor": Room(("worker/executor.py",),
+                     (f"{UNIT}/test_executor.py", f"{UNIT}/test_worker_core.py",
+                      f"{UNIT}/test_streams_retries.py", f"{UNIT}/test_stream_bursts.py",
+                      f"{UNIT}/test_shm_pool.py"), timeout=60.0, budget=40.0),
     # Batches packed into one frame, and the rest of the codec.
     "codec": Room(("gpufn/wire/codec.py",), (f"{UNIT}/test_protocol.py",)),
     # The OpenAI surface's pure pieces: parameters, prompts and choices, embeddings.

@@ -42,6 +42,8 @@ _OPARAMS = "gpufn/http/openai_params.py"
 _OROUTES = "gpufn/http/openai_routes.py"
 _APP = "gpufn/http/app.py"
 _SERVER = "gpufn/http/server.py"
+_SOCKETS = "gpufn/net/sockets.py"
+_DIRECT = "gpufn/client/direct.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -1134,4 +1136,31 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "one page is ever cached (page() takes no argument): a larger cache holds the same one"),
     Equivalent("gpufn/http/dashboard.py", "@lru_cache(maxsize=1)", "@lru_cache(maxsize= 0)",
                "no cache: the same page read from the package on each GET / (a file read, not a behaviour)"),
+    Equivalent(_SOCKETS, "def configure(sock: zmq.Socket[Any], *, router: bool = False) -> None:",
+               "def configure(sock: zmq.Socket[Any], /, router: bool = False) -> None:",
+               "every caller names router=: positional-only sock and a keyword router take the same calls"),
+    Equivalent(_SOCKETS, "sock.setsockopt(zmq.ROUTER_MANDATORY, 1)",
+               "sock.setsockopt(zmq.ROUTER_MANDATORY, 2)", "zmq reads any non-zero value as on"),
+    Equivalent(_SOCKETS, "sock.setsockopt(zmq.ROUTER_HANDOVER, 1)",
+               "sock.setsockopt(zmq.ROUTER_HANDOVER, 2)", "zmq reads any non-zero value as on"),
+    Equivalent(_SOCKETS, "break", "continue",
+               "the loop only looks for one large frame: going on past it sets copy=False again"),
+    Equivalent(_DIRECT, "while (left := deadline - time.monotonic()) > 0:",
+               "while (left := deadline - time.monotonic()) >= 0:",
+               "the clock is never exactly at the deadline; at it, a 1 ms poll ends the loop anyway"),
+    Equivalent(_DIRECT, "break", "continue",
+               "a poll that timed out leaves no time before the deadline: the loop ends at its test"),
+    Equivalent(_DIRECT, "if not s.poll(max(1, int(left * 1000))):", "if not s.poll(max( 2, int(left * 1000))):",
+               "the floor of the last wait, 1 or 2 ms: the probe ends at its deadline either way"),
+    Equivalent(_DIRECT, "if not s.poll(max(1, int(left * 1000))):", "if not s.poll(max( 0, int(left * 1000))):",
+               "a last wait of 0 ms instead of 1: the probe ends at its deadline either way"),
+    Equivalent(_DIRECT, "if not s.poll(max(1, int(left * 1000))):", "if not s.poll(max(1, int(left * 1001))):",
+               "the wait off by a thousandth: the loop checks the deadline itself"),
+    Equivalent(_DIRECT, "if not s.poll(max(1, int(left * 1000))):", "if not s.poll(max(1, int(left * 999))):",
+               "the wait off by a thousandth: the loop checks the deadline itself"),
+    Equivalent(_DIRECT, "s.close(0)", "s.close( 1)",
+               "sockets.configure set LINGER 0; a 1 ms linger on close drops the same unsent probes"),
+    Equivalent(_DIRECT, "def received(self, endpoint: str, ready: bool = False) -> Iterator[p.Message]:",
+               "def received(self, endpoint: str, ready: bool = True) -> Iterator[p.Message]:",
+               "a read with nothing waiting raises zmq.Again, which ends the loop: one wasted read"),
 )

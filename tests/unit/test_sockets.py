@@ -111,6 +111,43 @@ def test_frames_go_zero_copy_from_64_kib_and_by_copy_below(ctx: zmq.Context[Any]
             assert head.bytes == b"head"  # pyzmq copies a small frame either way
 
 
+class Recorder:
+    """Stands in for a socket to see how each part is handed to zmq (pyzmq copies a part
+    under 64 KiB either way, so the copy flag shows only in what it costs)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, int, bool]] = []  # (size, flags, copy)
+
+    def send(self, data: Any, flags: int, copy: bool) -> None:
+        self.parts.append((memoryview(data).nbytes, flags, copy))
+
+
+def test_every_part_goes_zero_copy_when_one_reaches_64_kib_else_by_copy() -> None:
+    n = sockets.ZERO_COPY_MIN
+    for sizes, copy in (([4, n - 1], True), ([4, n], False), ([n, 4], False),
+                        ([n + 1], False), ([3, 4, 5], True)):
+        r = Recorder()
+        sockets.send(r, [bytes(k) for k in sizes], zmq.NOBLOCK)  # type: ignore[arg-type]
+        more = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+        flags = [more] * (len(sizes) - 1) + [int(zmq.NOBLOCK)]
+        assert r.parts == [(k, f, copy) for k, f in zip(sizes, flags, strict=True)], sizes
+    r = Recorder()
+    doubles = memoryview(bytearray(n)).cast("d")  # n // 8 items
+    sockets.send(r, [doubles])  # type: ignore[arg-type]
+    assert r.parts == [(n, 0, False)]  # a memoryview measured in bytes, not items
+
+
+def test_send_and_recv_block_by_default(ctx: zmq.Context[Any]) -> None:
+    d = ctx.socket(zmq.DEALER)  # no peer: a blocking send waits for one
+    d.setsockopt(zmq.SNDTIMEO, 300)
+    d.setsockopt(zmq.RCVTIMEO, 300)
+    for op in (lambda: sockets.send(d, [b"x"]), lambda: sockets.recv(d)):
+        start = time.monotonic()
+        with pytest.raises(zmq.Again):
+            op()
+        assert time.monotonic() - start > 0.2
+
+
 def test_a_non_blocking_send_or_read_raises_again_instead_of_waiting(
         ctx: zmq.Context[Any]) -> None:
     d = ctx.socket(zmq.DEALER)  # connected to nothing: no peer to queue for
@@ -334,6 +371,54 @@ def test_a_blocking_probe_is_true_when_answered_and_false_after_probe_seconds(
     assert d.probe_now(silent.endpoint) is False
     assert 0.25 < time.monotonic() - start < 2.0
     assert silent.endpoint not in leases.reach
+    d.close()
+
+
+def test_a_blocking_probe_answered_only_by_other_messages_ends_at_its_deadline(
+        ctx: zmq.Context[Any], leases: Leases, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.setattr(direct_mod, "PROBE_SECONDS", 0.3)
+    w = Worker(ctx)
+    d = DirectSockets(ctx, leases)
+    stop = threading.Event()
+
+    def chatter() -> None:  # answers the probe with anything but a Pong, on and on
+        peer, _ = w.take()
+        while not stop.is_set():
+            w.answer(peer, p.Ping(9))
+            time.sleep(0.02)
+
+    t = threading.Thread(target=chatter)
+    t.start()
+    try:
+        start = time.monotonic()
+        assert d.probe_now(w.endpoint) is False
+        assert 0.25 < time.monotonic() - start < 0.9
+    finally:
+        stop.set()
+        t.join()
+    assert w.endpoint not in leases.reach
+    d.close()
+
+
+def test_a_probe_that_cannot_be_queued_is_still_waited_for(
+        ctx: zmq.Context[Any], leases: Leases, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFN_HWM", "1")
+    d = DirectSockets(ctx, leases)
+    assert d.probing == {} and d.answered_probe is False and not d.closed
+    ep = "tcp://127.0.0.1:9"  # nothing listens: what is sent waits in the queue
+    s = d.sock(ep)
+    for _ in range(50):  # fill the send queue to its high-water mark
+        try:
+            d.send(ep, p.encode(p.Ping(0)))
+        except zmq.Again:
+            break
+    else:
+        pytest.fail("the queue never filled")
+    assert leases.granted(grant(ep), time.monotonic())
+    assert d.start_probes() == [s]  # the send was refused, not raised
+    assert set(d.probing) == {ep}
     d.close()
 
 

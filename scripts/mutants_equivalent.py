@@ -44,6 +44,7 @@ _APP = "gpufn/http/app.py"
 _SERVER = "gpufn/http/server.py"
 _SOCKETS = "gpufn/net/sockets.py"
 _DIRECT = "gpufn/client/direct.py"
+_EXEC = "worker/executor.py"
 EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_FP, "@dataclass(slots=True)", "@dataclass(slots=False)",
                "slots only save memory; no attribute is set outside the fields"),
@@ -1169,4 +1170,17 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "out: it outlives the deadline only while non-Pong messages come faster than 1 ms "
                "apart (a worker answers a probe with one Pong; a test sending every 0.2 ms saw "
                "no difference)"),
+    Equivalent(_EXEC, "def _failure(inv: str, exc: BaseException, t0: float, as_json: bool = False) -> p.Result:",
+               "def _failure(inv: str, exc: BaseException, t0: float, as_json: bool = True) -> p.Result:",
+               "both callers pass as_json (the call's json flag): the default is never used"),
+    Equivalent(_EXEC, "self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix=\"gpufn-call\")",
+               "self.pool = ThreadPoolExecutor(max_workers= 65, thread_name_prefix=\"gpufn-call\")",
+               "a bound on threads no test (and no worker: the scheduler sends a device a few "
+               "calls at once) reaches"),
+    Equivalent(_EXEC, "self.reports = Reports(-1)  # host-memory declarations, for the supervisor's watch",
+               "self.reports = Reports(- 2)  # host-memory declarations, for the supervisor's watch",
+               "any negative descriptor means no supervisor to tell"),
+    Equivalent(_EXEC, "for k in [k for k, (_, t) in self._cancelled.items() if now - t > older_than]:",
+               "for k in [k for k, (_, t) in self._cancelled.items() if now - t >= older_than]:",
+               "a cancel exactly older_than old, to the clock's resolution, kept or forgotten"),
 )

@@ -546,3 +546,150 @@ def test_batched_arguments_and_failure_helpers_leave_the_call_meta_clean(ex: Exe
     run(ex, c)
     assert "batch_bad" not in c.meta and "batch_json" not in c.meta
     assert exmod._oom(MemoryError()) and not exmod._oom(ValueError())
+
+
+# ------------------------------------------------------------------ what the mutants found
+
+
+def test_an_argument_that_cannot_be_read_leaves_no_running_call(ex: Executor) -> None:
+    run(ex, call(add, (b"not a pickle",)))
+    assert ex.running() == []
+
+
+def test_a_cancelled_dispatch_leaves_a_running_dispatch_of_the_same_call_alone(
+        ex: Executor, done: Done) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def wait() -> str:
+        started.set()
+        release.wait(10)
+        return "first"
+
+    ex.submit(call(wait, inv="x", dispatch_token=1))
+    assert started.wait(10)
+    ex.interrupt("x", dispatch_token=2)  # meant for a later dispatch, not started
+    r = run(ex, call(wait, inv="x", dispatch_token=2))
+    assert r.error_kind == kind_of(Cancelled)
+    assert ex.running() == ["x"]  # the first dispatch is still registered (and cancellable)
+    release.set()
+    assert value(done.wait()[0]) == "first"
+
+
+def test_a_value_of_exactly_the_payload_limit_passes(
+        ex: Executor, monkeypatch: pytest.MonkeyPatch) -> None:
+    payload = b"y" * 3000
+    size = sum(len(f) for f in ser.dumps(payload))
+    monkeypatch.setenv("GPUFN_MAX_PAYLOAD", str(size))
+    assert value(run(ex, call(lambda: payload))) == payload
+    monkeypatch.setenv("GPUFN_MAX_PAYLOAD", str(size - 1))
+    assert run(ex, call(lambda: payload)).error_kind == "PayloadTooLarge"
+
+
+def test_a_call_made_without_a_dispatch_token_says_the_first() -> None:
+    c = call(add)
+    assert c.dispatch_token == 1 and c.shm_owner == 0 and c.host_memory == 0
+
+
+def test_every_kind_of_ending_measures_its_duration(ex: Executor) -> None:
+    def fail() -> None:
+        raise ValueError("x")
+
+    frames, counts = batch(args(1))
+    ends = [run(ex, call(add, args(1))), run(ex, call(fail)),
+            run(ex, call(add, (b"junk",))),
+            run(ex, call(add, args(1), relay=lambda f: tuple(ser.dumps(1)))),
+            run(ex, call(lambda xs: xs, frames, batch=counts))]
+    for r in ends:
+        assert r.meta.duration is not None and 0 <= r.meta.duration < 5, r
+
+
+def test_a_rank_error_with_several_arguments_keeps_them_all(ex: Executor) -> None:
+    def fail() -> None:
+        raise ValueError("text", 5, "more")
+
+    r = run(ex, call(fail, rank=2, world=3))
+    e = ser.load_exception(r.frames, "ValueError", r.message, r.meta.traceback, "here")
+    assert e.args == ("[rank 2 of 3] text", 5, "more")
+
+    def fail_number_first() -> None:
+        raise ValueError(5, "text")
+
+    r = run(ex, call(fail_number_first, rank=2, world=3))
+    e = ser.load_exception(r.frames, "ValueError", r.message, r.meta.traceback, "here")
+    assert e.args == (5, "text")  # the first is not text: nothing to prefix
+
+
+def test_a_note_that_cannot_be_added_does_not_hide_the_error(ex: Executor) -> None:
+    def fail() -> None:
+        e = ValueError("odd")
+        e.__notes__ = "not a list"  # type: ignore[assignment]  # add_note raises TypeError
+        raise e
+
+    r = run(ex, call(fail, rank=1, world=2))
+    assert r.message == "[rank 1 of 2] odd" and r.meta.error_type == "ValueError"
+
+
+def test_without_torch_only_a_memory_error_is_out_of_memory() -> None:
+    import sys
+
+    code = ("import sys; from gpufn.worker import executor as x; "
+            "assert 'torch' not in sys.modules, 'torch was imported'; "
+            "assert x._oom(MemoryError()) and not x._oom(ValueError()); "
+            "assert 'torch' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+MiB = 2**20
+
+
+@pytest.fixture
+def shm_files(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """A 1 MiB threshold; the names listed are unlinked after the test."""
+    from gpufn.wire import shm
+
+    monkeypatch.setenv("GPUFN_SHM_THRESHOLD", "1MiB")
+    names: list[str] = []
+    yield names
+    for n in names:
+        shm._unlink(n)
+
+
+@pytest.mark.parametrize(("world", "attempt", "reused"),
+                         [(1, 1, True), (2, 1, False), (1, 2, False)])
+def test_only_a_first_attempt_on_one_device_answers_in_its_argument_files(
+        ex: Executor, shm_files: list[str], world: int, attempt: int, reused: bool) -> None:
+    """One run on one device writes its result into an argument file of its caller's
+    pool that it no longer views; a gang's rank or a retry writes a new file."""
+    import torch
+
+    from gpufn.wire import shm
+
+    caller = os.getppid()  # another live process: its pool's files are borrowed, not ours
+    pool = shm.Pool(64 * MiB, idle_s=30.0)
+    pool.pid = caller
+    out = shm.Outgoing(caller, MiB, pool=pool)
+    frames = tuple(ser.dumps(((torch.ones(MiB // 2),), {}), out))
+    shm_files.extend(out.names)
+    assert len(out.names) == 1
+    c = call(lambda x: x * 2, frames, rank=0, world=world, shm_owner=caller)
+    c.context.attempt = attempt
+    r = run(ex, c)
+    shm_files.extend(r.meta.shm or [])
+    assert r.meta.shm is not None and len(r.meta.shm) == 1
+    assert (r.meta.shm == out.names) is reused
+    assert torch.equal(value(r), torch.full((MiB // 2,), 2.0))
+
+
+def test_a_result_goes_through_shared_memory_only_for_a_caller_that_takes_it(
+        ex: Executor, shm_files: list[str]) -> None:
+    import torch
+
+    big = torch.ones(MiB // 2)  # 2 MiB, over the 1 MiB threshold
+    r = run(ex, call(lambda: big))  # no shm_owner: a caller elsewhere
+    assert r.meta.shm is None and torch.equal(value(r), big)
+    assert run(ex, call(lambda: [1, 2], shm_owner=os.getpid())).meta.shm is None
+    r = run(ex, call(lambda: big, shm_owner=os.getpid()))
+    shm_files.extend(r.meta.shm or [])
+    assert r.meta.shm is not None and torch.equal(value(r), big)

@@ -679,6 +679,7 @@ def test_only_a_first_attempt_on_one_device_answers_in_its_argument_files(
     shm_files.extend(r.meta.shm or [])
     assert r.meta.shm is not None and len(r.meta.shm) == 1
     assert (r.meta.shm == out.names) is reused
+    assert r.meta.shm_freed == (None if reused else out.names)  # the caller's pool takes it back
     assert torch.equal(value(r), torch.full((MiB // 2,), 2.0))
 
 
@@ -693,3 +694,66 @@ def test_a_result_goes_through_shared_memory_only_for_a_caller_that_takes_it(
     r = run(ex, call(lambda: big, shm_owner=os.getpid()))
     shm_files.extend(r.meta.shm or [])
     assert r.meta.shm is not None and torch.equal(value(r), big)
+
+
+class BrokenRouter(OutputRouter):
+    def started(self, inv: str) -> None:
+        raise RuntimeError("the router broke")
+
+
+def test_a_failure_outside_the_users_code_still_answers_the_call(done: Done) -> None:
+    ex = Executor(BrokenRouter(), done)
+    try:
+        r = run(ex, call(add, args(1)))
+        assert not r.ok and r.message == "the router broke" and r.meta.dispatch_token == 1
+        assert ex.running() == []
+    finally:
+        ex.pool.shutdown(wait=False)
+
+
+def test_an_async_call_is_interrupted_through_its_driver(ex: Executor, done: Done) -> None:
+    import asyncio
+
+    started = threading.Event()
+
+    async def waits() -> None:
+        started.set()
+        await asyncio.sleep(20)
+
+    ex.submit(call(waits, inv="a"))
+    assert started.wait(10)
+    deadline = time.monotonic() + 5
+    while not ex.driver.is_async("a"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert ex.interrupt("a") is True
+    (r,) = done.wait()
+    assert not r.ok and "Cancelled" in (r.error_kind, r.meta.error_type)
+
+
+def test_an_executor_without_a_supervisor_tells_nothing_on_stdout(
+        ex: Executor, capfd: pytest.CaptureFixture[str]) -> None:
+    assert ex.reports.fd < 0
+    run(ex, call(add, args(1), host_memory=4096))
+    assert capfd.readouterr().out == ""
+
+
+def test_a_torch_out_of_memory_error_is_out_of_memory(ex: Executor) -> None:
+    import torch
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    c = call(oom)
+    c.context.device = torch.device("cpu")
+    r = run(ex, c)
+    assert r.error_kind == "OutOfMemory"
+
+
+def test_a_rank_tag_looks_at_the_first_argument_only(ex: Executor) -> None:
+    def fail() -> None:
+        raise ValueError("text", "[rank 9 of 9] quoted")
+
+    r = run(ex, call(fail, rank=1, world=2))
+    e = ser.load_exception(r.frames, "ValueError", r.message, r.meta.traceback, "here")
+    assert e.args == ("[rank 1 of 2] text", "[rank 9 of 9] quoted")

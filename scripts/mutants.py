@@ -130,6 +130,10 @@ ROOMS: dict[str, Room] = {
                      (f"{UNIT}/test_executor.py", f"{UNIT}/test_worker_core.py",
                       f"{UNIT}/test_streams_retries.py", f"{UNIT}/test_stream_bursts.py",
                       f"{UNIT}/test_shm_pool.py"), timeout=60.0, budget=40.0),
+    # A blocking call's channel: straight to a leased worker, else through the scheduler.
+    "sync_channel": Room(("gpufn/client/sync_channel.py",),
+                         ("tests/integration/test_leases.py", "tests/integration/test_call_path.py"),
+                         timeout=150.0, budget=60.0),
     # Batches packed into one frame, and the rest of the codec.
     "codec": Room(("gpufn/wire/codec.py",), (f"{UNIT}/test_protocol.py",)),
     # The OpenAI surface's pure pieces: parameters, prompts and choices, embeddings.

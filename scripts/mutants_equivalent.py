@@ -1183,4 +1183,8 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_EXEC, "for k in [k for k, (_, t) in self._cancelled.items() if now - t > older_than]:",
                "for k in [k for k, (_, t) in self._cancelled.items() if now - t >= older_than]:",
                "a cancel exactly older_than old, to the clock's resolution, kept or forgotten"),
+    Equivalent(_EXEC, "self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix=\"gpufn-call\")",
+               "self.pool = ThreadPoolExecutor(max_workers= 63, thread_name_prefix=\"gpufn-call\")",
+               "a bound on threads no test (and no worker: the scheduler sends a device a few "
+               "calls at once) reaches"),
 )

@@ -598,7 +598,8 @@ def test_every_kind_of_ending_measures_its_duration(ex: Executor) -> None:
     ends = [run(ex, call(add, args(1))), run(ex, call(fail)),
             run(ex, call(add, (b"junk",))),
             run(ex, call(add, args(1), relay=lambda f: tuple(ser.dumps(1)))),
-            run(ex, call(lambda xs: xs, frames, batch=counts))]
+            run(ex, call(lambda xs: xs, frames, batch=counts)),
+            run(ex, call(lambda: Unused.VALUE))]
     for r in ends:
         assert r.meta.duration is not None and 0 <= r.meta.duration < 5, r
 

@@ -54,6 +54,9 @@ class Room:
     tests: tuple[str, ...]
     timeout: float = 60.0  # seconds, one mutant's test run (a hang is killed)
     budget: float = 20.0  # minutes, the whole room
+    # Only the mutants inside these functions ("Class.method" or "function"; nested ones
+    # included) are run: a room over the newest part of a large module. Empty: all.
+    only: tuple[str, ...] = ()
 
 
 ROOMS: dict[str, Room] = {
@@ -130,6 +133,17 @@ ROOMS: dict[str, Room] = {
                      (f"{UNIT}/test_executor.py", f"{UNIT}/test_worker_core.py",
                       f"{UNIT}/test_streams_retries.py", f"{UNIT}/test_stream_bursts.py",
                       f"{UNIT}/test_shm_pool.py"), timeout=60.0, budget=40.0),
+    # The worker's side of a lease: DirectRuns in, short leased calls run at once, their
+    # answers out (the newest part of worker/process.py; the rest of it has no room).
+    "worker_leases": Room(("worker/process.py",),
+                          ("tests/integration/test_leases.py",
+                           "tests/integration/test_leased_maps.py"),
+                          timeout=150.0, budget=45.0,
+                          only=("WorkerProcess._flush_direct", "WorkerProcess._leased",
+                                "WorkerProcess._lease_act", "WorkerProcess._run_leased",
+                                "WorkerProcess._special", "WorkerProcess._leased_done",
+                                "WorkerProcess._step_leases", "WorkerProcess._start_leased",
+                                "WorkerProcess._direct_receive")),
     # A blocking call's channel: straight to a leased worker, else through the scheduler.
     "sync_channel": Room(("gpufn/client/sync_channel.py",),
                          ("tests/integration/test_leases.py", "tests/integration/test_call_path.py"),
@@ -211,6 +225,41 @@ def skip_annotations(module: str, db: Path) -> None:
         work.set_multiple_results(skip, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
 
 
+def function_spans(source: str, names: tuple[str, ...]) -> list[tuple[int, int]]:
+    """The lines (first, last) of each named function ("Class.method" or "function");
+    a name the module does not define is an error (the room went stale)."""
+    import ast
+
+    found: dict[str, tuple[int, int]] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                    found[name] = (first, child.end_lineno or child.lineno)
+                visit(child, f"{name}.")
+
+    visit(ast.parse(source), "")
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise SystemExit(f"no function {', '.join(missing)} in the module: update the room")
+    return [found[n] for n in names]
+
+
+def skip_outside(module: str, db: Path, names: tuple[str, ...]) -> None:
+    """Mark the mutants outside the named functions skipped (a room's `only`)."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    spans = function_spans((ROOT / module).read_text(), names)
+    with use_db(str(db), WorkDB.Mode.open) as work:
+        skip = [item.job_id for item in work.pending_work_items
+                if not any(a <= item.mutations[0].start_pos[0] <= b for a, b in spans)]
+        work.set_multiple_results(skip, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+
+
 def slug(module: str) -> str:
     return module.removesuffix(".py").replace("/", ".")
 
@@ -261,6 +310,8 @@ def run_module(module: str, room: Room, deadline: float, resume: bool,
         subprocess.run([sys.executable, "-m", "cosmic_ray.tools.filters.pragma_no_mutate",
                         str(db)], cwd=ROOT, check=True)
         skip_annotations(module, db)
+        if room.only:
+            skip_outside(module, db, room.only)
     source = ROOT / module
     saved = source.read_bytes()
     left = deadline - time.monotonic()

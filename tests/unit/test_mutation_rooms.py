@@ -1,0 +1,66 @@
+"""The mutation tool's rooms stay runnable (scripts/mutants.py): every module, test file
+and named function they list exists, and the span helpers find what they say."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import mutants  # noqa: E402
+
+pytestmark = pytest.mark.timeout(30)
+
+SOURCE = '''\
+from __future__ import annotations
+
+
+def top(x: int) -> int:
+    return x
+
+
+class Outer:
+    @staticmethod
+    def method(y: str | None) -> None:
+        def inner() -> None:
+            pass
+
+    async def later(self) -> None:
+        pass
+'''
+
+
+def test_function_spans_name_methods_nested_functions_and_decorators() -> None:
+    names = ("top", "Outer.method", "Outer.method.inner", "Outer.later")
+    assert mutants.function_spans(SOURCE, names) == [(4, 5), (9, 12), (11, 12), (14, 15)]
+
+
+def test_a_function_the_module_does_not_define_stops_the_run() -> None:
+    with pytest.raises(SystemExit, match=re.escape("no function Outer.gone, nothing")):
+        mutants.function_spans(SOURCE, ("top", "Outer.gone", "nothing"))
+    with pytest.raises(SystemExit):
+        mutants.function_spans(SOURCE, ("Outer",))  # a class is not a function
+
+
+def test_annotation_spans_cover_arguments_returns_and_annotated_names() -> None:
+    spans = mutants.annotation_spans(SOURCE + "z: dict[str, int] = {}\n")
+    assert mutants.in_annotation((4, 11), spans)  # x: [int]
+    assert mutants.in_annotation((4, 19), spans)  # -> [int]
+    assert mutants.in_annotation((10, 18), spans)  # y: [str | None]
+    assert mutants.in_annotation((16, 3), spans)  # z: [dict[str, int]]
+    assert not mutants.in_annotation((5, 11), spans)  # return [x]
+
+
+@pytest.mark.parametrize("name", sorted(mutants.ROOMS))
+def test_every_room_names_what_exists(name: str) -> None:
+    room = mutants.ROOMS[name]
+    for path in (*room.modules, *room.tests):
+        assert (ROOT / path).is_file(), f"room {name}: {path} does not exist"
+    if room.only:
+        for module in room.modules:
+            mutants.function_spans((ROOT / module).read_text(), room.only)

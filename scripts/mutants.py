@@ -260,6 +260,27 @@ def skip_outside(module: str, db: Path, names: tuple[str, ...]) -> None:
         work.set_multiple_results(skip, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
 
 
+_PROBE = ("import gpufn, gpufn.worker, gpufn.scheduler, gpufn.memory_pool; "
+          "print(gpufn.__file__, gpufn.worker.__file__, gpufn.scheduler.__file__, "
+          "gpufn.memory_pool.__file__)")
+
+
+def install_problem() -> str | None:
+    """Why this interpreter would test another checkout's files (its editable install
+    maps gpufn's packages elsewhere: every mutant would survive), or None."""
+    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    if out.returncode != 0:
+        return f"gpufn does not import with {sys.executable}: {out.stderr.strip()[-300:]}"
+    elsewhere = [f for f in out.stdout.split() if not Path(f).resolve().is_relative_to(ROOT)]
+    if elsewhere:
+        return (f"{sys.executable} imports gpufn from {Path(elsewhere[0]).parent}, not from "
+                f"{ROOT}: make this checkout's own environment (python -m venv .venv && "
+                "pip install torch==2.13.0 && pip install -e \".[test,mutation]\") and "
+                "activate it")
+    return None
+
+
 def slug(module: str) -> str:
     return module.removesuffix(".py").replace("/", ".")
 
@@ -420,6 +441,10 @@ def main() -> int:
         return 0
     if shutil.which("nice") is None:
         print("needs nice(1)", file=sys.stderr)
+        return 2
+    problem = None if a.report else install_problem()
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     WORK.mkdir(exist_ok=True)
     worst = 100.0

@@ -64,3 +64,16 @@ def test_every_room_names_what_exists(name: str) -> None:
     if room.only:
         for module in room.modules:
             mutants.function_spans((ROOT / module).read_text(), room.only)
+
+
+def test_the_tool_tests_this_checkouts_files() -> None:
+    """Here the project is installed editable from this checkout (the README's command)."""
+    assert mutants.install_problem() is None
+
+
+def test_an_interpreter_that_imports_gpufn_from_elsewhere_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mutants, "ROOT", tmp_path)  # as if this checkout were elsewhere
+    problem = mutants.install_problem()
+    assert problem is not None and "imports gpufn from" in problem
+    assert "pip install -e" in problem

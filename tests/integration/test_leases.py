@@ -9,16 +9,18 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import gpufn
 from gpufn.api.function import Function
 from gpufn.client import default as client_mod
 from gpufn.exceptions import WorkerLost
 from gpufn.wire import protocol as p
+from gpufn.wire import shm
 
 from ..conftest import cluster_with, shutdown_default, wait_ready
 from ._head import TOKEN, Head
@@ -56,8 +58,10 @@ def _channel(c: gpufn.Client) -> object:
 
 @pytest.fixture(scope="module")
 def leasing() -> Iterator[gpufn.Client]:
-    """One device, leases of 30 s: only revocation ends one early."""
-    with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_LEASE_SECONDS=30) as c:
+    """One device, leases of 30 s: only revocation ends one early; arguments of 1 MiB
+    and more through shared memory."""
+    with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_LEASE_SECONDS=30,
+                      GPUFN_SHM_THRESHOLD="1MiB") as c:
         yield c
 
 
@@ -127,9 +131,12 @@ def thread_long() -> str:  # measured over 5 ms (`short_call_seconds`): never in
     return threading.current_thread().name
 
 
-def _under_a_lease(leases: object, fn: Function[..., object]) -> bool:
+def _under_a_lease(leases: object, fn: Function[..., object] | Callable[[], object]) -> bool:
     before = leases.direct_calls  # type: ignore[attr-defined]
-    fn.remote()
+    if isinstance(fn, Function):
+        fn.remote()
+    else:
+        fn()
     return leases.direct_calls > before  # type: ignore[attr-defined]
 
 
@@ -148,6 +155,33 @@ def test_only_short_plain_leased_calls_run_on_the_workers_main_thread(
         names = {fn.remote() for _ in range(6)}
         assert leases.direct_calls - direct >= 4, fn.name
         assert all(n.startswith("MainThread") == main for n in names), (fn.name, names)
+
+
+@gpufn.gpu(memory="1MiB")
+def numel(t: torch.Tensor) -> int:
+    return t.numel()
+
+
+@pytest.mark.skipif(not shm.host_id(), reason="no writable /dev/shm here")
+def test_a_leased_calls_argument_file_is_taken_back_for_the_next_call(
+        leasing: gpufn.Client) -> None:
+    """As after a scheduled call, the client's pool takes a leased call's argument file
+    back (its Result says one device, one attempt: nothing else may still map it), so
+    repeat calls write their arguments into the same file."""
+    x = torch.ones(2**19)  # 2 MiB: through a shared-memory file
+    numel.remote(x)
+    leases = _channel(leasing).leases  # type: ignore[attr-defined]
+    pool = shm.pool()
+    assert pool is not None
+    wait_for(lambda: _under_a_lease(leases, lambda: numel.remote(x)), timeout=20,
+             what="a lease for numel")
+    direct, seen = leases.direct_calls, set(pool.free_names())
+    for _ in range(8):
+        assert numel.remote(x) == 2**19
+        seen |= set(pool.free_names())
+    assert leases.direct_calls - direct >= 6
+    assert len(seen) == 1, seen  # one file, taken back after every call
+    pool.clear()
 
 
 @gpufn.gpu(memory="1MiB", retries=gpufn.Retries(max_retries=2, initial_delay=0.0,

@@ -281,6 +281,61 @@ def _leased_pid(c: gpufn.Client, fn: Function[[float], int]) -> int:
     return pids[-1]
 
 
+@gpufn.gpu(memory="1MiB")
+def linger(path: str, seconds: float) -> str:
+    """Runs `seconds` in 10 ms steps (an interrupt lands between them) and writes how it
+    ended into `path`."""
+    Path(path).write_text("started")
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.01)
+    except BaseException as e:
+        Path(path).write_text(type(e).__name__)
+        raise
+    Path(path).write_text("finished")
+    return path
+
+
+def test_ctrl_c_stops_a_leased_call_on_its_worker_even_with_the_head_paused(
+        leasing: gpufn.Client, tmp_path: Path) -> None:
+    """Ctrl-C in the caller of a leased call sends its cancel to the worker directly as
+    well as to the scheduler: the running call (in the executor's threads, being measured
+    long) is interrupted at once, with no scheduler to relay the cancel (SIGSTOP)."""
+    warm = str(tmp_path / "warm")
+    linger.remote(warm, 0.02)  # measured long: never inline
+    leases = _channel(leasing).leases  # type: ignore[attr-defined]
+    wait_for(lambda: _under_a_lease(leases, lambda: linger.remote(warm, 0.02)), timeout=20,
+             what="a lease for linger")
+    direct = leases.direct_calls
+    marker = tmp_path / "long"
+    assert leasing.cluster is not None and leasing.cluster.scheduler is not None
+    sched = leasing.cluster.scheduler.pid
+    failed: list[BaseException] = []
+
+    def ctrl_c() -> None:
+        try:
+            wait_for(marker.exists, timeout=20, what="the long call to start")
+            os.kill(sched, signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGINT)
+        except BaseException as e:
+            failed.append(e)
+            os.kill(os.getpid(), signal.SIGINT)  # the caller must not wait a minute
+
+    t = threading.Thread(target=ctrl_c)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            linger.remote(str(marker), 60)
+        t.join(30)
+        assert not failed, failed
+        assert leases.direct_calls > direct  # it ran under the lease
+        wait_for(lambda: marker.read_text() == "Cancelled", timeout=10,
+                 what="the call interrupted on its worker while the head is stopped")
+    finally:
+        os.kill(sched, signal.SIGCONT)
+
+
 def test_a_worker_lost_during_a_leased_call(leasing: gpufn.Client) -> None:
     pid = _leased_pid(leasing, nap)  # the lease
     ch = _channel(leasing)

@@ -369,7 +369,8 @@ class LeaseDesk:
             self._meter(msg.lease_id, [{"id": i.get("id"), "ok": bool(i.get("ok")), "s": 0.0}
                                        for i in msg.items if isinstance(i, dict)], key, now)
             return
-        self._meter(msg.lease_id, msg.items, self._key(lease), now, lease)
+        self._meter(msg.lease_id, msg.items, self._key(lease), now, lease,
+                    self.core.device_of(peer))
 
     @staticmethod
     def _key(lease: Invocation | None) -> UsageKey | None:
@@ -380,13 +381,14 @@ class LeaseDesk:
 
     def _account(self, msg: p.Result, lease: Invocation | None, d: Device | None,
                  now: float) -> None:
-        self._meter(msg.invocation_id, msg.meta.batch_items or [], self._key(lease), now, lease)
+        self._meter(msg.invocation_id, msg.meta.batch_items or [], self._key(lease), now, lease, d)
 
     def _meter(self, lease_id: str, items: list[dict[str, Any]], key: UsageKey | None,
-               now: float, lease: Invocation | None = None) -> None:
+               now: float, lease: Invocation | None = None, d: Device | None = None) -> None:
         """Meter each call a lease ran as a call of its function and user, once: `key`
         from the lease the scheduler knows, else from the worker's items (a lease of the
-        scheduler before a restart)."""
+        scheduler before a restart); `d`, the worker's device, counts them as completed
+        there (`gpufn status`), as it counts a scheduled call's Result."""
         seen = self._metered.get(lease_id)
         if seen is None:
             seen = self._metered[lease_id] = set()
@@ -413,6 +415,8 @@ class LeaseDesk:
         for (k, outcome), spans in ran.items():  # one meter entry per key, outcome, minute
             self.ops.usage.record_ran(k, outcome, spans)
         self.leased_calls += len(fresh)
+        if d is not None:
+            d.completed += len(fresh)
         if lease is not None:  # `gpufn status`'s calls per function count them too
             lease.function.calls += len(fresh)
         counters = getattr(self.core, "counters", None)

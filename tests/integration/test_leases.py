@@ -70,8 +70,13 @@ def _usage_calls(c: gpufn.Client, fn: str) -> int:
     return sum(int(r["calls"]) for r in rows if r["function"] == fn)
 
 
+def _completed(c: gpufn.Client) -> int:
+    return sum(int(d["completed"]) for d in c.status()["devices"])
+
+
 def test_repeat_calls_go_straight_to_the_worker_and_are_metered(leasing: gpufn.Client) -> None:
     before = _usage_calls(leasing, "ident")
+    done_before = _completed(leasing)
     assert [ident.remote(i) for i in range(60)] == list(range(60))
     ch = _channel(leasing)
     assert ch.leases.direct_calls >= 55  # type: ignore[attr-defined]
@@ -84,6 +89,8 @@ def test_repeat_calls_go_straight_to_the_worker_and_are_metered(leasing: gpufn.C
              what="every leased call metered once")
     time.sleep(0.5)
     assert _usage_calls(leasing, "ident") - before == 2060
+    # `gpufn status`'s completed column counts them too (and the other client's call)
+    assert _completed(leasing) - done_before == 2061
 
 
 @gpufn.gpu(memory="1MiB")

@@ -226,8 +226,10 @@ def test_the_leases_result_meters_each_call_it_ran() -> None:
     _, grant, run = _granted(h, fid)
     items = [{"id": f"d{i}", "ok": i != 2, "kind": "" if i != 2 else "UserError", "s": 0.01,
               "wall": h.core.wall(h.now)} for i in range(3)]
+    completed = h.core.devices["n:0"].completed
     h.feed(b"w0", p.Result(grant.lease_id, True, "", "spent",
                            p.ResultMeta(dispatch_token=run.dispatch_token, batch_items=items)))
+    assert h.core.devices["n:0"].completed - completed == 3  # `gpufn status` counts them
     usage = h.core.ops.usage.calls_total
     assert sum(n for (_, fn, _, outcome), n in usage.items() if fn == "f" and outcome == "succeeded") == 3
     assert sum(n for (_, fn, _, outcome), n in usage.items() if fn == "f" and outcome == "failed") == 1
@@ -235,6 +237,7 @@ def test_the_leases_result_meters_each_call_it_ran() -> None:
     h.feed(b"w0", p.Result(grant.lease_id, True, "", "spent",
                            p.ResultMeta(dispatch_token=run.dispatch_token, batch_items=items)))
     assert sum(usage.values()) == 4
+    assert h.core.devices["n:0"].completed - completed == 3
     ends = [s.msg for s in h.sent if isinstance(s.msg, p.Result) and s.peer == b"cli"
             and s.msg.invocation_id == grant.lease_id]
     assert len(ends) == 1 and ends[0].ok  # its client hears the end once
@@ -623,10 +626,12 @@ def test_what_a_lease_ran_is_metered_once_from_reports_its_end_and_its_lost_clie
     h, fid = _leasing()
     _, grant, _ = _granted(h, fid)
     item = {"id": "d1", "ok": True, "s": 0.01, "wall": h.core.wall(h.now)}
+    completed = h.core.devices["n:0"].completed
     h.feed(b"w0", p.LeaseReport(grant.lease_id, [item]))  # while it lasts
     h.feed(b"w0", p.LeaseReport(grant.lease_id, [item]))  # said twice: once
     calls = h.core.ops.usage.calls_total
     assert sum(calls.values()) == 2  # the first call and d1
+    assert h.core.devices["n:0"].completed - completed == 1  # on its worker's device
     # Lost with its worker: its client says what it got answers for; only the new ones count.
     h.feed(b"sup", p.WorkerExited("n:0", 1, -9, "killed by signal 9", 1))
     h.hello(b"bob", p.Role.CLIENT)
@@ -634,6 +639,7 @@ def test_what_a_lease_ran_is_metered_once_from_reports_its_end_and_its_lost_clie
     h.feed(b"cli", p.LeaseReport(grant.lease_id, [{"id": "d1", "ok": True},
                                                   {"id": "d2", "ok": False}]))
     assert sum(calls.values()) == 3
+    assert h.core.devices["n:0"].completed - completed == 1  # the client names no device
     assert h.core.status(h.now)["leases"]["calls"] == 2
     h.feed(b"cli", p.LeaseReport("lease:unknown", [{"id": "x", "ok": True}]))  # no such lost lease
     assert sum(calls.values()) == 3
@@ -655,6 +661,7 @@ def test_a_lease_this_scheduler_does_not_know_is_metered_by_its_first_items_name
     h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1})
     h.feed(b"w0", report)
     assert h.core.ops.usage.calls_total == {("a", "f", 2, "succeeded"): 2, ("a", "f", 2, "failed"): 1}
+    assert h.core.devices["n:0"].completed == 3  # counted on the reporting worker's device
     [row] = h.core.ops.usage.report(h.core.wall(h.now), by="user")
     assert (row["user"], row["calls"]) == ("ann", 3)
     h.feed(b"w0", p.LeaseReport("lease:y", [{"id": "z", "ok": True}]))  # names none

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -341,6 +342,47 @@ def test_ctrl_c_stops_a_leased_call_on_its_worker_even_with_the_head_paused(
                  what="the call interrupted on its worker while the head is stopped")
     finally:
         os.kill(sched, signal.SIGCONT)
+
+
+def test_the_scheduler_hears_nothing_per_leased_call(leasing: gpufn.Client) -> None:
+    """A leased call's Result goes to its client only (the scheduler meters it from the
+    lease's reports): none reaches the scheduler as a stray Result."""
+    ident.remote(0)
+    leases = _channel(leasing).leases  # type: ignore[attr-defined]
+    wait_for(lambda: _under_a_lease(leases, lambda: ident.remote(0)), timeout=20,
+             what="a lease for ident")
+    stale = leasing.status()["counters"]["stale_results"]
+    direct = leases.direct_calls
+    assert [ident.remote(i) for i in range(50)] == list(range(50))
+    assert leases.direct_calls - direct >= 45
+    time.sleep(0.3)
+    assert leasing.status()["counters"]["stale_results"] == stale
+
+
+def test_junk_on_a_workers_direct_socket_is_skipped_and_the_worker_serves_on(
+        leasing: gpufn.Client) -> None:
+    import zmq
+
+    from gpufn.client.direct import DirectSockets
+
+    pid = nap.remote(0.0)
+    leases = _channel(leasing).leases  # type: ignore[attr-defined]
+    wait_for(lambda: _under_a_lease(leases, lambda: nap.remote(0.0)), timeout=20,
+             what="a lease for nap")
+    endpoint = next(iter(leases._by_id.values())).grant.endpoint
+    ctx: zmq.Context[Any] = zmq.Context()
+    d = DirectSockets(ctx, leases)
+    try:
+        for junk in ([b"\xfe", b"not a message"], [b"one frame"], [b"\xff", b"\x01\x02"]):
+            d.send(endpoint, junk)
+        d.send(endpoint, p.encode(p.Ping(1)))
+        assert d.probe_now(endpoint)  # it answers on, the same socket
+    finally:
+        d.close()
+        ctx.destroy(linger=0)
+    direct = leases.direct_calls
+    assert {nap.remote(0.0) for _ in range(5)} == {pid}  # the same worker process
+    assert leases.direct_calls - direct >= 3
 
 
 def test_a_worker_lost_during_a_leased_call(leasing: gpufn.Client) -> None:

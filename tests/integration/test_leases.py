@@ -370,6 +370,14 @@ def test_junk_on_a_workers_direct_socket_is_skipped_and_the_worker_serves_on(
     wait_for(lambda: _under_a_lease(leases, lambda: nap.remote(0.0)), timeout=20,
              what="a lease for nap")
     endpoint = next(iter(leases._by_id.values())).grant.endpoint
+    assert leasing.cluster is not None and leasing.cluster.state_dir is not None
+    logs = leasing.cluster.state_dir / "logs"
+
+    def said() -> int:  # the workers' warnings about undecodable direct messages
+        return sum(f.read_text(errors="replace").count("undecodable message from a leasing")
+                   for f in logs.glob("worker-*.log"))
+
+    before = said()
     ctx: zmq.Context[Any] = zmq.Context()
     d = DirectSockets(ctx, leases)
     try:
@@ -380,6 +388,7 @@ def test_junk_on_a_workers_direct_socket_is_skipped_and_the_worker_serves_on(
     finally:
         d.close()
         ctx.destroy(linger=0)
+    wait_for(lambda: said() - before == 3, timeout=10, what="each junk message said once")
     direct = leases.direct_calls
     assert {nap.remote(0.0) for _ in range(5)} == {pid}  # the same worker process
     assert leases.direct_calls - direct >= 3

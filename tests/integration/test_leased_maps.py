@@ -109,3 +109,53 @@ def _awaited(leasing: gpufn.Client, tmp_path: Path) -> None:
     with pytest.raises(gpufn.Timeout):
         asyncio.run(call.get.aio(timeout=0.1))
     assert call.get(timeout=30) == str(tmp_path / "spawned")
+
+
+@gpufn.gpu(memory="1MiB")
+def step(i: int, where: str = "") -> int:
+    """i < 0: a 50 ms warm-up (measured long: never inline). Else it runs 1.5 s (item 0
+    raises after 0.5 s), in 10 ms steps an interrupt lands between, and writes how it
+    ended into `where`/i."""
+    if i < 0:
+        time.sleep(0.05)
+        return i
+    path = Path(where) / str(i)
+    path.write_text("started")
+    try:
+        end = time.monotonic() + (0.5 if i == 0 else 1.5)
+        while time.monotonic() < end:
+            time.sleep(0.01)
+    except BaseException as e:
+        path.write_text(type(e).__name__)
+        raise
+    if i == 0:
+        path.write_text("raised")
+        raise ValueError("item 0 fails")
+    path.write_text("finished")
+    return i
+
+
+def test_a_maps_first_failure_drops_its_waiting_calls_and_lets_running_ones_finish(
+        tmp_path: Path) -> None:
+    """A .map that raises its first failure cancels the calls still out "unless running"
+    (as a scheduled map does): a leased call that runs on its worker finishes, the ones
+    waiting under a lease or in the client never start."""
+    with cluster_with(GPUFN_CPU_DEVICES=2, GPUFN_LEASE_SECONDS=30) as c:
+        assert list(step.map(range(-40, 0))) == list(range(-40, 0))  # leases on both devices
+        direct = c.leases.direct_calls
+        with pytest.raises(ValueError, match="item 0 fails"):
+            list(step.map(range(8), kwargs={"where": str(tmp_path)}))
+        assert c.leases.direct_calls > direct
+
+        def states() -> dict[str, str]:
+            return {f.name: f.read_text() for f in tmp_path.iterdir()}
+
+        wait_for(lambda: all(v in ("raised", "finished", "Cancelled")
+                             for v in states().values()), timeout=20,
+                 what="every started call to end")
+        time.sleep(0.5)
+        got = states()
+        assert got["0"] == "raised"
+        assert "Cancelled" not in got.values(), got  # running ones were left to finish
+        assert "finished" in got.values(), got  # one ran beside item 0 (two devices)
+        assert len(got) < 8, got  # the waiting ones were dropped

@@ -344,6 +344,30 @@ def test_ctrl_c_stops_a_leased_call_on_its_worker_even_with_the_head_paused(
         os.kill(sched, signal.SIGCONT)
 
 
+@gpufn.gpu(memory="1MiB")
+def tally(path: str) -> int:
+    with open(path, "a") as f:
+        f.write("x\n")
+    return os.getpid()
+
+
+def test_each_leased_call_runs_once(leasing: gpufn.Client, tmp_path: Path) -> None:
+    """A short leased call runs once on its worker's own path: never again through the
+    general one, never twice (its side effects counted)."""
+    path = str(tmp_path / "tally")
+    tally.remote(path)
+    leases = _channel(leasing).leases  # type: ignore[attr-defined]
+    wait_for(lambda: _under_a_lease(leases, lambda: tally.remote(path)), timeout=20,
+             what="a lease for tally")
+    direct = leases.direct_calls
+    sent = len(Path(path).read_text().splitlines())
+    for _ in range(30):
+        tally.remote(path)
+    assert leases.direct_calls - direct >= 25
+    time.sleep(0.3)  # a second run would have written by now
+    assert len(Path(path).read_text().splitlines()) - sent == 30
+
+
 def test_the_scheduler_hears_nothing_per_leased_call(leasing: gpufn.Client) -> None:
     """A leased call's Result goes to its client only (the scheduler meters it from the
     lease's reports): none reaches the scheduler as a stray Result."""

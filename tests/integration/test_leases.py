@@ -388,6 +388,8 @@ def test_junk_on_a_workers_direct_socket_is_skipped_and_the_worker_serves_on(
     import zmq
 
     from gpufn.client.direct import DirectSockets
+    from gpufn.wire import config
+    from gpufn.wire import serialization as ser
 
     pid = nap.remote(0.0)
     leases = _channel(leasing).leases  # type: ignore[attr-defined]
@@ -413,6 +415,17 @@ def test_junk_on_a_workers_direct_socket_is_skipped_and_the_worker_serves_on(
         d.close()
         ctx.destroy(linger=0)
     wait_for(lambda: said() - before == 3, timeout=10, what="each junk message said once")
+    # A client gone before its call's answer: the answer is dropped, the worker serves on.
+    grant = next(iter(leases._by_id.values())).grant
+    ctx = zmq.Context()
+    gone = ctx.socket(zmq.DEALER)
+    gone.connect(config.split_address(grant.endpoint)[0])
+    gone.send_multipart(p.encode(p.DirectRun(grant.lease_id, grant.secret, "gone-1",
+                                             tuple(ser.dumps(((0.5,), {}))))))
+    time.sleep(0.2)  # delivered and running
+    gone.close(0)
+    ctx.destroy(linger=0)
+    time.sleep(0.5)  # its answer went nowhere
     direct = leases.direct_calls
     assert {nap.remote(0.0) for _ in range(5)} == {pid}  # the same worker process
     assert leases.direct_calls - direct >= 3

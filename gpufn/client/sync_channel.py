@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import zmq
@@ -54,6 +56,10 @@ class SyncChannel:
         self.leases = leasing.Leases()  # this channel's own: its socket hears their ends
         self.direct = DirectSockets(client._ctx, self.leases)
         self._pollers: dict[str, zmq.Poller] = {}
+        # What the scheduler sent that no one handled yet: a read that returned or raised
+        # on one message of a batch leaves the rest here (a lease lost beside the one
+        # that failed the call: dropped, the next call went to its dead worker and hung).
+        self._pending: deque[p.Message] = deque()
         try:
             self._hello()
         except BaseException:
@@ -63,12 +69,26 @@ class SyncChannel:
     def _send(self, msg: p.Message) -> None:
         sockets.send(self.sock, p.encode(msg))
 
+    def _messages(self) -> Iterator[p.Message]:
+        """The scheduler's messages (a poll just said some wait), one at a time: each is
+        taken off before its reader handles it, so the rest of its batch stays for the
+        next read when the reader returns or raises."""
+        self._pending.extend(sockets.received(self.sock, log, ready=True))
+        while self._pending:
+            yield self._pending.popleft()
+
+    def _catch_up(self, register: p.Register | None, submit: p.Submit, name: str) -> None:
+        """Before a call: what an earlier call left unread (a lease's end, a grant)."""
+        while self._pending:
+            self._other(self._pending.popleft(), register, submit, name, resend=False)
+
     def _hello(self) -> None:
         self.registered.clear()
         self.conn.handshake(HANDSHAKE_SECONDS)  # nothing else is addressed to us yet
         self.last_heard = time.monotonic()
 
     def call(self, register: p.Register | None, submit: p.Submit, name: str) -> p.Result:
+        self._catch_up(register, submit, name)  # before a lease is taken: it may be gone
         if time.monotonic() - self.last_heard > self.client.idle_rehello:
             self._hello()  # the scheduler forgets silent clients; announce ourselves again
         submit = self.leases.mark(submit)
@@ -95,7 +115,7 @@ class SyncChannel:
                     self._send(p.Ping(0))
                     continue
                 self.last_heard = time.monotonic()
-                for msg in sockets.received(self.sock, log, ready=True):
+                for msg in self._messages():
                     if isinstance(msg, p.Result) and msg.invocation_id == inv:
                         return msg
                     self._other(msg, register, submit, name)
@@ -154,7 +174,7 @@ class SyncChannel:
                         self.client._print_output(msg, name)
             if ready.get(self.sock):
                 self.last_heard = time.monotonic()
-                for msg in sockets.received(self.sock, log, ready=True):
+                for msg in self._messages():
                     if (isinstance(msg, p.Result) and msg.invocation_id == g.lease_id
                             and not msg.ok and inv in held.calls):
                         self._lease_lost(g.lease_id)

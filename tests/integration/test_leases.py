@@ -330,6 +330,9 @@ def test_ctrl_c_stops_a_leased_call_on_its_worker_even_with_the_head_paused(
             failed.append(e)
             os.kill(os.getpid(), signal.SIGINT)  # the caller must not wait a minute
 
+    # Ctrl-C raises KeyboardInterrupt whatever this process inherited (a background job
+    # of a non-interactive shell, as CI may run it, starts with SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=ctrl_c)
     t.start()
     try:
@@ -342,6 +345,7 @@ def test_ctrl_c_stops_a_leased_call_on_its_worker_even_with_the_head_paused(
                  what="the call interrupted on its worker while the head is stopped")
     finally:
         os.kill(sched, signal.SIGCONT)
+        signal.signal(signal.SIGINT, previous)
 
 
 @gpufn.gpu(memory="1MiB")

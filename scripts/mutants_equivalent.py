@@ -1285,4 +1285,9 @@ EQUIVALENT: tuple[Equivalent, ...] = (
     Equivalent(_PROCESS, "if len(frames) < 2:",
                "if len(frames) < 1:",
                "unreachable: a ROUTER gives every message its peer's identity and at least one part"),
+    Equivalent("gpufn/client/sync_channel.py",
+               "self._pending.extend(sockets.received(self.sock, log, ready=True))",
+               "self._pending.extend(sockets.received(self.sock, log, ready=False))",
+               "the first read asks whether a message waits though the poll just said so: "
+               "one more getsockopt, the same messages"),
 )

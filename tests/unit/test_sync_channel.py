@@ -107,3 +107,35 @@ def test_messages_read_earlier_come_before_new_ones_and_each_once(
     arrive(ch, head, [p.Output("x", "stdout", "3")])
     assert [m.text for m in ch._messages()] == ["2", "3"]  # type: ignore[attr-defined]
     assert not ch._pending
+
+
+class Conn:
+    """The channel's connection, as far as a rehello goes: its handshake is counted."""
+
+    def __init__(self) -> None:
+        from gpufn.net.connection import Connection
+
+        self.needs_rehello = Connection.needs_rehello
+        self.info = p.HelloInfo()
+        self.handshakes = 0
+
+    def handshake(self, timeout: float) -> None:
+        self.handshakes += 1
+
+
+def test_a_refusal_left_from_an_earlier_call_says_hello_again_but_sends_no_call(
+        wired: tuple[SyncChannel, zmq.Socket[Any]]) -> None:
+    """A "say Hello again" left unread by the last call is handled before the next call
+    is sent: the channel announces itself, and sends nothing of the call yet (the call
+    goes out once, after)."""
+    from gpufn.net.connection import _FORGOTTEN
+
+    ch, head = wired
+    conn = Conn()
+    ch.conn, ch.registered = conn, set()  # type: ignore[assignment]
+    ch.client.info = p.HelloInfo()
+    ch._pending.append(p.Error(_FORGOTTEN, "this connection has not said Hello"))
+    register = p.Register("fn-1", "code-1", "f", {}, [])
+    ch._catch_up(register, SUBMIT, "f")
+    assert conn.handshakes == 1 and not ch._pending
+    assert not head.poll(200)  # no Register, no Submit: the call itself is not sent yet

@@ -146,7 +146,7 @@ ROOMS: dict[str, Room] = {
                                 "WorkerProcess._direct_receive")),
     # A blocking call's channel: straight to a leased worker, else through the scheduler.
     "sync_channel": Room(("gpufn/client/sync_channel.py",),
-                         ("tests/integration/test_leases.py", "tests/integration/test_call_path.py"),
+                         (f"{UNIT}/test_sync_channel.py", "tests/integration/test_leases.py", "tests/integration/test_call_path.py"),
                          timeout=150.0, budget=60.0),
     # Batches packed into one frame, and the rest of the codec.
     "codec": Room(("gpufn/wire/codec.py",), (f"{UNIT}/test_protocol.py",)),

@@ -433,7 +433,13 @@ class SchedulerCore:
         inv.user = self.peers[peer].user  # from its token, never the client's claim
         inv.shm = msg.shm
         inv.wants_lease = msg.lease
-        self._admit(inv, msg.keep, self.recovery.not_before(peer, now), now)
+        not_before = self.recovery.not_before(peer, now)
+        if msg.prior_attempts > 0:  # it used attempts under a lease: they count here
+            not_before = max(not_before, self.tx.carry_attempts(
+                inv, msg.prior_attempts, msg.prior_raised, msg.prior_device, now))
+        self._admit(inv, msg.keep, not_before, now)
+        if inv.counted_attempts > spec.retries and inv.state is InvState.QUEUED:
+            self.tx.out_of_retries(inv, now, msg.prior_raised)
 
     def _admit(self, inv: Invocation, keep: bool, not_before: float, now: float) -> None:
         inv.history.append(("queued", now))

@@ -193,9 +193,12 @@ class LeaseBook:
             if lease.running == result.invocation_id:
                 lease.running = None
             lease.used = now
-            lease.accounts.append(self._item(
-                lease, result.invocation_id, result.ok, result.error_kind,
-                duration if duration is not None else now - started, now - started))
+            item = self._item(lease, result.invocation_id, result.ok, result.error_kind,
+                              duration if duration is not None else now - started,
+                              now - started)
+            if not result.ok and result.meta.retryable:
+                item["retry"] = True  # its client sends it again: metered when it ends
+            lease.accounts.append(item)
         return peer
 
     @staticmethod

@@ -651,9 +651,13 @@ class Client:
     def _dispatch_direct(self, msg: p.Message) -> None:
         """A worker's answer to a call under a lease."""
         if isinstance(msg, p.Result):
-            self.leases.answered(msg.invocation_id, msg.ok, msg.meta.duration)
+            retry = msg.meta.retryable and not msg.ok
+            held = self.leases.answered(msg.invocation_id, msg.ok, msg.meta.duration, retry)
             if self._held_back:  # its lease has room again
                 self._release_held()
+            if held is not None and retry and leasing.should_retry(msg, held.grant):
+                self._lease_retry([msg.invocation_id], held.grant, raised=True)
+                return
             self._dispatch(msg)
         elif isinstance(msg, p.LeaseRefused):
             self.leases.refused(msg)
@@ -672,6 +676,20 @@ class Client:
                 if frames is not None:
                     self._outbox.append(frames)
 
+    def _lease_retry(self, ids: list[str], grant: p.LeaseGrant, raised: bool) -> None:
+        """These calls used an attempt under `grant` (lost with its worker, or `raised`
+        an exception they retry on): again through the scheduler, that attempt counted."""
+        with self._lock:
+            for inv in ids:
+                pend = self._calls.get(inv)
+                if pend is None or pend.submit is None:
+                    continue
+                pend.submit = leasing.retried(pend.submit, grant, raised)
+                pend.frames = None  # a resubmit after a restart carries the attempt too
+                frames = pend.encoded()
+                if frames is not None:
+                    self._outbox.append(frames)
+
     def _lease_ended(self, msg: p.Result) -> None:
         """The scheduler ended a lease of ours. Lost with its worker: the calls in flight
         there are sent again through the scheduler if their function retries, else fail."""
@@ -686,7 +704,7 @@ class Client:
         if not held.calls:
             return
         if held.grant.retries > 0:
-            self._lease_fallback(sorted(held.calls))
+            self._lease_retry(sorted(held.calls), held.grant, raised=False)
             return
         with self._lock:
             lost = [self._calls.pop(inv) for inv in held.calls if inv in self._calls]

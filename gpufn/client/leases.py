@@ -7,7 +7,9 @@ straight back. Every DirectRun gets an answer from a live worker: its Result, or
 LeaseRefused (the lease ended first) after which the call goes through the scheduler
 as usual. A worker lost during a lease is said by the scheduler (the lease's Result,
 not ok): the calls in flight there are sent again through the scheduler when the
-function has retries, else fail `WorkerLost`. An endpoint that does not answer a probe
+function has retries, else fail `WorkerLost`; a call that raised an exception its
+`Retries(on=...)` matches is sent again likewise. Either way the Submit carries the
+attempt used (`retried`), so the retry budget and backoff are the scheduled path's. An endpoint that does not answer a probe
 (a notebook outside the cluster's network) turns leases off for this client, said once.
 Thread-safe: callers take leases, the I/O thread (or a blocking call's channel) grants.
 """
@@ -18,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from gpufn.wire import config
@@ -65,6 +67,20 @@ def is_lease(invocation_id: str) -> bool:
 def enabled() -> bool:
     """Leases unless GPUFN_LEASES=0."""
     return config.env_str("GPUFN_LEASES", "1") not in ("0", "false", "no", "off")
+
+
+def retried(submit: p.Submit, grant: p.LeaseGrant, raised: bool) -> p.Submit:
+    """`submit` again, through the scheduler, after an attempt under `grant` that was
+    lost with its worker or `raised` an exception its function retries on: that attempt
+    counts against its retries there, as a scheduled one would."""
+    return replace(submit, prior_attempts=submit.prior_attempts + 1, prior_raised=raised,
+                   prior_device=grant.device)
+
+
+def should_retry(result: p.Result, grant: p.LeaseGrant) -> bool:
+    """A leased call's answer that it runs again: it raised an exception its
+    `Retries(on=...)` matches (the worker judged) and its function has retries."""
+    return not result.ok and result.meta.retryable and grant.retries > 0
 
 
 def leasable(submit: p.Submit) -> bool:
@@ -119,7 +135,8 @@ class Leases:
             return submit
         # (not dataclasses.replace: 7 us a call, a tenth of a leased .map's client time)
         return p.Submit(submit.invocation_id, submit.function_id, submit.options, submit.keep,
-                        submit.shm, True, submit.frames)
+                        submit.shm, True, submit.prior_attempts, submit.prior_raised,
+                        submit.prior_device, submit.frames)
 
     def holds(self, lease_id: str) -> bool:
         """A grant of a lease already held hands it more queued calls (`reclaimed`)."""
@@ -269,11 +286,16 @@ class Leases:
                 del self._head_count[fid]
         return fid
 
-    def answered(self, invocation_id: str, ok: bool, seconds: float | None = None) -> None:
+    def answered(self, invocation_id: str, ok: bool, seconds: float | None = None,
+                 retry: bool = False) -> Held | None:
+        """Its worker answered it (`retry`: it raised an exception its function retries
+        on, so it runs again through the scheduler); the lease it ran under."""
         held = self.withdraw(invocation_id)
         if held is not None:
-            held.done.append({"id": invocation_id, "ok": ok})
+            held.done.append({"id": invocation_id, "ok": ok, "retry": True} if retry
+                             else {"id": invocation_id, "ok": ok})
             self.observe(held.grant.function_id, seconds)
+        return held
 
     def refused(self, msg: p.LeaseRefused) -> None:
         """The worker did not run these: the lease is over for them and for us."""

@@ -94,9 +94,10 @@ class SyncChannel:
         submit = self.leases.mark(submit)
         held = self.leases.take(submit, time.monotonic())
         if held is not None:
-            result = self._direct(held, register, submit, name)
-            if result is not None:
-                return result
+            answer = self._direct(held, register, submit, name)
+            if isinstance(answer, p.Result):
+                return answer
+            submit = answer
         if register is not None and register.function_id not in self.registered:
             self._send(register)
             self.registered.add(register.function_id)
@@ -124,10 +125,11 @@ class SyncChannel:
             raise
 
     def _direct(self, held: leasing.Held, register: p.Register | None, submit: p.Submit,
-                name: str) -> p.Result | None:
-        """The call under a lease, straight to its worker; None: it did not run there
-        (the lease ended first, or its worker was lost and the function retries), so it
-        goes through the scheduler."""
+                name: str) -> p.Result | p.Submit:
+        """The call under a lease, straight to its worker: its Result, or the Submit that
+        sends it through the scheduler (the lease ended first; or its worker was lost, or
+        it raised an exception it retries on, and the function retries: that attempt
+        counted, `leasing.retried`)."""
         g, inv = held.grant, submit.invocation_id
         # The socket object itself, held here: another thread may close the channel (the
         # interpreter exits) meanwhile, and then its use raises ZMQError (ConnectionLost).
@@ -154,7 +156,7 @@ class SyncChannel:
 
     def _wait_direct(self, held: leasing.Held, dsock: zmq.Socket[Any], poller: zmq.Poller,
                      register: p.Register | None, submit: p.Submit,
-                     name: str) -> p.Result | None:
+                     name: str) -> p.Result | p.Submit:
         g, inv = held.grant, submit.invocation_id
         while True:
             ready = dict(poller.poll(int(self.client.ping_seconds * 1000)))
@@ -164,12 +166,15 @@ class SyncChannel:
             if ready.get(dsock):
                 for msg in self.direct.received(g.endpoint, ready=True):
                     if isinstance(msg, p.Result) and msg.invocation_id == inv:
+                        if leasing.should_retry(msg, g):
+                            self.leases.answered(inv, False, retry=True)
+                            return leasing.retried(submit, g, raised=True)
                         self.leases.answered(inv, msg.ok)
                         return msg
                     if isinstance(msg, p.LeaseRefused):
                         self.leases.refused(msg)
                         if inv in msg.invocation_ids:
-                            return None
+                            return submit
                     elif isinstance(msg, p.Output):
                         self.client._print_output(msg, name)
             if ready.get(self.sock):
@@ -179,7 +184,7 @@ class SyncChannel:
                             and not msg.ok and inv in held.calls):
                         self._lease_lost(g.lease_id)
                         if g.retries > 0:
-                            return None
+                            return leasing.retried(submit, g, raised=False)
                         raise WorkerLost(f"{name}: {msg.message}, so whether the call "
                                          "completed is unknown. Set retries=N in @gpu to run "
                                          "it again in such a case.")

@@ -185,6 +185,12 @@ class Submit(Message):
     keep: bool = False  # keep the Result a while after the call ends (`FunctionCall.from_id`)
     shm: bool = False  # big values may travel through shared memory (gpufn.wire.shm) both ways
     lease: bool = False  # its client takes a lease for the calls after it (LeaseGrant)
+    # Attempts it used under a lease before this Submit (its worker was lost, or it raised
+    # an exception its Retries(on=...) matches): they count against `retries`, and it
+    # waits its backoff, preferring a device other than `prior_device` (the lease's).
+    prior_attempts: int = 0
+    prior_raised: bool = False
+    prior_device: str = ""
     frames: tuple[Frame, ...] = ()
 
 

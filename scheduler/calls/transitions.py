@@ -454,6 +454,29 @@ class Transitions:
             f"{inv.function.name} call {inv.id}: {why}, so whether it completed is unknown."
             " Set retries=N in @gpu to run it again in such a case."))
 
+    def carry_attempts(self, inv: Invocation, attempts: int, raised: bool, device: str,
+                       now: float) -> float:
+        """A call resubmitted by its client after `attempts` under a lease (the last lost
+        with its worker, or `raised` an exception its `Retries(on=...)` matches): they
+        count against its retries as dispatches here would; when it may start (the
+        backoff its scheduled retry would wait)."""
+        inv.attempts = attempts
+        inv.lost_on = (device,) if device else ()
+        n = max(1, inv.counted_attempts)
+        if n <= inv.spec.retries:
+            self.counters.retried += 1
+        return now + (retry_delay(inv.spec, n) if raised else self.config.retry_delay(n))
+
+    def out_of_retries(self, inv: Invocation, now: float, raised: bool) -> None:
+        """A resubmitted call whose attempts under a lease used its retries (its client
+        retries only while some are left; this is the rule, said once, here)."""
+        why = ("raised an exception it retries on" if raised
+               else "its worker was lost during a lease")
+        log.warning("[%s] %s: %s; failed (no retries left)", inv.id, inv.function.name, why)
+        self.finish(inv, now, InvState.FAILED, WorkerLost(
+            f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s), "
+            f"more than its retries ({inv.spec.retries}) allow."))
+
     def retry_or_fail(self, inv: Invocation, now: float, result: p.Result,
                       release: bool = True) -> None:
         """A run ended with `result`: finish the call with it, unless it raised an exception

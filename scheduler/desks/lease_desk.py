@@ -72,7 +72,7 @@ class LeaseDesk:
         if getattr(self.ops, "draining", False):
             return None
         queued = core.queue.only_of(inv.function.function_id, inv.client)
-        if queued is None or not all(q.wants_lease for q in queued):
+        if queued is None or not all(self._may_go_under(q) for q in queued):
             return None  # someone else's call waits, or one of its own that takes no lease
         if not self._only_its_own(d, inv, now):
             # Another client's lease held the device while this call ran beside it: the
@@ -94,7 +94,11 @@ class LeaseDesk:
         if any(self._same(lease, inv) and d.key in lease.devices
                and not self._ending(lease, now) for lease in self.open.values()):
             return None  # it has one here (a grant in flight): no second
-        spec = replace(inv.spec, timeout=None, retries=0, preemptible=False, deadline=None)
+        # Its worker judges a leased call's exception retryable (`ResultMeta.retryable`)
+        # only when the function retries: then the client sends it again (`Submit.
+        # prior_attempts`), and its attempt here is not metered as a call (`_meter`).
+        spec = replace(inv.spec, timeout=None, retries=0, preemptible=False, deadline=None,
+                       retry_on=inv.spec.retry_on if inv.spec.retries > 0 else ())
         lease = Invocation(f"{PREFIX}{secrets.token_hex(8)}", inv.function, inv.client, spec,
                            (), now, inv.seq)
         lease.user, lease.shm = inv.user, inv.shm
@@ -137,6 +141,13 @@ class LeaseDesk:
                    for other in d.running.values())
 
     @staticmethod
+    def _may_go_under(queued: Invocation) -> bool:
+        """A queued call a lease may take over: its client asked, and it is no retry (a
+        retry keeps its attempt count and backoff with the scheduler; its worker would
+        run it as a first attempt)."""
+        return queued.wants_lease and not queued.attempts
+
+    @staticmethod
     def _same(a: Invocation, b: Invocation) -> bool:
         return a.client == b.client and a.function is b.function
 
@@ -158,9 +169,6 @@ class LeaseDesk:
         return (inv.shape is Shape.SINGLE and not inv.members and inv.carrier is None
                 and inv.lease is None and not inv.items and inv.spec.count == 1
                 and inv.spec.timeout is None  # the scheduler enforces timeouts: not here
-                # ... and retries on exceptions (`Retries(on=...)`): a leased call's
-                # error goes straight to its caller, which would not run it again
-                and not (inv.spec.retry_on and inv.spec.retries > 0)
                 # A call that uses shared models stays with the scheduler, which weighs
                 # waiting for the device holding them against loading another copy.
                 and not inv.function.model_keys
@@ -224,7 +232,7 @@ class LeaseDesk:
                 mine = queued[key]
                 # only its own client's calls of it wait, and each may go under a lease
                 # (not a spawned call whose Result is kept, a stream, per-call options)
-                if mine is not None and all(q.wants_lease for q in mine):
+                if mine is not None and all(self._may_go_under(q) for q in mine):
                     if mine and not self._ending(lease, now):
                         if takers is None:
                             takers = self._takers(now)
@@ -366,7 +374,8 @@ class LeaseDesk:
             if lost is None or lost[0] != peer:
                 return  # only a lost lease's own client may say what ran under it
             key = lost[1]
-            self._meter(msg.lease_id, [{"id": i.get("id"), "ok": bool(i.get("ok")), "s": 0.0}
+            self._meter(msg.lease_id, [{"id": i.get("id"), "ok": bool(i.get("ok")), "s": 0.0,
+                                        "retry": bool(i.get("retry"))}
                                        for i in msg.items if isinstance(i, dict)], key, now)
             return
         self._meter(msg.lease_id, msg.items, self._key(lease), now, lease,
@@ -394,7 +403,9 @@ class LeaseDesk:
             seen = self._metered[lease_id] = set()
             while len(self._metered) > ACCOUNTED_MEMORY:
                 self._metered.popitem(last=False)
-        fresh = [i for i in items if i.get("id") not in seen]
+        # (an attempt that raised an exception its function retries on is not a call:
+        # its client sends it again, and the scheduler meters the call when it ends)
+        fresh = [i for i in items if i.get("id") not in seen and not i.get("retry")]
         if not fresh:
             return
         ran: dict[tuple[UsageKey, str], list[tuple[float, float]]] = {}

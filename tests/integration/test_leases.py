@@ -54,7 +54,8 @@ def nap_retried(seconds: float) -> int:
 
 
 def _channel(c: gpufn.Client) -> object:
-    return c._sync.channel
+    """This thread's blocking-call channel (None before its first call)."""
+    return getattr(c._sync, "channel", None)
 
 
 @pytest.fixture(scope="module")
@@ -202,12 +203,47 @@ def fails_first(path: str) -> int:
     return n + 1
 
 
+@gpufn.gpu(memory="1MiB", retries=gpufn.Retries(max_retries=1, initial_delay=0.0,
+                                                on=(ValueError,)))
+def always_fails(path: str) -> int:
+    with open(path, "a") as f:
+        f.write(f"{gpufn.context().attempt}\n")
+    raise ValueError("every attempt fails")
+
+
 def test_repeat_calls_that_retry_on_an_exception_are_retried(
         leasing: gpufn.Client, tmp_path: Path) -> None:
-    """`Retries(on=...)` holds for repeat calls: each one's first attempt raises and the
-    second answers (a leased call's error went straight to its caller, unretried: 39 of
-    40 such calls raised)."""
-    assert [fails_first.remote(str(tmp_path / f"c{i}")) for i in range(15)] == [2] * 15
+    """`Retries(on=...)` holds for repeat calls, which go under leases: each one's first
+    attempt raises and the second answers, blocking and in a .map; the calls are metered
+    once each; with its retries used, the call fails with its own exception."""
+    before = _usage_calls(leasing, "fails_first")
+    paths = iter(str(tmp_path / f"c{i}") for i in range(10_000))
+    answers: list[int] = []
+
+    def leased() -> bool:  # (earlier tests' idle leases hold the device a while)
+        ch = _channel(leasing)
+        direct = ch.leases.direct_calls if ch is not None else 0  # type: ignore[attr-defined]
+        answers.append(fails_first.remote(next(paths)))
+        return _channel(leasing).leases.direct_calls > direct  # type: ignore[attr-defined]
+
+    wait_for(leased, timeout=30, what="a call of fails_first under a lease")
+    ch = _channel(leasing)
+    direct = ch.leases.direct_calls  # type: ignore[attr-defined]
+    answers += [fails_first.remote(next(paths)) for _ in range(15)]
+    assert ch.leases.direct_calls - direct >= 5  # type: ignore[attr-defined]
+    mapped = leasing.leases.direct_calls
+    answers += fails_first.map([next(paths) for _ in range(30)])
+    assert leasing.leases.direct_calls - mapped >= 5
+    assert answers == [2] * len(answers)
+    wait_for(lambda: _usage_calls(leasing, "fails_first") - before == len(answers),
+             timeout=30, what="each call metered once")
+    for i in range(4):  # attempt 1 (leased or not), then its one retry: 2 runs, no more
+        path = tmp_path / f"a{i}"
+        with pytest.raises(ValueError, match="every attempt fails"):
+            always_fails.remote(str(path))
+        assert path.read_text().split() == ["1", "2"]
+    time.sleep(0.5)
+    assert _usage_calls(leasing, "fails_first") - before == len(answers)
 
 
 @gpufn.gpu(memory="1MiB")
@@ -274,7 +310,7 @@ def test_a_call_of_another_client_waits_only_for_the_leased_call_running(
         t.join(30)
 
 
-def _leased_pid(c: gpufn.Client, fn: Function[[float], int]) -> int:
+def _leased_pid(c: gpufn.Client, fn: Function[..., int], *args: Any) -> int:
     """Call `fn` until a call went under a lease (the earlier tests' idle leases of other
     threads, other clients, hold the device until a call of ours revokes them)."""
     pids: list[int] = []
@@ -282,7 +318,7 @@ def _leased_pid(c: gpufn.Client, fn: Function[[float], int]) -> int:
     def leased() -> bool:
         ch = _channel(c)
         before = ch.leases.direct_calls if ch is not None else 0  # type: ignore[attr-defined]
-        pids.append(fn.remote(0.0))
+        pids.append(fn.remote(*(args or (0.0,))))
         return _channel(c).leases.direct_calls > before  # type: ignore[attr-defined]
 
     wait_for(leased, timeout=30, what=f"a call of {fn.name} under a lease")
@@ -435,7 +471,28 @@ def test_junk_on_a_workers_direct_socket_is_skipped_and_the_worker_serves_on(
     assert leases.direct_calls - direct >= 3
 
 
-def test_a_worker_lost_during_a_leased_call(leasing: gpufn.Client) -> None:
+@gpufn.gpu(memory="1MiB", retries=1)
+def logged_nap(path: str, seconds: float) -> int:
+    """Notes each run (its worker's pid, its attempt) in `path`, then naps."""
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {gpufn.context().attempt}\n")
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _kill_runs(path: Path, n: int) -> None:
+    """Kill the worker of each of the first `n` runs `logged_nap` notes in `path`."""
+    deadline, killed = time.monotonic() + 30, 0
+    while killed < n and time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) > killed:
+            os.kill(int(lines[killed].split()[0]), signal.SIGKILL)
+            killed += 1
+        time.sleep(0.01)
+
+
+def test_a_worker_lost_during_a_leased_call(leasing: gpufn.Client, tmp_path: Path) -> None:
     pid = _leased_pid(leasing, nap)  # the lease
     ch = _channel(leasing)
     sent = ch.leases.direct_calls  # type: ignore[attr-defined]
@@ -443,12 +500,27 @@ def test_a_worker_lost_during_a_leased_call(leasing: gpufn.Client) -> None:
     with pytest.raises(WorkerLost, match="lost during a lease"):
         nap.remote(5.0)
     assert ch.leases.direct_calls == sent + 1  # type: ignore[attr-defined]
-    # With retries, the call runs again (through the scheduler) on the next worker.
+    # With retries, the call runs again (through the scheduler) on the next worker, as
+    # its second attempt: the leased one counts against its retries.
     pid = _leased_pid(leasing, nap_retried)
     sent = ch.leases.direct_calls  # type: ignore[attr-defined]
     threading.Timer(0.8, os.kill, (pid, signal.SIGKILL)).start()
     again = nap_retried.remote(2.0)
     assert again != pid and ch.leases.direct_calls == sent + 1  # type: ignore[attr-defined]
+    for kills in (1, 2):  # lost under the lease, then (2) its scheduled retry too
+        pid = _leased_pid(leasing, logged_nap, "", 0.0)
+        runs = tmp_path / f"runs{kills}"
+        killer = threading.Thread(target=_kill_runs, args=(runs, kills))
+        killer.start()
+        if kills == 1:
+            assert logged_nap.remote(str(runs), 1.0) != pid
+        else:  # its one retry used: no third run
+            with pytest.raises(WorkerLost, match=r"after 2 attempt\(s\)"):
+                logged_nap.remote(str(runs), 5.0)
+        killer.join(30)
+        lines = [line.split() for line in runs.read_text().splitlines()]
+        assert lines[0][0] == str(pid)  # the first run was the leased one
+        assert [attempt for _, attempt in lines] == ["1", "2"]
 
 
 def test_a_client_that_cannot_reach_the_worker_falls_back_and_says_so_once(

@@ -3,6 +3,7 @@ worker's lease book and the client's lease table, without processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -20,6 +21,8 @@ from gpufn.client.leases import (
     RUN_TIME_WEIGHT,
     Leases,
     Reach,
+    retried,
+    should_retry,
 )
 from gpufn.scheduler.books.users import UserStore
 from gpufn.scheduler.nouns.states import InvState
@@ -375,11 +378,28 @@ def test_the_client_asks_only_for_plain_calls() -> None:
 
 def test_a_marked_submit_keeps_every_other_field() -> None:
     """mark builds the Submit field by field (dataclasses.replace cost 7 us a call)."""
-    import dataclasses
-    sub = p.Submit("i", "f1", {}, keep=False, shm=True, frames=(b"a", b"b"))
+    sub = p.Submit("i", "f1", {}, keep=False, shm=True, prior_attempts=2, prior_raised=True,
+                   prior_device="d1", frames=(b"a", b"b"))
     assert {f.name for f in dataclasses.fields(p.Submit)} == {
-        "invocation_id", "function_id", "options", "keep", "shm", "lease", "frames"}
+        "invocation_id", "function_id", "options", "keep", "shm", "lease", "prior_attempts",
+        "prior_raised", "prior_device", "frames"}
     assert Leases().mark(sub) == dataclasses.replace(sub, lease=True)
+
+
+def test_a_call_sent_again_after_a_leased_attempt_carries_it() -> None:
+    """An attempt lost with its leased worker, or raising an exception it retries on,
+    counts at the scheduler: the Submit sent again says so, and where it ran."""
+    grant = dataclasses.replace(_grant(), device="cpu:3", retries=2)
+    sub = Leases().mark(p.Submit("i", "f1", {}, frames=(b"a",)))
+    again = retried(sub, grant, raised=False)
+    assert (again.prior_attempts, again.prior_raised, again.prior_device) == (1, False, "cpu:3")
+    assert again.frames == sub.frames and again.lease and again.invocation_id == "i"
+    assert retried(again, grant, raised=True).prior_attempts == 2
+    failed = p.Result("i", False, "user", "boom", p.ResultMeta(retryable=True))
+    assert should_retry(failed, grant)
+    assert not should_retry(failed, dataclasses.replace(grant, retries=0))
+    assert not should_retry(p.Result("i", False, "user", "boom"), grant)
+    assert not should_retry(p.Result("i", True, "", "", p.ResultMeta(retryable=True)), grant)
 
 
 def test_the_client_uses_a_lease_only_on_a_probed_worker_within_its_calls_and_time() -> None:
@@ -440,20 +460,101 @@ def test_a_function_with_a_timeout_is_not_leased() -> None:
     assert not _grants(h)  # the scheduler's timers enforce timeouts: its calls stay with it
 
 
-def test_a_function_that_retries_on_an_exception_is_not_leased() -> None:
-    """Its retries are the scheduler's: a leased call's error goes straight to its caller.
-    A function with `retries=N` alone (lost workers only: the client resends those), or
-    with no retries left to make, is leased."""
+def test_a_function_that_retries_on_an_exception_is_leased_and_its_worker_judges_it() -> None:
+    """A leased call's exception that `Retries(on=...)` matches goes back to its client
+    marked retryable (the client sends it again, counted: `Submit.prior_attempts`); the
+    lease's Run names the classes only when the function has retries to make."""
     from gpufn.wire.spec import Retries
 
-    for name, retries, leased in (("flaky", Retries(max_retries=2, on=(ValueError,)), False),
-                                  ("once", Retries(max_retries=1, on=(ValueError,)), False),
-                                  ("never", Retries(max_retries=0, on=(ValueError,)), True),
-                                  ("lossy", 2, True)):
+    for name, retries, judged in (("flaky", Retries(max_retries=2, on=(ValueError,)), True),
+                                  ("never", Retries(max_retries=0, on=(ValueError,)), False),
+                                  ("lossy", 2, False)):
         h, _ = _leasing()
         fid = h.register(name, retries=retries)
-        h.finish(b"w0", _submit(h, fid))
-        assert bool(_grants(h)) is leased, name
+        _, grant, run = _granted(h, fid)
+        assert bool(run.meta.retry_on) is judged, name
+        assert grant.retries == (retries if isinstance(retries, int) else retries.max_retries)
+
+
+def _resubmit(h: Harness, fid: str, attempts: int, raised: bool, inv: str = "again") -> str:
+    h.feed(b"cli", p.Submit(inv, fid, {}, lease=True, prior_attempts=attempts, prior_raised=raised,
+                            prior_device="n:0", frames=(b"args",)))
+    return inv
+
+
+def test_attempts_used_under_a_lease_count_against_retries_and_wait_their_backoff() -> None:
+    """A call its client sends again after a leased attempt (lost with its worker, or
+    raising an exception it retries on) runs as that retry would have: attempt 2, after
+    the backoff, preferring another device; with none left it fails at once."""
+    from gpufn.wire.spec import Retries
+
+    h = _two_leasing(retry_backoff_seconds=0.5)
+    fid = h.register("lossy", retries=1)
+    inv = _resubmit(h, fid, 1, raised=False)
+    assert not h.runs()  # its backoff first
+    h.tick(0.6)
+    [run] = h.runs()
+    assert run.invocation_id == inv and run.meta.attempt_number == 2
+    assert h.core.invocations[inv].devices == ("n:1",)  # not where the lease lost it
+    assert h.core.counters.retried == 1
+    h.feed(b"sup", p.WorkerExited("n:1", 1, -9, "killed by signal 9", 1))
+    assert h.results()[inv].error_kind == "WorkerLost"  # its one retry was that run
+
+    h = _two_leasing()
+    fid = h.register("flaky", retries=Retries(max_retries=2, initial_delay=2.0,
+                                              on=(ValueError,)))
+    inv = _resubmit(h, fid, 1, raised=True)
+    h.tick(1.9)
+    assert not h.runs()  # the function's own backoff (2 s), not the scheduler's
+    h.tick(0.2)
+    assert [r.meta.attempt_number for r in h.runs()] == [2]
+
+    h = _two_leasing()
+    fid = h.register("once", retries=1)
+    inv = _resubmit(h, fid, 2, raised=True)  # its retry was used already
+    result = h.results()[inv]
+    assert not result.ok and "more than its retries (1)" in result.message
+    assert not h.runs() and len(h.core.queue) == 0
+
+
+def test_a_queued_retry_is_not_handed_to_a_lease_and_ends_one() -> None:
+    """A lease takes its client's queued calls, but not one that is a retry: that one
+    keeps its attempt count with the scheduler (its worker would run it as attempt 1).
+    Like another call waiting, it keeps a lease from being granted, or ends one."""
+    h, fid = _leasing(pipeline_depth=0, retry_backoff_seconds=0.0)
+    fid = h.register("lossy", retries=2)
+    first = _submit(h, fid)
+    again = _resubmit(h, fid, 1, raised=False)
+    _submit(h, fid)
+    h.finish(b"w0", first)
+    assert not _grants(h)
+    assert h.runs()[-1].invocation_id == again and h.runs()[-1].meta.attempt_number == 2
+
+    h, fid = _leasing(pipeline_depth=0, retry_backoff_seconds=0.0)
+    fid = h.register("lossy", retries=2)
+    _, grant, _ = _granted(h, fid)
+    again = _resubmit(h, fid, 1, raised=False)
+    h.tick(0.01)
+    assert any(isinstance(s.msg, p.Cancel) and s.msg.invocation_id == grant.lease_id
+               for s in h.sent)  # revoked: the retry waits for its slot
+    assert not any(again in g.reclaimed for g in _grants(h))
+
+
+def test_a_leased_attempt_that_its_client_retries_is_not_metered_as_a_call() -> None:
+    """The call is metered once, when its retry ends: not also for the attempt that
+    raised (said by the worker, or by the client of a lease lost with its worker)."""
+    h, fid = _leasing()
+    _, grant, _ = _granted(h, fid)
+    wall = h.core.wall(h.now)
+    h.feed(b"w0", p.LeaseReport(grant.lease_id, [
+        {"id": "d1", "ok": True, "s": 0.01, "wall": wall},
+        {"id": "d2", "ok": False, "s": 0.01, "wall": wall, "retry": True}]))
+    calls = h.core.ops.usage.calls_total
+    assert sum(calls.values()) == 2  # the first call and d1
+    h.feed(b"sup", p.WorkerExited("n:0", 1, -9, "killed by signal 9", 1))
+    h.feed(b"cli", p.LeaseReport(grant.lease_id, [{"id": "d3", "ok": False, "retry": True},
+                                                  {"id": "d4", "ok": True}]))
+    assert sum(calls.values()) == 3
 
 
 def test_a_lease_runs_as_its_user_with_their_capped_priority() -> None:

@@ -99,6 +99,10 @@ class Client:
         self.leases = leasing.Leases()
         self._direct_box: deque[tuple[str, list[Any]]] = deque()
         self._parked: dict[str, list[tuple[str, list[Any]]]] = {}  # until its probe answers
+        # Calls unanswered when their lease ended (I/O thread only): the grant, until the
+        # settle probe of its endpoint (`DirectSockets.settle`) says they are lost.
+        self._to_settle: dict[str, p.LeaseGrant] = {}
+        self._settles: dict[str, int] = {}  # endpoint -> its settle probe's seq (0: to send)
         # Calls of a function kept here while a few of it go to the scheduler, until it
         # grants a lease (they go to the worker) or answers without one (to the scheduler).
         self._held_back: dict[str, deque[p.Submit]] = {}
@@ -510,7 +514,7 @@ class Client:
                 next_ping = last_ping + self.ping_seconds  # ping_seconds may change
                 blocked = pending_send is not None
                 wait_ms = 5 if blocked else max(0, int((next_ping - now) * 1000))
-                if direct.probing or self._held_back:
+                if direct.probing or self._held_back or self._settles:
                     wait_ms = min(wait_ms, HELD_LOOK_MS)
                 ready = dict(poller.poll(wait_ms))
                 if ready.get(wake_fd):
@@ -575,6 +579,8 @@ class Client:
             if ready.get(s):
                 for msg in direct.received(ep):
                     self._dispatch_direct(msg)
+        if self._settles:
+            self._settle(direct)
         direct.start_probes()
         for ep in direct.overdue(time.monotonic()):
             for lease_id in self.leases.unreachable(ep):
@@ -651,6 +657,7 @@ class Client:
     def _dispatch_direct(self, msg: p.Message) -> None:
         """A worker's answer to a call under a lease."""
         if isinstance(msg, p.Result):
+            self._to_settle.pop(msg.invocation_id, None)
             retry = msg.meta.retryable and not msg.ok
             held = self.leases.answered(msg.invocation_id, msg.ok, msg.meta.duration, retry)
             if self._held_back:  # its lease has room again
@@ -661,6 +668,8 @@ class Client:
             self._dispatch(msg)
         elif isinstance(msg, p.LeaseRefused):
             self.leases.refused(msg)
+            for inv in msg.invocation_ids:
+                self._to_settle.pop(inv, None)
             self._lease_fallback(msg.invocation_ids)
             if self._held_back:  # the lease is over: what waited for it moves on
                 self._release_held()
@@ -696,23 +705,50 @@ class Client:
         held = self.leases.ended(msg.invocation_id)
         if self._held_back:  # what waited for its room moves on
             self._release_held()
-        if held is None or msg.ok:
+        if held is None:
+            return
+        if msg.ok:  # calls still unanswered: their answers are on the way, or their
+            for inv in held.calls:  # worker died since (`_settle`)
+                self._to_settle[inv] = held.grant
+                self._settles[held.grant.endpoint] = 0
             return
         report = held.report()  # what ran there, for the scheduler's metering
         if report is not None:
             self._outbox.append(p.encode(report))
         if not held.calls:
             return
-        if held.grant.retries > 0:
-            self._lease_retry(sorted(held.calls), held.grant, raised=False)
+        self._lost(sorted(held.calls), held.grant, msg.message)
+
+    def _lost(self, ids: list[str], grant: p.LeaseGrant, why: str) -> None:
+        """Calls under `grant` lost with its worker: sent again if they retry, else failed."""
+        if grant.retries > 0:
+            self._lease_retry(ids, grant, raised=False)
             return
         with self._lock:
-            lost = [self._calls.pop(inv) for inv in held.calls if inv in self._calls]
+            lost = [self._calls.pop(inv) for inv in ids if inv in self._calls]
         for pend in lost:
             if not pend.future.done():
                 pend.future.set_exception(WorkerLost(
-                    f"{pend.name}: {msg.message}, so whether the call completed is unknown. "
+                    f"{pend.name}: {why}, so whether the call completed is unknown. "
                     "Set retries=N in @gpu to run it again in such a case."))
+
+    def _settle(self, direct: DirectSockets) -> None:
+        """Calls unanswered when their lease ended: a probe behind them to each endpoint;
+        once it is answered or times out, what is still unanswered was lost."""
+        now = time.monotonic()
+        for ep, seq in list(self._settles.items()):
+            if not seq:
+                self._settles[ep] = direct.settle(ep, now)
+            elif direct.settled(ep, seq, now):
+                del self._settles[ep]
+                left = [(inv, g) for inv, g in self._to_settle.items() if g.endpoint == ep]
+                for inv, _ in left:
+                    del self._to_settle[inv]
+                by_lease: dict[str, tuple[p.LeaseGrant, list[str]]] = {}
+                for inv, g in left:
+                    by_lease.setdefault(g.lease_id, (g, []))[1].append(inv)
+                for g, ids in by_lease.values():
+                    self._lost(sorted(ids), g, "its worker did not answer after its lease ended")
 
     def _grace_over(self, silent: float) -> str:
         return (f"the scheduler at {self.address} has not answered for {silent:.0f}s, longer "

@@ -22,12 +22,21 @@ from gpufn.wire import protocol as p
 log = logging.getLogger("gpufn.client")
 
 
+# A live worker answers a probe within this even when busy; a settle probe (below) that
+# goes unanswered this long says the worker is gone.
+SETTLE_SECONDS = 10.0
+PROBE_SEQ = 1  # the reachability probe's Ping; settle probes count up from 2
+
+
 class DirectSockets:
     def __init__(self, ctx: zmq.Context[Any], leases: Leases) -> None:
         self.ctx = ctx
         self.leases = leases
         self.socks: dict[str, zmq.Socket[Any]] = {}
         self.probing: dict[str, float] = {}  # endpoint -> when its probe went
+        # endpoint -> (the settle probe's seq, when it went): see `settle`
+        self.settling: dict[str, tuple[int, float]] = {}
+        self._seq = PROBE_SEQ
         self.answered_probe = False  # a probe was answered since the owner last looked
         self.closed = False
 
@@ -57,12 +66,36 @@ class DirectSockets:
         for ep in self.leases.endpoints_to_probe():
             s = self.sock(ep)
             try:
-                sockets.send(s, p.encode(p.Ping(1)), zmq.NOBLOCK)
+                sockets.send(s, p.encode(p.Ping(PROBE_SEQ)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self.probing[ep] = time.monotonic()
             out.append(s)
         return out
+
+    def settle(self, endpoint: str, now: float) -> int:
+        """A lease there ended (its worker said so through the scheduler) with calls of
+        ours unanswered: a probe behind them. The worker reads its socket in order, so a
+        live one answers (or refuses) those calls before it answers this; once it has
+        (`settled`), or `SETTLE_SECONDS` passed, whatever is still unanswered was lost
+        with it (it died after the lease ended: nobody else would say so)."""
+        self._seq += 1
+        try:
+            sockets.send(self.sock(endpoint), p.encode(p.Ping(self._seq)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # unanswered, as a dead worker's
+        self.settling[endpoint] = (self._seq, now)
+        return self._seq
+
+    def settled(self, endpoint: str, seq: int, now: float) -> bool:
+        """Whether settle probe `seq` was answered, or timed out."""
+        at = self.settling.get(endpoint)
+        if at is None or at[0] != seq:
+            return True  # answered (a later probe there covers later calls)
+        if now - at[1] > SETTLE_SECONDS:
+            del self.settling[endpoint]
+            return True
+        return False
 
     def overdue(self, now: float) -> list[str]:
         """Endpoints whose probe went unanswered: unreachable (leases off)."""
@@ -77,16 +110,20 @@ class DirectSockets:
         s = self.sock(endpoint)
         for msg in sockets.received(s, log, ready):
             if isinstance(msg, p.Pong):
-                self.probing.pop(endpoint, None)
-                self.leases.reach[endpoint] = Reach.OK
-                self.answered_probe = True
+                at = self.settling.get(endpoint)
+                if at is not None and msg.seq >= at[0]:
+                    del self.settling[endpoint]
+                if msg.seq == PROBE_SEQ:
+                    self.probing.pop(endpoint, None)
+                    self.leases.reach[endpoint] = Reach.OK
+                    self.answered_probe = True
                 continue
             yield msg
 
     def probe_now(self, endpoint: str) -> bool:
         """A blocking probe (a blocking-call channel): reachable within PROBE_SECONDS."""
         s = self.sock(endpoint)
-        sockets.send(s, p.encode(p.Ping(1)), zmq.NOBLOCK)
+        sockets.send(s, p.encode(p.Ping(PROBE_SEQ)), zmq.NOBLOCK)
         deadline = time.monotonic() + PROBE_SECONDS
         while (left := deadline - time.monotonic()) > 0:
             if not s.poll(max(1, int(left * 1000))):

@@ -158,8 +158,19 @@ class SyncChannel:
                      register: p.Register | None, submit: p.Submit,
                      name: str) -> p.Result | p.Submit:
         g, inv = held.grant, submit.invocation_id
+        settle = 0  # the settle probe's seq once the lease ended with this call unanswered
         while True:
-            ready = dict(poller.poll(int(self.client.ping_seconds * 1000)))
+            if not settle and not self.leases.holds(g.lease_id):
+                settle = self.direct.settle(g.endpoint, time.monotonic())
+            elif settle and self.direct.settled(g.endpoint, settle, time.monotonic()):
+                # its worker died after the lease ended (the scheduler says nothing then)
+                if g.retries > 0:
+                    return leasing.retried(submit, g, raised=False)
+                raise WorkerLost(f"{name}: its worker did not answer after its lease "
+                                 "ended, so whether the call completed is unknown. Set "
+                                 "retries=N in @gpu to run it again in such a case.")
+            ready = dict(poller.poll(int(min(self.client.ping_seconds,
+                                             1.0 if settle else 3600.0) * 1000)))
             if not ready:
                 self._send(p.Ping(0))  # the scheduler keeps us (and says if the lease is lost)
                 continue

@@ -139,3 +139,110 @@ def test_a_refusal_left_from_an_earlier_call_says_hello_again_but_sends_no_call(
     ch._catch_up(register, SUBMIT, "f")
     assert conn.handshakes == 1 and not ch._pending
     assert not head.poll(200)  # no Register, no Submit: the call itself is not sent yet
+
+
+# ---------------------------------------------------------------- a lease's end, then silence
+
+@pytest.fixture
+def worker_end(wired: tuple[SyncChannel, zmq.Socket[Any]], monkeypatch: pytest.MonkeyPatch,
+               ) -> Iterator[tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]]:
+    """The channel, its scheduler end, and a ROUTER on loopback playing a leased worker."""
+    from gpufn.client import direct as direct_mod
+
+    monkeypatch.setattr(direct_mod, "SETTLE_SECONDS", 0.5)
+    ch, head = wired
+    ctx = zmq.Context.instance()
+    worker = ctx.socket(zmq.ROUTER)
+    endpoint = f"tcp://127.0.0.1:{worker.bind_to_random_port('tcp://127.0.0.1')}"
+    ch.direct = direct_mod.DirectSockets(ctx, ch.leases)
+    ch._pollers = {}
+    ch.client.ping_seconds = 0.1  # type: ignore[attr-defined]
+    yield ch, head, worker, endpoint
+    ch.direct.close()
+    worker.close(0)
+
+
+def _leased_call(ch: SyncChannel, endpoint: str, retries: int) -> tuple[
+        list[p.Result | p.Submit | BaseException], Any]:
+    """The call under a lease of `endpoint`, in a thread: (what it gave, the thread)."""
+    import threading
+
+    grant = p.LeaseGrant("lease:w", "fn-1", endpoint, "s", 30.0, 10, retries, [], "cpu:0")
+    assert ch.leases.granted(grant, time.monotonic())
+    ch.leases.reach[endpoint] = Reach.OK
+    submit = ch.leases.mark(SUBMIT)
+    held = ch.leases.take(submit, time.monotonic())
+    assert held is not None
+    out: list[p.Result | p.Submit | BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(ch._direct(held, None, submit, "f"))
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return out, t
+
+
+def _worker_reads(worker: zmq.Socket[Any]) -> tuple[bytes, list[p.Message]]:
+    assert worker.poll(5000)
+    peer, *frames = worker.recv_multipart()
+    return peer, p.decode_all(frames)
+
+
+def _end_the_lease(head: zmq.Socket[Any]) -> None:
+    sockets.send(head, p.encode(p.Result("lease:w", True, "", "expired")))
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_worker_that_dies_after_its_lease_ended_fails_or_retries_the_call(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str],
+        retries: int) -> None:
+    """The lease ended (its worker said so through the scheduler) with the call sent and
+    unanswered; the worker then died, so nobody would ever say more (the call waited
+    forever). A probe behind the call goes unanswered: the call is lost with the worker,
+    retried as its retries allow (the attempt counted), else WorkerLost."""
+    from gpufn.exceptions import WorkerLost
+
+    ch, head, worker, endpoint = worker_end
+    out, t = _leased_call(ch, endpoint, retries)
+    _, got = _worker_reads(worker)
+    assert isinstance(got[0], p.DirectRun) and got[0].invocation_id == SUBMIT.invocation_id
+    _end_the_lease(head)
+    _, probe = _worker_reads(worker)  # the settle probe, unanswered: the worker is "dead"
+    assert isinstance(probe[0], p.Ping)
+    t.join(10)
+    assert not t.is_alive()
+    if retries:
+        [again] = out
+        assert isinstance(again, p.Submit) and again.prior_attempts == 1
+        assert not again.prior_raised and again.prior_device == "cpu:0"
+    else:
+        [error] = out
+        assert isinstance(error, WorkerLost) and "did not answer after its lease" in str(error)
+
+
+def test_a_live_worker_answers_the_call_before_the_probe_after_its_lease_ended(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]) -> None:
+    """Its answer, or its refusal (the call goes through the scheduler, no attempt used),
+    comes before the probe's: neither is taken for a loss."""
+    ch, head, worker, endpoint = worker_end
+    for answer in ("result", "refused"):
+        out, t = _leased_call(ch, endpoint, 0)
+        peer, _ = _worker_reads(worker)
+        _end_the_lease(head)
+        _, probe = _worker_reads(worker)
+        ping = probe[0]
+        assert isinstance(ping, p.Ping)
+        time.sleep(0.2)  # a while: the channel waits (SETTLE_SECONDS is 0.5 here)
+        first: p.Message = (p.Result(SUBMIT.invocation_id, True, "", "") if answer == "result"
+                            else p.LeaseRefused("lease:w", [SUBMIT.invocation_id], "ended"))
+        worker.send_multipart([peer, *p.encode_batch([first, p.Pong(ping.seq)])])
+        t.join(10)
+        [got] = out
+        if answer == "result":
+            assert isinstance(got, p.Result) and got.ok
+        else:
+            assert isinstance(got, p.Submit) and got.prior_attempts == 0

@@ -1,0 +1,126 @@
+"""Calls left unanswered when their lease ended (`Client._lease_ended`, `_settle`): a probe
+behind them tells a live worker, which answers them first, from a dead one, whose calls
+are lost. The client's I/O-thread side, over a real loopback socket; no scheduler."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import zmq
+
+from gpufn.client import direct as direct_mod
+from gpufn.client.client import Client, _Pending
+from gpufn.client.leases import Leases, Reach
+from gpufn.exceptions import WorkerLost
+from gpufn.wire import protocol as p
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def io(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Client, direct_mod.DirectSockets,
+                                                         zmq.Socket[Any], str]]:
+    """A client's I/O-thread state, its direct sockets, and a ROUTER playing the worker."""
+    monkeypatch.setattr(direct_mod, "SETTLE_SECONDS", 0.3)
+    ctx: zmq.Context[Any] = zmq.Context()
+    worker = ctx.socket(zmq.ROUTER)
+    endpoint = f"tcp://127.0.0.1:{worker.bind_to_random_port('tcp://127.0.0.1')}"
+    c = object.__new__(Client)
+    c._lock, c._outbox, c._calls = threading.Lock(), deque(), {}
+    c._held_back, c._to_settle, c._settles = {}, {}, {}
+    c._streams, c._shm_files = {}, {}
+    c.leases = Leases()
+    c.leases.on = True
+    direct = direct_mod.DirectSockets(ctx, c.leases)
+    yield c, direct, worker, endpoint
+    direct.close()
+    ctx.destroy(linger=0)
+
+
+def _in_flight(c: Client, endpoint: str, retries: int, n: int = 2) -> tuple[p.LeaseGrant,
+                                                                            list[str]]:
+    """`n` calls sent under a lease of `endpoint`, unanswered."""
+    grant = p.LeaseGrant("lease:w", "fn-1", endpoint, "s", 30.0, 10, retries, [], "cpu:0")
+    assert c.leases.granted(grant, time.monotonic())
+    c.leases.reach[endpoint] = Reach.OK
+    ids = []
+    for i in range(n):
+        sub = c.leases.mark(p.Submit(f"call-{i}", "fn-1", {}, frames=(b"args",)))
+        assert c.leases.take(sub, time.monotonic()) is not None
+        c._calls[sub.invocation_id] = _Pending(Future(), "f", "fn-1", submit=sub)
+        ids.append(sub.invocation_id)
+    return grant, ids
+
+
+def _probe(worker: zmq.Socket[Any]) -> tuple[bytes, p.Ping]:
+    assert worker.poll(5000)
+    peer, *frames = worker.recv_multipart()
+    [ping] = p.decode_all(frames)
+    assert isinstance(ping, p.Ping)
+    return peer, ping
+
+
+def _until(c: Client, direct: direct_mod.DirectSockets, done: Any) -> None:
+    deadline = time.monotonic() + 5
+    while not done() and time.monotonic() < deadline:
+        for ep in list(direct.socks):
+            for msg in direct.received(ep):
+                c._dispatch_direct(msg)
+        c._settle(direct)
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_calls_unanswered_by_a_worker_that_died_after_its_lease_ended_are_lost(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str],
+        retries: int) -> None:
+    """Their lease ended OK, then nothing: the probe goes unanswered, so each call fails
+    WorkerLost, or with retries is sent through the scheduler with that attempt counted."""
+    c, direct, worker, endpoint = io
+    _, ids = _in_flight(c, endpoint, retries)
+    futures = [c._calls[i].future for i in ids]
+    c._lease_ended(p.Result("lease:w", True, "", "expired"))
+    assert sorted(c._to_settle) == ids and not c._outbox
+    c._settle(direct)
+    _probe(worker)  # and no answer
+    _until(c, direct, lambda: not c._settles)
+    if retries:
+        again = [p.decode(frames) for frames in c._outbox]
+        assert [(s.invocation_id, s.prior_attempts, s.prior_device) for s in again] == [
+            (i, 1, "cpu:0") for i in ids]
+        assert not any(f.done() for f in futures)
+    else:
+        assert not c._outbox and not c._calls
+        for f in futures:
+            error = f.exception(0)
+            assert isinstance(error, WorkerLost)
+            assert "did not answer after its lease ended" in str(error)
+    assert not c._to_settle
+
+
+def test_a_live_worker_answers_first_and_nothing_is_lost(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """One call answered, one refused (it goes through the scheduler as it was), then the
+    probe's answer: no call is taken for lost."""
+    c, direct, worker, endpoint = io
+    _, (answered, refused) = _in_flight(c, endpoint, 0)
+    futures = {i: c._calls[i].future for i in (answered, refused)}
+    c._lease_ended(p.Result("lease:w", True, "", "expired"))
+    c._settle(direct)
+    peer, ping = _probe(worker)
+    worker.send_multipart([peer, *p.encode_batch([
+        p.Result(answered, True, "", ""), p.LeaseRefused("lease:w", [refused], "ended"),
+        p.Pong(ping.seq)])])
+    _until(c, direct, lambda: not c._settles)
+    assert futures[answered].done() and futures[answered].result().ok
+    assert not futures[refused].done()
+    [again] = [p.decode(frames) for frames in c._outbox]
+    assert isinstance(again, p.Submit) and again.invocation_id == refused
+    assert again.prior_attempts == 0
+    assert not c._to_settle

@@ -113,10 +113,9 @@ class DirectSockets:
                 at = self.settling.get(endpoint)
                 if at is not None and msg.seq >= at[0]:
                     del self.settling[endpoint]
-                if msg.seq == PROBE_SEQ:
-                    self.probing.pop(endpoint, None)
-                    self.leases.reach[endpoint] = Reach.OK
-                    self.answered_probe = True
+                self.probing.pop(endpoint, None)  # any answer says it is reachable
+                self.leases.reach[endpoint] = Reach.OK
+                self.answered_probe = True
                 continue
             yield msg
 

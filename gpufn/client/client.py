@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from gpufn.client import leases as leasing
-from gpufn.client.direct import DirectSockets
+from gpufn.client.direct import DirectSockets, Probe
 from gpufn.client.futures import CallFuture
 from gpufn.client.items import ItemQueue
 from gpufn.client.sync_channel import SyncChannel
@@ -102,7 +102,9 @@ class Client:
         # Calls unanswered when their lease ended (I/O thread only): the grant, until the
         # settle probe of its endpoint (`DirectSockets.settle`) says they are lost.
         self._to_settle: dict[str, p.LeaseGrant] = {}
-        self._settles: dict[str, int] = {}  # endpoint -> its settle probe's seq (0: to send)
+        # endpoint -> its probe (`DirectSockets.settle`) as (seq, sent); (0, 0): to send.
+        self._settles: dict[str, tuple[int, float]] = {}  # behind calls of ended leases
+        self._checks: dict[str, tuple[int, float]] = {}  # of suspect workers (a restart)
         # Calls of a function kept here while a few of it go to the scheduler, until it
         # grants a lease (they go to the worker) or answers without one (to the scheduler).
         self._held_back: dict[str, deque[p.Submit]] = {}
@@ -514,7 +516,7 @@ class Client:
                 next_ping = last_ping + self.ping_seconds  # ping_seconds may change
                 blocked = pending_send is not None
                 wait_ms = 5 if blocked else max(0, int((next_ping - now) * 1000))
-                if direct.probing or self._held_back or self._settles:
+                if direct.probing or self._held_back or self._settles or self._checks:
                     wait_ms = min(wait_ms, HELD_LOOK_MS)
                 ready = dict(poller.poll(wait_ms))
                 if ready.get(wake_fd):
@@ -579,7 +581,7 @@ class Client:
             if ready.get(s):
                 for msg in direct.received(ep):
                     self._dispatch_direct(msg)
-        if self._settles:
+        if self._settles or self._checks:
             self._settle(direct)
         direct.start_probes()
         for ep in direct.overdue(time.monotonic()):
@@ -710,7 +712,7 @@ class Client:
         if msg.ok:  # calls still unanswered: their answers are on the way, or their
             for inv in held.calls:  # worker died since (`_settle`)
                 self._to_settle[inv] = held.grant
-                self._settles[held.grant.endpoint] = 0
+                self._settles[held.grant.endpoint] = (0, 0.0)
             return
         report = held.report()  # what ran there, for the scheduler's metering
         if report is not None:
@@ -733,22 +735,41 @@ class Client:
                     "Set retries=N in @gpu to run it again in such a case."))
 
     def _settle(self, direct: DirectSockets) -> None:
-        """Calls unanswered when their lease ended: a probe behind them to each endpoint;
-        once it is answered or times out, what is still unanswered was lost."""
+        """Probes of leased workers (`DirectSockets.settle`): behind calls unanswered when
+        their lease ended (answered or silent, what is still unanswered was lost); and of
+        workers in doubt since the scheduler forgot us (silent: their leases are over and
+        the calls in flight there lost)."""
         now = time.monotonic()
-        for ep, seq in list(self._settles.items()):
-            if not seq:
-                self._settles[ep] = direct.settle(ep, now)
-            elif direct.settled(ep, seq, now):
-                del self._settles[ep]
-                left = [(inv, g) for inv, g in self._to_settle.items() if g.endpoint == ep]
-                for inv, _ in left:
-                    del self._to_settle[inv]
-                by_lease: dict[str, tuple[p.LeaseGrant, list[str]]] = {}
-                for inv, g in left:
-                    by_lease.setdefault(g.lease_id, (g, []))[1].append(inv)
-                for g, ids in by_lease.values():
-                    self._lost(sorted(ids), g, "its worker did not answer after its lease ended")
+        for probes in (self._settles, self._checks):
+            for ep, (seq, sent) in list(probes.items()):
+                if not seq:
+                    probes[ep] = (direct.settle(ep), now)
+                    continue
+                state = direct.probe_state(ep, seq, sent, now)
+                if state is Probe.WAITING:
+                    continue
+                del probes[ep]
+                if probes is self._checks:
+                    self.leases.suspect.discard(ep)
+                    if state is Probe.ANSWERED:
+                        continue
+                    for held in self.leases.dead_worker(ep):
+                        for inv in held.calls:
+                            self._to_settle[inv] = held.grant
+                    why = "its worker did not answer after the scheduler restarted"
+                else:
+                    why = "its worker did not answer after its lease ended"
+                self._lost_at(ep, why)
+
+    def _lost_at(self, endpoint: str, why: str) -> None:
+        """The calls left to settle at `endpoint` were lost with its worker."""
+        left = [(inv, g) for inv, g in self._to_settle.items() if g.endpoint == endpoint]
+        by_lease: dict[str, tuple[p.LeaseGrant, list[str]]] = {}
+        for inv, g in left:
+            del self._to_settle[inv]
+            by_lease.setdefault(g.lease_id, (g, []))[1].append(inv)
+        for g, ids in by_lease.values():
+            self._lost(sorted(ids), g, why)
 
     def _grace_over(self, silent: float) -> str:
         return (f"the scheduler at {self.address} has not answered for {silent:.0f}s, longer "
@@ -827,6 +848,8 @@ class Client:
                     if not self._resubmit:
                         log.warning("the scheduler forgot this client; reconnecting and "
                                     "sending %d outstanding call(s) again", len(self._calls))
+                        for ep in self.leases.suspect_all():  # workers lost meanwhile?
+                            self._checks.setdefault(ep, (0, 0.0))
                     self._resubmit = True
                     self._rehello_at = time.monotonic()
                     # Ahead of the outbox, which waits for the Welcome: a call sent between

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from enum import Enum
 from typing import Any
 
 import zmq
@@ -28,14 +29,21 @@ SETTLE_SECONDS = 10.0
 PROBE_SEQ = 1  # the reachability probe's Ping; settle probes count up from 2
 
 
+class Probe(Enum):
+    """Where a settle probe (`DirectSockets.settle`) stands."""
+
+    WAITING = "waiting"
+    ANSWERED = "answered"
+    SILENT = "silent"  # unanswered for SETTLE_SECONDS: the worker is gone
+
+
 class DirectSockets:
     def __init__(self, ctx: zmq.Context[Any], leases: Leases) -> None:
         self.ctx = ctx
         self.leases = leases
         self.socks: dict[str, zmq.Socket[Any]] = {}
         self.probing: dict[str, float] = {}  # endpoint -> when its probe went
-        # endpoint -> (the settle probe's seq, when it went): see `settle`
-        self.settling: dict[str, tuple[int, float]] = {}
+        self.ponged: dict[str, int] = {}  # endpoint -> the highest probe seq it answered
         self._seq = PROBE_SEQ
         self.answered_probe = False  # a probe was answered since the owner last looked
         self.closed = False
@@ -73,29 +81,26 @@ class DirectSockets:
             out.append(s)
         return out
 
-    def settle(self, endpoint: str, now: float) -> int:
-        """A lease there ended (its worker said so through the scheduler) with calls of
-        ours unanswered: a probe behind them. The worker reads its socket in order, so a
-        live one answers (or refuses) those calls before it answers this; once it has
-        (`settled`), or `SETTLE_SECONDS` passed, whatever is still unanswered was lost
-        with it (it died after the lease ended: nobody else would say so)."""
+    def settle(self, endpoint: str) -> int:
+        """A probe to a leased worker that says more than "reachable": its seq, for
+        `probe_state`. The worker reads its socket in order, so a live one handles (answers
+        or refuses) every call sent before the probe before it answers it. Sent when a
+        lease ended (the worker said so through the scheduler) with calls unanswered: once
+        the probe is answered, or `SETTLE_SECONDS` passed, what is still unanswered was
+        lost with a worker that died since (nobody else would say so). Sent too when the
+        scheduler forgot us (it restarted, and the worker may have died meanwhile): an
+        answer says the worker lives; silence, that its lease's calls are lost."""
         self._seq += 1
         try:
             sockets.send(self.sock(endpoint), p.encode(p.Ping(self._seq)), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # unanswered, as a dead worker's
-        self.settling[endpoint] = (self._seq, now)
         return self._seq
 
-    def settled(self, endpoint: str, seq: int, now: float) -> bool:
-        """Whether settle probe `seq` was answered, or timed out."""
-        at = self.settling.get(endpoint)
-        if at is None or at[0] != seq:
-            return True  # answered (a later probe there covers later calls)
-        if now - at[1] > SETTLE_SECONDS:
-            del self.settling[endpoint]
-            return True
-        return False
+    def probe_state(self, endpoint: str, seq: int, sent: float, now: float) -> Probe:
+        if self.ponged.get(endpoint, 0) >= seq:
+            return Probe.ANSWERED
+        return Probe.SILENT if now - sent > SETTLE_SECONDS else Probe.WAITING
 
     def overdue(self, now: float) -> list[str]:
         """Endpoints whose probe went unanswered: unreachable (leases off)."""
@@ -110,9 +115,8 @@ class DirectSockets:
         s = self.sock(endpoint)
         for msg in sockets.received(s, log, ready):
             if isinstance(msg, p.Pong):
-                at = self.settling.get(endpoint)
-                if at is not None and msg.seq >= at[0]:
-                    del self.settling[endpoint]
+                if msg.seq > self.ponged.get(endpoint, 0):
+                    self.ponged[endpoint] = msg.seq
                 self.probing.pop(endpoint, None)  # any answer says it is reachable
                 self.leases.reach[endpoint] = Reach.OK
                 self.answered_probe = True

@@ -128,6 +128,9 @@ class Leases:
         self._unleased: dict[str, tuple[float, float]] = {}
         self._handed: dict[str, float] = {}  # function id -> until when it is held back
         self._run_time: dict[str, float] = {}  # function id -> moving average, seconds
+        # Endpoints of leases held when the scheduler forgot us (it restarted): their
+        # workers may have died meanwhile, unsaid; a probe clears or ends them.
+        self.suspect: set[str] = set()
 
     def mark(self, submit: p.Submit, stream: bool = False) -> p.Submit:
         """The Submit as sent: asking for a lease after it when it may have one."""
@@ -308,6 +311,19 @@ class Leases:
                 if h is not None:
                     h.calls.discard(inv)
         self._prune()
+
+    def suspect_all(self) -> set[str]:
+        """The scheduler forgot us: every held lease's worker is in doubt until probed."""
+        with self._lock:
+            self.suspect |= {h.grant.endpoint for h in self._by_id.values()}
+            return set(self.suspect)
+
+    def dead_worker(self, endpoint: str) -> list[Held]:
+        """A probe of a suspect endpoint went unanswered: its leases are over, here."""
+        with self._lock:
+            ids = [i for i, h in self._by_id.items() if h.grant.endpoint == endpoint]
+            self.suspect.discard(endpoint)
+        return [h for h in (self.ended(i) for i in ids) if h is not None]
 
     def ended(self, lease_id: str) -> Held | None:
         """The scheduler says the lease ended; the calls still in flight under it."""

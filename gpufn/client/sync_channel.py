@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import zmq
 
 from gpufn.client import leases as leasing
-from gpufn.client.direct import DirectSockets
+from gpufn.client.direct import DirectSockets, Probe
 from gpufn.exceptions import ConnectionLost, WorkerLost
 from gpufn.net import sockets
 from gpufn.net.connection import Connection
@@ -86,6 +86,7 @@ class SyncChannel:
         self.registered.clear()
         self.conn.handshake(HANDSHAKE_SECONDS)  # nothing else is addressed to us yet
         self.last_heard = time.monotonic()
+        self.leases.suspect_all()  # forgotten, maybe restarted: were workers lost meanwhile?
 
     def call(self, register: p.Register | None, submit: p.Submit, name: str) -> p.Result:
         self._catch_up(register, submit, name)  # before a lease is taken: it may be gone
@@ -158,19 +159,35 @@ class SyncChannel:
                      register: p.Register | None, submit: p.Submit,
                      name: str) -> p.Result | p.Submit:
         g, inv = held.grant, submit.invocation_id
-        settle = 0  # the settle probe's seq once the lease ended with this call unanswered
+        # Probes behind the call (`DirectSockets.settle`), as (seq, sent): once its lease
+        # ended with the call unanswered; once the scheduler forgot us (a restart: the
+        # worker may have died meanwhile, which nobody would say).
+        settle: tuple[int, float] | None = None
+        check: tuple[int, float] | None = None
         while True:
-            if not settle and not self.leases.holds(g.lease_id):
-                settle = self.direct.settle(g.endpoint, time.monotonic())
-            elif settle and self.direct.settled(g.endpoint, settle, time.monotonic()):
-                # its worker died after the lease ended (the scheduler says nothing then)
+            now = time.monotonic()
+            if settle is None and not self.leases.holds(g.lease_id):
+                settle = (self.direct.settle(g.endpoint), now)
+            if check is None and g.endpoint in self.leases.suspect:
+                check = (self.direct.settle(g.endpoint), now)
+            why = ""
+            if settle and self.direct.probe_state(g.endpoint, *settle, now) is not Probe.WAITING:
+                why = "its worker did not answer after its lease ended"
+            if check:
+                state = self.direct.probe_state(g.endpoint, *check, now)
+                if state is Probe.ANSWERED:  # it lives: the call's answer will come
+                    self.leases.suspect.discard(g.endpoint)
+                    check = None
+                elif state is Probe.SILENT:
+                    self.leases.dead_worker(g.endpoint)
+                    why = "its worker did not answer after the scheduler restarted"
+            if why:
                 if g.retries > 0:
                     return leasing.retried(submit, g, raised=False)
-                raise WorkerLost(f"{name}: its worker did not answer after its lease "
-                                 "ended, so whether the call completed is unknown. Set "
-                                 "retries=N in @gpu to run it again in such a case.")
+                raise WorkerLost(f"{name}: {why}, so whether the call completed is unknown. "
+                                 "Set retries=N in @gpu to run it again in such a case.")
             ready = dict(poller.poll(int(min(self.client.ping_seconds,
-                                             1.0 if settle else 3600.0) * 1000)))
+                                             1.0 if settle or check else 3600.0) * 1000)))
             if not ready:
                 self._send(p.Ping(0))  # the scheduler keeps us (and says if the lease is lost)
                 continue

@@ -585,3 +585,33 @@ def test_a_head_restart_during_a_lease_loses_and_repeats_nothing(tmp_path: Path)
     finally:
         client_mod._shutdown_default()
         head.close()
+
+
+def test_a_lease_whose_worker_died_while_the_head_was_down_is_given_up(
+        tmp_path: Path) -> None:
+    """The scheduler is paused, the leased worker killed, then the scheduler killed (serve
+    starts another, which never knew the lease): the next call under that lease went to
+    the dead worker and waited forever. Now a probe of the worker, sent once the next
+    scheduler forgot us, goes unanswered: the lease is over and the call runs again (its
+    attempt under the dead lease counted), then the calls after it go on."""
+    shutdown_default()
+    head = Head(tmp_path / "head", devices=1, GPUFN_LEASE_SECONDS="30")
+    runs = tmp_path / "runs"
+    try:
+        head.start()
+        c = gpufn.connect(head.address, token=TOKEN)
+        wait_ready(c)
+        pid = _leased_pid(c, logged_nap, "", 0.0)
+        sched = head.scheduler()
+        os.kill(sched, signal.SIGSTOP)
+        os.kill(pid, signal.SIGKILL)
+        head.kill_scheduler(signal.SIGKILL)
+        started = time.monotonic()
+        assert logged_nap.remote(str(runs), 0.0) != pid
+        assert time.monotonic() - started < 60
+        assert [line.split()[1] for line in runs.read_text().splitlines()] == ["2"]
+        assert logged_nap.remote("", 0.0) != pid
+        head.shutdown()
+    finally:
+        client_mod._shutdown_default()
+        head.close()

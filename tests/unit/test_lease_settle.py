@@ -33,8 +33,9 @@ def io(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Client, direct_mod.Dir
     endpoint = f"tcp://127.0.0.1:{worker.bind_to_random_port('tcp://127.0.0.1')}"
     c = object.__new__(Client)
     c._lock, c._outbox, c._calls = threading.Lock(), deque(), {}
-    c._held_back, c._to_settle, c._settles = {}, {}, {}
+    c._held_back, c._to_settle, c._settles, c._checks = {}, {}, {}, {}
     c._streams, c._shm_files = {}, {}
+    c._resubmit, c._rehello_at, c._conn = False, 0.0, None  # (no connection: no Hello sent)
     c.leases = Leases()
     c.leases.on = True
     direct = direct_mod.DirectSockets(ctx, c.leases)
@@ -124,3 +125,44 @@ def test_a_live_worker_answers_first_and_nothing_is_lost(
     assert isinstance(again, p.Submit) and again.invocation_id == refused
     assert again.prior_attempts == 0
     assert not c._to_settle
+
+
+def test_a_lease_whose_worker_is_silent_after_the_scheduler_forgot_us_is_over(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """The scheduler restarted (it forgot us) and the leased worker died meanwhile: no
+    one would ever say so (the next scheduler never knew the lease), so the calls sent
+    there waited forever and the lease took more. A probe of each held lease's worker
+    goes unanswered: the lease is over here and its calls are lost."""
+    c, direct, worker, endpoint = io
+    _, ids = _in_flight(c, endpoint, 0)
+    futures = [c._calls[i].future for i in ids]
+    c._dispatch(p.Error(_forgotten(), "this connection has not said Hello"))
+    assert c._checks == {endpoint: (0, 0.0)} and c.leases.suspect == {endpoint}
+    c._settle(direct)
+    _probe(worker)  # and no answer
+    _until(c, direct, lambda: not c._checks)
+    assert not c.leases.holds("lease:w") and not c.leases.suspect
+    for f in futures:
+        error = f.exception(0)
+        assert isinstance(error, WorkerLost) and "after the scheduler restarted" in str(error)
+
+
+def test_a_lease_whose_worker_answers_after_the_scheduler_forgot_us_goes_on(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    c, direct, worker, endpoint = io
+    _, ids = _in_flight(c, endpoint, 0)
+    c._dispatch(p.Error(_forgotten(), "this connection has not said Hello"))
+    c._settle(direct)
+    peer, ping = _probe(worker)
+    worker.send_multipart([peer, *p.encode(p.Pong(ping.seq))])
+    _until(c, direct, lambda: not c._checks)
+    time.sleep(0.4)  # past SETTLE_SECONDS: nothing more happens
+    c._settle(direct)
+    assert c.leases.holds("lease:w") and not c.leases.suspect
+    assert all(not c._calls[i].future.done() for i in ids)  # their answers will come
+
+
+def _forgotten() -> str:
+    from gpufn.net.connection import _FORGOTTEN
+
+    return _FORGOTTEN

@@ -246,3 +246,41 @@ def test_a_live_worker_answers_the_call_before_the_probe_after_its_lease_ended(
             assert isinstance(got, p.Result) and got.ok
         else:
             assert isinstance(got, p.Submit) and got.prior_attempts == 0
+
+
+def test_a_leased_worker_silent_after_the_scheduler_forgot_us_loses_the_call(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]) -> None:
+    """The scheduler restarted (it forgot us: the channel said Hello again) and the
+    leased worker died meanwhile: the next scheduler never knew the lease, so nobody
+    would say so, and the call waited forever. A probe of the worker goes unanswered:
+    the lease is over and the call lost (here: retried, its attempt counted)."""
+    ch, _, worker, endpoint = worker_end
+    out, t = _leased_call(ch, endpoint, 1)
+    _worker_reads(worker)
+    ch.leases.suspect_all()  # as `_hello` does
+    _, probe = _worker_reads(worker)
+    assert isinstance(probe[0], p.Ping)
+    t.join(10)
+    [again] = out
+    assert isinstance(again, p.Submit) and again.prior_attempts == 1
+    assert not ch.leases.holds("lease:w") and not ch.leases.suspect
+
+
+def test_a_leased_worker_that_answers_after_the_scheduler_forgot_us_answers_the_call(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]) -> None:
+    """Alive: the probe's answer clears the doubt, and the call waits for its own answer
+    however long it runs (past SETTLE_SECONDS here)."""
+    ch, _, worker, endpoint = worker_end
+    out, t = _leased_call(ch, endpoint, 0)
+    peer, _ = _worker_reads(worker)
+    ch.leases.suspect_all()
+    _, probe = _worker_reads(worker)
+    ping = probe[0]
+    assert isinstance(ping, p.Ping)
+    worker.send_multipart([peer, *p.encode(p.Pong(ping.seq))])
+    time.sleep(0.8)
+    assert not out and ch.leases.holds("lease:w")
+    worker.send_multipart([peer, *p.encode(p.Result(SUBMIT.invocation_id, True, "", ""))])
+    t.join(10)
+    [got] = out
+    assert isinstance(got, p.Result) and got.ok and not ch.leases.suspect

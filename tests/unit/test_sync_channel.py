@@ -162,14 +162,16 @@ def worker_end(wired: tuple[SyncChannel, zmq.Socket[Any]], monkeypatch: pytest.M
     worker.close(0)
 
 
-def _leased_call(ch: SyncChannel, endpoint: str, retries: int) -> tuple[
-        list[p.Result | p.Submit | BaseException], Any]:
-    """The call under a lease of `endpoint`, in a thread: (what it gave, the thread)."""
+def _leased_call(ch: SyncChannel, endpoint: str, retries: int, granted: bool = False,
+                 ) -> tuple[list[p.Result | p.Submit | BaseException], Any]:
+    """The call under a lease of `endpoint` (granted here unless `granted`), in a thread:
+    (what it gave, the thread)."""
     import threading
 
-    grant = p.LeaseGrant("lease:w", "fn-1", endpoint, "s", 30.0, 10, retries, [], "cpu:0")
-    assert ch.leases.granted(grant, time.monotonic())
-    ch.leases.reach[endpoint] = Reach.OK
+    if not granted:
+        grant = p.LeaseGrant("lease:w", "fn-1", endpoint, "s", 30.0, 10, retries, [], "cpu:0")
+        assert ch.leases.granted(grant, time.monotonic())
+        ch.leases.reach[endpoint] = Reach.OK
     submit = ch.leases.mark(SUBMIT)
     held = ch.leases.take(submit, time.monotonic())
     assert held is not None
@@ -284,3 +286,71 @@ def test_a_leased_worker_that_answers_after_the_scheduler_forgot_us_answers_the_
     t.join(10)
     [got] = out
     assert isinstance(got, p.Result) and got.ok and not ch.leases.suspect
+
+
+def _head_got(head: zmq.Socket[Any], wait: float = 0.2) -> list[p.Message]:
+    got: list[p.Message] = []
+    while head.poll(int(wait * 1000)):
+        got += p.decode_all(head.recv_multipart())
+    return got
+
+
+def test_a_leased_call_waiting_pings_the_scheduler_once_a_ping_interval(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]) -> None:
+    """While its answer is out, the channel pings the scheduler (which keeps it, and
+    says if the lease is lost) every ping interval (0.1 s here), not in a busy loop."""
+    ch, head, worker, endpoint = worker_end
+    out, t = _leased_call(ch, endpoint, 0)
+    peer, _ = _worker_reads(worker)
+    time.sleep(0.55)
+    worker.send_multipart([peer, *p.encode(p.Result(SUBMIT.invocation_id, True, "", ""))])
+    t.join(10)
+    assert isinstance(out[0], p.Result)
+    pings = [m for m in _head_got(head) if isinstance(m, p.Ping)]
+    assert 3 <= len(pings) <= 7, len(pings)
+
+
+def test_a_lease_lost_while_its_call_waits_tells_the_scheduler_what_ran_there(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]) -> None:
+    """Lost with its worker (the scheduler's word): the call fails WorkerLost, and the
+    scheduler hears which calls of the lease were answered (it meters them: the worker's
+    own last reports died with it)."""
+    from gpufn.exceptions import WorkerLost
+
+    ch, head, worker, endpoint = worker_end
+    grant = p.LeaseGrant("lease:w", "fn-1", endpoint, "s", 30.0, 10, 0, [], "cpu:0")
+    assert ch.leases.granted(grant, time.monotonic())
+    ch.leases.reach[endpoint] = Reach.OK
+    first = ch.leases.mark(p.Submit("call-1", "fn-1", {}))
+    assert ch.leases.take(first, time.monotonic()) is not None
+    ch.leases.answered("call-1", True)  # one answered under it already
+    out, t = _leased_call(ch, endpoint, 0, granted=True)
+    _worker_reads(worker)
+    sockets.send(head, p.encode(p.Result("lease:w", False, "WorkerLost", "lost during a lease")))
+    t.join(10)
+    assert isinstance(out[0], WorkerLost)
+    [report] = [m for m in _head_got(head) if isinstance(m, p.LeaseReport)]
+    assert report.lease_id == "lease:w" and [i["id"] for i in report.items] == ["call-1"]
+
+
+def test_said_hello_again_while_a_leased_call_waits_the_call_is_not_sent_to_the_scheduler(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]) -> None:
+    """The scheduler forgot the channel (it asks for Hello again) while a leased call's
+    answer is out: the channel says Hello, but does not submit the call there too (its
+    worker answers it; sent again, it would run twice)."""
+    from gpufn.net.connection import _FORGOTTEN
+
+    ch, head, worker, endpoint = worker_end
+    conn = Conn()
+    ch.conn, ch.registered = conn, set()  # type: ignore[assignment]
+    ch.client.info = p.HelloInfo()  # type: ignore[attr-defined]
+    out, t = _leased_call(ch, endpoint, 0)
+    peer, _ = _worker_reads(worker)
+    sockets.send(head, p.encode(p.Error(_FORGOTTEN, "this connection has not said Hello")))
+    time.sleep(0.3)
+    _, probe = _worker_reads(worker)  # the worker is in doubt now: probed
+    worker.send_multipart([peer, *p.encode_batch([p.Pong(probe[0].seq),  # type: ignore[attr-defined]
+                                                  p.Result(SUBMIT.invocation_id, True, "", "")])])
+    t.join(10)
+    assert isinstance(out[0], p.Result) and out[0].ok and conn.handshakes == 1
+    assert not [m for m in _head_got(head) if isinstance(m, (p.Submit, p.Register))]

@@ -127,7 +127,18 @@ ROOMS: dict[str, Room] = {
     "futures": Room(("gpufn/client/futures.py",), (f"{UNIT}/test_futures.py",), timeout=30.0),
     # The socket helpers every process uses and the client's sockets to leased workers.
     "sockets": Room(("gpufn/net/sockets.py", "gpufn/client/direct.py"),
-                    (f"{UNIT}/test_sockets.py",), timeout=30.0),
+                    (f"{UNIT}/test_sockets.py", f"{UNIT}/test_lease_settle.py",
+                     f"{UNIT}/test_sync_channel.py"), timeout=30.0),
+    # Attempts under a lease counted by the scheduler (Submit.prior_attempts), and the
+    # client's probes that settle calls of an ended lease or a worker in doubt.
+    "lease_retries": Room(("gpufn/client/client.py", "scheduler/calls/transitions.py",
+                           "scheduler/core.py"),
+                          (f"{UNIT}/test_lease_settle.py", f"{UNIT}/test_leases.py",
+                           f"{UNIT}/test_sync_channel.py"), timeout=30.0, budget=30.0,
+                          only=("Client._lease_retry", "Client._lost", "Client._settle",
+                                "Client._lost_at", "Client._lease_ended",
+                                "Client._dispatch_direct", "Transitions.carry_attempts",
+                                "Transitions.out_of_retries", "SchedulerCore._on_submit")),
     # The worker's executor: calls run inline or on its threads, cancels, batches, relays.
     "executor": Room(("worker/executor.py",),
                      (f"{UNIT}/test_executor.py", f"{UNIT}/test_worker_core.py",
@@ -225,9 +236,11 @@ def skip_annotations(module: str, db: Path) -> None:
         work.set_multiple_results(skip, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
 
 
-def function_spans(source: str, names: tuple[str, ...]) -> list[tuple[int, int]]:
+def function_spans(source: str, names: tuple[str, ...],
+                   strict: bool = True) -> list[tuple[int, int]]:
     """The lines (first, last) of each named function ("Class.method" or "function");
-    a name the module does not define is an error (the room went stale)."""
+    a name the module does not define is an error (the room went stale), unless not
+    `strict` (a room of several modules: each name is in one of them, `room_spans`)."""
     import ast
 
     found: dict[str, tuple[int, int]] = {}
@@ -243,9 +256,30 @@ def function_spans(source: str, names: tuple[str, ...]) -> list[tuple[int, int]]
 
     visit(ast.parse(source), "")
     missing = [n for n in names if n not in found]
-    if missing:
+    if missing and strict:
         raise SystemExit(f"no function {', '.join(missing)} in the module: update the room")
-    return [found[n] for n in names]
+    return [found[n] for n in names if n in found]
+
+
+def room_spans(room: Room) -> dict[str, list[tuple[int, int]]]:
+    """Each module's spans of the room's `only` functions; a name in none of its modules
+    is an error (the room went stale)."""
+    import ast
+
+    spans = {m: function_spans((ROOT / m).read_text(), room.only, strict=False)
+             for m in room.modules}
+    defined = set()
+    for m in room.modules:
+        for node in ast.walk(ast.parse((ROOT / m).read_text())):
+            if isinstance(node, ast.ClassDef):
+                defined |= {f"{node.name}.{f.name}" for f in node.body
+                            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defined.add(node.name)
+    missing = [n for n in room.only if n not in defined]
+    if missing:
+        raise SystemExit(f"no function {', '.join(missing)} in the room's modules: update it")
+    return spans
 
 
 def skip_outside(module: str, db: Path, names: tuple[str, ...]) -> None:
@@ -253,7 +287,7 @@ def skip_outside(module: str, db: Path, names: tuple[str, ...]) -> None:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
-    spans = function_spans((ROOT / module).read_text(), names)
+    spans = function_spans((ROOT / module).read_text(), names, strict=False)
     with use_db(str(db), WorkDB.Mode.open) as work:
         skip = [item.job_id for item in work.pending_work_items
                 if not any(a <= item.mutations[0].start_pos[0] <= b for a, b in spans)]
@@ -332,6 +366,7 @@ def run_module(module: str, room: Room, deadline: float, resume: bool,
                         str(db)], cwd=ROOT, check=True)
         skip_annotations(module, db)
         if room.only:
+            room_spans(room)  # every name is in one of the room's modules
             skip_outside(module, db, room.only)
     source = ROOT / module
     saved = source.read_bytes()

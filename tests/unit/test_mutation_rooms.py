@@ -62,8 +62,8 @@ def test_every_room_names_what_exists(name: str) -> None:
     for path in (*room.modules, *room.tests):
         assert (ROOT / path).is_file(), f"room {name}: {path} does not exist"
     if room.only:
-        for module in room.modules:
-            mutants.function_spans((ROOT / module).read_text(), room.only)
+        spans = mutants.room_spans(room)
+        assert all(spans.values()), f"room {name}: a module with none of its functions"
 
 
 def test_the_tool_tests_this_checkouts_files() -> None:

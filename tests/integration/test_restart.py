@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,6 +185,32 @@ def test_retried_calls_wait_through_an_outage(head: Head, tmp_path: Path) -> Non
     head.start()
     assert [f.get(timeout=120) for f in calls] == list(range(30))
     assert sorted(i for i, _ in _runs(log)) == list(range(30))  # none ran twice
+    head.shutdown()
+
+
+def test_blocking_calls_running_through_a_head_restart_run_once(
+        head: Head, tmp_path: Path) -> None:
+    """Blocking `.remote()` calls (each thread its own channel) running when the scheduler
+    is killed: each says Hello again to the next one as a client whose calls may have run
+    (`HelloInfo.resubmit`), so their resubmits wait for the workers' word and are taken
+    over, not run a second time on the idle device."""
+    head.start()
+    _connect(head)
+    log = tmp_path / "once.log"
+    out: dict[int, int] = {}
+
+    def call(i: int) -> None:
+        out[i] = once.remote(str(log), i, 4.0)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(_runs(log)) == 2, 60, "both calls to run")
+    head.kill_scheduler(signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    assert out == {0: 0, 1: 1}
+    assert sorted(_runs(log)) == [(0, 1), (1, 1)]  # each once, as attempt 1
     head.shutdown()
 
 

@@ -93,8 +93,8 @@ def test_calls_unanswered_by_a_worker_that_died_after_its_lease_ended_are_lost(
     _until(c, direct, lambda: not c._settles)
     if retries:
         again = [p.decode(frames) for frames in c._outbox]
-        assert [(s.invocation_id, s.prior_attempts, s.prior_device) for s in again] == [
-            (i, 1, "cpu:0") for i in ids]
+        assert [(s.invocation_id, s.prior_attempts, s.prior_raised, s.prior_device)
+                for s in again] == [(i, 1, False, "cpu:0") for i in ids]
         assert not any(f.done() for f in futures)
     else:
         assert not c._outbox and not c._calls
@@ -166,3 +166,67 @@ def _forgotten() -> str:
     from gpufn.net.connection import _FORGOTTEN
 
     return _FORGOTTEN
+
+
+def _sent(c: Client) -> list[p.Message]:
+    return [p.decode(frames) for frames in c._outbox]
+
+
+def test_a_leased_answer_that_raised_an_exception_it_retries_on_goes_to_the_scheduler(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """Marked retryable by its worker: not its caller's answer yet; sent again through
+    the scheduler with the attempt it used (raised, on the lease's device). Any other
+    failure is the caller's answer."""
+    c, _, _, endpoint = io
+    _, (retried, failed) = _in_flight(c, endpoint, 2)
+    futures = {i: c._calls[i].future for i in (retried, failed)}
+    c._dispatch_direct(p.Result(retried, False, "", "boom", p.ResultMeta(retryable=True)))
+    c._dispatch_direct(p.Result(failed, False, "", "boom"))
+    [again] = _sent(c)
+    assert isinstance(again, p.Submit) and again.invocation_id == retried
+    assert (again.prior_attempts, again.prior_raised, again.prior_device) == (1, True, "cpu:0")
+    assert not futures[retried].done()
+    assert futures[failed].done() and not futures[failed].result().ok
+
+
+def test_a_lease_lost_with_its_worker_retries_or_fails_its_calls_and_reports_what_ran(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """The scheduler says the lease was lost: the calls in flight there go to it again
+    (retries: the attempt counted, not raised) or fail WorkerLost; the calls answered
+    under the lease are reported for metering."""
+    for retries in (1, 0):
+        c, _, _, endpoint = io
+        c._outbox.clear()
+        c._calls.clear()
+        c.leases = Leases()
+        c.leases.on = True
+        _, (answered, *lost) = _in_flight(c, endpoint, retries)
+        c._dispatch_direct(p.Result(answered, True, "", ""))
+        futures = [c._calls[i].future for i in lost]
+        c._lease_ended(p.Result("lease:w", False, "WorkerLost", "lost during a lease"))
+        sent = _sent(c)
+        [report] = [m for m in sent if isinstance(m, p.LeaseReport)]
+        assert [i["id"] for i in report.items] == [answered]
+        again = [m for m in sent if isinstance(m, p.Submit)]
+        if retries:
+            assert sorted(s.invocation_id for s in again) == sorted(lost)
+            assert all(s.prior_attempts == 1 and not s.prior_raised for s in again)
+            assert not any(f.done() for f in futures)
+        else:
+            assert not again
+            assert all(isinstance(f.exception(0), WorkerLost) for f in futures)
+
+
+def test_probes_go_to_every_endpoint_in_doubt_at_once(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    c, direct, worker, endpoint = io
+    other = worker.context.socket(zmq.ROUTER)
+    try:
+        ep2 = f"tcp://127.0.0.1:{other.bind_to_random_port('tcp://127.0.0.1')}"
+        c._checks = {endpoint: (0, 0.0), ep2: (0, 0.0)}
+        c._settle(direct)
+        _probe(worker)
+        _probe(other)
+        assert all(seq for seq, _ in c._checks.values())
+    finally:
+        other.close(0)

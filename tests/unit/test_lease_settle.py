@@ -180,8 +180,12 @@ def test_a_leased_answer_that_raised_an_exception_it_retries_on_goes_to_the_sche
     c, _, _, endpoint = io
     _, (retried, failed) = _in_flight(c, endpoint, 2)
     futures = {i: c._calls[i].future for i in (retried, failed)}
+    held = c.leases._by_id["lease:w"]
     c._dispatch_direct(p.Result(retried, False, "", "boom", p.ResultMeta(retryable=True)))
     c._dispatch_direct(p.Result(failed, False, "", "boom"))
+    # (what a lost lease's report says: the retried attempt is not metered as a call)
+    assert held.done == [{"id": retried, "ok": False, "retry": True},
+                         {"id": failed, "ok": False}]
     [again] = _sent(c)
     assert isinstance(again, p.Submit) and again.invocation_id == retried
     assert (again.prior_attempts, again.prior_raised, again.prior_device) == (1, True, "cpu:0")

@@ -207,6 +207,8 @@ def test_a_lease_lost_with_its_worker_retries_or_fails_its_calls_and_reports_wha
         _, (answered, *lost) = _in_flight(c, endpoint, retries)
         c._dispatch_direct(p.Result(answered, True, "", ""))
         futures = [c._calls[i].future for i in lost]
+        c._calls["gone"] = _Pending(Future(), "f", "fn-1")  # no Submit kept (an Attach):
+        c.leases._by_id["lease:w"].calls.add("gone")  # never sent again
         c._lease_ended(p.Result("lease:w", False, "WorkerLost", "lost during a lease"))
         sent = _sent(c)
         [report] = [m for m in sent if isinstance(m, p.LeaseReport)]
@@ -229,8 +231,11 @@ def test_probes_go_to_every_endpoint_in_doubt_at_once(
         ep2 = f"tcp://127.0.0.1:{other.bind_to_random_port('tcp://127.0.0.1')}"
         c._checks = {endpoint: (0, 0.0), ep2: (0, 0.0)}
         c._settle(direct)
-        _probe(worker)
-        _probe(other)
+        _probe(worker)  # (this one stays silent)
+        peer, ping = _probe(other)
         assert all(seq for seq, _ in c._checks.values())
+        other.send_multipart([peer, *p.encode(p.Pong(ping.seq))])
+        _until(c, direct, lambda: ep2 not in c._checks)  # not behind the silent one
+        assert set(c._checks) == {endpoint} and c.leases.suspect == set()
     finally:
         other.close(0)

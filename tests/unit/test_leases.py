@@ -504,6 +504,7 @@ def test_attempts_used_under_a_lease_count_against_retries_and_wait_their_backof
     fid = h.register("flaky", retries=Retries(max_retries=2, initial_delay=2.0,
                                               on=(ValueError,)))
     inv = _resubmit(h, fid, 1, raised=True)
+    assert h.core.counters.retried == 1  # retry 1 of 2
     h.tick(1.9)
     assert not h.runs()  # the function's own backoff (2 s), not the scheduler's
     h.tick(0.2)
@@ -514,6 +515,10 @@ def test_attempts_used_under_a_lease_count_against_retries_and_wait_their_backof
     inv = _resubmit(h, fid, 2, raised=True)  # its retry was used already
     result = h.results()[inv]
     assert not result.ok and "more than its retries (1)" in result.message
+    assert "raised an exception it retries on after 2 attempt(s)" in result.message
+    assert h.core.counters.retried == 0
+    lost = _resubmit(h, fid, 2, raised=False, inv="lost")
+    assert "its worker was lost during a lease after 2" in h.results()[lost].message
     assert not h.runs() and len(h.core.queue) == 0
 
 

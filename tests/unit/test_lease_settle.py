@@ -207,8 +207,8 @@ def test_a_lease_lost_with_its_worker_retries_or_fails_its_calls_and_reports_wha
         _, (answered, *lost) = _in_flight(c, endpoint, retries)
         c._dispatch_direct(p.Result(answered, True, "", ""))
         futures = [c._calls[i].future for i in lost]
-        c._calls["gone"] = _Pending(Future(), "f", "fn-1")  # no Submit kept (an Attach):
-        c.leases._by_id["lease:w"].calls.add("gone")  # never sent again
+        c._calls["a-gone"] = _Pending(Future(), "f", "fn-1")  # no Submit kept (an Attach):
+        c.leases._by_id["lease:w"].calls.add("a-gone")  # never sent again
         c._lease_ended(p.Result("lease:w", False, "WorkerLost", "lost during a lease"))
         sent = _sent(c)
         [report] = [m for m in sent if isinstance(m, p.LeaseReport)]

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -544,17 +545,28 @@ def noted(log: str, i: int) -> int:
     return i
 
 
-def test_a_head_restart_during_a_lease_loses_and_repeats_nothing(tmp_path: Path) -> None:
-    """`.remote()` in a loop under a 30 s lease while the scheduler is SIGKILLed (serve
-    starts another): every call returns its value, none runs twice, and the calls the
-    lease ran are metered by the next scheduler."""
+@contextmanager
+def _own_head(tmp_path: Path) -> Iterator[tuple[Head, gpufn.Client]]:
+    """A `gpufn serve` of one device and 30 s leases, its client; stopped after."""
     shutdown_default()
     head = Head(tmp_path / "head", devices=1, GPUFN_LEASE_SECONDS="30")
-    log = tmp_path / "runs.log"
     try:
         head.start()
         c = gpufn.connect(head.address, token=TOKEN)
         wait_ready(c)
+        yield head, c
+        head.shutdown()
+    finally:
+        client_mod._shutdown_default()
+        head.close()
+
+
+def test_a_head_restart_during_a_lease_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    """`.remote()` in a loop under a 30 s lease while the scheduler is SIGKILLed (serve
+    starts another): every call returns its value, none runs twice, and the calls the
+    lease ran are metered by the next scheduler."""
+    log = tmp_path / "runs.log"
+    with _own_head(tmp_path) as (head, c):
         out: list[int] = []
         errors: list[BaseException] = []
         channels: list[object] = []
@@ -581,10 +593,6 @@ def test_a_head_restart_during_a_lease_loses_and_repeats_nothing(tmp_path: Path)
         threading.Thread(target=lambda: nap.remote(0.0)).start()
         wait_for(lambda: _usage_calls(c, "noted") >= 100, timeout=60,
                  what="the leased calls metered after the restart")
-        head.shutdown()
-    finally:
-        client_mod._shutdown_default()
-        head.close()
 
 
 def test_a_lease_whose_worker_died_while_the_head_was_down_is_given_up(
@@ -594,13 +602,8 @@ def test_a_lease_whose_worker_died_while_the_head_was_down_is_given_up(
     the dead worker and waited forever. Now a probe of the worker, sent once the next
     scheduler forgot us, goes unanswered: the lease is over and the call runs again (its
     attempt under the dead lease counted), then the calls after it go on."""
-    shutdown_default()
-    head = Head(tmp_path / "head", devices=1, GPUFN_LEASE_SECONDS="30")
     runs = tmp_path / "runs"
-    try:
-        head.start()
-        c = gpufn.connect(head.address, token=TOKEN)
-        wait_ready(c)
+    with _own_head(tmp_path) as (head, c):
         pid = _leased_pid(c, logged_nap, "", 0.0)
         sched = head.scheduler()
         os.kill(sched, signal.SIGSTOP)
@@ -611,7 +614,3 @@ def test_a_lease_whose_worker_died_while_the_head_was_down_is_given_up(
         assert time.monotonic() - started < 60
         assert [line.split()[1] for line in runs.read_text().splitlines()] == ["2"]
         assert logged_nap.remote("", 0.0) != pid
-        head.shutdown()
-    finally:
-        client_mod._shutdown_default()
-        head.close()

@@ -1290,4 +1290,29 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "self._pending.extend(sockets.received(self.sock, log, ready=False))",
                "the first read asks whether a message waits though the poll just said so: "
                "one more getsockopt, the same messages"),
+    # The client's I/O thread (the lease_retries room).
+    Equivalent("gpufn/client/client.py", "if self._held_back:  # its lease has room again",
+               "if not self._held_back:  # its lease has room again",
+               "calls held back for a lease's room also look again every HELD_LOOK_MS "
+               "(`_loop`): released a few ms later, the same calls sent the same way"),
+    Equivalent("gpufn/client/client.py",
+               "if self._held_back:  # the lease is over: what waited for it moves on",
+               "if not self._held_back:  # the lease is over: what waited for it moves on",
+               "as above: the held calls' periodic look releases them"),
+    Equivalent("gpufn/client/client.py",
+               "if self._held_back:  # what waited for its room moves on",
+               "if not self._held_back:  # what waited for its room moves on",
+               "as above: the held calls' periodic look releases them"),
+    Equivalent("gpufn/client/client.py",
+               "self._settles[held.grant.endpoint] = (0, 0.0)",
+               "self._settles[held.grant.endpoint] = (0, 1.0)",
+               "seq 0 means the probe is still to send; its time is set when it is sent"),
+    Equivalent("gpufn/client/client.py",
+               "self._settles[held.grant.endpoint] = (0, 0.0)",
+               "self._settles[held.grant.endpoint] = (0, -1.0)",
+               "seq 0 means the probe is still to send; its time is set when it is sent"),
+    Equivalent("scheduler/calls/transitions.py", "n = max(1, inv.counted_attempts)",
+               "n = max( 0, inv.counted_attempts)",
+               "a carried call has at least one attempt, and neither preemptions nor "
+               "unstarted losses yet: counted_attempts >= 1"),
 )

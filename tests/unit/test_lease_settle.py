@@ -239,3 +239,25 @@ def test_probes_go_to_every_endpoint_in_doubt_at_once(
         assert set(c._checks) == {endpoint} and c.leases.suspect == set()
     finally:
         other.close(0)
+
+
+def test_answered_probes_of_several_endpoints_clear_in_one_round(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    c, direct, worker, endpoint = io
+    other = worker.context.socket(zmq.ROUTER)
+    try:
+        ep2 = f"tcp://127.0.0.1:{other.bind_to_random_port('tcp://127.0.0.1')}"
+        c.leases.suspect = {endpoint, ep2}
+        c._checks = {endpoint: (0, 0.0), ep2: (0, 0.0)}
+        c._settle(direct)
+        for sock in (worker, other):
+            peer, ping = _probe(sock)
+            sock.send_multipart([peer, *p.encode(p.Pong(ping.seq))])
+        for ep in (endpoint, ep2):
+            s = direct.sock(ep)
+            assert s.poll(5000)
+            assert not list(direct.received(ep))  # (the Pong, taken)
+        c._settle(direct)
+        assert not c._checks and not c.leases.suspect
+    finally:
+        other.close(0)

@@ -262,3 +262,24 @@ def test_status_lists_devices_and_running_calls() -> None:
     assert st["devices"][0]["running"][0]["function"] == "f"
     assert st["devices"][1]["state"] == "starting"
     assert st["counters"]["submitted"] == 1
+
+
+def test_every_refusal_at_submit_is_a_failed_result_counted_once() -> None:
+    """An unknown function, bad per-call options, a call no device can take and a full
+    queue are each answered at once with a failed Result naming why; the last two are
+    counted (`gpufn status`: unschedulable, rejected)."""
+    h = Harness(devices=1, max_queue=1)
+    h.start_worker(0)
+    fid = h.register("f")
+    h.feed(b"cli", p.Submit("unknown-fn", "no-such-function", {}, frames=(b"a",)))
+    bad = h.submit(fid, memory="lots")
+    huge = h.submit(fid, memory="80GiB")
+    first, second, third = h.submit(fid), h.submit(fid), h.submit(fid)  # one runs, one waits
+    results = h.results()
+    for inv, kind in (("unknown-fn", "GpufnError"), (bad, "InvalidSpec"),
+                      (huge, "Unschedulable"), (third, "QueueFull")):
+        assert not results[inv].ok and results[inv].error_kind == kind, results[inv]
+        assert results[inv].message
+    assert first not in results and second not in results
+    c = h.core.counters
+    assert (c.unschedulable, c.rejected) == (1, 1)

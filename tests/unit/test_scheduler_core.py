@@ -273,13 +273,14 @@ def test_every_refusal_at_submit_is_a_failed_result_counted_once() -> None:
     fid = h.register("f")
     h.feed(b"cli", p.Submit("unknown-fn", "no-such-function", {}, frames=(b"a",)))
     bad = h.submit(fid, memory="lots")
-    huge = h.submit(fid, memory="80GiB")
+    huge, huger = h.submit(fid, memory="80GiB"), h.submit(fid, memory="90GiB")
     first, second, third = h.submit(fid), h.submit(fid), h.submit(fid)  # one runs, one waits
     results = h.results()
     for inv, kind in (("unknown-fn", "GpufnError"), (bad, "InvalidSpec"),
-                      (huge, "Unschedulable"), (third, "QueueFull")):
+                      (huge, "Unschedulable"), (huger, "Unschedulable"),
+                      (third, "QueueFull")):
         assert not results[inv].ok and results[inv].error_kind == kind, results[inv]
         assert results[inv].message
     assert first not in results and second not in results
     c = h.core.counters
-    assert (c.unschedulable, c.rejected) == (1, 1)
+    assert (c.unschedulable, c.rejected) == (2, 1)

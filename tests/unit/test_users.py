@@ -94,7 +94,7 @@ def _cluster(**limits: object) -> tuple[Harness, dict[str, str]]:
 def _submit(h: Harness, peer: bytes, fid: str, keep: bool = False, **options: object) -> str:
     h.n += 1
     inv = f"{peer.decode()}-{h.n}"
-    h.feed(peer, p.Submit(inv, fid, dict(options), keep, (b"args",)))
+    h.feed(peer, p.Submit(inv, fid, dict(options), keep, frames=(b"args",)))
     return inv
 
 
@@ -273,7 +273,8 @@ def test_calls_over_the_device_cap_wait_aside_without_blocking_others() -> None:
     h.feed(b"bob", p.Register(gang, "code-g", "g", h.core.functions[gang].spec.to_wire(), [], (b"c",)))
     refused = _submit(h, b"bob", gang)
     res = h.results(b"bob")[refused]
-    assert res.error_kind == "Unschedulable" and "max-devices" in res.message
+    assert not res.ok and res.error_kind == "Unschedulable" and "max-devices" in res.message
+    assert h.core.counters.unschedulable == 1
 
 
 def test_raising_the_cap_lets_waiting_calls_go_at_once() -> None:

@@ -354,3 +354,33 @@ def test_said_hello_again_while_a_leased_call_waits_the_call_is_not_sent_to_the_
     t.join(10)
     assert isinstance(out[0], p.Result) and out[0].ok and conn.handshakes == 1
     assert not [m for m in _head_got(head) if isinstance(m, (p.Submit, p.Register))]
+
+
+def test_a_leased_answer_that_raised_an_exception_it_retries_on_goes_to_the_scheduler(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]) -> None:
+    """Marked retryable by its worker (and the function has retries): the call is sent
+    through the scheduler with that attempt counted, as raised; the lease notes it as a
+    failed attempt that is retried (not metered as a call)."""
+    ch, _, worker, endpoint = worker_end
+    out, t = _leased_call(ch, endpoint, 2)
+    held = ch.leases._by_id["lease:w"]
+    peer, _ = _worker_reads(worker)
+    worker.send_multipart([peer, *p.encode(p.Result(SUBMIT.invocation_id, False, "", "boom",
+                                                    p.ResultMeta(retryable=True)))])
+    t.join(10)
+    [again] = out
+    assert isinstance(again, p.Submit)
+    assert (again.prior_attempts, again.prior_raised, again.prior_device) == (1, True, "cpu:0")
+    assert held.done == [{"id": SUBMIT.invocation_id, "ok": False, "retry": True}]
+
+
+def test_a_lease_lost_while_its_call_waits_sends_the_call_again_when_it_retries(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]) -> None:
+    ch, head, worker, endpoint = worker_end
+    out, t = _leased_call(ch, endpoint, 1)
+    _worker_reads(worker)
+    sockets.send(head, p.encode(p.Result("lease:w", False, "WorkerLost", "lost during a lease")))
+    t.join(10)
+    [again] = out
+    assert isinstance(again, p.Submit)
+    assert (again.prior_attempts, again.prior_raised) == (1, False)

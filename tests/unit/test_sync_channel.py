@@ -183,7 +183,7 @@ def _leased_call(ch: SyncChannel, endpoint: str, retries: int, granted: bool = F
         except BaseException as e:
             out.append(e)
 
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=run, daemon=True)  # (a hung one must not keep pytest alive)
     t.start()
     return out, t
 

@@ -581,8 +581,6 @@ class Client:
             if ready.get(s):
                 for msg in direct.received(ep):
                     self._dispatch_direct(msg)
-        if self._settles or self._checks:
-            self._settle(direct)
         direct.start_probes()
         for ep in direct.overdue(time.monotonic()):
             for lease_id in self.leases.unreachable(ep):
@@ -613,6 +611,8 @@ class Client:
                 break
             for _ in range(n):
                 box.popleft()
+        if self._settles or self._checks:  # after the DirectRuns: a probe goes behind them
+            self._settle(direct)
 
     def _release_held(self) -> None:
         """Send the calls held back, in order, as far as the leases' room and the
@@ -743,7 +743,9 @@ class Client:
         for probes in (self._settles, self._checks):
             for ep, (seq, sent) in list(probes.items()):
                 if not seq:
-                    probes[ep] = (direct.settle(ep), now)
+                    # behind every call sent there: none may still wait here to go
+                    if ep not in self._parked and all(e != ep for e, _ in self._direct_box):
+                        probes[ep] = (direct.settle(ep), now)
                     continue
                 state = direct.probe_state(ep, seq, sent, now)
                 if state is Probe.WAITING:

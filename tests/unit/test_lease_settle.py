@@ -36,6 +36,7 @@ def io(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Client, direct_mod.Dir
     c._held_back, c._to_settle, c._settles, c._checks = {}, {}, {}, {}
     c._streams, c._shm_files = {}, {}
     c._resubmit, c._rehello_at, c._conn = False, 0.0, None  # (no connection: no Hello sent)
+    c._direct_box, c._parked = deque(), {}
     c.leases = Leases()
     c.leases.on = True
     direct = direct_mod.DirectSockets(ctx, c.leases)
@@ -261,3 +262,19 @@ def test_answered_probes_of_several_endpoints_clear_in_one_round(
         assert not c._checks and not c.leases.suspect
     finally:
         other.close(0)
+
+
+def test_a_probe_waits_behind_calls_still_to_go_to_its_worker(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """A call queued for the worker (not sent yet) when its lease ended: the probe must
+    not overtake it, else its answer (a refusal) would come after the probe's and the
+    call be taken for lost."""
+    c, direct, _, endpoint = io
+    _, ids = _in_flight(c, endpoint, 0, n=1)
+    c._direct_box.append((endpoint, p.encode(p.DirectRun("lease:w", "s", ids[0], (b"a",)))))
+    c._lease_ended(p.Result("lease:w", True, "", "expired"))
+    c._settle(direct)
+    assert c._settles == {endpoint: (0, 0.0)}  # not sent: a call waits to go there
+    c._direct_box.clear()
+    c._settle(direct)
+    assert c._settles[endpoint][0] > 0

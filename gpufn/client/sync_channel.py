@@ -170,27 +170,10 @@ class SyncChannel:
                 settle = (self.direct.settle(g.endpoint), now)
             if check is None and g.endpoint in self.leases.suspect:
                 check = (self.direct.settle(g.endpoint), now)
-            why = ""
-            if settle and self.direct.probe_state(g.endpoint, *settle, now) is not Probe.WAITING:
-                why = "its worker did not answer after its lease ended"
-            if check:
-                state = self.direct.probe_state(g.endpoint, *check, now)
-                if state is Probe.ANSWERED:  # it lives: the call's answer will come
-                    self.leases.suspect.discard(g.endpoint)
-                    check = None
-                elif state is Probe.SILENT:
-                    self.leases.dead_worker(g.endpoint)
-                    why = "its worker did not answer after the scheduler restarted"
-            if why:
-                if g.retries > 0:
-                    return leasing.retried(submit, g, raised=False)
-                raise WorkerLost(f"{name}: {why}, so whether the call completed is unknown. "
-                                 "Set retries=N in @gpu to run it again in such a case.")
             ready = dict(poller.poll(int(min(self.client.ping_seconds,
                                              1.0 if settle or check else 3600.0) * 1000)))
             if not ready:
                 self._send(p.Ping(0))  # the scheduler keeps us (and says if the lease is lost)
-                continue
             if ready.get(dsock):
                 for msg in self.direct.received(g.endpoint, ready=True):
                     if isinstance(msg, p.Result) and msg.invocation_id == inv:
@@ -217,6 +200,24 @@ class SyncChannel:
                                          "completed is unknown. Set retries=N in @gpu to run "
                                          "it again in such a case.")
                     self._other(msg, register, submit, name, resend=False)
+            # The probes, judged after reading what came (a thread that was not scheduled
+            # for a while finds the answer waiting, not a silence).
+            why = ""
+            if settle and self.direct.probe_state(g.endpoint, *settle, now) is not Probe.WAITING:
+                why = "its worker did not answer after its lease ended"
+            if check:
+                state = self.direct.probe_state(g.endpoint, *check, now)
+                if state is Probe.ANSWERED:  # it lives: the call's answer will come
+                    self.leases.suspect.discard(g.endpoint)
+                    check = None
+                elif state is Probe.SILENT:
+                    self.leases.dead_worker(g.endpoint)
+                    why = "its worker did not answer after the scheduler restarted"
+            if why:
+                if g.retries > 0:
+                    return leasing.retried(submit, g, raised=False)
+                raise WorkerLost(f"{name}: {why}, so whether the call completed is unknown. "
+                                 "Set retries=N in @gpu to run it again in such a case.")
 
     def _other(self, msg: p.Message, register: p.Register | None, submit: p.Submit,
                name: str, resend: bool = True) -> None:

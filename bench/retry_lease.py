@@ -92,13 +92,13 @@ def main() -> None:
     for r in range(a.repeats):
         for c in cases:
             got[c].append(run(c[0], a.n, c[1]))
-        print(f"round {r + 1}: " + ", ".join(f"{w}{'' if l else ' (leases off)'} "
-                                            f"{got[(w, l)][-1]:.0f} us" for w, l in cases),
+        print(f"round {r + 1}: " + ", ".join(f"{w}{'' if on else ' (leases off)'} "
+                                            f"{got[(w, on)][-1]:.0f} us" for w, on in cases),
               flush=True)
     med = {c: statistics.median(v) for c, v in got.items()}
     print(f"\np50 per call, min / median of {a.repeats} rounds ({time.monotonic() - start:.0f} s):")
-    for (w, l), v in got.items():
-        print(f"  {w:12s} {'leased' if l else 'leases off':10s} {min(v):8.0f} / {med[(w, l)]:8.0f} us")
+    for (w, on), v in got.items():
+        print(f"  {w:12s} {'leased' if on else 'leases off':10s} {min(v):8.0f} / {med[(w, on)]:8.0f} us")
     print(f"\nretrying, leased vs plain, leased:     {med[('retrying', True)] / med[('plain', True)]:.2f}x")
     print(f"retrying, leases off vs leased:       {med[('retrying', False)] / med[('retrying', True)]:.2f}x slower")
     print(f"first attempt raises, leases off vs leased: "

@@ -155,15 +155,19 @@ CHILD = textwrap.dedent("""
     import os, sys, threading, time
     import torch, gpufn
     gpufn.connect(sys.argv[1], token=sys.argv[2])
+    started = sys.argv[3]
 
     @gpufn.gpu
-    def slow_big(t):
+    def slow_big(t, started):
+        open(started, "w").close()
         time.sleep(2)
         return torch.cat([t, t])  # too big for its argument's file: a new one
 
-    threading.Thread(target=slow_big.remote, args=(torch.zeros(2**21),), daemon=True).start()
-    time.sleep(1.0)
-    os._exit(0)  # dies with its call running: no goodbye, no cleanup
+    threading.Thread(target=slow_big.remote, args=(torch.zeros(2**21), started),
+                     daemon=True).start()
+    while not os.path.exists(started):  # its call runs: die now, before the client's
+        time.sleep(0.005)  # first ping (2 s), whose answer, sent to a dead peer, would
+    os._exit(0)  # make the scheduler forget it and stop the call; no goodbye, no cleanup
 """)
 
 
@@ -172,7 +176,8 @@ def test_files_of_a_caller_that_died_are_removed(
     c = fresh_cluster(GPUFN_SHM_THRESHOLD="1MiB", GPUFN_CPU_DEVICES=1)
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    child = subprocess.Popen([sys.executable, str(script), c.address, c.token],
+    child = subprocess.Popen([sys.executable, str(script), c.address, c.token,
+                              str(tmp_path / "started")],
                              env={**os.environ, "GPUFN_SHM_THRESHOLD": "1MiB"})
     try:
         assert child.wait(60) == 0

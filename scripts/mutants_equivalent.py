@@ -1315,4 +1315,7 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "n = max( 0, inv.counted_attempts)",
                "a carried call has at least one attempt, and neither preemptions nor "
                "unstarted losses yet: counted_attempts >= 1"),
+    Equivalent("scheduler/core.py", "self._seq += 1", "self._seq += 2",
+               "the sequence only orders calls submitted one after another: any step keeps "
+               "the order"),
 )

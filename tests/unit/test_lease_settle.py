@@ -278,3 +278,22 @@ def test_a_probe_waits_behind_calls_still_to_go_to_its_worker(
     c._direct_box.clear()
     c._settle(direct)
     assert c._settles[endpoint][0] > 0
+
+
+def test_the_answer_to_the_reachability_probe_does_not_settle_a_later_probe(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """The worker answered the probe that found it reachable (seq 1) long before; a
+    settle probe has a seq of its own, so that old answer does not count for it (else a
+    lease ending with a call in flight lost the call at once)."""
+    c, direct, worker, endpoint = io
+    _, ids = _in_flight(c, endpoint, 0, n=1)
+    direct.sock(endpoint).send_multipart(p.encode(p.Ping(direct_mod.PROBE_SEQ)))
+    peer, ping = _probe(worker)
+    worker.send_multipart([peer, *p.encode(p.Pong(ping.seq))])
+    assert direct.sock(endpoint).poll(5000)
+    assert not list(direct.received(endpoint))  # (the Pong, taken)
+    c._lease_ended(p.Result("lease:w", True, "", "expired"))
+    c._settle(direct)
+    _probe(worker)  # the settle probe, not answered yet
+    c._settle(direct)
+    assert ids[0] in c._to_settle and not c._calls[ids[0]].future.done()

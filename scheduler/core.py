@@ -644,8 +644,9 @@ class SchedulerCore:
         self.tx.failing = {i for i in self.tx.failing if i.state is InvState.RUNNING}
         self._members(self.members.silent_workers(now), now)
         for kill in self.timers.expired(now):
-            self._kill_worker(kill.device, now, kill.reason)
+            self.kill_worker(kill.device, now, kill.reason)
         self._members(self.members.silent_clients(now), now)
 
-    def _kill_worker(self, d: Device, now: float, reason: str) -> None:
+    def kill_worker(self, d: Device, now: float, reason: str) -> None:
+        """Have its supervisor kill the device's worker; what ran there is lost now."""
         self._members(self.members.kill(d, now, reason), now)

@@ -88,23 +88,27 @@ class Executor:
         with self._lock:
             return list(self._threads)
 
-    def interrupt(self, invocation_id: str, dispatch_token: int = 0) -> bool:
-        """Raise Cancelled inside the call's thread (takes effect at the next bytecode).
+    def interrupt(self, invocation_id: str, dispatch_token: int = 0,
+                  exc: type[BaseException] = Cancelled) -> bool:
+        """Raise `exc` (Cancelled) inside the call's thread (takes effect at the next
+        bytecode); whether it was raised there.
 
         A call not running yet (still in the pool's queue, or not arrived: pipelined) is
-        remembered and refused when it starts. `dispatch_token` (0: any) keeps a cancel meant for
-        an earlier dispatch from refusing a retry. Interrupts are set under the lock while
-        the call is registered, and `_run` clears any still pending when it deregisters.
+        remembered and refused when it starts (a cancel only). `dispatch_token` (0: any)
+        keeps a cancel meant for an earlier dispatch from refusing a retry. Interrupts are
+        set under the lock while the call is registered, and `_run` clears any still
+        pending when it deregisters.
         """
         with self._lock:
             entry = self._threads.get(invocation_id)
             if entry is None or (dispatch_token and entry[1] != dispatch_token):
-                self._cancelled[invocation_id] = (dispatch_token, time.monotonic())
+                if exc is Cancelled:
+                    self._cancelled[invocation_id] = (dispatch_token, time.monotonic())
                 return False
             n = 1
             if not self.driver.is_async(invocation_id):  # an async call's thread only waits
                 n = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(entry[0]), ctypes.py_object(Cancelled))
+                    ctypes.c_ulong(entry[0]), ctypes.py_object(exc))
         self.driver.interrupt(invocation_id, dispatch_token)  # wakes a stream waiting for credit
         return n == 1
 

@@ -30,6 +30,7 @@ from gpufn.exceptions import (
     ConnectionLost,
     GpufnError,
     ProtocolMismatch,
+    Timeout,
     WorkerLost,
     kind_of,
 )
@@ -57,6 +58,7 @@ from gpufn.worker.core import (
 from gpufn.worker.executor import Call, Executor
 from gpufn.worker.host.held import HeldResults, RunJournal
 from gpufn.worker.host.memory_watch import Reports
+from gpufn.worker.lease_clock import LeaseClock, Timed, timed_out
 from gpufn.worker.leases import Answer, Ended, LeaseAction, LeaseBook, Refuse, Start
 from gpufn.worker.output import OutputRouter
 from gpufn.worker.streaming import is_special
@@ -77,6 +79,9 @@ LEASE_ROUND_SECONDS = 0.002
 # batch of 64 no-ops answered at once left each worker of a .map idle half the time).
 DIRECT_FLUSH_CALLS = 24
 DIRECT_FLUSH_SECONDS = 0.002  # ... or once the first has waited this long
+# While leases are open, the control thread looks at least this often for leased calls
+# past their timeout (one may start with a timeout shorter than the heartbeat's wait).
+TIMEOUT_LOOK_SECONDS = 0.25
 
 
 def _torch_device(kind: str) -> Any:
@@ -161,6 +166,8 @@ class WorkerProcess:
         self.identity = f"w/{device_key}/{incarnation}/{os.getpid()}"
         # Calls under a lease come straight from their clients (worker/leases.py).
         self.leases = LeaseBook()
+        # ... and their timeouts, which the scheduler does not see (worker/lease_clock.py)
+        self.clock = LeaseClock(config.env_float("GPUFN_STOP_GRACE_SECONDS", 10.0))
         self._specials: dict[str, bool] = {}  # code id -> generator or async (`_special`)
         self.direct, self.direct_endpoint = _bind_direct(self.ctx, address)
         self._direct_out: list[tuple[bytes, list[p.Message]]] = []
@@ -289,6 +296,9 @@ class WorkerProcess:
     def _leased(self, result: p.Result) -> bool:
         """A call under a lease ended: its output and Result go straight to its client
         (the output to the scheduler too, for `gpufn logs`); the lease goes on."""
+        timed = self.clock.ended(result.invocation_id)
+        if timed is not None:
+            result = self._within_timeout(result, timed)
         peer = self.leases.finished(result, result.meta.duration, time.monotonic())
         if peer is None:
             return False
@@ -298,6 +308,16 @@ class WorkerProcess:
         self._direct_out.append((peer, [*output, result]))
         return True  # the next call of the lease starts in the main loop (no recursion)
 
+    def _within_timeout(self, result: p.Result, timed: Timed) -> p.Result:
+        """A leased call that ran past its timeout fails with Timeout, never retried,
+        whatever it returned or raised (as the scheduler rules for a scheduled call)."""
+        ran = result.meta.duration
+        if timed.interrupted is None and (ran is None or ran <= timed.timeout):
+            return result
+        err = timed_out(timed, self.device_key, ran)
+        result.meta.retryable = False
+        return p.Result(result.invocation_id, False, kind_of(err), str(err), result.meta)
+
     def _lease_act(self, actions: list[LeaseAction]) -> None:
         for a in actions:
             if isinstance(a, Refuse):
@@ -306,7 +326,13 @@ class WorkerProcess:
                 self._direct_out.append((a.peer, [a.result]))
             elif isinstance(a, Ended):
                 self._queue(a.result)
-            elif isinstance(a, Start) and not self._run_leased(a.run):
+            elif not isinstance(a, Start):
+                continue
+            elif a.run.meta.timeout is not None:
+                entry = self.leases.calls.get(a.run.invocation_id)
+                self.clock.started(a.run.invocation_id, entry[0] if entry else "", a.run.name,
+                                   a.run.meta.timeout, time.monotonic(), a.run.dispatch_token)
+            if isinstance(a, Start) and not self._run_leased(a.run):
                 actions_ = self.core.handle(a.run)
                 self.core.running.pop(a.run.invocation_id, None)  # not the scheduler's call
                 self._act(actions_)
@@ -650,6 +676,7 @@ class WorkerProcess:
         next_beat = 0.0
         while True:
             now = time.monotonic()
+            self._enforce_timeouts(sock, now)
             if now >= next_beat:
                 groups = self.groups
                 sock.send_multipart(p.encode(p.Heartbeat(
@@ -658,7 +685,13 @@ class WorkerProcess:
                      "group_inits": groups.inits if groups is not None else 0})))
                 next_beat = now + HEARTBEAT_SECONDS
                 self.executor.forget_cancels(CANCEL_MEMORY_SECONDS)
-            if not sock.poll(math.ceil(max(0.0, next_beat - now) * 1000)):
+            wake = next_beat
+            due = self.clock.next_at()
+            if due is not None:
+                wake = min(wake, due)
+            if self.leases.leases:  # a leased call with a timeout may start meanwhile
+                wake = min(wake, now + TIMEOUT_LOOK_SECONDS)
+            if not sock.poll(math.ceil(max(0.0, wake - now) * 1000)):
                 continue
             while True:
                 try:
@@ -667,6 +700,28 @@ class WorkerProcess:
                     break
                 for msg in msgs:
                     self._control(conn, msg)
+
+    def _enforce_timeouts(self, sock: zmq.Socket[Any], now: float) -> None:
+        """(Control thread.) Leased calls past their timeout are interrupted; one that
+        has not stopped a grace later is reported to the scheduler, which fails it with
+        Timeout at its client and restarts this worker."""
+        due, stuck = self.clock.due(now)
+        for c in stuck:
+            log.error("call %s of %s ran longer than its timeout of %gs and did not stop "
+                      "within %gs of being interrupted; asking the scheduler to restart "
+                      "this worker", c.invocation_id, c.name, c.timeout, self.clock.grace)
+            sock.send_multipart(p.encode(p.LeaseOverrun(
+                c.lease_id, c.invocation_id,
+                f"{c.name} call {c.invocation_id} ran longer than its timeout of "
+                f"{c.timeout:g}s on {self.device_key} and did not stop within "
+                f"{self.clock.grace:g}s of being interrupted; its worker was restarted. "
+                "Raise timeout= if it needs longer.", now - c.started)))
+        for c in due:
+            landed = self.executor.interrupt(c.invocation_id, c.dispatch_token, exc=Timeout)
+            self.clock.interrupted(c, landed, now)
+            if landed:
+                log.warning("call %s of %s ran past its timeout of %gs: interrupted",
+                            c.invocation_id, c.name, c.timeout)
 
     def _control(self, conn: Connection, msg: p.Message) -> None:
         if isinstance(msg, (p.Cancel, p.Credit, p.GroupOp)):

@@ -802,6 +802,9 @@ class Client:
             if items is not None:
                 items.put(msg)
         elif isinstance(msg, p.Result):
+            if self.leases.in_flight(msg.invocation_id):  # a leased call the scheduler ended:
+                self.leases.answered(msg.invocation_id, msg.ok)  # it ran past its timeout
+                self._to_settle.pop(msg.invocation_id, None)  # (worker/lease_clock.py)
             if (self.leases.from_head(msg.invocation_id, time.monotonic(), msg.meta.duration,
                                       msg.meta.devices)
                     and self._held_back):

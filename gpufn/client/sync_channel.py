@@ -191,6 +191,9 @@ class SyncChannel:
             if ready.get(self.sock):
                 self.last_heard = time.monotonic()
                 for msg in self._messages():
+                    if isinstance(msg, p.Result) and msg.invocation_id == inv:
+                        self.leases.answered(inv, msg.ok)  # ended by the scheduler: it ran
+                        return msg  # past its timeout and did not stop (worker/lease_clock.py)
                     if (isinstance(msg, p.Result) and msg.invocation_id == g.lease_id
                             and not msg.ok and inv in held.calls):
                         self._lease_lost(g.lease_id)

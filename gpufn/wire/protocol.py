@@ -692,6 +692,19 @@ class LeaseReport(Message):
     items: list[dict[str, Any]]
 
 
+@message(124)
+@dataclass(frozen=True, slots=True)
+class LeaseOverrun(Message):
+    """Worker -> scheduler (control channel): a call under a lease ran past its timeout
+    and did not stop when interrupted. The scheduler fails it at its client with `message`
+    (Timeout) and restarts the worker, as for a scheduled call past its timeout."""
+
+    lease_id: str
+    invocation_id: str
+    message: str
+    seconds: float
+
+
 @message(110)
 @dataclass(frozen=True, slots=True)
 class Resend(Message):

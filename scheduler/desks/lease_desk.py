@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
-from gpufn.exceptions import Cancelled, WorkerLost, kind_of
+from gpufn.exceptions import Cancelled, Timeout, WorkerLost, kind_of
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.books.usage import Key as UsageKey
 from gpufn.scheduler.desks.surface import CoreView
@@ -32,6 +32,7 @@ log = logging.getLogger("gpufn.scheduler")
 
 PREFIX = "lease:"
 CANCELLED = kind_of(Cancelled)
+TIMEOUT = kind_of(Timeout)
 RENEW_SECONDS = 0.1  # a lease this close to its end may be renewed (`_ending`)
 ACCOUNTED_MEMORY = 1024  # leases whose metered calls are remembered (a late or repeated report)
 
@@ -168,7 +169,6 @@ class LeaseDesk:
         generator, a spawned call whose Result is kept, or one the worker must adopt."""
         return (inv.shape is Shape.SINGLE and not inv.members and inv.carrier is None
                 and inv.lease is None and not inv.items and inv.spec.count == 1
-                and inv.spec.timeout is None  # the scheduler enforces timeouts: not here
                 # A call that uses shared models stays with the scheduler, which weighs
                 # waiting for the device holding them against loading another copy.
                 and not inv.function.model_keys
@@ -199,6 +199,7 @@ class LeaseDesk:
         self.granted += 1
         fn = lease.function
         meta = tx.run_meta(lease, d)
+        meta.timeout = fn.spec.timeout  # each call's: the worker times them (not the lease)
         meta.models = {core.models.models[k].name: k for k in fn.model_keys}
         meta.lease = [*(lease.lease or ()), lease.user]
         if fn.code_id not in d.code:
@@ -361,7 +362,27 @@ class LeaseDesk:
         core.tx.dirty = True
 
     def handlers(self) -> dict[type, Any]:
-        return {p.LeaseReport: self._on_report}
+        return {p.LeaseReport: self._on_report, p.LeaseOverrun: self._on_overrun}
+
+    def _on_overrun(self, peer: bytes, msg: p.LeaseOverrun, now: float) -> None:
+        """A call under a lease ran past its timeout and did not stop when its worker
+        interrupted it: it fails with Timeout at its client (before the lease's end, on
+        the same connection) and is metered so; the worker is restarted, as for a
+        scheduled call past its timeout (what else ran there is lost with it)."""
+        d = self.core.device_of(peer)
+        if d is None:
+            return
+        lease = self.core.invocations.get(msg.lease_id)
+        if lease is not None and lease.lease is not None and d.key in lease.devices:
+            if lease.client in self.core.peers:
+                self.core.send(lease.client, p.Result(msg.invocation_id, False, TIMEOUT,
+                                                      msg.message))
+            self._meter(msg.lease_id, [{"id": msg.invocation_id, "ok": False, "kind": TIMEOUT,
+                                        "s": msg.seconds,
+                                        "wall": self.core.wall(now) - msg.seconds}],
+                        self._key(lease), now, lease, d)
+        self.core.kill_worker(d, now, f"call {msg.invocation_id} under a lease ran past its "
+                                      "timeout and did not stop when interrupted")
 
     def _on_report(self, peer: bytes, msg: p.LeaseReport, now: float) -> None:
         """The calls a lease ran so far (its worker), or, for a lease lost with its
@@ -436,3 +457,4 @@ class LeaseDesk:
             counters.succeeded += by_outcome[_SUCCEEDED]
             counters.cancelled += by_outcome[_CANCELLED]
             counters.failed += by_outcome[_FAILED]
+            counters.timeouts += sum(1 for i in fresh if i.get("kind") == TIMEOUT)

@@ -60,7 +60,8 @@ ROLES_ALLOWED: dict[type, frozenset[str]] = {
     p.Query: _CLIENT, p.Drain: _CLIENT, p.Deploy: _CLIENT, p.Lookup: _CLIENT,
     p.AppCommand: _CLIENT, p.Credit: _CLIENT, p.Attach: _CLIENT, p.UserCommand: _CLIENT,
     p.Result: _WORKER, p.Output: _WORKER, p.Heartbeat: _WORKER, p.ModelEvent: _WORKER,
-    p.Item: _WORKER, p.LeaseReport: frozenset({p.Role.WORKER, p.Role.CLIENT}),
+    p.Item: _WORKER, p.LeaseOverrun: _WORKER,
+    p.LeaseReport: frozenset({p.Role.WORKER, p.Role.CLIENT}),
     p.WorkerExited: frozenset({p.Role.SUPERVISOR}),
 }
 

@@ -546,10 +546,10 @@ def noted(log: str, i: int) -> int:
 
 
 @contextmanager
-def _own_head(tmp_path: Path) -> Iterator[tuple[Head, gpufn.Client]]:
+def _own_head(tmp_path: Path, **env: str) -> Iterator[tuple[Head, gpufn.Client]]:
     """A `gpufn serve` of one device and 30 s leases, its client; stopped after."""
     shutdown_default()
-    head = Head(tmp_path / "head", devices=1, GPUFN_LEASE_SECONDS="30")
+    head = Head(tmp_path / "head", devices=1, GPUFN_LEASE_SECONDS="30", **env)
     try:
         head.start()
         c = gpufn.connect(head.address, token=TOKEN)
@@ -559,6 +559,52 @@ def _own_head(tmp_path: Path) -> Iterator[tuple[Head, gpufn.Client]]:
     finally:
         client_mod._shutdown_default()
         head.close()
+
+
+@gpufn.gpu(memory="1MiB", timeout=1.5)
+def bounded(path: str, seconds: float, native: bool = False) -> int:
+    """Runs `seconds` in 10 ms steps (an interrupt lands between them), or `native`ly in one
+    sleep (no interrupt lands in it); writes how it ended into `path`."""
+    if native:
+        time.sleep(seconds)
+        return os.getpid()
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.01)
+    except BaseException as e:
+        Path(path).write_text(type(e).__name__)
+        raise
+    return os.getpid()
+
+
+def test_a_leased_call_past_its_timeout_fails_with_timeout(tmp_path: Path) -> None:
+    """A function with a timeout goes under leases. A leased call past it is interrupted
+    on its worker (which serves on); one that does not stop within the grace (here 1 s)
+    fails with Timeout too, and its worker is restarted. Both are counted as timeouts."""
+    with _own_head(tmp_path, GPUFN_STOP_GRACE_SECONDS="1") as (_, c):
+        pid = _leased_pid(c, bounded, "", 0.0)
+        leases = _channel(c).leases  # type: ignore[attr-defined]
+        direct = leases.direct_calls
+        ended = tmp_path / "ended"
+        t0 = time.monotonic()
+        with pytest.raises(gpufn.Timeout, match=r"longer than its timeout of 1.5s on .*"
+                                                "it was interrupted"):
+            bounded.remote(str(ended), 8.0)
+        assert 1.4 < time.monotonic() - t0 < 5.0  # stopped at its timeout, not its end
+        assert leases.direct_calls > direct  # it ran under the lease
+        assert ended.read_text() == "Timeout"
+        assert bounded.remote("", 0.0) == pid  # the same worker serves on
+
+        t0 = time.monotonic()
+        with pytest.raises(gpufn.Timeout, match=r"did not stop within 1s of being "
+                                                "interrupted; its worker was restarted"):
+            bounded.remote("", 30.0, True)
+        assert time.monotonic() - t0 < 10.0
+        wait_for(lambda: bounded.remote("", 0.0) != pid, timeout=60,
+                 what="a new worker, the stuck one killed")
+        wait_for(lambda: c.status()["counters"]["timeouts"] == 2, timeout=30,
+                 what="both timeouts counted")
 
 
 def test_a_head_restart_during_a_lease_loses_and_repeats_nothing(tmp_path: Path) -> None:

@@ -351,6 +351,29 @@ def test_a_running_call_is_interrupted_in_its_thread(ex: Executor, done: Done) -
     assert ex.take_cancelled("s", 3)  # the other dispatch's was remembered for it
 
 
+def test_a_timeout_interrupt_raises_timeout_and_is_never_remembered(ex: Executor,
+                                                                      done: Done) -> None:
+    """A leased call past its timeout is interrupted with Timeout (worker/lease_clock.py);
+    one not running is not remembered (unlike a cancel), so it cannot refuse a later run."""
+    from gpufn.exceptions import Timeout
+
+    assert ex.interrupt("t", dispatch_token=4, exc=Timeout) is False
+    assert not ex.take_cancelled("t", 4)
+    started = threading.Event()
+
+    def spin() -> None:
+        started.set()
+        while True:
+            time.sleep(0.001)
+
+    ex.submit(call(spin, inv="t", dispatch_token=4))
+    assert started.wait(10)
+    assert ex.interrupt("t", dispatch_token=4, exc=Timeout) is True
+    (r,) = done.wait()
+    assert not r.ok and r.meta.error_type == "Timeout" and r.meta.dispatch_token == 4
+    assert ex.running() == []
+
+
 # ------------------------------------------------------------------ JSON callers
 
 

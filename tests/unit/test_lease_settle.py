@@ -297,3 +297,22 @@ def test_the_answer_to_the_reachability_probe_does_not_settle_a_later_probe(
     _probe(worker)  # the settle probe, not answered yet
     c._settle(direct)
     assert ids[0] in c._to_settle and not c._calls[ids[0]].future.done()
+
+
+def test_a_leased_call_the_scheduler_fails_for_its_timeout_is_answered_once_not_lost(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """Its worker could not stop it at its timeout (worker/lease_clock.py): the
+    scheduler's Timeout for it comes first, then the lease lost with the killed worker.
+    The call fails Timeout and is neither retried nor failed again; the other call in
+    flight is retried; what the client reports for metering names the timed-out call."""
+    c, _, _, endpoint = io
+    _, (timed, other) = _in_flight(c, endpoint, retries=1)
+    future = c._calls[timed].future
+    c._dispatch(p.Result(timed, False, "Timeout", "f call ran longer than its timeout"))
+    assert future.result(0).error_kind == "Timeout"
+    assert not c.leases.in_flight(timed) and c.leases.in_flight(other)
+    c._lease_ended(p.Result("lease:w", False, "WorkerLost", "lost during a lease"))
+    sent = _sent(c)
+    [report] = [m for m in sent if isinstance(m, p.LeaseReport)]
+    assert [(i["id"], i["ok"]) for i in report.items] == [(timed, False)]
+    assert [m.invocation_id for m in sent if isinstance(m, p.Submit)] == [other]

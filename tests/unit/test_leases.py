@@ -453,11 +453,47 @@ def test_an_unreachable_worker_turns_leases_off_said_once(caplog: pytest.LogCapt
     assert not leases.granted(_grant(), 0.0)
 
 
-def test_a_function_with_a_timeout_is_not_leased() -> None:
+def test_a_function_with_a_timeout_is_leased_and_its_worker_times_each_call() -> None:
+    """The lease's Run carries the function's timeout for its calls (their worker times
+    them: worker/lease_clock.py); the lease itself, which may outlast one call's timeout,
+    is never timed out by the scheduler."""
     h, _ = _leasing()
     fid = h.register("slow", timeout=3)
-    h.finish(b"w0", _submit(h, fid))
-    assert not _grants(h)  # the scheduler's timers enforce timeouts: its calls stay with it
+    _, grant, run = _granted(h, fid)
+    assert run.meta.timeout == 3 and run.meta.lease is not None
+    h.tick(10.0)
+    assert grant.lease_id in h.core.devices["n:0"].running
+    assert not h.of_type(p.KillWorker) and h.core.counters.timeouts == 0
+
+
+def test_a_leased_call_that_did_not_stop_at_its_timeout_fails_so_and_its_worker_restarts() -> None:
+    """Its worker says so (it interrupted the call a grace ago): the call fails with
+    Timeout at its client before the lease's end, is metered as failed and a timeout once
+    however often it is said, and the worker is killed (the lease is lost with it)."""
+    h, _ = _leasing()
+    fid = h.register("slow", timeout=3)
+    _, grant, _ = _granted(h, fid)
+    said = "slow call d1 ran longer than its timeout of 3s on n:0 and did not stop"
+    h.feed(b"w0c", p.LeaseOverrun(grant.lease_id, "d1", said, 13.0))
+    to_client = [s.msg for s in h.sent if s.peer == b"cli" and isinstance(s.msg, p.Result)]
+    timed, end = to_client[-2:]
+    assert (timed.invocation_id, timed.ok, timed.error_kind, timed.message) == (
+        "d1", False, "Timeout", said)
+    assert end.invocation_id == grant.lease_id and end.error_kind == "WorkerLost"
+    kills = [s.msg for s in h.of_type(p.KillWorker)]
+    assert [k.device for k in kills] == ["n:0"] and "d1" in kills[0].reason
+    assert h.core.counters.timeouts == 1 and h.core.counters.failed == 1
+    usage = h.core.ops.usage.calls_total
+    assert sum(n for (_, fn, _, outcome), n in usage.items()
+               if fn == "slow" and outcome == "failed") == 1
+    # Said again (each grace until the kill lands): its worker is gone here, nothing more.
+    h.feed(b"w0c", p.LeaseOverrun(grant.lease_id, "d1", said, 14.0))
+    assert len(h.of_type(p.KillWorker)) == 1 and h.core.counters.timeouts == 1
+    # A lease this scheduler does not know (it restarted): the worker is still restarted.
+    h2, _ = _leasing()
+    h2.feed(b"w0c", p.LeaseOverrun("lease:gone", "d2", said, 13.0))
+    assert [k.msg.device for k in h2.of_type(p.KillWorker)] == ["n:0"]
+    assert not [s for s in h2.sent if s.peer == b"cli" and isinstance(s.msg, p.Result)]
 
 
 def test_a_function_that_retries_on_an_exception_is_leased_and_its_worker_judges_it() -> None:

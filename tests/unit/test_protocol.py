@@ -56,6 +56,7 @@ SAMPLES: list[p.Message] = [
     p.DirectRun("lease:1", "s3cret", "i1", frames=(b"args",)),
     p.LeaseRefused("lease:1", ["i1", "i2"], "the lease ended"),
     p.LeaseReport("lease:1", [{"id": "i1", "ok": True, "s": 0.01}]),
+    p.LeaseOverrun("lease:1", "i1", "f call i1 ran longer than its timeout of 1s", 11.5),
     p.Shutdown("restarting", final=False),
     p.Result("i3", False, "", "raised", p.ResultMeta(items=3, first_item_s=0.1, items_per_s=30.0,
                                                      retryable=True), (b"exc",)),

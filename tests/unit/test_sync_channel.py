@@ -384,3 +384,22 @@ def test_a_lease_lost_while_its_call_waits_sends_the_call_again_when_it_retries(
     [again] = out
     assert isinstance(again, p.Submit)
     assert (again.prior_attempts, again.prior_raised) == (1, False)
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_leased_call_the_scheduler_fails_for_its_timeout_answers_and_is_not_lost(
+        worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str],
+        retries: int) -> None:
+    """Its worker could not stop it at its timeout (worker/lease_clock.py): the scheduler
+    fails it with Timeout, then the lease is lost with the killed worker. The call
+    answers Timeout, never retried, and its lease no longer counts it in flight."""
+    ch, head, worker, endpoint = worker_end
+    out, t = _leased_call(ch, endpoint, retries)
+    _worker_reads(worker)
+    sockets.send(head, p.encode_batch([
+        p.Result(SUBMIT.invocation_id, False, "Timeout", "f call ran longer than its timeout"),
+        p.Result("lease:w", False, "WorkerLost", "the worker of cpu:0 was lost")]))
+    t.join(10)
+    [got] = out
+    assert isinstance(got, p.Result) and got.error_kind == "Timeout"
+    assert not ch.leases.in_flight(SUBMIT.invocation_id)

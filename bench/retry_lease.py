@@ -1,8 +1,8 @@
 """Functions that retry on exceptions (`gpufn.Retries(...)`, `on=(Exception,)` unless
-said otherwise) now go under leases: a no-op `.remote()` of one, of a plain function,
-and of the retrying one with leases off (`GPUFN_LEASE_SECONDS=0`, as every such function
-ran before), in one run, rounds interleaved. And the failing path: calls whose first
-attempt raises and whose retry answers, leased against leases off.
+said otherwise) and functions with a `timeout` now go under leases: a no-op `.remote()`
+of each, of a plain function, and of each with leases off (`GPUFN_LEASE_SECONDS=0`, as
+every such function ran before), in one run, rounds interleaved. And the failing path:
+calls whose first attempt raises and whose retry answers, leased against leases off.
 
     python bench/retry_lease.py [--n 2000] [--repeats 3]
 
@@ -34,6 +34,10 @@ def plain(x):
 def retrying(x):
     return x
 
+@gpufn.gpu(memory="1MiB", timeout=60)  # as the README's quickstart function
+def timed(x):
+    return x
+
 @gpufn.gpu(memory="1MiB", retries=gpufn.Retries(max_retries=2, initial_delay=0.0,
                                                 on=(ValueError,)))
 def fails_first(path):
@@ -43,7 +47,7 @@ def fails_first(path):
     return 1
 
 n, which = int(sys.argv[1]), sys.argv[2]
-fn = {"plain": plain, "retrying": retrying}.get(which)
+fn = {"plain": plain, "retrying": retrying, "timed": timed}.get(which)
 scratch = tempfile.mkdtemp()
 if fn is not None:
     for i in range(200):
@@ -85,8 +89,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    cases = [("plain", True), ("retrying", True), ("retrying", False),
-             ("fails_first", True), ("fails_first", False)]
+    cases = [("plain", True), ("retrying", True), ("retrying", False), ("timed", True),
+             ("timed", False), ("fails_first", True), ("fails_first", False)]
     got: dict[tuple[str, bool], list[float]] = {c: [] for c in cases}
     start = time.monotonic()
     for r in range(a.repeats):
@@ -101,6 +105,8 @@ def main() -> None:
         print(f"  {w:12s} {'leased' if on else 'leases off':10s} {min(v):8.0f} / {med[(w, on)]:8.0f} us")
     print(f"\nretrying, leased vs plain, leased:     {med[('retrying', True)] / med[('plain', True)]:.2f}x")
     print(f"retrying, leases off vs leased:       {med[('retrying', False)] / med[('retrying', True)]:.2f}x slower")
+    print(f"timeout=60, leased vs plain, leased:  {med[('timed', True)] / med[('plain', True)]:.2f}x")
+    print(f"timeout=60, leases off vs leased:     {med[('timed', False)] / med[('timed', True)]:.2f}x slower")
     print(f"first attempt raises, leases off vs leased: "
           f"{med[('fails_first', False)] / med[('fails_first', True)]:.2f}x slower")
 

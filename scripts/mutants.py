@@ -141,6 +141,18 @@ ROOMS: dict[str, Room] = {
                                 "Client._lost_at", "Client._lease_ended",
                                 "Client._dispatch_direct", "Transitions.carry_attempts",
                                 "Transitions.out_of_retries", "SchedulerCore._on_submit")),
+    # Leased calls' timeouts: the worker's clock and interrupt, the scheduler's answer to
+    # a call that did not stop, the client taking that answer.
+    "lease_timeouts": Room(("worker/lease_clock.py", "worker/executor.py",
+                            "scheduler/desks/lease_desk.py", "gpufn/client/client.py"),
+                           (f"{UNIT}/test_lease_clock.py", f"{UNIT}/test_executor.py",
+                            f"{UNIT}/test_leases.py", f"{UNIT}/test_lease_settle.py"),
+                           timeout=60.0, budget=40.0,
+                           only=("LeaseClock.started", "LeaseClock.ended", "LeaseClock.next_at",
+                                 "LeaseClock._due_at", "LeaseClock.due",
+                                 "LeaseClock.interrupted", "timed_out", "within_timeout",
+                                 "Executor.interrupt", "LeaseDesk._on_overrun",
+                                 "LeaseDesk.start", "Client._dispatch")),
     # The worker's executor: calls run inline or on its threads, cancels, batches, relays.
     "executor": Room(("worker/executor.py",),
                      (f"{UNIT}/test_executor.py", f"{UNIT}/test_worker_core.py",

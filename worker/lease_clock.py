@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from gpufn.exceptions import Timeout
+from gpufn.exceptions import Timeout, kind_of
+from gpufn.wire import protocol as p
 
 RECHECK_SECONDS = 0.05  # an interrupt that found its call not running yet is tried again
 
@@ -97,3 +98,15 @@ def timed_out(c: Timed, device: str, ran: float | None = None) -> Timeout:
     return Timeout(f"{c.name} call {c.invocation_id} ran longer than its timeout of "
                    f"{c.timeout:g}s on {device}; it was interrupted. Raise timeout= if it "
                    "needs longer.")
+
+
+def within_timeout(result: p.Result, c: Timed, device: str) -> p.Result:
+    """A leased call's Result as its caller gets it: one that ran past its timeout fails
+    with Timeout, never retried, whatever it returned or raised (as the scheduler rules
+    for a scheduled call)."""
+    ran = result.meta.duration
+    if c.interrupted is None and (ran is None or ran <= c.timeout):
+        return result
+    err = timed_out(c, device, ran)
+    result.meta.retryable = False
+    return p.Result(result.invocation_id, False, kind_of(err), str(err), result.meta)

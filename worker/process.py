@@ -58,7 +58,7 @@ from gpufn.worker.core import (
 from gpufn.worker.executor import Call, Executor
 from gpufn.worker.host.held import HeldResults, RunJournal
 from gpufn.worker.host.memory_watch import Reports
-from gpufn.worker.lease_clock import LeaseClock, Timed, timed_out
+from gpufn.worker.lease_clock import LeaseClock, within_timeout
 from gpufn.worker.leases import Answer, Ended, LeaseAction, LeaseBook, Refuse, Start
 from gpufn.worker.output import OutputRouter
 from gpufn.worker.streaming import is_special
@@ -298,7 +298,7 @@ class WorkerProcess:
         (the output to the scheduler too, for `gpufn logs`); the lease goes on."""
         timed = self.clock.ended(result.invocation_id)
         if timed is not None:
-            result = self._within_timeout(result, timed)
+            result = within_timeout(result, timed, self.device_key)
         peer = self.leases.finished(result, result.meta.duration, time.monotonic())
         if peer is None:
             return False
@@ -307,16 +307,6 @@ class WorkerProcess:
         self._outgoing.extend(output)
         self._direct_out.append((peer, [*output, result]))
         return True  # the next call of the lease starts in the main loop (no recursion)
-
-    def _within_timeout(self, result: p.Result, timed: Timed) -> p.Result:
-        """A leased call that ran past its timeout fails with Timeout, never retried,
-        whatever it returned or raised (as the scheduler rules for a scheduled call)."""
-        ran = result.meta.duration
-        if timed.interrupted is None and (ran is None or ran <= timed.timeout):
-            return result
-        err = timed_out(timed, self.device_key, ran)
-        result.meta.retryable = False
-        return p.Result(result.invocation_id, False, kind_of(err), str(err), result.meta)
 
     def _lease_act(self, actions: list[LeaseAction]) -> None:
         for a in actions:

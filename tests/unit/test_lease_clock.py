@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from gpufn.exceptions import Timeout
-from gpufn.worker.lease_clock import RECHECK_SECONDS, LeaseClock, timed_out
+from gpufn.wire import protocol as p
+from gpufn.worker.lease_clock import RECHECK_SECONDS, LeaseClock, timed_out, within_timeout
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -72,6 +73,39 @@ def test_the_error_says_what_ran_long_and_how() -> None:
     assert str(timed_out(c, "vm:0", ran=1.6)) == (
         "embed call a ran longer than its timeout of 1.5s on vm:0; it was interrupted. "
         "Raise timeout= if it needs longer.")
+
+
+def _timed(interrupted: float | None = None) -> object:
+    clock = LeaseClock(grace=2.0)
+    clock.started("a", "lease:1", "f", 1.5, 10.0)
+    c = clock.ended("a")
+    assert c is not None
+    c.interrupted = interrupted
+    return c
+
+
+def test_a_call_within_its_timeout_answers_as_it_ended() -> None:
+    for ok, ran in ((True, 1.5), (False, 0.2), (True, None)):
+        r = p.Result("a", ok, "" if ok else "ValueError", "", p.ResultMeta(duration=ran,
+                                                                          retryable=not ok))
+        assert within_timeout(r, _timed(), "vm:0") is r  # type: ignore[arg-type]
+        assert r.meta.retryable is (not ok)
+
+
+def test_a_call_past_its_timeout_fails_with_timeout_never_retried() -> None:
+    """Interrupted (whatever it then raised, even an exception its Retries(on=...)
+    matches), or ended by itself past its timeout (even with a value)."""
+    cases = [(p.Result("a", False, "", "raised", p.ResultMeta(duration=1.6, retryable=True),
+                       (b"exc",)), 11.5, "it was interrupted"),
+             (p.Result("a", True, "", "", p.ResultMeta(duration=1.51), (b"value",)), None,
+              "ran 1.5s, longer than its timeout of 1.5s"),
+             (p.Result("a", True, "", "", p.ResultMeta(duration=0.1)), 11.5, "interrupted")]
+    for r, interrupted, said in cases:
+        got = within_timeout(r, _timed(interrupted), "vm:0")  # type: ignore[arg-type]
+        assert (got.invocation_id, got.ok, got.error_kind, got.frames) == ("a", False,
+                                                                          "Timeout", ())
+        assert said in got.message and got.meta.retryable is False
+        assert got.meta is r.meta  # what the run measured goes with it
 
 
 def test_threads_may_start_end_and_look_at_once() -> None:

@@ -609,6 +609,10 @@ class SchedulerCore:
         """The device's worker is gone: retry or fail what ran there. With `oom` (its
         supervisor's words) it was stopped over its host-memory limit: what ran there
         fails with HostOutOfMemory. Membership resets the device next."""
+        # Read before anything is freed: freeing a call starts the clock of the next one
+        # pipelined behind it, and a call that never started is queued again, no attempt
+        # used (all of those behind a call past its timeout had failed WorkerLost).
+        started = {i.id for i in d.running.values() if i.run_started is not None}
         for inv in list(d.running.values()):
             if inv.lease is not None and inv.state is InvState.RUNNING:
                 self.leases.lost(inv, d, now, reason)
@@ -617,7 +621,8 @@ class SchedulerCore:
                     f"{inv.function.name} call {inv.id} on device {d.key}: {oom}"))
             elif inv.state is InvState.RUNNING and d.key in inv.devices:
                 self.tx.lost_with_worker(inv, d, now,
-                                         f"the worker for device {d.key} was lost ({reason})")
+                                         f"the worker for device {d.key} was lost ({reason})",
+                                         inv.id in started)
             else:
                 if inv.lease is not None:  # cancelled meanwhile (its client left)
                     self.leases.open.pop(inv.id, None)

@@ -449,6 +449,8 @@ class WorkerProcess:
             return
         call = self._call(a)
         if a.inline:
+            if self._outgoing:  # the Results of the calls before it, first: held while
+                self._flush()  # a long one ran, the scheduler blamed the first of them
             self._inline = True
             try:
                 self.executor.run_inline(call)

@@ -292,11 +292,14 @@ class Transitions:
 
     def advance_starts(self, d: Device, now: float) -> None:
         """Mark calls on a device as really running (their timeout clock starts) once
-        their models are resident and no earlier call of theirs holds their slot."""
+        their models are resident and no earlier call of theirs holds their slot. A lease
+        holds none here: its worker runs a call sent beside it between the lease's calls,
+        at most one of them later (its clock had waited for the lease's end, so a call
+        pipelined beside its function's lease was never timed)."""
         busy: dict[str, int] = {}
         waiting = []
         for inv in d.running.values():
-            if inv.state is not InvState.RUNNING:
+            if inv.state is not InvState.RUNNING or inv.lease is not None:
                 continue
             if inv.run_started is not None:
                 busy[inv.function.code_id] = busy.get(inv.function.code_id, 0) + 1
@@ -383,11 +386,13 @@ class Transitions:
                 inv.id, False, msg.error_kind, msg.message,
                 self.meta(inv, now, replace(msg.meta, rank=v.rank)), msg.frames), release=False)
 
-    def lost_with_worker(self, inv: Invocation, d: Device, now: float, why: str) -> None:
-        """The worker of `d` died while `inv` ran there: retry or fail a single-device
+    def lost_with_worker(self, inv: Invocation, d: Device, now: float, why: str,
+                         started: bool = True) -> None:
+        """The worker of `d` died while `inv` ran there (`started`: its clock had started,
+        as the caller read it before freeing anything): retry or fail a single-device
         call; a gang's other ranks stop and keep their devices until they report."""
         self.counters.lost += 1
-        never_started = inv.run_started is None and not inv.members
+        never_started = not started and not inv.members
         self.release_reporter(inv, d)
         if not inv.shape.multi_device:
             if never_started:

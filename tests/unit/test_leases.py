@@ -466,6 +466,23 @@ def test_a_function_with_a_timeout_is_leased_and_its_worker_times_each_call() ->
     assert not h.of_type(p.KillWorker) and h.core.counters.timeouts == 0
 
 
+def test_a_call_sent_beside_its_functions_lease_is_timed_from_its_dispatch() -> None:
+    """A short function's call the scheduler pipelines to the device its lease holds (its
+    client sent it to the head) runs there between the lease's calls: its clock starts
+    at once, not at the lease's end (it was never timed: a 6 s call of a timeout=2
+    function ran to its end)."""
+    h, _ = _leasing()
+    fid = h.register("spin", timeout=2)
+    h.finish(b"w0", _submit(h, fid), duration=0.0001)
+    assert _grants(h)
+    beside = _submit(h, fid, lease=False)
+    assert h.runs(b"w0")[-1].invocation_id == beside
+    assert h.core.devices["n:0"].running[beside].run_started is not None
+    h.tick(2.5)
+    assert [s.msg.reason for s in h.of_type(p.KillWorker)] == [
+        f"call {beside} exceeded its 2s timeout"]
+
+
 def test_a_leased_call_that_did_not_stop_at_its_timeout_fails_so_and_its_worker_restarts() -> None:
     """Its worker says so (it interrupted the call a grace ago): the call fails with
     Timeout at its client before the lease's end, is metered as failed and a timeout once

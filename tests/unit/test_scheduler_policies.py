@@ -140,3 +140,32 @@ def test_short_calls_pipeline_about_two_ms_of_work_at_a_worker(duration: float, 
     for _ in range(20):
         h.submit(fid)
     assert len(h.runs(w0)) - before == 1 + queued
+
+
+def test_calls_pipelined_behind_a_call_past_its_timeout_are_queued_again_unspent() -> None:
+    """The worker is killed for the call past its timeout; the short calls pipelined
+    behind it never started there: each goes back to the queue with no attempt used
+    (freeing the first had started the next one's clock, so each in turn was taken for
+    started and, with retries=0, failed WorkerLost)."""
+    h = Harness(devices=1)
+    w0 = h.start_worker(0)
+    fid = h.register(timeout=2)
+    for _ in range(3):  # measure the function: short, so pipelined
+        h.finish(w0, h.submit(fid), duration=1e-5)
+    before = len(h.runs(w0))
+    late, *behind = [h.submit(fid) for _ in range(4)]
+    assert [r.invocation_id for r in h.runs(w0)[before:]] == [late, *behind]
+    h.tick(2.5)
+    assert [s.msg.reason for s in h.of_type(p.KillWorker)] == [
+        f"call {late} exceeded its 2s timeout"]
+    assert h.results()[late].error_kind == "Timeout"
+    for inv in behind:
+        assert h.core.invocations[inv].state is InvState.QUEUED, inv
+        assert inv not in h.results()
+    w1 = h.start_worker(0, peer=b"w0-again", pid=101)
+    h.tick(0.5)  # past the backoff of a lost worker's calls
+    for inv in behind:  # (retries=0: had an attempt been counted, none would run again)
+        assert any(r.invocation_id == inv for r in h.runs(w1)), inv
+        h.finish(w1, inv)
+    assert all(h.results()[inv].ok for inv in behind)
+    assert h.core.counters.timeouts == 1

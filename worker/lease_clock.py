@@ -42,7 +42,7 @@ class LeaseClock:
         self._lock = threading.Lock()
 
     def started(self, invocation_id: str, lease_id: str, name: str, timeout: float | None,
-                now: float, dispatch_token: int = 0) -> None:
+                now: float, dispatch_token: int) -> None:
         if timeout is None:
             return
         with self._lock:

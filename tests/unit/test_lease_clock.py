@@ -16,15 +16,15 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_only_calls_with_a_timeout_are_timed() -> None:
     clock = LeaseClock(grace=2.0)
-    clock.started("a", "lease:1", "f", None, 10.0)
+    clock.started("a", "lease:1", "f", None, 10.0, 1)
     assert clock.next_at() is None and clock.due(1e9) == ([], [])
     assert clock.ended("a") is None
 
 
 def test_a_call_is_due_at_its_timeout_and_not_after_it_ended() -> None:
     clock = LeaseClock(grace=2.0)
+    clock.started("b", "lease:1", "f", 5.0, 10.0, 7)  # (the one not due comes first)
     clock.started("a", "lease:1", "f", 1.5, 10.0, dispatch_token=7)
-    clock.started("b", "lease:1", "f", 5.0, 10.0)
     assert clock.next_at() == 11.5
     assert clock.due(11.49) == ([], [])
     stop, stuck = clock.due(11.5)
@@ -37,7 +37,7 @@ def test_a_call_is_due_at_its_timeout_and_not_after_it_ended() -> None:
 
 def test_an_interrupt_that_landed_waits_a_grace_then_the_call_is_reported_each_grace() -> None:
     clock = LeaseClock(grace=2.0)
-    clock.started("a", "lease:1", "f", 1.0, 10.0)
+    clock.started("a", "lease:1", "f", 1.0, 10.0, 1)
     (c,), _ = clock.due(11.0)
     clock.interrupted(c, landed=True, now=11.0)
     assert clock.due(11.5) == ([], []) and clock.next_at() == 13.0
@@ -52,7 +52,7 @@ def test_an_interrupt_that_landed_waits_a_grace_then_the_call_is_reported_each_g
 
 def test_an_interrupt_that_found_the_call_not_running_yet_is_tried_again_soon() -> None:
     clock = LeaseClock(grace=2.0)
-    clock.started("a", "lease:1", "f", 1.0, 10.0)
+    clock.started("a", "lease:1", "f", 1.0, 10.0, 1)
     (c,), _ = clock.due(11.0)
     clock.interrupted(c, landed=False, now=11.0)
     assert clock.next_at() == pytest.approx(11.0 + RECHECK_SECONDS)
@@ -62,7 +62,7 @@ def test_an_interrupt_that_found_the_call_not_running_yet_is_tried_again_soon() 
 
 def test_the_error_says_what_ran_long_and_how() -> None:
     clock = LeaseClock(grace=2.0)
-    clock.started("a", "lease:1", "embed", 1.5, 10.0)
+    clock.started("a", "lease:1", "embed", 1.5, 10.0, 1)
     c = clock.ended("a")
     assert c is not None
     late = timed_out(c, "vm:0", ran=2.25)  # ended by itself, past its timeout
@@ -77,7 +77,7 @@ def test_the_error_says_what_ran_long_and_how() -> None:
 
 def _timed(interrupted: float | None = None) -> object:
     clock = LeaseClock(grace=2.0)
-    clock.started("a", "lease:1", "f", 1.5, 10.0)
+    clock.started("a", "lease:1", "f", 1.5, 10.0, 1)
     c = clock.ended("a")
     assert c is not None
     c.interrupted = interrupted
@@ -121,7 +121,7 @@ def test_threads_may_start_end_and_look_at_once() -> None:
     t.start()
     try:
         for i in range(5000):
-            clock.started(str(i), "lease:1", "f", 1.0, 0.0)
+            clock.started(str(i), "lease:1", "f", 1.0, 0.0, 1)
             clock.ended(str(i))
     finally:
         stop.set()

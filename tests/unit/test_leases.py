@@ -491,7 +491,7 @@ def test_a_leased_call_that_did_not_stop_at_its_timeout_fails_so_and_its_worker_
     fid = h.register("slow", timeout=3)
     _, grant, _ = _granted(h, fid)
     said = "slow call d1 ran longer than its timeout of 3s on n:0 and did not stop"
-    h.feed(b"w0c", p.LeaseOverrun(grant.lease_id, "d1", said, 13.0))
+    h.feed(b"w0c", p.LeaseOverrun(grant.lease_id, "d1", said, 63.0))
     to_client = [s.msg for s in h.sent if s.peer == b"cli" and isinstance(s.msg, p.Result)]
     timed, end = to_client[-2:]
     assert (timed.invocation_id, timed.ok, timed.error_kind, timed.message) == (
@@ -503,6 +503,11 @@ def test_a_leased_call_that_did_not_stop_at_its_timeout_fails_so_and_its_worker_
     usage = h.core.ops.usage.calls_total
     assert sum(n for (_, fn, _, outcome), n in usage.items()
                if fn == "slow" and outcome == "failed") == 1
+    # metered in the minute it ended (now), having started 63 s before
+    from gpufn.scheduler.books.usage import BUCKET_S
+
+    minute = h.core.ops.usage._buckets[int(h.core.wall(h.now) // BUCKET_S)]
+    assert sum(c.outcomes.get("failed", 0) for k, c in minute.items() if k.function == "slow") == 1
     # Said again (each grace until the kill lands): its worker is gone here, nothing more.
     h.feed(b"w0c", p.LeaseOverrun(grant.lease_id, "d1", said, 14.0))
     assert len(h.of_type(p.KillWorker)) == 1 and h.core.counters.timeouts == 1

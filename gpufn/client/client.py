@@ -910,8 +910,12 @@ class Client:
             # call being submitted right now needs its function known when it arrives.
             self._registered = set(self._register_frames)
             again = list(self._register_frames.values())
+            # Not a call in flight under a lease, nor one whose lease ended with it
+            # unanswered (`_to_settle`: its worker answers it, or a probe says it was
+            # lost): sent again here, it ran twice.
             again += [f for inv, c in self._calls.items()
-                      if not self.leases.in_flight(inv) and (f := c.encoded()) is not None]
+                      if not self.leases.in_flight(inv) and inv not in self._to_settle
+                      and (f := c.encoded()) is not None]
             again += list(self._status_frames.values())
             sent = {id(f) for f in again}
             self._front.extend(again)

@@ -338,3 +338,25 @@ def test_a_probe_that_cannot_be_sent_is_taken_for_silence(
     assert endpoint in c._settles and c._settles[endpoint][0] > direct_mod.PROBE_SEQ
     _until(c, direct, lambda: not c._settles)
     assert isinstance(future.exception(0), WorkerLost)
+
+
+def test_a_call_unanswered_when_its_lease_ended_is_not_sent_again_on_a_hello_again(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """Its lease ended (its worker said so through the scheduler) while it ran; then the
+    scheduler forgot us (a restart, or a cut longer than the client timeout) and we say
+    Hello again: what is outstanding goes again, but not this call, whose worker answers
+    it (or a probe says it was lost). Sent again, it ran twice as its first attempt (a
+    client cut off past the client timeout in the middle of a leased `.map`)."""
+    c, _, _, endpoint = io
+    _, (running, answered) = _in_flight(c, endpoint, 0)
+    c._dispatch_direct(p.Result(answered, True, "", ""))
+    waiting = p.Submit("call-head", "fn-1", {}, frames=(b"args",))  # one at the scheduler
+    c._calls[waiting.invocation_id] = _Pending(Future(), "f", "fn-1", submit=waiting)
+    c._lease_ended(p.Result("lease:w", True, "", "expired"))
+    assert running in c._to_settle and not c.leases.in_flight(running)
+    c._front, c._register_frames, c._status_frames = deque(), {}, {}
+    c._held_ids, c._resubmit = set(), True
+    c._wake = lambda: None  # type: ignore[method-assign]
+    c._send_again()
+    again = [p.decode(frames) for frames in c._front]
+    assert [m.invocation_id for m in again if isinstance(m, p.Submit)] == ["call-head"]

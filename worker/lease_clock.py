@@ -5,8 +5,9 @@ A call past its timeout is interrupted (a `Timeout` raised in its thread, as a c
 raises `Cancelled`); one still running `grace` seconds later (stuck in native code, or it
 swallowed the exception) is reported to the scheduler, which fails it at its client and
 restarts the worker, as it does at once for a scheduled call past its timeout (said again
-each `grace` while it runs: the scheduler may have been restarting). Thread-safe: the main thread starts and ends calls, the control thread
-(which runs while user code holds the main thread) asks what is due.
+each `grace` while it runs: the scheduler may have been restarting). Thread-safe: the
+main thread starts and ends calls, the control thread (which runs while user code holds
+the main thread) asks what is due.
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ class LeaseClock:
                     c.reported = now
                     stuck.append(c)
         return stop, stuck
+
+    def stuck(self, c: Timed, device: str) -> Timeout:
+        """The error of a call still running a grace after its interrupt."""
+        return Timeout(f"{c.name} call {c.invocation_id} ran longer than its timeout of "
+                       f"{c.timeout:g}s on {device} and did not stop within {self.grace:g}s "
+                       "of being interrupted; its worker was restarted. Raise timeout= if it "
+                       "needs longer.")
 
     def interrupted(self, c: Timed, landed: bool, now: float) -> None:
         """The interrupt of `c` was raised in it (`landed`), or found it not running yet."""

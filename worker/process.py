@@ -316,16 +316,16 @@ class WorkerProcess:
                 self._direct_out.append((a.peer, [a.result]))
             elif isinstance(a, Ended):
                 self._queue(a.result)
-            elif not isinstance(a, Start):
-                continue
-            elif a.run.meta.timeout is not None:
-                entry = self.leases.calls.get(a.run.invocation_id)
-                self.clock.started(a.run.invocation_id, entry[0] if entry else "", a.run.name,
-                                   a.run.meta.timeout, time.monotonic(), a.run.dispatch_token)
-            if isinstance(a, Start) and not self._run_leased(a.run):
-                actions_ = self.core.handle(a.run)
-                self.core.running.pop(a.run.invocation_id, None)  # not the scheduler's call
-                self._act(actions_)
+            elif isinstance(a, Start):
+                run = a.run
+                if run.meta.timeout is not None:  # timed here: the scheduler never sees it
+                    self.clock.started(run.invocation_id, self.leases.calls[run.invocation_id][0],
+                                       run.name, run.meta.timeout, time.monotonic(),
+                                       run.dispatch_token)
+                if not self._run_leased(run):
+                    actions_ = self.core.handle(run)
+                    self.core.running.pop(run.invocation_id, None)  # not the scheduler's call
+                    self._act(actions_)
 
     def _run_leased(self, run: p.Run) -> bool:
         """A leased call that runs inline with nothing to set up first (no models, gang,
@@ -703,11 +703,8 @@ class WorkerProcess:
                       "within %gs of being interrupted; asking the scheduler to restart "
                       "this worker", c.invocation_id, c.name, c.timeout, self.clock.grace)
             sock.send_multipart(p.encode(p.LeaseOverrun(
-                c.lease_id, c.invocation_id,
-                f"{c.name} call {c.invocation_id} ran longer than its timeout of "
-                f"{c.timeout:g}s on {self.device_key} and did not stop within "
-                f"{self.clock.grace:g}s of being interrupted; its worker was restarted. "
-                "Raise timeout= if it needs longer.", now - c.started)))
+                c.lease_id, c.invocation_id, str(self.clock.stuck(c, self.device_key)),
+                now - c.started)))
         for c in due:
             landed = self.executor.interrupt(c.invocation_id, c.dispatch_token, exc=Timeout)
             self.clock.interrupted(c, landed, now)

@@ -431,6 +431,7 @@ class LeaseDesk:
             return
         ran: dict[tuple[UsageKey, str], list[tuple[float, float]]] = {}
         by_outcome = dict.fromkeys(_OUTCOMES, 0)
+        timeouts = 0
         wall = self.core.wall(now)
         # The worker names the lease's function and user in its first item (for all).
         k = key or next((UsageKey(str(i.get("app", "")), str(i.get("fn", "?")),
@@ -439,9 +440,10 @@ class LeaseDesk:
         for item in fresh:
             seen.add(str(item.get("id")))
             started = float(item.get("wall", wall))
-            outcome = (_SUCCEEDED if item.get("ok") else _CANCELLED
-                       if item.get("kind") == CANCELLED else _FAILED)
+            kind = item.get("kind")
+            outcome = _SUCCEEDED if item.get("ok") else _CANCELLED if kind == CANCELLED else _FAILED
             by_outcome[outcome] += 1
+            timeouts += kind == TIMEOUT
             ran.setdefault((k, outcome), []).append(
                 (started, started + float(item.get("s", 0.0))))
         for (k, outcome), spans in ran.items():  # one meter entry per key, outcome, minute
@@ -457,4 +459,4 @@ class LeaseDesk:
             counters.succeeded += by_outcome[_SUCCEEDED]
             counters.cancelled += by_outcome[_CANCELLED]
             counters.failed += by_outcome[_FAILED]
-            counters.timeouts += sum(1 for i in fresh if i.get("kind") == TIMEOUT)
+            counters.timeouts += timeouts

@@ -73,6 +73,9 @@ def test_the_error_says_what_ran_long_and_how() -> None:
     assert str(timed_out(c, "vm:0", ran=1.6)) == (
         "embed call a ran longer than its timeout of 1.5s on vm:0; it was interrupted. "
         "Raise timeout= if it needs longer.")
+    assert str(clock.stuck(c, "vm:0")) == (
+        "embed call a ran longer than its timeout of 1.5s on vm:0 and did not stop within "
+        "2s of being interrupted; its worker was restarted. Raise timeout= if it needs longer.")
 
 
 def _timed(interrupted: float | None = None) -> object:

@@ -387,7 +387,7 @@ class Transitions:
                 self.meta(inv, now, replace(msg.meta, rank=v.rank)), msg.frames), release=False)
 
     def lost_with_worker(self, inv: Invocation, d: Device, now: float, why: str,
-                         started: bool = True) -> None:
+                         started: bool) -> None:
         """The worker of `d` died while `inv` ran there (`started`: its clock had started,
         as the caller read it before freeing anything): retry or fail a single-device
         call; a gang's other ranks stop and keep their devices until they report."""

@@ -360,3 +360,4 @@ def test_a_call_unanswered_when_its_lease_ended_is_not_sent_again_on_a_hello_aga
     c._send_again()
     again = [p.decode(frames) for frames in c._front]
     assert [m.invocation_id for m in again if isinstance(m, p.Submit)] == ["call-head"]
+    assert not c._resubmit  # once: a later Welcome sends nothing again

@@ -155,6 +155,9 @@ def test_calls_pipelined_behind_a_call_past_its_timeout_are_queued_again_unspent
     before = len(h.runs(w0))
     late, *behind = [h.submit(fid) for _ in range(4)]
     assert [r.invocation_id for r in h.runs(w0)[before:]] == [late, *behind]
+    running = h.core.devices["n:0"].running
+    assert running[late].run_started is not None  # its slot: the one before it ended
+    assert all(running[i].run_started is None for i in behind)  # waiting behind it
     h.tick(2.5)
     assert [s.msg.reason for s in h.of_type(p.KillWorker)] == [
         f"call {late} exceeded its 2s timeout"]
@@ -168,4 +171,39 @@ def test_calls_pipelined_behind_a_call_past_its_timeout_are_queued_again_unspent
         assert any(r.invocation_id == inv for r in h.runs(w1)), inv
         h.finish(w1, inv)
     assert all(h.results()[inv].ok for inv in behind)
-    assert h.core.counters.timeouts == 1
+    assert h.core.counters.timeouts == 1 and h.core.counters.lost == len(behind)
+
+
+def test_a_call_queued_again_unspent_fails_when_lost_once_it_ran() -> None:
+    """A call pipelined behind one past its timeout goes back unspent; dispatched again,
+    it starts, and with retries=0 a second lost worker fails it (its one attempt used)."""
+    h = Harness(devices=1)
+    w0 = h.start_worker(0)
+    fid = h.register(timeout=2)
+    for _ in range(3):
+        h.finish(w0, h.submit(fid), duration=1e-5)
+    late, behind = h.submit(fid), h.submit(fid)
+    h.tick(2.5)
+    assert h.core.invocations[behind].state is InvState.QUEUED
+    h.start_worker(0, peer=b"w0-again", pid=101)
+    h.tick(0.5)
+    assert h.core.devices["n:0"].running[behind].run_started is not None
+    h.feed(b"sup", p.WorkerExited("n:0", 101, -9, "killed by signal 9", 2))
+    assert h.results()[behind].error_kind == "WorkerLost"
+    assert h.results()[late].error_kind == "Timeout"
+
+
+def test_a_pipelined_calls_clock_starts_when_the_call_before_it_ends() -> None:
+    """One at a time (concurrency 1): the calls waiting at the worker behind a running one
+    are not timed; when it ends, the next one's clock starts, and only that one's."""
+    h = Harness(devices=1)
+    w0 = h.start_worker(0)
+    fid = h.register(timeout=2)
+    for _ in range(3):
+        h.finish(w0, h.submit(fid), duration=1e-5)
+    first, second, third = h.submit(fid), h.submit(fid), h.submit(fid)
+    running = h.core.devices["n:0"].running
+    assert [running[i].run_started is not None for i in (first, second, third)] == [
+        True, False, False]
+    h.finish(w0, first, duration=1e-5)
+    assert [running[i].run_started is not None for i in (second, third)] == [True, False]

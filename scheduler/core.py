@@ -40,6 +40,7 @@ from gpufn.scheduler.calls.transitions import Transitions
 from gpufn.scheduler.desks import report
 from gpufn.scheduler.desks.app_book import AppBook
 from gpufn.scheduler.desks.lease_desk import LeaseDesk, is_lease
+from gpufn.scheduler.desks.lost_leases import Parked
 from gpufn.scheduler.desks.ops import OpsDesk
 from gpufn.scheduler.desks.streams import NO_CLIENT, StreamDesk
 from gpufn.scheduler.desks.user_desk import UserDesk
@@ -394,6 +395,19 @@ class SchedulerCore:
         fn.model_keys = self.models.register(list(msg.models), tuple(msg.frames[ncode:]))
 
     def _on_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
+        if msg.prior_lease and msg.invocation_id not in self.invocations:
+            decided = self.leases.resubmitted(peer, msg, now)  # did it start on the
+            if decided is None:  # lost worker? (its journal, on its way)
+                return
+            msg = decided
+        self._take_submit(peer, msg, now)
+
+    def _admit_parked(self, parked: list[Parked], now: float) -> None:
+        for w in parked:
+            if w.peer in self.peers:  # (a client gone meanwhile took its calls along)
+                self._take_submit(w.peer, w.msg, now)
+
+    def _take_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
         if msg.invocation_id in self.invocations:  # a duplicate: never run twice, but a
             self.streams.resubmitted(peer, self.invocations[msg.invocation_id])  # caller again
             return
@@ -439,7 +453,8 @@ class SchedulerCore:
                 inv, msg.prior_attempts, msg.prior_raised, msg.prior_device, now))
         self._admit(inv, msg.keep, not_before, now)
         if inv.counted_attempts > spec.retries and inv.state is InvState.QUEUED:
-            self.tx.out_of_retries(inv, now, msg.prior_raised)
+            self.tx.out_of_retries(inv, now, msg.prior_raised,
+                                   self.leases.lost_calls.why(msg.prior_lease))
 
     def _admit(self, inv: Invocation, keep: bool, not_before: float, now: float) -> None:
         inv.history.append(("queued", now))
@@ -490,6 +505,10 @@ class SchedulerCore:
             elif inv.state is InvState.RUNNING and msg.include_running:
                 self.tx.cancel_running(inv, now, msg.reason or "cancelled by the caller")
                 cancelled = True
+        elif inv is None and self.leases.lost_calls.unpark(peer, msg.invocation_id):
+            cancelled = True  # it waited for its lost worker's journal: never admitted
+            self.send(peer, p.Result(msg.invocation_id, False, kind_of(Cancelled),
+                                     f"call {msg.invocation_id} was cancelled"))
         elif inv is None and msg.include_running:
             self.leases.forward_cancel(peer, msg)  # its call under a lease, maybe running
         if msg.request_id:
@@ -603,7 +622,10 @@ class SchedulerCore:
         self.tx.dirty = True
 
     def _on_worker_exited(self, peer: bytes, msg: p.WorkerExited, now: float) -> None:
+        d = self.devices.get(msg.device)
+        parked = self.leases.worker_exited(msg) if d is not None and d.supervisor == peer else []
         self._members(self.members.worker_exited(peer, msg, now), now)
+        self._admit_parked(parked, now)
 
     def _worker_gone(self, d: Device, now: float, reason: str, oom: str) -> None:
         """The device's worker is gone: retry or fail what ran there. With `oom` (its
@@ -631,6 +653,7 @@ class SchedulerCore:
         self.tx.dirty = True
 
     def _on_tick(self, now: float) -> None:
+        self._admit_parked(self.leases.tick(now), now)
         self.apps.tick(now)
         self.streams.tick(now)
         self.ops.tick(now)  # usage and logs to disk

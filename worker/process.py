@@ -11,6 +11,7 @@ others run in executor threads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -191,7 +192,9 @@ class WorkerProcess:
         if journal:
             try:
                 self.journal = RunJournal(journal)
-            except OSError as e:  # a full disk: work on, without it
+            except OSError as e:  # a full disk: work on, without it (and say so: no file)
+                with contextlib.suppress(OSError):
+                    os.unlink(journal)
                 log.warning("no journal of the calls started (%s: %s): if this worker dies "
                             "while no scheduler is connected, its calls are not reported to "
                             "the next one. Free space in %s.", journal, e.strerror or e,

@@ -689,13 +689,15 @@ class Client:
 
     def _lease_retry(self, ids: list[str], grant: p.LeaseGrant, raised: bool) -> None:
         """These calls used an attempt under `grant` (lost with its worker, or `raised`
-        an exception they retry on): again through the scheduler, that attempt counted."""
+        an exception they retry on): again through the scheduler, that attempt counted
+        (lost: unless its worker's journal says it never started)."""
         with self._lock:
             for inv in ids:
                 pend = self._calls.get(inv)
                 if pend is None or pend.submit is None:
                     continue
-                pend.submit = leasing.retried(pend.submit, grant, raised)
+                pend.submit = (leasing.retried(pend.submit, grant, raised) if raised
+                               else leasing.lost(pend.submit, grant))
                 pend.frames = None  # a resubmit after a restart carries the attempt too
                 frames = pend.encoded()
                 if frames is not None:
@@ -719,20 +721,12 @@ class Client:
             self._outbox.append(p.encode(report))
         if not held.calls:
             return
-        self._lost(sorted(held.calls), held.grant, msg.message)
+        self._lost(sorted(held.calls), held.grant)
 
-    def _lost(self, ids: list[str], grant: p.LeaseGrant, why: str) -> None:
-        """Calls under `grant` lost with its worker: sent again if they retry, else failed."""
-        if grant.retries > 0:
-            self._lease_retry(ids, grant, raised=False)
-            return
-        with self._lock:
-            lost = [self._calls.pop(inv) for inv in ids if inv in self._calls]
-        for pend in lost:
-            if not pend.future.done():
-                pend.future.set_exception(WorkerLost(
-                    f"{pend.name}: {why}, so whether the call completed is unknown. "
-                    "Set retries=N in @gpu to run it again in such a case."))
+    def _lost(self, ids: list[str], grant: p.LeaseGrant) -> None:
+        """Calls under `grant` lost with its worker: the scheduler runs them again if they
+        never started there or have retries left, else fails them."""
+        self._lease_retry(ids, grant, raised=False)
 
     def _settle(self, direct: DirectSockets) -> None:
         """Probes of leased workers (`DirectSockets.settle`): behind calls unanswered when
@@ -771,7 +765,10 @@ class Client:
             del self._to_settle[inv]
             by_lease.setdefault(g.lease_id, (g, []))[1].append(inv)
         for g, ids in by_lease.values():
-            self._lost(sorted(ids), g, why)
+            log.info("%d call(s) under lease %s at %s: %s; sent to the scheduler, which "
+                     "runs them again if they never started there or retry", len(ids),
+                     g.lease_id, endpoint, why)
+            self._lost(sorted(ids), g)
 
     def _grace_over(self, silent: float) -> str:
         return (f"the scheduler at {self.address} has not answered for {silent:.0f}s, longer "

@@ -6,10 +6,11 @@ waits) the next calls of that function go to that worker as DirectRuns, answered
 straight back. Every DirectRun gets an answer from a live worker: its Result, or a
 LeaseRefused (the lease ended first) after which the call goes through the scheduler
 as usual. A worker lost during a lease is said by the scheduler (the lease's Result,
-not ok): the calls in flight there are sent again through the scheduler when the
-function has retries, else fail `WorkerLost`; a call that raised an exception its
-`Retries(on=...)` matches is sent again likewise. Either way the Submit carries the
-attempt used (`retried`), so the retry budget and backoff are the scheduled path's. An endpoint that does not answer a probe
+not ok): the calls in flight there are sent again through the scheduler, which runs
+those its journal says never started as if first sent and counts the others' attempt
+(`lost`); a call that raised an exception its `Retries(on=...)` matches is sent again
+likewise. Either way the Submit carries the attempt used (`retried`), so the retry
+budget and backoff are the scheduled path's. An endpoint that does not answer a probe
 (a notebook outside the cluster's network) turns leases off for this client, said once.
 Thread-safe: callers take leases, the I/O thread (or a blocking call's channel) grants.
 """
@@ -77,6 +78,14 @@ def retried(submit: p.Submit, grant: p.LeaseGrant, raised: bool) -> p.Submit:
                    prior_device=grant.device)
 
 
+def lost(submit: p.Submit, grant: p.LeaseGrant) -> p.Submit:
+    """`submit` again, through the scheduler, after its worker was lost under `grant`
+    (whatever its retries): the scheduler reads the dead worker's journal, runs it as
+    if first sent when it never started there, else counts the attempt (a retry, or
+    WorkerLost with none left)."""
+    return replace(retried(submit, grant, raised=False), prior_lease=grant.lease_id)
+
+
 def should_retry(result: p.Result, grant: p.LeaseGrant) -> bool:
     """A leased call's answer that it runs again: it raised an exception its
     `Retries(on=...)` matches (the worker judged) and its function has retries."""
@@ -139,7 +148,7 @@ class Leases:
         # (not dataclasses.replace: 7 us a call, a tenth of a leased .map's client time)
         return p.Submit(submit.invocation_id, submit.function_id, submit.options, submit.keep,
                         submit.shm, True, submit.prior_attempts, submit.prior_raised,
-                        submit.prior_device, submit.frames)
+                        submit.prior_device, submit.prior_lease, submit.frames)
 
     def holds(self, lease_id: str) -> bool:
         """A grant of a lease already held hands it more queued calls (`reclaimed`)."""

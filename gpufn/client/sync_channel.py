@@ -15,7 +15,7 @@ import zmq
 
 from gpufn.client import leases as leasing
 from gpufn.client.direct import DirectSockets, Probe
-from gpufn.exceptions import ConnectionLost, WorkerLost
+from gpufn.exceptions import ConnectionLost
 from gpufn.net import sockets
 from gpufn.net.connection import Connection
 from gpufn.wire import protocol as p
@@ -197,11 +197,7 @@ class SyncChannel:
                     if (isinstance(msg, p.Result) and msg.invocation_id == g.lease_id
                             and not msg.ok and inv in held.calls):
                         self._lease_lost(g.lease_id)
-                        if g.retries > 0:
-                            return leasing.retried(submit, g, raised=False)
-                        raise WorkerLost(f"{name}: {msg.message}, so whether the call "
-                                         "completed is unknown. Set retries=N in @gpu to run "
-                                         "it again in such a case.")
+                        return leasing.lost(submit, g)  # the scheduler reads its journal
                     self._other(msg, register, submit, name, resend=False)
             # The probes, judged after reading what came (a thread that was not scheduled
             # for a while finds the answer waiting, not a silence).
@@ -217,10 +213,9 @@ class SyncChannel:
                     self.leases.dead_worker(g.endpoint)
                     why = "its worker did not answer after the scheduler restarted"
             if why:
-                if g.retries > 0:
-                    return leasing.retried(submit, g, raised=False)
-                raise WorkerLost(f"{name}: {why}, so whether the call completed is unknown. "
-                                 "Set retries=N in @gpu to run it again in such a case.")
+                log.info("%s call %s under lease %s: %s; sent to the scheduler", name, inv,
+                         g.lease_id, why)
+                return leasing.lost(submit, g)
 
     def _other(self, msg: p.Message, register: p.Register | None, submit: p.Submit,
                name: str, resend: bool = True) -> None:

@@ -191,6 +191,9 @@ class Submit(Message):
     prior_attempts: int = 0
     prior_raised: bool = False
     prior_device: str = ""
+    # The lease whose worker was lost with the last of those attempts: the scheduler reads
+    # the dead worker's journal, and an attempt that never started there is not counted.
+    prior_lease: str = ""
     frames: tuple[Frame, ...] = ()
 
 
@@ -353,6 +356,9 @@ GAVE_UP = -999  # WorkerExited.returncode: the supervisor gave up restarting the
 OUT_OF_HOST_MEMORY = -998
 
 
+JOURNAL_ID_MAX = 63  # bytes: a longer call id is not journaled (WorkerExited.started)
+
+
 @message(23)
 @dataclass(frozen=True, slots=True)
 class WorkerExited(Message):
@@ -365,6 +371,11 @@ class WorkerExited(Message):
     returncode: int
     reason: str
     incarnation: int = 0
+    # The calls the process had started, from its journal (worker/host/held.py), when
+    # `journaled`: the journal was whole (not missing, not wrapped), so a call not in it
+    # (and whose id is at most JOURNAL_ID_MAX bytes) never started there.
+    started: list[str] = field(default_factory=list)
+    journaled: bool = False
 
 
 @message(24)

@@ -472,15 +472,18 @@ class Transitions:
             self.counters.retried += 1
         return now + (retry_delay(inv.spec, n) if raised else self.config.retry_delay(n))
 
-    def out_of_retries(self, inv: Invocation, now: float, raised: bool) -> None:
-        """A resubmitted call whose attempts under a lease used its retries (its client
-        retries only while some are left; this is the rule, said once, here)."""
+    def out_of_retries(self, inv: Invocation, now: float, raised: bool, lost: str = "") -> None:
+        """A resubmitted call whose attempts under a lease used its retries (this is the
+        rule, said once, here); `lost`: why its lease's worker was lost, if known."""
         why = ("raised an exception it retries on" if raised
-               else "its worker was lost during a lease")
+               else "its worker was lost during a lease" + (f" ({lost})" if lost else ""))
         log.warning("[%s] %s: %s; failed (no retries left)", inv.id, inv.function.name, why)
+        fix = "" if raised else (" It may have run there, or not: whether it completed is "
+                                 "unknown. Set retries=N in @gpu to run it again in such a "
+                                 "case." if inv.spec.retries == 0 else "")
         self.finish(inv, now, InvState.FAILED, WorkerLost(
             f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s), "
-            f"more than its retries ({inv.spec.retries}) allow."))
+            f"more than its retries ({inv.spec.retries}) allow.{fix}"))
 
     def retry_or_fail(self, inv: Invocation, now: float, result: p.Result,
                       release: bool = True) -> None:

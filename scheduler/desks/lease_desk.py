@@ -22,6 +22,7 @@ from typing import Any
 from gpufn.exceptions import Cancelled, Timeout, WorkerLost, kind_of
 from gpufn.memory_pool.residency import Residency
 from gpufn.scheduler.books.usage import Key as UsageKey
+from gpufn.scheduler.desks.lost_leases import LostLeases, Parked, Verdict
 from gpufn.scheduler.desks.surface import CoreView
 from gpufn.scheduler.nouns.records import Device, Invocation
 from gpufn.scheduler.nouns.shapes import Shape
@@ -53,6 +54,7 @@ class LeaseDesk:
         self._metered: OrderedDict[str, set[str]] = OrderedDict()  # lease -> calls metered
         self._lost: OrderedDict[str, tuple[bytes, UsageKey]] = OrderedDict()  # lost leases
         self._idle_asked: set[str] = set()  # open leases asked to end once idle
+        self.lost_calls = LostLeases()  # did a call lost with its lease's worker start?
         self.granted = 0
         self.leased_calls = 0
 
@@ -196,6 +198,7 @@ class LeaseDesk:
             d.ledger.acquire(lease.id, needs, now, lease.function.name)  # not evicted under it
         core.invocations[lease.id] = lease
         self.open[lease.id] = lease
+        self.lost_calls.opened(lease.id, d.key, d.worker_pid)
         self.granted += 1
         fn = lease.function
         meta = tx.run_meta(lease, d)
@@ -344,8 +347,37 @@ class LeaseDesk:
         while len(self._lost) > ACCOUNTED_MEMORY:
             self._lost.popitem(last=False)
         self.core.tx.release_device(lease, d)
+        self.lost_calls.lost(lease.id, why)
         err = WorkerLost(f"the worker of {d.key} was lost during a lease ({why})")
         self._finish(lease, now, p.Result(lease.id, False, kind_of(err), str(err)), release=False)
+
+    def resubmitted(self, peer: bytes, msg: p.Submit, now: float) -> p.Submit | None:
+        """A call its client sends again after its lease's worker was lost: the Submit to
+        admit (its attempt there uncounted if the worker's journal says it never started),
+        or None while it waits for that journal (`worker_exited`, `tick`)."""
+        where = self.lost_calls.worker(msg.prior_lease)
+        d = self.core.devices.get(where[0]) if where is not None else None
+        alive = d is not None and d.worker is not None and (d.key, d.worker_pid) == where
+        verdict = self.lost_calls.verdict(msg, alive)
+        if verdict is Verdict.WAIT:
+            self.lost_calls.park(peer, msg, now)
+            return None
+        return LostLeases.decided(msg, verdict)
+
+    def worker_exited(self, msg: p.WorkerExited) -> list[Parked]:
+        """Its journal: the calls that waited for it, each to admit (`Parked.msg`)."""
+        return [self._release(w, self.lost_calls.verdict(w.msg, alive=False))
+                for w in self.lost_calls.journal(msg)]
+
+    def tick(self, now: float) -> list[Parked]:
+        """Calls that waited for a journal that did not come: their attempt counts."""
+        return [self._release(w, Verdict.MAY_HAVE_RUN) for w in self.lost_calls.expired(now)]
+
+    @staticmethod
+    def _release(w: Parked, verdict: Verdict) -> Parked:
+        if verdict is Verdict.WAIT:  # (its worker's journal came meanwhile: never so)
+            verdict = Verdict.MAY_HAVE_RUN
+        return Parked(w.peer, LostLeases.decided(w.msg, verdict), w.until)
 
     def _finish(self, lease: Invocation, now: float, msg: p.Result, release: bool = True) -> None:
         core = self.core

@@ -96,6 +96,25 @@ def test_the_journal_file_keeps_ids_up_to_63_bytes_and_wraps(tmp_path: Path) -> 
     assert RunJournal.read(path) == [] and path.stat().st_size == held.JOURNAL_SLOTS * held.SLOT
 
 
+def test_a_journal_is_read_whole_only_when_every_call_started_is_in_it(tmp_path: Path) -> None:
+    """`read_whole` is what says a call never started (scheduler/desks/lost_leases.py):
+    None for no journal, one of another size (a worker that could not make it), or one
+    that may have wrapped (its last free slot may be a slot torn by the kill)."""
+    path = tmp_path / "journal"
+    assert RunJournal.read_whole(path) is None
+    RunJournal.clear(path)  # what the supervisor does before each worker starts
+    assert RunJournal.read_whole(path) == []
+    j = RunJournal(path)
+    for i in range(held.JOURNAL_SLOTS - 2):
+        j.started(f"{i:04d}")
+    assert len(RunJournal.read_whole(path) or []) == held.JOURNAL_SLOTS - 2
+    j.started("last")  # one slot free: it may be a torn one, over an older id
+    assert RunJournal.read_whole(path) is None and len(RunJournal.read(path)) == held.JOURNAL_SLOTS - 1
+    j.close()
+    path.write_bytes(b"\x01a")
+    assert RunJournal.read_whole(path) is None and RunJournal.read(path) == []
+
+
 def test_a_new_journal_is_owner_only_and_reads_its_last_slot(tmp_path: Path) -> None:
     path = tmp_path / "journal"
     j = RunJournal(path)

@@ -379,10 +379,10 @@ def test_the_client_asks_only_for_plain_calls() -> None:
 def test_a_marked_submit_keeps_every_other_field() -> None:
     """mark builds the Submit field by field (dataclasses.replace cost 7 us a call)."""
     sub = p.Submit("i", "f1", {}, keep=False, shm=True, prior_attempts=2, prior_raised=True,
-                   prior_device="d1", frames=(b"a", b"b"))
+                   prior_device="d1", prior_lease="lease:x", frames=(b"a", b"b"))
     assert {f.name for f in dataclasses.fields(p.Submit)} == {
         "invocation_id", "function_id", "options", "keep", "shm", "lease", "prior_attempts",
-        "prior_raised", "prior_device", "frames"}
+        "prior_raised", "prior_device", "prior_lease", "frames"}
     assert Leases().mark(sub) == dataclasses.replace(sub, lease=True)
 
 

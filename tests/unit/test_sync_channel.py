@@ -204,10 +204,9 @@ def test_a_worker_that_dies_after_its_lease_ended_fails_or_retries_the_call(
         retries: int) -> None:
     """The lease ended (its worker said so through the scheduler) with the call sent and
     unanswered; the worker then died, so nobody would ever say more (the call waited
-    forever). A probe behind the call goes unanswered: the call is lost with the worker,
-    retried as its retries allow (the attempt counted), else WorkerLost."""
-    from gpufn.exceptions import WorkerLost
-
+    forever). A probe behind the call goes unanswered: the call is lost with the worker
+    and sent through the scheduler, with its attempt and lease (the scheduler reads the
+    dead worker's journal: it runs again if it never started, or retries, else fails)."""
     ch, head, worker, endpoint = worker_end
     out, t = _leased_call(ch, endpoint, retries)
     _, got = _worker_reads(worker)
@@ -217,13 +216,10 @@ def test_a_worker_that_dies_after_its_lease_ended_fails_or_retries_the_call(
     assert isinstance(probe[0], p.Ping)
     t.join(10)
     assert not t.is_alive()
-    if retries:
-        [again] = out
-        assert isinstance(again, p.Submit) and again.prior_attempts == 1
-        assert not again.prior_raised and again.prior_device == "cpu:0"
-    else:
-        [error] = out
-        assert isinstance(error, WorkerLost) and "did not answer after its lease" in str(error)
+    [again] = out
+    assert isinstance(again, p.Submit) and again.prior_attempts == 1
+    assert not again.prior_raised and again.prior_device == "cpu:0"
+    assert again.prior_lease == "lease:w"
 
 
 def test_a_live_worker_answers_the_call_before_the_probe_after_its_lease_ended(
@@ -312,11 +308,10 @@ def test_a_leased_call_waiting_pings_the_scheduler_once_a_ping_interval(
 
 def test_a_lease_lost_while_its_call_waits_tells_the_scheduler_what_ran_there(
         worker_end: tuple[SyncChannel, zmq.Socket[Any], zmq.Socket[Any], str]) -> None:
-    """Lost with its worker (the scheduler's word): the call fails WorkerLost, and the
-    scheduler hears which calls of the lease were answered (it meters them: the worker's
-    own last reports died with it)."""
-    from gpufn.exceptions import WorkerLost
-
+    """Lost with its worker (the scheduler's word): the call goes to the scheduler with
+    its lease (which judges from the worker's journal), and the scheduler hears which
+    calls of the lease were answered (it meters them: the worker's own last reports died
+    with it)."""
     ch, head, worker, endpoint = worker_end
     grant = p.LeaseGrant("lease:w", "fn-1", endpoint, "s", 30.0, 10, 0, [], "cpu:0")
     assert ch.leases.granted(grant, time.monotonic())
@@ -328,7 +323,8 @@ def test_a_lease_lost_while_its_call_waits_tells_the_scheduler_what_ran_there(
     _worker_reads(worker)
     sockets.send(head, p.encode(p.Result("lease:w", False, "WorkerLost", "lost during a lease")))
     t.join(10)
-    assert isinstance(out[0], WorkerLost)
+    assert isinstance(out[0], p.Submit) and out[0].prior_lease == "lease:w"
+    assert out[0].prior_attempts == 1
     [report] = [m for m in _head_got(head) if isinstance(m, p.LeaseReport)]
     assert report.lease_id == "lease:w" and [i["id"] for i in report.items] == ["call-1"]
 
@@ -383,7 +379,7 @@ def test_a_lease_lost_while_its_call_waits_sends_the_call_again_when_it_retries(
     t.join(10)
     [again] = out
     assert isinstance(again, p.Submit)
-    assert (again.prior_attempts, again.prior_raised) == (1, False)
+    assert (again.prior_attempts, again.prior_raised, again.prior_lease) == (1, False, "lease:w")
 
 
 @pytest.mark.parametrize("retries", [0, 1])

@@ -19,8 +19,8 @@ from gpufn.wire import protocol as p
 
 MAX_IDS = 10_000  # calls remembered as "ran here" (ids only) for a restarted scheduler
 JOURNAL_SLOTS = 4096  # calls the journal remembers, newest over oldest
-SLOT = 64  # bytes per journal slot: a length byte, then the id
-MAX_ID = SLOT - 1
+SLOT = p.JOURNAL_ID_MAX + 1  # bytes per journal slot: a length byte, then the id
+MAX_ID = p.JOURNAL_ID_MAX
 
 
 def _nbytes(frames: tuple[Any, ...]) -> int:
@@ -159,6 +159,19 @@ class RunJournal:
                 except UnicodeDecodeError:
                     continue
         return out
+
+    @staticmethod
+    def read_whole(path: Path | str) -> list[str] | None:
+        """The ids in a journal file when they are every call its process started: None
+        when there is no journal of full size (the worker could not make it) or it may
+        have wrapped (newer ids over older ones; a slot torn by the kill reads empty)."""
+        try:
+            if Path(path).stat().st_size != JOURNAL_SLOTS * SLOT:
+                return None
+        except OSError:
+            return None
+        ids = RunJournal.read(path)
+        return ids if len(ids) < JOURNAL_SLOTS - 1 else None
 
     @staticmethod
     def clear(path: Path | str) -> None:

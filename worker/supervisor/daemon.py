@@ -212,7 +212,9 @@ class Supervisor:
             slot.proc = None
             self._stop_leftovers(key, proc.pid)
             seq = self._ping_seq + 1  # the next Ping follows the exit notice sent below
-            self._dead_ran.extend((seq, inv) for inv in RunJournal.read(slot.journal_path))
+            whole = RunJournal.read_whole(slot.journal_path)
+            started = whole if whole is not None else RunJournal.read(slot.journal_path)
+            self._dead_ran.extend((seq, inv) for inv in started)
             if slot.memory_kill:
                 reason, rc = slot.memory_kill, p.OUT_OF_HOST_MEMORY
             elif slot.kill_reason:
@@ -239,9 +241,11 @@ class Supervisor:
                 slot.fast_failures = GIVE_UP_AFTER - 1  # one more failure gives up again
                 self._send(p.WorkerExited(key, proc.pid, GAVE_UP, (
                     f"the worker failed to start {GIVE_UP_AFTER} times in a row; trying again "
-                    f"in {wait:g}s. Log: {slot.log_path}. {reason}"), slot.incarnation))
+                    f"in {wait:g}s. Log: {slot.log_path}. {reason}"), slot.incarnation,
+                    started, whole is not None))
             else:
-                self._send(p.WorkerExited(key, proc.pid, rc, reason, slot.incarnation))
+                self._send(p.WorkerExited(key, proc.pid, rc, reason, slot.incarnation,
+                                          started, whole is not None))
 
     def _serving(self, msg: p.WorkerServing) -> None:
         slot = self.slots.get(msg.device)

@@ -1,0 +1,79 @@
+"""A leased `.map` whose worker dies under one call, through real processes: the calls
+queued behind that one never started there, and run again as if first sent (the dead
+worker's journal says so), even with `retries=0`. Only the call that took the worker
+down fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import gpufn
+
+from ..conftest import cluster_with
+from ._waits import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+N, BAD = 16, 5
+
+
+@gpufn.gpu(memory="1MiB")
+def crashes(path: str, i: int, bad: int) -> int:
+    """Notes its run in `path`; the `bad` one takes its worker down (a segfault, say)."""
+    with open(path, "a") as f:
+        f.write(f"{i}\n")
+    if i == bad:
+        time.sleep(0.3)  # (the answers before it have left)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.005)
+    return i
+
+
+@gpufn.gpu(memory="1MiB", timeout=1.0)
+def hangs(path: str, i: int, bad: int) -> int:
+    """Notes its run in `path`; the `bad` one swallows its interrupt and never stops
+    (native code would not see it at all), so its worker is killed."""
+    with open(path, "a") as f:
+        f.write(f"{i}\n")
+    if i == bad:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            try:
+                time.sleep(0.05)
+            except gpufn.Timeout:
+                pass
+    time.sleep(0.005)
+    return i
+
+
+@pytest.fixture(scope="module")
+def leasing() -> Iterator[gpufn.Client]:
+    """One device, long leases, a stuck call's worker killed 1 s after its interrupt."""
+    with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_LEASE_SECONDS=30,
+                      GPUFN_STOP_GRACE_SECONDS=1) as c:
+        yield c
+
+
+@pytest.mark.parametrize("fn", [crashes, hangs], ids=["crash", "stuck past its timeout"])
+def test_calls_queued_behind_the_call_that_lost_the_worker_run_once_each(
+        leasing: gpufn.Client, tmp_path: Path, fn: gpufn.Function) -> None:
+    warm = str(tmp_path / "warm")
+    wait_for(lambda: (list(fn.map([warm] * 8, range(8), [-1] * 8)),
+                      leasing.leases.direct_calls > 0)[1], timeout=30, what="a lease")
+    runs = tmp_path / "runs"
+    direct = leasing.leases.direct_calls
+    out = list(fn.map([str(runs)] * N, range(N), [BAD] * N, return_exceptions=True))
+    assert leasing.leases.direct_calls - direct >= BAD  # the map went under the lease
+    failed = {i: o for i, o in enumerate(out) if isinstance(o, BaseException)}
+    assert list(failed) == [BAD], failed
+    assert isinstance(failed[BAD], gpufn.WorkerLost if fn is crashes else gpufn.Timeout)
+    assert [o for i, o in enumerate(out) if i != BAD] == [i for i in range(N) if i != BAD]
+    ran = Counter(int(line) for line in runs.read_text().split())
+    assert ran == Counter(range(N)), ran  # each once, the bad one too (retries=0)

@@ -1,0 +1,169 @@
+"""Calls in flight under a lease lost with its worker: the scheduler reads the dead
+worker's journal (`WorkerExited.started`) and runs again, as if first sent, those that
+never started there (scheduler/desks/lost_leases.py), over the core's harness."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufn.scheduler.desks.lost_leases import JOURNAL_WAIT_SECONDS, LostLeases, Verdict
+from gpufn.wire import protocol as p
+
+from .core_harness import Harness
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _leased(retries: int = 0) -> tuple[Harness, str, p.LeaseGrant]:
+    h = Harness(devices=1)
+    h.hello(b"w0", p.Role.WORKER, info={"device": "n:0", "incarnation": 1,
+                                        "direct": "tcp://127.0.0.1:5999"}, pid=41)
+    h.hello(b"w0c", p.Role.WORKER, info={"device": "n:0", "incarnation": 1,
+                                         "channel": "control"}, pid=41)
+    fid = h.register("f", retries=retries)
+    h.feed(b"cli", p.Submit("first", fid, {}, lease=True, frames=(b"args",)))
+    h.finish(b"w0", "first")
+    [grant] = [s.msg for s in h.sent if isinstance(s.msg, p.LeaseGrant)]
+    return h, fid, grant
+
+
+def _again(h: Harness, fid: str, grant: p.LeaseGrant, inv: str) -> None:
+    """What the client sends for a call in flight under the lost lease (`leases.lost`)."""
+    h.feed(b"cli", p.Submit(inv, fid, {}, lease=True, prior_attempts=1, prior_device="n:0",
+                            prior_lease=grant.lease_id, frames=(b"args",)))
+
+
+def _exited(started: list[str], journaled: bool = True) -> p.WorkerExited:
+    return p.WorkerExited("n:0", 41, -9, "killed by signal 9", 1, started, journaled)
+
+
+def _new_worker(h: Harness) -> None:
+    h.hello(b"w1", p.Role.WORKER, info={"device": "n:0", "incarnation": 2,
+                                        "direct": "tcp://127.0.0.1:5998"}, pid=42)
+
+
+def test_a_call_that_never_started_on_the_lost_worker_runs_as_if_first_sent() -> None:
+    """retries=0: the call the journal holds fails WorkerLost (it may have run, and says
+    how to have such calls retried); the one queued behind it, not in the journal, runs
+    on the next worker as attempt 1."""
+    h, fid, grant = _leased(retries=0)
+    h.feed(b"sup", _exited(["ran-1"]))
+    _again(h, fid, grant, "ran-1")
+    _again(h, fid, grant, "queued-1")
+    ran = h.results()["ran-1"]
+    assert not ran.ok and ran.error_kind == "WorkerLost"
+    assert "killed by signal 9" in ran.message and "Set retries=N" in ran.message
+    assert "queued-1" not in h.results()
+    _new_worker(h)
+    [run] = [r for r in h.runs(b"w1") if r.invocation_id == "queued-1"]
+    assert run.meta.attempt_number == 1
+    assert h.core.counters.retried == 0
+
+
+def test_with_retries_the_call_that_ran_is_retried_and_the_other_not_counted() -> None:
+    h, fid, grant = _leased(retries=1)
+    h.feed(b"sup", _exited(["ran-1"]))
+    _again(h, fid, grant, "ran-1")
+    _again(h, fid, grant, "queued-1")
+    _new_worker(h)
+    h.tick(5.0)  # past the retry's backoff
+    h.finish(b"w1", "queued-1")  # (one device: one call at a time)
+    h.tick(0.1)
+    attempts = {r.invocation_id: r.meta.attempt_number for r in h.runs(b"w1")}
+    assert attempts == {"ran-1": 2, "queued-1": 1}
+    assert h.core.counters.retried == 1
+
+
+def test_a_resubmit_before_the_journal_waits_for_it() -> None:
+    """The scheduler killed the worker (a call past its timeout): the lease is lost at
+    once, its calls come back before the supervisor's exit notice with the journal."""
+    h, fid, grant = _leased()
+    h.core.leases.lost(h.core.invocations[grant.lease_id], h.core.devices["n:0"], h.now,
+                       "killed: a call ran past its timeout")
+    for _ in h.core.members.lose_worker(h.core.devices["n:0"], h.now, "killed"):
+        pass
+    _again(h, fid, grant, "queued-1")
+    _again(h, fid, grant, "queued-1")  # said again (a Hello again): one call
+    assert "queued-1" not in h.results() and "queued-1" not in h.core.invocations
+    assert h.core.leases.lost_calls.waiting() == 1
+    h.feed(b"sup", _exited(["stuck"]))
+    assert h.core.leases.lost_calls.waiting() == 0
+    assert h.core.invocations["queued-1"].attempts == 0  # not counted
+    _new_worker(h)
+    assert [r.meta.attempt_number for r in h.runs(b"w1") if r.invocation_id == "queued-1"] == [1]
+
+
+def test_a_journal_that_never_comes_counts_the_attempt() -> None:
+    h, fid, grant = _leased()
+    for _ in h.core.members.lose_worker(h.core.devices["n:0"], h.now, "unreachable"):
+        pass
+    h.core.leases.lost(h.core.invocations[grant.lease_id], h.core.devices["n:0"], h.now,
+                       "unreachable")
+    _again(h, fid, grant, "queued-1")
+    h.tick(JOURNAL_WAIT_SECONDS - 0.5)
+    assert "queued-1" not in h.results()
+    h.tick(1.0)
+    assert not h.results()["queued-1"].ok  # retries=0: it may have run
+    assert h.core.leases.lost_calls.waiting() == 0
+
+
+@pytest.mark.parametrize("case", ["not journaled", "worker alive", "unknown lease",
+                                  "another pid", "id too long"])
+def test_without_a_whole_journal_of_that_worker_the_attempt_counts(case: str) -> None:
+    h, fid, grant = _leased()
+    inv = "x" * (p.JOURNAL_ID_MAX + 1) if case == "id too long" else "queued-1"
+    if case == "not journaled":
+        h.feed(b"sup", _exited([], journaled=False))
+    elif case in ("unknown lease", "id too long"):
+        h.feed(b"sup", _exited([]))
+    elif case == "another pid":
+        # another process's notice (stale: the device's worker lives), its journal empty
+        h.feed(b"sup", p.WorkerExited("n:0", 40, -9, "killed", 0, [], True))
+    if case == "unknown lease":
+        grant = p.LeaseGrant("lease:other", fid, "", "", 1.0, 1, 0)
+    _again(h, fid, grant, inv)
+    result = h.results()[inv]
+    assert not result.ok and result.error_kind == "WorkerLost"
+
+
+def test_a_waiting_call_its_client_cancels_is_cancelled_and_never_runs() -> None:
+    h, fid, grant = _leased()
+    for _ in h.core.members.lose_worker(h.core.devices["n:0"], h.now, "killed"):
+        pass
+    _again(h, fid, grant, "queued-1")
+    h.feed(b"other", p.Cancel("queued-1", "not its caller"))  # only its caller's counts
+    h.feed(b"cli", p.Cancel("queued-1", "interrupted by the caller"))
+    assert h.results()["queued-1"].error_kind == "Cancelled"
+    h.feed(b"sup", _exited([]))
+    _new_worker(h)
+    assert not [r for r in h.runs(b"w1") if r.invocation_id == "queued-1"]
+
+
+def test_a_waiting_call_whose_client_left_is_dropped() -> None:
+    h, fid, grant = _leased()
+    for _ in h.core.members.lose_worker(h.core.devices["n:0"], h.now, "killed"):
+        pass
+    _again(h, fid, grant, "queued-1")
+    h.feed(b"cli", p.Goodbye("closed"))
+    h.feed(b"sup", _exited([]))
+    assert "queued-1" not in h.core.invocations
+
+
+def test_the_verdicts() -> None:
+    lost = LostLeases()
+    lost.opened("lease:a", "n:0", 7)
+    sub = p.Submit("c1", "f", {}, prior_attempts=2, prior_device="n:0", prior_lease="lease:a")
+    assert lost.verdict(sub, alive=True) is Verdict.MAY_HAVE_RUN
+    assert lost.verdict(sub, alive=False) is Verdict.WAIT
+    raised = p.Submit("c1", "f", {}, prior_attempts=1, prior_raised=True, prior_lease="lease:a")
+    assert lost.verdict(raised, alive=False) is Verdict.MAY_HAVE_RUN  # it ran: it raised
+    lost.journal(p.WorkerExited("n:0", 7, -9, "", 1, ["c2"], True))
+    assert lost.verdict(sub, alive=False) is Verdict.NEVER_STARTED
+    again = LostLeases.decided(sub, Verdict.NEVER_STARTED)
+    assert (again.prior_attempts, again.prior_lease, again.prior_device) == (1, "", "n:0")
+    first = LostLeases.decided(p.Submit("c1", "f", {}, prior_attempts=1, prior_device="n:0",
+                                        prior_lease="lease:a"), Verdict.NEVER_STARTED)
+    assert (first.prior_attempts, first.prior_device) == (0, "")
+    assert LostLeases.decided(sub, Verdict.MAY_HAVE_RUN) is sub
+    assert lost.verdict(p.Submit("c2", "f", {}, prior_attempts=1, prior_lease="lease:a"),
+                        alive=False) is Verdict.MAY_HAVE_RUN

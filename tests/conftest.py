@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 # The tests never see the user's own `gpufn serve` (~/.gpufn/cluster.json) nor write there.
-os.environ["GPUFN_HOME"] = tempfile.mkdtemp(prefix="gpufn-test-home-")
+TEST_HOME = os.environ["GPUFN_HOME"] = tempfile.mkdtemp(prefix="gpufn-test-home-")
 os.environ.setdefault("GPUFN_CPU_DEVICES", "2")
 os.environ.setdefault("GPUFN_DEVICE_MEMORY", "8GiB")
 os.environ.setdefault("GPUFN_PROGRESS", "0")
@@ -22,7 +22,13 @@ os.environ.setdefault("GPUFN_PROGRESS", "0")
 import gpufn
 from gpufn.client import default as client_mod
 
-atexit.register(shutil.rmtree, os.environ["GPUFN_HOME"], True)
+atexit.register(shutil.rmtree, TEST_HOME, True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Also here: an xdist worker process ends without running its atexit handlers (one
+    empty home directory was left in /tmp per worker per run)."""
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
 
 
 def cluster_pids(c: gpufn.Client) -> list[int]:

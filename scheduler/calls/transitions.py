@@ -151,7 +151,9 @@ class Transitions:
     def _run_metas(self, inv: Invocation, devices: tuple[Device, ...]) -> list[p.RunMeta | None]:
         """What each device's worker is told with the run (None: it runs nothing)."""
         spec = inv.spec
-        base = p.RunMeta(attempt_number=inv.attempts, timeout=spec.timeout,
+        # (`gpufn.context().attempt`: the runs that started, this one too; a dispatch lost
+        # with its worker before it started was no attempt)
+        base = p.RunMeta(attempt_number=inv.attempts - inv.unstarted_losses, timeout=spec.timeout,
                          concurrency=spec.concurrency,
                          inline=is_short(inv, self.config.short_call_seconds),
                          app=inv.function.app, version=inv.function.version,

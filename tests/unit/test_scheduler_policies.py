@@ -168,7 +168,8 @@ def test_calls_pipelined_behind_a_call_past_its_timeout_are_queued_again_unspent
     w1 = h.start_worker(0, peer=b"w0-again", pid=101)
     h.tick(0.5)  # past the backoff of a lost worker's calls
     for inv in behind:  # (retries=0: had an attempt been counted, none would run again)
-        assert any(r.invocation_id == inv for r in h.runs(w1)), inv
+        [run] = [r for r in h.runs(w1) if r.invocation_id == inv]
+        assert run.meta.attempt_number == 1  # its first run (gpufn.context().attempt)
         h.finish(w1, inv)
     assert all(h.results()[inv].ok for inv in behind)
     assert h.core.counters.timeouts == 1 and h.core.counters.lost == len(behind)

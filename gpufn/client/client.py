@@ -669,10 +669,15 @@ class Client:
                 return
             self._dispatch(msg)
         elif isinstance(msg, p.LeaseRefused):
+            # Only calls still waiting on that worker: one sent to the scheduler since (its
+            # lease lost with the worker) would run twice (a late refusal: a new worker
+            # on the old endpoint, which a reconnecting socket's queued DirectRun reached).
+            ours = [inv for inv in msg.invocation_ids
+                    if self.leases.in_flight(inv) or inv in self._to_settle]
             self.leases.refused(msg)
-            for inv in msg.invocation_ids:
+            for inv in ours:
                 self._to_settle.pop(inv, None)
-            self._lease_fallback(msg.invocation_ids)
+            self._lease_fallback(ours)
             if self._held_back:  # the lease is over: what waited for it moves on
                 self._release_held()
         elif isinstance(msg, p.Output):

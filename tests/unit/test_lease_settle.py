@@ -121,6 +121,21 @@ def test_a_live_worker_answers_first_and_nothing_is_lost(
     assert not c._to_settle
 
 
+def test_a_refusal_after_the_call_was_sent_to_the_scheduler_sends_nothing_again(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """Its lease was lost with its worker, so the call went to the scheduler; a refusal
+    of it that comes later (a new worker on the old endpoint, reached by a reconnecting
+    socket's queued DirectRun) must not send it a second time: it would run twice."""
+    c, _, _, endpoint = io
+    _, ids = _in_flight(c, endpoint, 0)
+    c._lease_ended(p.Result("lease:w", False, "WorkerLost", "lost during a lease"))
+    assert sorted(s.invocation_id for s in _sent(c) if isinstance(s, p.Submit)) == ids
+    c._outbox.clear()
+    c._dispatch_direct(p.LeaseRefused("lease:w", ids, "no such lease"))
+    assert not c._outbox
+    assert all(not c._calls[i].future.done() for i in ids)  # the scheduler answers them
+
+
 def test_a_lease_whose_worker_is_silent_after_the_scheduler_forgot_us_is_over(
         io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
     """The scheduler restarted (it forgot us) and the leased worker died meanwhile: no

@@ -480,9 +480,9 @@ class Transitions:
         why = ("raised an exception it retries on" if raised
                else "its worker was lost during a lease" + (f" ({lost})" if lost else ""))
         log.warning("[%s] %s: %s; failed (no retries left)", inv.id, inv.function.name, why)
-        fix = "" if raised else (" It may have run there, or not: whether it completed is "
-                                 "unknown. Set retries=N in @gpu to run it again in such a "
-                                 "case." if inv.spec.retries == 0 else "")
+        fix = "" if raised else (" Whether it completed there is unknown. Set retries=N "
+                                 "in @gpu to run it again in such a case."
+                                 if inv.spec.retries == 0 else "")
         self.finish(inv, now, InvState.FAILED, WorkerLost(
             f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s), "
             f"more than its retries ({inv.spec.retries}) allow.{fix}"))

@@ -366,7 +366,7 @@ class LeaseDesk:
 
     def worker_exited(self, msg: p.WorkerExited) -> list[Parked]:
         """Its journal: the calls that waited for it, each to admit (`Parked.msg`)."""
-        return [self._release(w, self.lost_calls.verdict(w.msg, alive=False))
+        return [self._release(w, self.lost_calls.verdict(w.msg))
                 for w in self.lost_calls.journal(msg)]
 
     def tick(self, now: float) -> list[Parked]:
@@ -375,8 +375,6 @@ class LeaseDesk:
 
     @staticmethod
     def _release(w: Parked, verdict: Verdict) -> Parked:
-        if verdict is Verdict.WAIT:  # (its worker's journal came meanwhile: never so)
-            verdict = Verdict.MAY_HAVE_RUN
         return Parked(w.peer, LostLeases.decided(w.msg, verdict), w.until)
 
     def _finish(self, lease: Invocation, now: float, msg: p.Result, release: bool = True) -> None:

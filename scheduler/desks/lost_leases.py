@@ -62,9 +62,10 @@ class LostLeases:
         """Why the lease was lost, as the scheduler saw it ("" if it did not see it)."""
         return self._why.get(lease_id, "")
 
-    def verdict(self, msg: p.Submit, alive: bool) -> Verdict:
+    def verdict(self, msg: p.Submit, alive: bool = False) -> Verdict:
         """For a call resubmitted after its lease's worker was lost; `alive`: that worker
-        is still the device's, as far as the scheduler knows (its client gave up on it)."""
+        is still the device's, as far as the scheduler knows (its client gave up on it).
+        Only `NEVER_STARTED` changes the call (`decided`)."""
         where = self._where.get(msg.prior_lease)
         if where is None or msg.prior_raised or msg.prior_attempts < 1:
             return Verdict.MAY_HAVE_RUN

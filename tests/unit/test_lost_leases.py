@@ -167,3 +167,66 @@ def test_the_verdicts() -> None:
     assert LostLeases.decided(sub, Verdict.MAY_HAVE_RUN) is sub
     assert lost.verdict(p.Submit("c2", "f", {}, prior_attempts=1, prior_lease="lease:a"),
                         alive=False) is Verdict.MAY_HAVE_RUN
+
+
+def _sub(inv: str = "c1", lease: str = "lease:a", attempts: int = 1) -> p.Submit:
+    return p.Submit(inv, "f", {}, prior_attempts=attempts, prior_device="n:0", prior_lease=lease)
+
+
+def test_a_call_waits_for_the_journal_exactly_its_wait_and_is_given_once() -> None:
+    lost = LostLeases()
+    lost.opened("lease:a", "n:0", 7)
+    lost.park(b"cli", _sub(), 100.0)
+    assert lost.expired(100.0 + JOURNAL_WAIT_SECONDS - 0.01) == [] and lost.waiting() == 1
+    [given] = lost.expired(100.0 + JOURNAL_WAIT_SECONDS)
+    assert given.msg.invocation_id == "c1" and lost.waiting() == 0
+    assert lost.expired(200.0) == []
+
+
+def test_the_oldest_leases_and_journals_are_forgotten_first() -> None:
+    from gpufn.scheduler.desks.lost_leases import REMEMBERED
+
+    lost = LostLeases()
+    for i in range(REMEMBERED):
+        lost.opened(f"lease:{i}", "n:0", i)
+        lost.journal(p.WorkerExited("n:0", i, -9, "", 1, [], True))
+    assert lost.worker("lease:0") == ("n:0", 0)  # all remembered
+    assert lost.verdict(_sub(lease="lease:0"), alive=False) is Verdict.NEVER_STARTED
+    lost.opened("lease:new", "n:1", 5000)
+    lost.journal(p.WorkerExited("n:1", 5000, -9, "", 1, [], True))
+    assert lost.worker("lease:0") is None and lost.worker("lease:new") == ("n:1", 5000)
+    assert lost.worker("lease:1") == ("n:0", 1)
+    assert lost.verdict(_sub(lease="lease:1"), alive=False) is Verdict.NEVER_STARTED
+    lost.opened("lease:again", "n:0", 0)  # the first worker's journal went
+    assert lost.verdict(_sub(lease="lease:again"), alive=False) is Verdict.WAIT
+
+
+def test_an_id_of_the_longest_journaled_length_is_judged_by_the_journal() -> None:
+    lost = LostLeases()
+    lost.opened("lease:a", "n:0", 7)
+    lost.journal(p.WorkerExited("n:0", 7, -9, "", 1, [], True))
+    longest = "i" * p.JOURNAL_ID_MAX
+    assert lost.verdict(_sub(longest), alive=False) is Verdict.NEVER_STARTED
+    assert lost.verdict(_sub(longest + "i"), alive=False) is Verdict.MAY_HAVE_RUN
+
+
+def test_a_submit_that_names_a_lease_but_used_no_attempt_has_nothing_to_forgive() -> None:
+    lost = LostLeases()
+    lost.opened("lease:a", "n:0", 7)
+    lost.journal(p.WorkerExited("n:0", 7, -9, "", 1, [], True))
+    assert lost.verdict(_sub(attempts=0), alive=False) is Verdict.MAY_HAVE_RUN
+
+
+def test_unpark_drops_only_that_call_of_that_client() -> None:
+    lost = LostLeases()
+    lost.opened("lease:a", "n:0", 7)
+    lost.park(b"cli", _sub("c1"), 0.0)
+    lost.park(b"cli", _sub("c2"), 0.0)
+    assert not lost.unpark(b"other", "c1")  # another client's cancel
+    assert not lost.unpark(b"cli", "c3")
+    assert lost.unpark(b"cli", "c1") and lost.waiting() == 1
+    assert not lost.unpark(b"cli", "c1")
+    [left] = lost.journal(p.WorkerExited("n:0", 7, -9, "", 1, [], True))
+    assert left.msg.invocation_id == "c2"
+    lost.park(b"cli", _sub("c4"), 0.0)
+    assert lost.unpark(b"cli", "c4") and lost.waiting() == 0 and lost.expired(99.0) == []

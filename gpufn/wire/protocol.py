@@ -34,7 +34,7 @@ __all__ = ["BATCH_TAG", "PACKED_TAG", "PROTOCOL_VERSION", "DecodeError", "Frame"
            "as_bytes", "batch_frames", "decode", "decode_all", "encode", "encode_batch",
            "message", "message_types", "struct"]
 
-PROTOCOL_VERSION = 6  # 6: leases (direct calls); 5: a Run's meta carries the call's priority
+PROTOCOL_VERSION = 7  # 7: the retry fields of Submit, LeaseOverrun, WorkerExited.started; 6: leases (direct calls); 5: a Run's meta carries the call's priority
 
 class Role:
     CLIENT = "client"

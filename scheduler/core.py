@@ -395,7 +395,7 @@ class SchedulerCore:
         fn.model_keys = self.models.register(list(msg.models), tuple(msg.frames[ncode:]))
 
     def _on_submit(self, peer: bytes, msg: p.Submit, now: float) -> None:
-        if msg.prior_lease and msg.invocation_id not in self.invocations:
+        if msg.prior_lease:
             decided = self.leases.resubmitted(peer, msg, now)  # did it start on the
             if decided is None:  # lost worker? (its journal, on its way)
                 return

@@ -131,12 +131,30 @@ def test_a_waiting_call_its_client_cancels_is_cancelled_and_never_runs() -> None
     for _ in h.core.members.lose_worker(h.core.devices["n:0"], h.now, "killed"):
         pass
     _again(h, fid, grant, "queued-1")
-    h.feed(b"other", p.Cancel("queued-1", "not its caller"))  # only its caller's counts
-    h.feed(b"cli", p.Cancel("queued-1", "interrupted by the caller"))
-    assert h.results()["queued-1"].error_kind == "Cancelled"
+    h.hello(b"other", p.Role.CLIENT)
+    h.feed(b"other", p.Cancel("queued-1", "not its caller", request_id=5))
+    [reply] = [s.msg for s in h.sent if isinstance(s.msg, p.QueryReply) and s.peer == b"other"]
+    assert reply.data == {"cancelled": False}  # only its caller's counts
+    h.feed(b"cli", p.Cancel("queued-1", "interrupted by the caller", request_id=6))
+    result = h.results()["queued-1"]
+    assert not result.ok and result.error_kind == "Cancelled"
+    [reply] = [s.msg for s in h.sent if isinstance(s.msg, p.QueryReply) and s.peer == b"cli"]
+    assert reply.ok and reply.data == {"cancelled": True}
     h.feed(b"sup", _exited([]))
     _new_worker(h)
     assert not [r for r in h.runs(b"w1") if r.invocation_id == "queued-1"]
+
+
+def test_only_the_devices_own_supervisor_says_what_its_worker_started() -> None:
+    h, fid, grant = _leased()
+    for _ in h.core.members.lose_worker(h.core.devices["n:0"], h.now, "killed"):
+        pass
+    _again(h, fid, grant, "queued-1")
+    h.hello(b"sup2", p.Role.SUPERVISOR, info={"node": "m", "devices": []})
+    h.feed(b"sup2", _exited([]))  # not its device's supervisor
+    assert h.core.leases.lost_calls.waiting() == 1
+    h.feed(b"sup", _exited([]))
+    assert h.core.leases.lost_calls.waiting() == 0 and "queued-1" in h.core.invocations
 
 
 def test_a_waiting_call_whose_client_left_is_dropped() -> None:

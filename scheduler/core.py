@@ -327,7 +327,7 @@ class SchedulerCore:
         after the calls it ran were dealt with)."""
         for dec in decisions:
             if isinstance(dec, WorkerGone):
-                self._worker_gone(dec.device, now, dec.reason, dec.oom)
+                self._worker_gone(dec.device, now, dec.reason, dec.oom, dec.started)
             elif isinstance(dec, ClientGone):
                 self._client_gone(dec.peer, now, dec.reason)
             elif isinstance(dec, Reported):
@@ -627,14 +627,18 @@ class SchedulerCore:
         self._members(self.members.worker_exited(peer, msg, now), now)
         self._admit_parked(parked, now)
 
-    def _worker_gone(self, d: Device, now: float, reason: str, oom: str) -> None:
+    def _worker_gone(self, d: Device, now: float, reason: str, oom: str,
+                     journal: frozenset[str] | None = None) -> None:
         """The device's worker is gone: retry or fail what ran there. With `oom` (its
         supervisor's words) it was stopped over its host-memory limit: what ran there
-        fails with HostOutOfMemory. Membership resets the device next."""
+        fails with HostOutOfMemory. `journal`: the calls the process started (its exit
+        notice), else its calls' clocks say. Membership resets the device next."""
         # Read before anything is freed: freeing a call starts the clock of the next one
         # pipelined behind it, and a call that never started is queued again, no attempt
         # used (all of those behind a call past its timeout had failed WorkerLost).
-        started = {i.id for i in d.running.values() if i.run_started is not None}
+        started = {i.id for i in d.running.values()
+                   if (i.run_started is not None if journal is None or i.members
+                       else i.id in journal or len(i.id.encode()) > p.JOURNAL_ID_MAX)}
         for inv in list(d.running.values()):
             if inv.lease is not None and inv.state is InvState.RUNNING:
                 self.leases.lost(inv, d, now, reason)

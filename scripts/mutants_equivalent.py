@@ -1342,6 +1342,11 @@ EQUIVALENT: tuple[Equivalent, ...] = (
                "n = max( 0, inv.counted_attempts)",
                "a carried call has at least one attempt, and neither preemptions nor "
                "unstarted losses yet: counted_attempts >= 1"),
+    Equivalent("scheduler/desks/lost_leases.py",
+               "def verdict(self, msg: p.Submit, alive: bool = False) -> Verdict:",
+               "def verdict(self, msg: p.Submit, alive: bool = True) -> Verdict:",
+               "the default is taken only once the worker's journal is known, and with a "
+               "journal `alive` is never read"),
     Equivalent("scheduler/core.py", "self._seq += 1", "self._seq += 2",
                "the sequence only orders calls submitted one after another: any step keeps "
                "the order"),

@@ -38,6 +38,9 @@ class WorkerGone:
     device: Device
     reason: str
     oom: str = ""
+    # The calls its process started, from its journal (its exit notice), when whole: the
+    # worker's own word, truer than the scheduler's clocks (None: not known).
+    started: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,10 +248,13 @@ class Membership:
         if d is None or d.supervisor != peer or fencing.stale_exit(d, msg):
             return  # not its device, or about an older generation: never applied to it
         d.last_error = msg.reason
+        started = frozenset(msg.started) if msg.journaled else None
         if msg.returncode == p.OUT_OF_HOST_MEMORY:  # its calls fail: a retry would grow again
-            yield from self.lose_worker(d, now, "worker over its host-memory limit", oom=msg.reason)
+            yield from self.lose_worker(d, now, "worker over its host-memory limit", oom=msg.reason,
+                                        started=started)
             return
-        yield from self.lose_worker(d, now, f"worker process exited ({msg.reason})")
+        yield from self.lose_worker(d, now, f"worker process exited ({msg.reason})",
+                                    started=started)
         if msg.returncode == p.GAVE_UP:  # the supervisor retries it after a longer wait
             if d.state is not DeviceState.FAILED:
                 d.to(DeviceState.FAILED, now)
@@ -262,10 +268,10 @@ class Membership:
         yield from self.lose_worker(d, now, reason)
 
     def lose_worker(self, d: Device, now: float, reason: str, restart: bool = True,
-                    oom: str = "") -> Iterator[Decision]:
+                    oom: str = "", started: frozenset[str] | None = None) -> Iterator[Decision]:
         """The device's worker is gone: its calls first (the core), then the device is
         reset. Never READY without a worker: placement would choose it."""
-        yield WorkerGone(d, reason, oom)
+        yield WorkerGone(d, reason, oom, started)
         for peer in (d.worker, d.control):
             if peer is not None:
                 self.worker_device.pop(peer, None)

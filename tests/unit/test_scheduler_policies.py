@@ -175,6 +175,31 @@ def test_calls_pipelined_behind_a_call_past_its_timeout_are_queued_again_unspent
     assert h.core.counters.timeouts == 1 and h.core.counters.lost == len(behind)
 
 
+def test_the_dead_workers_journal_says_which_calls_started_not_their_clocks() -> None:
+    """Its exit notice carries the calls the process started (its journal): a call whose
+    clock had not started but which did start (the answer before it died with the
+    process) counts its attempt; one whose clock had started but which never did (the
+    process died first) goes back unspent. Without a whole journal, the clocks say."""
+    for journaled in (True, False):
+        h = Harness(devices=1)
+        w0 = h.start_worker(0)
+        fid = h.register()
+        for _ in range(3):  # measured short: pipelined
+            h.finish(w0, h.submit(fid), duration=1e-5)
+        first, second, third = h.submit(fid), h.submit(fid), h.submit(fid)
+        h.finish(w0, first, duration=1e-5)  # second's clock starts; third waits behind it
+        running = h.core.devices["n:0"].running
+        assert running[second].run_started is not None and running[third].run_started is None
+        h.feed(b"sup", p.WorkerExited("n:0", 100, -11, "killed by signal 11", 1,
+                                      [first, third], journaled))
+        if journaled:  # second never started, third did (and its answer died with it)
+            assert h.core.invocations[second].state is InvState.QUEUED
+            assert h.results()[third].error_kind == "WorkerLost"
+        else:
+            assert h.results()[second].error_kind == "WorkerLost"
+            assert h.core.invocations[third].state is InvState.QUEUED
+
+
 def test_a_call_queued_again_unspent_fails_when_lost_once_it_ran() -> None:
     """A call pipelined behind one past its timeout goes back unspent; dispatched again,
     it starts, and with retries=0 a second lost worker fails it (its one attempt used)."""

@@ -1,7 +1,7 @@
-"""A leased `.map` whose worker dies under one call, through real processes: the calls
-queued behind that one never started there, and run again as if first sent (the dead
-worker's journal says so), even with `retries=0`. Only the call that took the worker
-down fails."""
+"""A `.map` whose worker dies under one call, through real processes, under a lease and
+through the head: the calls queued behind that one never started there, and run again
+as if first sent (the dead worker's journal says so), even with `retries=0`. Only the
+call that took the worker down fails."""
 
 from __future__ import annotations
 
@@ -53,24 +53,29 @@ def hangs(path: str, i: int, bad: int) -> int:
     return i
 
 
-@pytest.fixture(scope="module")
-def leasing() -> Iterator[gpufn.Client]:
-    """One device, long leases, a stuck call's worker killed 1 s after its interrupt."""
-    with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_LEASE_SECONDS=30,
+@pytest.fixture(scope="module", params=["leased", "scheduled"])
+def one_device(request: pytest.FixtureRequest) -> Iterator[gpufn.Client]:
+    """One device, long leases (or none: every call through the head, pipelined to the
+    worker), a stuck call's worker killed 1 s after its interrupt."""
+    leases = "1" if request.param == "leased" else "0"
+    with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_LEASE_SECONDS=30, GPUFN_LEASES=leases,
                       GPUFN_STOP_GRACE_SECONDS=1) as c:
         yield c
 
 
 @pytest.mark.parametrize("fn", [crashes, hangs], ids=["crash", "stuck past its timeout"])
 def test_calls_queued_behind_the_call_that_lost_the_worker_run_once_each(
-        leasing: gpufn.Client, tmp_path: Path, fn: gpufn.Function) -> None:
+        one_device: gpufn.Client, tmp_path: Path, fn: gpufn.Function) -> None:
     warm = str(tmp_path / "warm")
+    leased = one_device.leases.on
     wait_for(lambda: (list(fn.map([warm] * 8, range(8), [-1] * 8)),
-                      leasing.leases.direct_calls > 0)[1], timeout=30, what="a lease")
+                      one_device.leases.direct_calls > 0 or not leased)[1],
+             timeout=30, what="a lease")
     runs = tmp_path / "runs"
-    direct = leasing.leases.direct_calls
+    direct = one_device.leases.direct_calls
     out = list(fn.map([str(runs)] * N, range(N), [BAD] * N, return_exceptions=True))
-    assert leasing.leases.direct_calls - direct >= BAD  # the map went under the lease
+    if leased:
+        assert one_device.leases.direct_calls - direct >= BAD  # the map went under the lease
     failed = {i: o for i, o in enumerate(out) if isinstance(o, BaseException)}
     assert list(failed) == [BAD], failed
     assert isinstance(failed[BAD], gpufn.WorkerLost if fn is crashes else gpufn.Timeout)

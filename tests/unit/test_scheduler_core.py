@@ -187,10 +187,13 @@ def test_cancel_queued_and_running() -> None:
     w = h.start_worker(0)
     fid = h.register()
     running, queued = h.submit(fid), h.submit(fid)
-    h.feed(b"cli", p.Cancel(queued))
+    h.feed(b"cli", p.Cancel(queued, request_id=1))
     assert h.results()[queued].error_kind == "Cancelled"
-    h.feed(b"cli", p.Cancel(running))
+    h.feed(b"cli", p.Cancel(running, "the user pressed stop", request_id=2))
+    replies = {s.msg.request_id: s.msg.data for s in h.of_type(p.QueryReply)}
+    assert replies == {1: {"cancelled": True}, 2: {"cancelled": True}}
     assert h.results()[running].error_kind == "Cancelled"
+    assert "(the user pressed stop)" in h.results()[running].message  # the caller's reason
     assert [s.msg.invocation_id for s in h.of_type(p.Cancel) if s.peer == w] == [running]
     # the device stays held until the worker reports the call stopped
     other = h.submit(fid)

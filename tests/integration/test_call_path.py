@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -259,16 +260,26 @@ def test_timeout_kills_and_restarts_the_worker(cluster: gpufn.Client) -> None:
     assert list(square.map(range(10))) == [x * x for x in range(10)]
 
 
-def test_worker_killed_mid_call_gives_worker_lost_then_recovers(cluster: gpufn.Client) -> None:
-    call = sleepy.spawn(30)
+@gpufn.gpu
+def sleepy_started(marker: str, seconds: float) -> float:
+    """Writes its worker's pid to `marker` once its code runs, then sleeps."""
+    pathlib.Path(marker).write_text(str(os.getpid()))
+    time.sleep(seconds)
+    return seconds
+
+
+def test_worker_killed_mid_call_gives_worker_lost_then_recovers(
+        cluster: gpufn.Client, tmp_path: pathlib.Path) -> None:
+    # Killed once its code runs: killed after its dispatch but before that, its worker's
+    # journal says it never started, and it runs again as if first sent.
+    marker = tmp_path / "started"
+    call = sleepy_started.spawn(str(marker), 30)
     deadline = time.monotonic() + 20
-    pid = None
-    while pid is None and time.monotonic() < deadline:
-        for d in cluster.status()["devices"]:
-            if any(r["id"] == call.id for r in d["running"]):
-                pid = d["pid"]
+    while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert pid
+    pid = int(marker.read_text())
+    assert any(r["id"] == call.id for d in cluster.status()["devices"] if d["pid"] == pid
+               for r in d["running"])
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(gpufn.WorkerLost, match="retries=N"):
         call.get(timeout=20)

@@ -24,15 +24,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @gpufn.gpu(retries=2)
-def steps_retried(seconds: float) -> dict[str, int]:
+def steps_retried(seconds: float, started: str = "") -> dict[str, int]:
+    _started(started)
     _steps(seconds)
     return {"pid": os.getpid(), "attempt": gpufn.context().attempt}
 
 
 @gpufn.gpu
-def steps_once(seconds: float) -> int:
+def steps_once(seconds: float, started: str = "") -> int:
+    _started(started)
     _steps(seconds)
     return os.getpid()
+
+
+def _started(path: str) -> None:
+    """Say the call's code runs (the scheduler's "running" is only its dispatch: a worker
+    killed before it started the call loses nothing, its journal says so, and the call
+    runs again as if first sent)."""
+    if path:
+        Path(path).write_text(str(os.getpid()))
 
 
 @gpufn.gpu
@@ -95,9 +105,12 @@ def two() -> Iterator[gpufn.Client]:
         yield c
 
 
-def test_a_killed_worker_call_is_retried_on_the_other_device(two: gpufn.Client) -> None:
-    call = steps_retried.spawn(1.5)
+def test_a_killed_worker_call_is_retried_on_the_other_device(
+        two: gpufn.Client, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    call = steps_retried.spawn(1.5, str(started))
     (key, pid), = wait_for(lambda: running_on(two, "steps_retried"), 60, "the call").items()
+    wait_for(started.exists, 60, "the call to start")
     os.kill(pid, signal.SIGKILL)
     out = call.get(timeout=60)
     assert out["attempt"] == 2 and out["pid"] != pid
@@ -105,9 +118,12 @@ def test_a_killed_worker_call_is_retried_on_the_other_device(two: gpufn.Client) 
     wait_ready(two)
 
 
-def test_a_killed_worker_call_without_retries_fails_with_worker_lost(two: gpufn.Client) -> None:
-    call = steps_once.spawn(5)
+def test_a_killed_worker_call_without_retries_fails_with_worker_lost(
+        two: gpufn.Client, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    call = steps_once.spawn(5, str(started))
     (_, pid), = wait_for(lambda: running_on(two, "steps_once"), 60, "the call").items()
+    wait_for(started.exists, 60, "the call to start")
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(gpufn.WorkerLost, match="retries=N"):
         call.get(timeout=60)

@@ -35,6 +35,10 @@ from gpufn.wire.spec import retry_delay
 log = logging.getLogger("gpufn.scheduler")
 
 _TERMINAL = (InvState.SUCCEEDED, InvState.FAILED, InvState.CANCELLED)
+# A call lost with its worker before it started is queued again with no attempt used, at
+# most this many times: one whose setup takes its worker down each time (its code's
+# import, a model's load) would go round for ever; the losses after count as attempts.
+UNSTARTED_LOSSES = 3
 _GANG_FIELD = [f.name for f in fields(p.RunMeta)].index("gang")
 
 
@@ -398,7 +402,7 @@ class Transitions:
         self.release_reporter(inv, d)
         if not inv.shape.multi_device:
             if never_started:
-                inv.unstarted_losses += 1  # it never ran: queue it again, no retry used
+                self._lost_unstarted(inv)
             self.retry_or_fail_lost(inv, now, why)
             return
         inv.lost_ranks[inv.devices.index(d.key)] = why
@@ -507,12 +511,18 @@ class Transitions:
         self.finish(inv, now, InvState.SUCCEEDED if result.ok else InvState.FAILED,
                     result=result, release=release)
 
+    @staticmethod
+    def _lost_unstarted(inv: Invocation) -> None:
+        """It never ran: queued again with no retry used, up to UNSTARTED_LOSSES times."""
+        if inv.unstarted_losses < UNSTARTED_LOSSES:
+            inv.unstarted_losses += 1
+
     def retry_or_fail_lost(self, inv: Invocation, now: float, why: str) -> None:
         if inv.members:  # a lost batch: each of its calls is retried or fails on its own
             for m in inv.members:
                 if m.state is InvState.RUNNING:
-                    if inv.run_started is None:
-                        m.unstarted_losses += 1  # the batch never started: no retry used
+                    if inv.run_started is None:  # the batch never started
+                        self._lost_unstarted(m)
                     self.retry_or_fail_lost(m, now, why)
             self.finish(inv, now, InvState.FAILED, release=False)
             return
@@ -520,6 +530,10 @@ class Transitions:
             self.requeue(inv, now, why, retry=True)
             return
         hint = "" if inv.spec.retries else " Set retries=N in @gpu to retry on another worker."
+        if inv.unstarted_losses >= UNSTARTED_LOSSES:
+            hint = (f" Its worker was lost {inv.unstarted_losses} more time(s) before it "
+                    "started: its code's import or its models' load may take the worker "
+                    "down (see the worker's log).")
         if inv.items:
             hint = f" It had streamed {inv.items} value(s), so it was not retried."
         log.warning("[%s] %s: %s; failed with WorkerLost (no retries left)", inv.id,

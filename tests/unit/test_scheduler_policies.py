@@ -200,6 +200,26 @@ def test_the_dead_workers_journal_says_which_calls_started_not_their_clocks() ->
             assert h.core.invocations[third].state is InvState.QUEUED
 
 
+def test_a_call_whose_worker_dies_each_time_before_it_starts_fails_at_last() -> None:
+    """Lost unstarted, a call goes back unspent, but not for ever: one whose setup takes
+    its worker down each time (its code's import, a model's load) would go round without
+    end. After UNSTARTED_LOSSES such losses the next counts: retries=0 fails, saying so."""
+    from gpufn.scheduler.calls.transitions import UNSTARTED_LOSSES
+
+    h = Harness(devices=1)
+    fid = h.register()
+    inv = h.submit(fid)
+    for gen in range(1, UNSTARTED_LOSSES + 2):
+        h.start_worker(0, peer=f"w0-{gen}".encode(), pid=100 + gen)
+        h.tick(1.0)  # past a lost call's backoff
+        assert h.core.invocations[inv].state is InvState.RUNNING, gen
+        h.feed(b"sup", p.WorkerExited("n:0", 100 + gen, -9, "killed by signal 9", gen, [], True))
+        if gen <= UNSTARTED_LOSSES:
+            assert h.core.invocations[inv].state is InvState.QUEUED, gen
+    result = h.results()[inv]
+    assert result.error_kind == "WorkerLost" and "before it started" in result.message
+
+
 def test_a_call_queued_again_unspent_fails_when_lost_once_it_ran() -> None:
     """A call pipelined behind one past its timeout goes back unspent; dispatched again,
     it starts, and with retries=0 a second lost worker fails it (its one attempt used)."""

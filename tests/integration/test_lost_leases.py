@@ -53,6 +53,17 @@ def hangs(path: str, i: int, bad: int) -> int:
     return i
 
 
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Bomb:
+    """Unpickled, it takes the process down (an import that segfaults, say)."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_die, ())
+
+
 @pytest.fixture(scope="module", params=["leased", "scheduled"])
 def one_device(request: pytest.FixtureRequest) -> Iterator[gpufn.Client]:
     """One device, long leases (or none: every call through the head, pipelined to the
@@ -82,3 +93,22 @@ def test_calls_queued_behind_the_call_that_lost_the_worker_run_once_each(
     assert [o for i, o in enumerate(out) if i != BAD] == [i for i in range(N) if i != BAD]
     ran = Counter(int(line) for line in runs.read_text().split())
     assert ran == Counter(range(N)), ran  # each once, the bad one too (retries=0)
+
+
+def test_a_call_whose_code_takes_its_worker_down_each_time_fails_at_last(
+        one_device: gpufn.Client) -> None:
+    """Its code, loaded on the worker before the call starts, kills the worker: the call
+    never starts, so each loss sent it back unspent, and it went round for ever. After
+    three such losses it fails, saying why; the device serves on."""
+    if not one_device.leases.on:
+        pytest.skip("the same path with leases on or off: once is enough")
+    bomb = _Bomb()
+
+    @gpufn.gpu(memory="1MiB")
+    def kills_on_load() -> bool:  # defined here: its code and `bomb` travel by value
+        return bomb is not None
+
+    with pytest.raises(gpufn.WorkerLost, match="lost 3 more time"):
+        kills_on_load.spawn().get(timeout=120)
+    wait_for(lambda: one_device.status()["devices"][0]["state"] == "ready", timeout=60,
+             what="the device back")

@@ -487,9 +487,10 @@ class Transitions:
         fix = "" if raised else (" Whether it completed there is unknown. Set retries=N "
                                  "in @gpu to run it again in such a case."
                                  if inv.spec.retries == 0 else "")
+        used = (f"after {inv.attempts} attempt(s), more than its retries "
+                f"({inv.spec.retries}) allow" if inv.spec.retries else "and it has no retries")
         self.finish(inv, now, InvState.FAILED, WorkerLost(
-            f"{inv.function.name} call {inv.id}: {why} after {inv.attempts} attempt(s), "
-            f"more than its retries ({inv.spec.retries}) allow.{fix}"))
+            f"{inv.function.name} call {inv.id}: {why} {used}.{fix}"))
 
     def retry_or_fail(self, inv: Invocation, now: float, result: p.Result,
                       release: bool = True) -> None:

@@ -200,6 +200,23 @@ def test_the_dead_workers_journal_says_which_calls_started_not_their_clocks() ->
             assert h.core.invocations[third].state is InvState.QUEUED
 
 
+def test_a_call_whose_id_the_journal_cannot_hold_counts_as_started() -> None:
+    """A worker journals ids of up to JOURNAL_ID_MAX bytes; a longer one (no id gpufn
+    makes) is not in it though it ran, so its absence says nothing."""
+    for n, unspent in ((p.JOURNAL_ID_MAX, True), (p.JOURNAL_ID_MAX + 1, False)):
+        h = Harness(devices=1)
+        w0 = h.start_worker(0)
+        fid = h.register()
+        inv = "x" * n
+        h.feed(b"cli", p.Submit(inv, fid, {}, frames=(b"args",)))
+        assert [r.invocation_id for r in h.runs(w0)] == [inv]
+        h.feed(b"sup", p.WorkerExited("n:0", 100, -9, "killed by signal 9", 1, [], True))
+        if unspent:
+            assert h.core.invocations[inv].state is InvState.QUEUED
+        else:
+            assert h.results()[inv].error_kind == "WorkerLost"
+
+
 def test_a_call_whose_worker_dies_each_time_before_it_starts_fails_at_last() -> None:
     """Lost unstarted, a call goes back unspent, but not for ever: one whose setup takes
     its worker down each time (its code's import, a model's load) would go round without

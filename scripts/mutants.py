@@ -180,7 +180,7 @@ ROOMS: dict[str, Room] = {
                               "SchedulerCore._on_submit", "SchedulerCore._admit_parked",
                               "SchedulerCore._on_worker_exited", "SchedulerCore._on_cancel",
                               "Transitions.out_of_retries", "Transitions._lost_unstarted",
-                              "Transitions.retry_or_fail_lost", "Transitions._run_metas",
+                              "Transitions.retry_or_fail_lost",
                               "SchedulerCore._worker_gone", "RunJournal.read_whole",
                               "Client._lease_retry", "Client._lost", "lost")),
     # The worker's executor: calls run inline or on its threads, cancels, batches, relays.

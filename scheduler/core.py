@@ -54,7 +54,13 @@ from gpufn.scheduler.nouns.events import (
     Tick,
     Unreachable,
 )
-from gpufn.scheduler.nouns.records import Device, FunctionRecord, Invocation
+from gpufn.scheduler.nouns.records import (
+    Device,
+    FunctionRecord,
+    Invocation,
+    Journal,
+    may_have_started,
+)
 from gpufn.scheduler.nouns.settings import Counters, SchedulerConfig
 from gpufn.scheduler.nouns.shapes import Shape
 from gpufn.scheduler.nouns.states import InvState
@@ -628,7 +634,7 @@ class SchedulerCore:
         self._admit_parked(parked, now)
 
     def _worker_gone(self, d: Device, now: float, reason: str, oom: str,
-                     journal: frozenset[str] | None = None) -> None:
+                     journal: Journal | None = None) -> None:
         """The device's worker is gone: retry or fail what ran there. With `oom` (its
         supervisor's words) it was stopped over its host-memory limit: what ran there
         fails with HostOutOfMemory. `journal`: the calls the process started (its exit
@@ -636,9 +642,12 @@ class SchedulerCore:
         # Read before anything is freed: freeing a call starts the clock of the next one
         # pipelined behind it, and a call that never started is queued again, no attempt
         # used (all of those behind a call past its timeout had failed WorkerLost).
-        started = {i.id for i in d.running.values()
-                   if (i.run_started is not None if journal is None or i.members
-                       else i.id in journal or len(i.id.encode()) > p.JOURNAL_ID_MAX)}
+        def began(i: Invocation) -> bool:
+            if journal is None or i.members:  # (a batch's journal holds its members)
+                return i.run_started is not None
+            return may_have_started(journal, i.id)
+
+        started = {i.id for i in d.running.values() if began(i)}
         for inv in list(d.running.values()):
             if inv.lease is not None and inv.state is InvState.RUNNING:
                 self.leases.lost(inv, d, now, reason)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from gpufn.scheduler.nouns.records import Journal, journal_of, may_have_started
 from gpufn.wire import protocol as p
 
 JOURNAL_WAIT_SECONDS = 5.0  # a resubmit waits this long for its lost worker's journal
@@ -42,7 +43,7 @@ class LostLeases:
     def __init__(self) -> None:
         self._where: OrderedDict[str, Worker] = OrderedDict()  # lease -> its worker
         self._why: dict[str, str] = {}  # lease lost with its worker -> why
-        self._journals: OrderedDict[Worker, frozenset[str] | None] = OrderedDict()
+        self._journals: OrderedDict[Worker, Journal | None] = OrderedDict()
         self._parked: dict[Worker, list[Parked]] = {}
 
     def opened(self, lease_id: str, device: str, pid: int) -> None:
@@ -70,11 +71,10 @@ class LostLeases:
         if where is None or msg.prior_raised or msg.prior_attempts < 1:
             return Verdict.MAY_HAVE_RUN
         if where in self._journals:
-            started = self._journals[where]
-            if started is None or msg.invocation_id in started:
+            journal = self._journals[where]
+            if journal is None or may_have_started(journal, msg.invocation_id):
                 return Verdict.MAY_HAVE_RUN
-            too_long = len(msg.invocation_id.encode()) > p.JOURNAL_ID_MAX  # never journaled
-            return Verdict.MAY_HAVE_RUN if too_long else Verdict.NEVER_STARTED
+            return Verdict.NEVER_STARTED
         return Verdict.MAY_HAVE_RUN if alive else Verdict.WAIT
 
     @staticmethod
@@ -96,7 +96,7 @@ class LostLeases:
     def journal(self, msg: p.WorkerExited) -> list[Parked]:
         """A worker's exit notice, with its journal: the calls that waited for it."""
         where = (msg.device, msg.pid)
-        self._journals[where] = frozenset(msg.started) if msg.journaled else None
+        self._journals[where] = journal_of(msg)
         while len(self._journals) > REMEMBERED:
             self._journals.popitem(last=False)
         return self._parked.pop(where, [])

@@ -224,3 +224,16 @@ def drain_seconds(d: Device, now: float) -> float:
         started = other.started if other.started is not None else now
         total += max(0.0, est - (now - started))
     return total
+
+
+Journal = frozenset[str]  # the calls a dead worker's process started (WorkerExited.started)
+
+
+def journal_of(msg: p.WorkerExited) -> Journal | None:
+    """The dead worker's journal when it is whole (every call it started), else None."""
+    return frozenset(msg.started) if msg.journaled else None
+
+
+def may_have_started(journal: Journal, invocation_id: str) -> bool:
+    """By a whole journal: the call is in it, or its id is too long to be journaled."""
+    return invocation_id in journal or len(invocation_id.encode()) > p.JOURNAL_ID_MAX

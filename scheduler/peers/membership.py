@@ -21,7 +21,7 @@ from gpufn.memory_pool.probe import DeviceInfo
 from gpufn.scheduler.books.users import Identity
 from gpufn.scheduler.calls.recovery import Recovery
 from gpufn.scheduler.nouns.events import Send
-from gpufn.scheduler.nouns.records import Device, Peer
+from gpufn.scheduler.nouns.records import Device, Journal, Peer, journal_of
 from gpufn.scheduler.nouns.settings import Counters, SchedulerConfig
 from gpufn.scheduler.nouns.states import DeviceState
 from gpufn.scheduler.peers import fencing, handshake
@@ -40,7 +40,7 @@ class WorkerGone:
     oom: str = ""
     # The calls its process started, from its journal (its exit notice), when whole: the
     # worker's own word, truer than the scheduler's clocks (None: not known).
-    started: frozenset[str] | None = None
+    started: Journal | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +248,7 @@ class Membership:
         if d is None or d.supervisor != peer or fencing.stale_exit(d, msg):
             return  # not its device, or about an older generation: never applied to it
         d.last_error = msg.reason
-        started = frozenset(msg.started) if msg.journaled else None
+        started = journal_of(msg)
         if msg.returncode == p.OUT_OF_HOST_MEMORY:  # its calls fail: a retry would grow again
             yield from self.lose_worker(d, now, "worker over its host-memory limit", oom=msg.reason,
                                         started=started)
@@ -268,7 +268,7 @@ class Membership:
         yield from self.lose_worker(d, now, reason)
 
     def lose_worker(self, d: Device, now: float, reason: str, restart: bool = True,
-                    oom: str = "", started: frozenset[str] | None = None) -> Iterator[Decision]:
+                    oom: str = "", started: Journal | None = None) -> Iterator[Decision]:
         """The device's worker is gone: its calls first (the core), then the device is
         reset. Never READY without a worker: placement would choose it."""
         yield WorkerGone(d, reason, oom, started)

@@ -53,6 +53,21 @@ def hangs(path: str, i: int, bad: int) -> int:
     return i
 
 
+@gpufn.gpu(memory="1MiB")
+def freezes(path: str, i: int, bad: int) -> int:
+    """Notes its run in `path`; the `bad` one freezes its worker at once: native code
+    that holds the GIL, so the answers of the calls before it may not have left and the
+    worker's heartbeat stops (the scheduler kills it)."""
+    with open(path, "a") as f:
+        f.write(f"{i}\n")
+    if i == bad:
+        import ctypes
+
+        ctypes.pythonapi.sleep(600)  # libc's sleep, the GIL held (PyDLL)
+    time.sleep(0.005)
+    return i
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -70,7 +85,7 @@ def one_device(request: pytest.FixtureRequest) -> Iterator[gpufn.Client]:
     worker), a stuck call's worker killed 1 s after its interrupt."""
     leases = "1" if request.param == "leased" else "0"
     with cluster_with(GPUFN_CPU_DEVICES=1, GPUFN_LEASE_SECONDS=30, GPUFN_LEASES=leases,
-                      GPUFN_STOP_GRACE_SECONDS=1) as c:
+                      GPUFN_STOP_GRACE_SECONDS=1, GPUFN_HEARTBEAT_TIMEOUT=4) as c:
         yield c
 
 
@@ -93,6 +108,23 @@ def test_calls_queued_behind_the_call_that_lost_the_worker_run_once_each(
     assert [o for i, o in enumerate(out) if i != BAD] == [i for i in range(N) if i != BAD]
     ran = Counter(int(line) for line in runs.read_text().split())
     assert ran == Counter(range(N)), ran  # each once, the bad one too (retries=0)
+
+
+def test_a_frozen_worker_runs_no_call_twice(one_device: gpufn.Client, tmp_path: Path) -> None:
+    """A call freezes its worker at once (the GIL held in native code: no heartbeat), so
+    the answers of calls that ran just before it may die with the process. A call the
+    dead worker ran fails `WorkerLost` or answers; one it never started runs again as if
+    first sent; none runs twice (`retries=0`)."""
+    runs = tmp_path / "runs"
+    out = list(freezes.map([str(runs)] * N, range(N), [BAD] * N, return_exceptions=True))
+    order = [int(line) for line in runs.read_text().split()]
+    assert Counter(order) == Counter(range(N)), order  # each ran once
+    failed = {i: o for i, o in enumerate(out) if isinstance(o, BaseException)}
+    assert all(isinstance(e, gpufn.WorkerLost) for e in failed.values()), failed
+    assert BAD in failed
+    before = set(order[:order.index(BAD)])  # ran on the worker that froze
+    assert set(failed) - {BAD} <= before, (order, sorted(failed))
+    assert all(o == i for i, o in enumerate(out) if i not in failed)
 
 
 def test_a_call_whose_code_takes_its_worker_down_each_time_fails_at_last(

@@ -172,6 +172,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
     ap.add_argument("--relay", action="store_true",
                     help="also the hand-driven group through a relay process (the extra hop alone)")
+    ap.add_argument("--figure", action="store_true",
+                    help="also a GPUFN-FIGURE line (scripts/gpu_check.sh's summary)")
     a = ap.parse_args()
     if a.quick:
         a.repeats, a.warm_calls = 2, 10
@@ -281,6 +283,10 @@ def main() -> None:
         mr = statistics.median(hop)
         print(f"the relayed group takes {mr / mh:.2f}x the direct one (the hop alone); gpufn's warm "
               f"gang {mw / mr:.2f}x the relayed group")
+    if a.figure:
+        print(f"GPUFN-FIGURE warm {a.world}-rank gang / hand-driven group, {os.cpu_count()} cores "
+              f"| {mw / mh:.2f}x ({ms(warm)} vs {ms(hand)} ms, min / median) "
+              f"| issue 33: <= 1.5x; 2.63x on the 2-core build machine")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,17 @@ def freezes(path: str, i: int, bad: int) -> int:
     return i
 
 
+@gpufn.gpu(memory="1MiB")
+def crashes_at_once(path: str, i: int, bad: int) -> int:
+    """Notes its run in `path`; the `bad` one kills its worker at once. The others take no
+    time, so the worker runs them inline, a leased one on its fast path."""
+    with open(path, "a") as f:
+        f.write(f"{i}\n")
+    if i == bad:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -110,13 +121,20 @@ def test_calls_queued_behind_the_call_that_lost_the_worker_run_once_each(
     assert ran == Counter(range(N)), ran  # each once, the bad one too (retries=0)
 
 
-def test_a_frozen_worker_runs_no_call_twice(one_device: gpufn.Client, tmp_path: Path) -> None:
-    """A call freezes its worker at once (the GIL held in native code: no heartbeat), so
-    the answers of calls that ran just before it may die with the process. A call the
-    dead worker ran fails `WorkerLost` or answers; one it never started runs again as if
-    first sent; none runs twice (`retries=0`)."""
+@pytest.mark.parametrize("fn", [freezes, crashes_at_once], ids=["frozen", "crash at once"])
+def test_a_worker_lost_at_once_runs_no_call_twice(
+        one_device: gpufn.Client, tmp_path: Path, fn: gpufn.Function) -> None:
+    """A call freezes its worker (the GIL held in native code: no heartbeat) or kills it,
+    at once, so the answers of calls that ran just before it may die with the process. A
+    call the dead worker ran fails `WorkerLost` or answers; one it never started runs
+    again as if first sent; none runs twice (`retries=0`). The calls that take no time
+    run inline, a leased one on the worker's fast path, which journals its own starts."""
+    warm = str(tmp_path / "warm")
+    wait_for(lambda: (list(fn.map([warm] * 8, range(8), [-1] * 8)),
+                      one_device.leases.direct_calls > 0 or not one_device.leases.on)[1],
+             timeout=30, what="a lease")
     runs = tmp_path / "runs"
-    out = list(freezes.map([str(runs)] * N, range(N), [BAD] * N, return_exceptions=True))
+    out = list(fn.map([str(runs)] * N, range(N), [BAD] * N, return_exceptions=True))
     order = [int(line) for line in runs.read_text().split()]
     assert Counter(order) == Counter(range(N)), order  # each ran once
     failed = {i: o for i, o in enumerate(out) if isinstance(o, BaseException)}

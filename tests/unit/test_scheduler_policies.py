@@ -270,3 +270,67 @@ def test_a_pipelined_calls_clock_starts_when_the_call_before_it_ends() -> None:
         True, False, False]
     h.finish(w0, first, duration=1e-5)
     assert [running[i].run_started is not None for i in (second, third)] == [True, False]
+
+
+def test_a_call_waiting_for_its_functions_slot_does_not_hold_back_another_functions_clock() -> None:
+    """Calls of two functions pipelined at one worker: the second call of `f` waits for
+    `f`'s one slot (concurrency 1), but `g`'s call, dispatched after it, has a slot of its
+    own there, so its clock starts at once (it would never be timed otherwise)."""
+    h = Harness(devices=1)
+    w0 = h.start_worker(0)
+    f, g = h.register("f", timeout=2), h.register("g", timeout=1)
+    for _ in range(3):  # measured short: pipelined
+        h.finish(w0, h.submit(f), duration=1e-5)
+    first, second = h.submit(f), h.submit(f)
+    other = h.submit(g)
+    assert {r.invocation_id for r in h.runs(w0)} >= {first, second, other}
+    running = h.core.devices["n:0"].running
+    assert [running[i].run_started is not None for i in (first, second, other)] == [
+        True, False, True]
+    h.tick(1.5)  # `g`'s call past its timeout (`f`'s first is not): its clock did run
+    assert h.results()[other].error_kind == "Timeout"
+
+
+def test_a_call_waiting_for_its_model_does_not_hold_back_another_calls_clock() -> None:
+    """A call dispatched before its model is resident is not timed until the load ends; a
+    call of another function dispatched beside it, needing no model, is timed at once."""
+    from gpufn.wire.spec import make_spec
+
+    h = Harness(devices=1)
+    w0 = h.start_worker(0)
+    spec = make_spec(timeout=5)
+    loads = f"m-{hash(spec)}"
+    h.feed(b"cli", p.Register(loads, "code-m", "m", spec.to_wire(), [
+        {"name": "weights", "code_id": "abcdef0123456", "memory": 2**30, "pin": False,
+         "offload": True, "nframes": 1}], (b"code", b"loader")))
+    g = h.register("g", timeout=1)
+    waits, other = h.submit(loads), h.submit(g)
+    assert {r.invocation_id for r in h.runs(w0)} == {waits, other}
+    running = h.core.devices["n:0"].running
+    assert running[waits].run_started is None and running[other].run_started is not None
+    key = next(iter(h.core.models.models))
+    h.feed(w0, p.ModelEvent(key, "resident", 2**30, 0.1))
+    assert running[waits].run_started is not None  # its model came: its clock starts
+
+
+def test_calls_waiting_at_a_worker_start_in_the_order_they_were_sent_there() -> None:
+    """A retried call keeps its place in the queue (its submission order) but reaches the
+    worker after a newer call pipelined there first, and the worker runs them in the
+    order they came: when the running call ends, the newer call's clock starts, not the
+    retried one's."""
+    h = Harness(devices=1)
+    w0 = h.start_worker(0)
+    fid = h.register(timeout=5, retries=1)
+    for _ in range(3):  # measured short: pipelined
+        h.finish(w0, h.submit(fid), duration=1e-5)
+    retried = h.submit(fid)
+    h.feed(w0, p.Result(retried, False, "", "raised", p.ResultMeta(
+        dispatch_token=h.token(retried), duration=1e-5, retryable=True)))
+    assert h.core.invocations[retried].state is InvState.QUEUED  # after its backoff
+    running_call, newer = h.submit(fid), h.submit(fid)
+    h.tick(5.0)  # past the backoff: sent to the worker behind `newer`
+    sent = [r.invocation_id for r in h.runs(w0)]
+    assert sent[-3:] == [running_call, newer, retried]
+    h.finish(w0, running_call, duration=1e-5)
+    running = h.core.devices["n:0"].running
+    assert running[newer].run_started is not None and running[retried].run_started is None

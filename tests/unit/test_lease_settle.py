@@ -369,3 +369,34 @@ def test_a_call_unanswered_when_its_lease_ended_is_not_sent_again_on_a_hello_aga
     again = [p.decode(frames) for frames in c._front]
     assert [m.invocation_id for m in again if isinstance(m, p.Submit)] == ["call-head"]
     assert not c._resubmit  # once: a later Welcome sends nothing again
+
+
+def test_a_hello_again_fails_a_generator_call_that_streamed_values_and_sends_the_rest(
+        io: tuple[Client, direct_mod.DirectSockets, zmq.Socket[Any], str]) -> None:
+    """Forgotten by the scheduler (a restart) while calls were out: a generator call that
+    has streamed values cannot resume there (run again from its start, it would repeat
+    them), so it fails WorkerLost, saying to call it again; a generator call that streamed
+    nothing yet, and a plain call, are sent again, each once."""
+    from gpufn.client.items import ItemQueue
+    from gpufn.exceptions import WorkerLost
+
+    c = io[0]
+    subs = {name: p.Submit(f"call-{name}", "fn-1", {}, frames=(b"args",))
+            for name in ("streamed", "not-yet", "plain")}
+    for name, sub in subs.items():
+        c._calls[sub.invocation_id] = _Pending(Future(), name, "fn-1", submit=sub)
+    for name in ("streamed", "not-yet"):
+        c._streams[subs[name].invocation_id] = ItemQueue()
+    c._streams["call-streamed"].put(p.Item("call-streamed", 1, 0, [], (b"v",)))
+    streamed = c._calls["call-streamed"].future
+    c._front, c._register_frames, c._status_frames = deque(), {}, {}
+    c._held_ids, c._resubmit = set(), True
+    c._wake = lambda: None  # type: ignore[method-assign]
+    c._send_again()
+    again = [p.decode(frames) for frames in c._front]
+    assert sorted(m.invocation_id for m in again if isinstance(m, p.Submit)) == [
+        "call-not-yet", "call-plain"]
+    with pytest.raises(WorkerLost, match=r"streamed values.*Call it again"):
+        streamed.result(timeout=0)
+    assert "call-streamed" not in c._calls and "call-streamed" not in c._streams
+    assert "call-not-yet" in c._streams and "call-plain" in c._calls

@@ -256,11 +256,10 @@ class SyncChannel:
             return  # handing over queued calls: a blocking channel has none queued
         if self.leases.granted(grant, time.monotonic()):
             for ep in self.leases.endpoints_to_probe():
-                if not self.direct.probe_now(ep):
+                if not self.direct.probe_now(ep):  # every lease held goes back, this one too
                     for lease_id in self.leases.unreachable(ep):
                         self._send(p.Cancel(lease_id, "unreachable from the client"))
-            if self.leases.reach.get(grant.endpoint) is not leasing.Reach.UNREACHABLE:
-                return
+            return
         self._send(p.Cancel(grant.lease_id, "leases are off"))
 
     def close(self) -> None:

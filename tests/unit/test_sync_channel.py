@@ -399,3 +399,165 @@ def test_a_leased_call_the_scheduler_fails_for_its_timeout_answers_and_is_not_lo
     [got] = out
     assert isinstance(got, p.Result) and got.error_kind == "Timeout"
     assert not ch.leases.in_flight(SUBMIT.invocation_id)
+
+
+# ---------------------------------------------------------------- a call through the scheduler
+
+class Caller(Owner):
+    """What `call` reads of its client, with short intervals."""
+
+    def __init__(self, grace: float = 30.0) -> None:
+        super().__init__()
+        self.ping_seconds, self.head_grace, self.idle_rehello = 0.1, grace, 3600.0
+        self.info = p.HelloInfo(instance="me")
+
+    def _grace_over(self, silent: float) -> str:
+        return f"no word from the scheduler for {silent:.1f}s"
+
+
+def _calling(ch: SyncChannel, register: p.Register | None = None,
+             ) -> tuple[list[p.Result | BaseException], Any]:
+    """`ch.call` of SUBMIT in a thread: (what it gave, the thread)."""
+    import threading
+
+    out: list[p.Result | BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(ch.call(register, SUBMIT, "f"))
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return out, t
+
+
+def _head_reads(head: zmq.Socket[Any], n: int) -> list[p.Message]:
+    got: list[p.Message] = []
+    while len(got) < n:
+        assert head.poll(5000), got
+        got += p.decode_all(head.recv_multipart())
+    return got
+
+
+@pytest.fixture
+def calling(wired: tuple[SyncChannel, zmq.Socket[Any]]) -> tuple[SyncChannel, zmq.Socket[Any]]:
+    ch, head = wired
+    ch.client = Caller()  # type: ignore[assignment]
+    ch.conn, ch.registered, ch.last_heard = Conn(), set(), time.monotonic()  # type: ignore[assignment]
+    return ch, head
+
+
+def test_a_call_through_the_scheduler_waits_for_its_own_result_and_pings_meanwhile(
+        calling: tuple[SyncChannel, zmq.Socket[Any]]) -> None:
+    """Its function is registered once, then the call sent; while it waits it pings
+    every ping interval; what else comes is handled (its output printed, another call's
+    Result passed over) and the call returns its own Result."""
+    ch, head = calling
+    register = p.Register("fn-1", "code-1", "f", {}, [])
+    out, t = _calling(ch, register)
+    sent = _head_reads(head, 2)
+    assert [type(m) for m in sent] == [p.Register, p.Submit]
+    time.sleep(0.35)
+    pings = [m for m in _head_reads(head, 1) if isinstance(m, p.Ping)]
+    while head.poll(0):
+        pings += [m for m in p.decode_all(head.recv_multipart()) if isinstance(m, p.Ping)]
+    assert 2 <= len(pings) <= 5, len(pings)
+    sockets.send(head, p.encode_batch([p.Output(SUBMIT.invocation_id, "stdout", "hi\n"),
+                                       p.Result("call-other", True, "", "")]))
+    time.sleep(0.2)
+    assert not out and t.is_alive()  # another call's Result is not this one's
+    sockets.send(head, p.encode(p.Result(SUBMIT.invocation_id, True, "", "", frames=(b"v",))))
+    t.join(5)
+    [result] = out
+    assert isinstance(result, p.Result) and [bytes(f) for f in result.frames] == [b"v"]
+    assert [o.text for o in ch.client.printed] == ["hi\n"]  # type: ignore[attr-defined]
+    assert ch.registered == {"fn-1"}
+    out, t = _calling(ch, register)  # registered once: the next call sends only itself
+    kinds: list[type] = []
+    while p.Submit not in kinds:
+        kinds += [type(m) for m in _head_reads(head, 1)]
+    assert p.Register not in kinds
+    sockets.send(head, p.encode(p.Result(SUBMIT.invocation_id, True, "", "")))
+    t.join(5)
+    assert isinstance(out[0], p.Result)
+
+
+def test_a_call_through_a_silent_scheduler_fails_connection_lost_after_the_grace(
+        calling: tuple[SyncChannel, zmq.Socket[Any]]) -> None:
+    from gpufn.exceptions import ConnectionLost
+
+    ch, _ = calling
+    ch.client.head_grace = 0.4  # type: ignore[misc]
+    began = time.monotonic()
+    out, t = _calling(ch)
+    t.join(5)
+    [error] = out
+    assert isinstance(error, ConnectionLost), error
+    assert "no word from the scheduler" in str(error) and f"f call {SUBMIT.invocation_id}" in str(error)
+    assert 0.4 <= time.monotonic() - began < 2.0
+
+
+def test_a_call_the_scheduler_refused_for_a_missing_hello_says_hello_and_goes_again(
+        calling: tuple[SyncChannel, zmq.Socket[Any]]) -> None:
+    """The scheduler forgot this connection (a restart): its refusal makes the channel say
+    Hello again, marked as resubmitting (the call may have run: recovery.py) and with the
+    client's instance, then send the function and the call again, once."""
+    from gpufn.net.connection import _FORGOTTEN
+
+    ch, head = calling
+    conn = ch.conn
+    seen: list[tuple[int, str]] = []
+    conn.handshake = lambda timeout: seen.append(  # type: ignore[attr-defined]
+        (conn.info.resubmit, conn.info.instance))
+    register = p.Register("fn-1", "code-1", "f", {}, [])
+    out, t = _calling(ch, register)
+    _head_reads(head, 2)
+    sockets.send(head, p.encode(p.Error(_FORGOTTEN, "this connection has not said Hello")))
+    again = _head_reads(head, 2)
+    assert [type(m) for m in again] == [p.Register, p.Submit]
+    assert seen == [(1, "me")] and conn.info.resubmit == 0  # only that Hello says it
+    sockets.send(head, p.encode(p.Result(SUBMIT.invocation_id, True, "", "")))
+    t.join(5)
+    assert isinstance(out[0], p.Result)
+
+
+def test_a_call_waiting_when_the_scheduler_stops_for_good_fails_connection_lost(
+        calling: tuple[SyncChannel, zmq.Socket[Any]]) -> None:
+    from gpufn.exceptions import ConnectionLost
+
+    ch, head = calling
+    out, t = _calling(ch)
+    _head_reads(head, 1)
+    sockets.send(head, p.encode(p.Shutdown("operator said so", final=False)))
+    time.sleep(0.2)
+    assert not out  # a restart is not the end: it waits on
+    sockets.send(head, p.encode(p.Shutdown("operator said so", final=True)))
+    t.join(5)
+    [error] = out
+    assert isinstance(error, ConnectionLost) and "operator said so" in str(error)
+
+
+def test_a_grant_of_an_unreachable_worker_is_given_back(
+        calling: tuple[SyncChannel, zmq.Socket[Any]]) -> None:
+    """A lease granted while the call waits, of a worker this client cannot reach (its
+    probe is not answered), is cancelled at once, once (it was cancelled a second time,
+    as if leases were off); with leases off, any grant is."""
+    from gpufn.client import direct as direct_mod
+
+    ch, head = calling
+    ch.direct = direct_mod.DirectSockets(zmq.Context.instance(), ch.leases)
+    ch.direct.probe_now = lambda endpoint: False  # type: ignore[method-assign]
+    try:
+        ch._granted(p.LeaseGrant("lease:x", "fn-1", "tcp://127.0.0.1:9/x", "s", 30.0, 10))
+        [cancel] = _head_reads(head, 1)
+        assert isinstance(cancel, p.Cancel) and cancel.invocation_id == "lease:x"
+        assert cancel.reason == "unreachable from the client" and not head.poll(100)
+        ch.leases.on = False
+        ch._granted(p.LeaseGrant("lease:y", "fn-1", "tcp://127.0.0.1:9/y", "s", 30.0, 10))
+        [cancel] = _head_reads(head, 1)
+        assert isinstance(cancel, p.Cancel) and cancel.invocation_id == "lease:y"
+        assert cancel.reason == "leases are off"
+    finally:
+        ch.direct.close()

@@ -312,6 +312,8 @@ def test_a_lease_lost_while_its_call_waits_tells_the_scheduler_what_ran_there(
     its lease (which judges from the worker's journal), and the scheduler hears which
     calls of the lease were answered (it meters them: the worker's own last reports died
     with it)."""
+    from gpufn.client import direct as direct_mod
+
     ch, head, worker, endpoint = worker_end
     grant = p.LeaseGrant("lease:w", "fn-1", endpoint, "s", 30.0, 10, 0, [], "cpu:0")
     assert ch.leases.granted(grant, time.monotonic())
@@ -319,10 +321,13 @@ def test_a_lease_lost_while_its_call_waits_tells_the_scheduler_what_ran_there(
     first = ch.leases.mark(p.Submit("call-1", "fn-1", {}))
     assert ch.leases.take(first, time.monotonic()) is not None
     ch.leases.answered("call-1", True)  # one answered under it already
+    direct_mod.SETTLE_SECONDS = 5.0  # (monkeypatched by the fixture: restored after)
     out, t = _leased_call(ch, endpoint, 0, granted=True)
     _worker_reads(worker)
     sockets.send(head, p.encode(p.Result("lease:w", False, "WorkerLost", "lost during a lease")))
+    lost = time.monotonic()
     t.join(10)
+    assert time.monotonic() - lost < 2.5  # at once, not after a probe of the dead worker
     assert isinstance(out[0], p.Submit) and out[0].prior_lease == "lease:w"
     assert out[0].prior_attempts == 1
     [report] = [m for m in _head_got(head) if isinstance(m, p.LeaseReport)]
@@ -561,3 +566,25 @@ def test_a_grant_of_an_unreachable_worker_is_given_back(
         assert cancel.reason == "leases are off"
     finally:
         ch.direct.close()
+
+
+def test_a_lease_that_ended_says_nothing_and_one_lost_says_what_ran_under_it(
+        wired: tuple[SyncChannel, zmq.Socket[Any]]) -> None:
+    """Read between calls: a lease its worker ended is let go; one lost with its worker
+    is let go and the scheduler hears which of its calls were answered."""
+    ch, head = wired
+    for name in ("ended", "lost"):  # of two functions: each call under its own lease
+        grant = p.LeaseGrant(f"lease:{name}", f"fn-{name}", f"tcp://127.0.0.1:1/{name}", "s",
+                             30.0, 10)
+        assert ch.leases.granted(grant, time.monotonic())
+        ch.leases.reach[grant.endpoint] = Reach.OK
+        call = ch.leases.mark(p.Submit(f"call-{name}", f"fn-{name}", {}))
+        assert ch.leases.take(call, time.monotonic()) is not None
+        ch.leases.answered(call.invocation_id, True)
+    ch._pending.extend([p.Result("lease:ended", True, "", "expired"),
+                        p.Result("lease:lost", False, "WorkerLost", "lost")])
+    ch._catch_up(None, SUBMIT, "f")
+    assert not ch.leases.holds("lease:ended") and not ch.leases.holds("lease:lost")
+    [report] = p.decode_all(head.recv_multipart()) if head.poll(2000) else [None]
+    assert isinstance(report, p.LeaseReport) and report.lease_id == "lease:lost"
+    assert [i["id"] for i in report.items] == ["call-lost"] and not head.poll(100)

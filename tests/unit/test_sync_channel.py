@@ -446,6 +446,13 @@ def _head_reads(head: zmq.Socket[Any], n: int) -> list[p.Message]:
     return got
 
 
+def _answered(head: zmq.Socket[Any], out: list[p.Result | BaseException], t: Any) -> None:
+    """The scheduler answers SUBMIT: the call returns that Result."""
+    sockets.send(head, p.encode(p.Result(SUBMIT.invocation_id, True, "", "")))
+    t.join(5)
+    assert isinstance(out[0], p.Result)
+
+
 @pytest.fixture
 def calling(wired: tuple[SyncChannel, zmq.Socket[Any]]) -> tuple[SyncChannel, zmq.Socket[Any]]:
     ch, head = wired
@@ -484,9 +491,7 @@ def test_a_call_through_the_scheduler_waits_for_its_own_result_and_pings_meanwhi
     while p.Submit not in kinds:
         kinds += [type(m) for m in _head_reads(head, 1)]
     assert p.Register not in kinds
-    sockets.send(head, p.encode(p.Result(SUBMIT.invocation_id, True, "", "")))
-    t.join(5)
-    assert isinstance(out[0], p.Result)
+    _answered(head, out, t)
 
 
 def test_a_call_through_a_silent_scheduler_fails_connection_lost_after_the_grace(
@@ -523,9 +528,7 @@ def test_a_call_the_scheduler_refused_for_a_missing_hello_says_hello_and_goes_ag
     again = _head_reads(head, 2)
     assert [type(m) for m in again] == [p.Register, p.Submit]
     assert seen == [(1, "me")] and conn.info.resubmit == 0  # only that Hello says it
-    sockets.send(head, p.encode(p.Result(SUBMIT.invocation_id, True, "", "")))
-    t.join(5)
-    assert isinstance(out[0], p.Result)
+    _answered(head, out, t)
 
 
 def test_a_call_waiting_when_the_scheduler_stops_for_good_fails_connection_lost(

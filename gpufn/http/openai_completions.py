@@ -55,6 +55,8 @@ def prompts(body: dict[str, Any]) -> list[str | list[int]]:
                   "or a list of lists of token ids")
     if len(out) > MAX_PROMPTS:
         raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(out)}")
+    if any(x == "" for x in out):
+        raise bad("prompt", "a prompt is empty: give at least one character or token")
     return out
 
 

@@ -57,12 +57,45 @@ class Gateway(Protocol):
 JSON = "application/json"
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 def messages_of(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat's messages as the model function gets them: each content a string (a list
+    of OpenAI's text parts joined; an assistant's may be null when it calls tools)."""
     messages = body.get("messages")
     if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+            or not all(isinstance(m, dict) for m in messages)):
         raise bad("messages", 'messages must be a non-empty list of {"role": ..., "content": ...}')
-    return messages
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
+    role, content = m.get("role"), m.get("content")
+    if role not in ROLES:
+        raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of "
+                  f"{', '.join(ROLES)}, got {role!r}")
+    if isinstance(content, list):  # OpenAI's content parts: only text ones here
+        kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__
+                 for part in content]
+        if any(k != "text" or not isinstance(part.get("text"), str)
+               for k, part in zip(kinds, content, strict=True)):
+            raise bad(f"messages[{i}].content", f"messages[{i}].content: only text parts "
+                      '({"type": "text", "text": ...}) are taken, got ' + repr(kinds))
+        return {**m, "content": "".join(part["text"] for part in content)}
+    if content is None and role == "assistant":
+        return m
+    if not isinstance(content, str):
+        raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a "
+                  f"list of text parts, got {type(content).__name__}")
+    return m
+
+
+def _streamed(body: dict[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", f"stream must be true or false, got {stream!r}")
+    return stream
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -167,6 +200,7 @@ class OpenAIRoutes:
         if not isinstance(model, str) or not model:
             raise bad("model", f"model must name a {role} model (GET /v1/models lists them)")
         data(body)  # the data parameter's form first: a bad prompt is named as such
+        _streamed(body)
         target = await Directory(entry).openai_target(model, role)
         accepts = declared(target.interface, role)
         kwargs = function_kwargs(body, role, accepts, model)
@@ -184,7 +218,7 @@ class OpenAIRoutes:
         self.gw.done_reading(request)  # only the encoded payload is kept from here
         head = {"id": f"chatcmpl-{sub.invocation_id}", "created": int(time.time()), "model": model}
         name = f"{target.app}.{target.name}"
-        if body.get("stream"):
+        if _streamed(body):
             return EventStream(_chunks(entry, sub, name, head, usage))
         entry.hold()
         try:
@@ -214,7 +248,7 @@ class OpenAIRoutes:
                 "model": model}
         name = f"{target.app}.{target.name}"
         logprobs = kwargs.get("logprobs") is not None
-        if body.get("stream"):
+        if _streamed(body):
             return EventStream(oc.stream_chunks(entry, runs, name, head, logprobs, usage))
         entry.hold()
         try:

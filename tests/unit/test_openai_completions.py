@@ -23,7 +23,10 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_prompt_forms_and_their_bound() -> None:
-    assert oc.prompts({"prompt": ""}) == [""]  # an empty prompt is a prompt (unlike an input)
+    for empty in ("", ["a", ""]):  # an engine has nothing to start from: 400, not its 500
+        with pytest.raises(HTTPError, match="a prompt is empty") as e:
+            oc.prompts({"prompt": empty})
+        assert e.value.status == 400 and e.value.param == "prompt"
     assert oc.prompts({"prompt": [0, 5]}) == [[0, 5]]
     assert oc.prompts({"prompt": ["a"] * oc.MAX_PROMPTS}) == ["a"] * oc.MAX_PROMPTS
     with pytest.raises(HTTPError, match="at most 2048 prompts per request, got 2049") as e:

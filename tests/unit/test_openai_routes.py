@@ -126,14 +126,25 @@ def test_models_are_listed_and_looked_up_with_their_roles_and_params() -> None:
     ({"messages": [{"role": "user", "content": "hi"}]}, "model", "model must name a chat model"),
     ({"model": "", "messages": []}, "model", "model must name a chat model"),
     ({"model": "tiny", "messages": []}, "messages", "messages must be a non-empty list"),
-    ({"model": "tiny", "messages": [{"content": "x"}]}, "messages", "messages must be"),
-    ({"model": "tiny", "messages": [{"role": "user"}], "top_p": 0.5}, "top_p",
+    ({"model": "tiny", "messages": [{"content": "x"}]}, "messages[0].role",
+     "messages[0].role must be one of system, developer, user, assistant, tool, function, "
+     "got None"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role",
+     "got 'robot'"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": None}]}, "messages[0].content",
+     "must be a string or a list of text parts, got NoneType"),
+    ({"model": "tiny", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[1].content",
+     "only text parts"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream",
+     "stream must be true or false, got 'yes'"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0.5}, "top_p",
      "does not handle the parameter 'top_p'"),
-    ({"model": "tiny", "messages": [{"role": "user"}], "temperature": 9}, "temperature",
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}, "temperature",
      "from 0 to 2"),
-    ({"model": "enc", "messages": [{"role": "user"}]}, "model",
+    ({"model": "enc", "messages": [{"role": "user", "content": "hi"}]}, "model",
      "'enc' is a embedding model, not a chat model"),
-    ({"model": "tiny", "messages": [{"role": "user"}], "stream_options": 3},
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream_options": 3},
      "stream_options", "stream_options must be an object"),
 ])
 def test_a_bad_chat_request_is_refused_before_any_call(body: Any, param: str, why: str) -> None:
@@ -166,7 +177,7 @@ def test_chat_n_other_than_1_is_refused() -> None:
     async def go() -> None:
         conn_fn = _fn("chat", _chat_n, chat="tiny")
         r, _, conn, request, _ = setup(
-            {"model": "tiny", "messages": [{"role": "user"}], "n": 2},
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2},
             [{"name": "a", "version": 1, "functions": [conn_fn]}])
         with pytest.raises(HTTPError, match="n must be 1: one choice per chat request"):
             await r.chat(request)
@@ -207,7 +218,7 @@ def test_chat_answered_whole_with_its_message_usage_and_finish() -> None:
 
 def test_chat_streamed_starts_with_the_role_and_ends_with_usage_and_done() -> None:
     async def go() -> None:
-        r, gw, conn, request, _ = setup({"model": "tiny", "messages": [{"role": "user"}],
+        r, gw, conn, request, _ = setup({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                          "stream": True,
                                          "stream_options": {"include_usage": True}})
         resp = await r.chat(request)
@@ -229,7 +240,7 @@ def test_chat_streamed_starts_with_the_role_and_ends_with_usage_and_done() -> No
 
 def test_a_chat_whose_client_leaves_is_cancelled_and_answered_499() -> None:
     async def go() -> None:
-        r, gw, conn, request, receive = setup({"model": "tiny", "messages": [{"role": "u"}]})
+        r, gw, conn, request, receive = setup({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
         await receive()  # the body was read
         task = asyncio.ensure_future(r.chat(request))
         await settle()
@@ -364,7 +375,7 @@ def test_a_model_without_its_creation_time_says_0() -> None:
 
 def test_answers_keep_non_ascii_text_as_it_is() -> None:
     async def go() -> None:
-        r, _, conn, request, _ = setup({"model": "tiny", "messages": [{"role": "user"}]})
+        r, _, conn, request, _ = setup({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
         task = asyncio.ensure_future(r.chat(request))
         await settle()
         (inv, _), = conn.submitted.items()
@@ -399,7 +410,7 @@ def test_completions_logprobs_when_asked() -> None:
 
 def test_a_failed_chat_stream_ends_with_an_openai_error_event() -> None:
     async def go() -> None:
-        r, gw, conn, request, _ = setup({"model": "tiny", "messages": [{"role": "user"}],
+        r, gw, conn, request, _ = setup({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                          "stream": True})
         resp = await r.chat(request)
         chunks: list[bytes] = []
@@ -442,3 +453,18 @@ def test_completions_a_failed_prompt_cancels_the_others_and_a_client_that_leaves
             conn.submitted) and gw.e.inflight == 0
 
     asyncio.run(go())
+
+
+def test_chat_messages_reach_the_function_with_string_contents() -> None:
+    """OpenAI's text content parts are joined into one string (a chat template reads a
+    string; a list went into the prompt as its Python repr); an assistant's null content
+    (a tool call) and a message's other fields are kept."""
+    from gpufn.http.openai_routes import messages_of
+
+    calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "t1"}]}
+    got = messages_of({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hello, "},
+                                     {"type": "text", "text": "world"}], "name": "ann"},
+        calls, {"role": "tool", "content": "42", "tool_call_id": "t1"}]})
+    assert got == [{"role": "user", "content": "Hello, world", "name": "ann"}, calls,
+                   {"role": "tool", "content": "42", "tool_call_id": "t1"}]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from gpufn.api.calls import FunctionCall
 from gpufn.client.client import Client
 from gpufn.client.default import get_client
-from gpufn.exceptions import GpufnError, InvalidSpec
+from gpufn.exceptions import InvalidSpec
 from gpufn.wire import config
 from gpufn.wire import protocol as p
 from gpufn.wire.spec import GpuSpec
@@ -146,9 +146,10 @@ class _MapRun:
     def _completed(self, idx: int, _fut: Future[p.Result]) -> None:
         self.done_q.put(idx)
 
-    def _cancel_rest(self, client: Client, include_running: bool) -> None:
-        for call in list(self.calls.values()):  # may run beside the thread that fills it
-            if not call.done():
+    def _cancel_rest(self, client: Client, include_running: bool, after: int = -1) -> None:
+        """Cancel the calls still out (those of inputs past `after`)."""
+        for idx, call in list(self.calls.items()):  # may run beside the thread that fills it
+            if idx > after and not call.done():
                 client.cancel(call.id, "the map was stopped", include_running)
 
     def _outcome(self, idx: int) -> tuple[bool, Any]:
@@ -156,25 +157,42 @@ class _MapRun:
         self.inflight_bytes -= self.sizes.pop(idx, 0)
         try:
             return True, call.get()
-        except GpufnError as e:
-            return False, e
         except Exception as e:
+            if not self.return_exceptions:  # raised out of the map: say whose it was
+                e.add_note(f"(input {idx} of {self.fn.name}.map, call {call.id})")
             return False, e
 
     def _steps(self) -> Iterator[tuple[int, bool, Any]]:
-        """Completed (index, ok, value) in completion order, keeping the window full."""
+        """Completed (index, ok, value) in completion order, keeping the window full. The
+        first failure ends the map: what has not started is dropped and it is raised; in
+        order (`order_outputs`), the inputs before it are waited for and yielded first,
+        and the failure raised is the first in input order."""
         client = get_client()
+        first: tuple[int, BaseException] | None = None  # the earliest failure so far
         try:
             self._fill(client)
             while self.calls:
+                if first is not None and not any(i < first[0] for i in self.calls):
+                    break
                 idx = self.done_q.get()
                 ok, value = self._outcome(idx)
                 if not ok and not self.return_exceptions:
-                    self.failed = True  # first failure: drop what has not started
-                    self._cancel_rest(client, include_running=False)
-                    raise value
+                    self.failed = True  # no more submits; drop what has not started
+                    if not self.order_outputs or self.ordered_by_cost:
+                        self._cancel_rest(client, include_running=False)
+                        raise value
+                    if first is None or idx < first[0]:
+                        first = (idx, value)
+                        self._cancel_rest(client, include_running=False, after=idx)
+                    continue
+                if first is not None:
+                    if idx < first[0]:
+                        yield idx, ok, value
+                    continue
                 self._fill(client)
                 yield idx, ok, value
+            if first is not None:
+                raise first[1]
         except BaseException:  # closed early, Ctrl-C, ...: stop everything still out
             if not self.failed:
                 self._cancel_rest(client, include_running=True)

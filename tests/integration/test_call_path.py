@@ -184,6 +184,33 @@ def test_map_return_exceptions_and_first_failure(cluster: gpufn.Client) -> None:
         list(fail.map(range(6)))
 
 
+def test_an_ordered_map_raises_its_first_failure_in_input_order(cluster: gpufn.Client) -> None:
+    """Input 7 fails after input 12 did: the map yields inputs 0-6 and then raises input
+    7's error, saying which input and call it was (it raised input 12's, after whichever
+    inputs had come by then: a different error from run to run)."""
+    @gpufn.gpu
+    def two_fail(x: int) -> int:
+        if x == 7:
+            time.sleep(1.0)
+            raise ValueError("bad 7")
+        if x == 12:
+            raise ValueError("bad 12")
+        time.sleep(0.02)
+        return x
+
+    got: list[int] = []
+    with pytest.raises(ValueError, match="bad 7") as e:
+        for v in two_fail.map(range(40)):
+            got.append(v)
+    assert got == list(range(7))
+    assert any(n.startswith("(input 7 of ") and "two_fail.map, call " in n for n in e.value.__notes__)
+    got = []  # unordered: the first to fail, as it comes
+    with pytest.raises(ValueError, match="bad 12"):
+        for v in two_fail.map(range(40), order_outputs=False):
+            got.append(v)
+    assert 7 not in got
+
+
 def test_map_failure_cancels_what_has_not_started(cluster: gpufn.Client) -> None:
     @gpufn.gpu
     def slow_fail(x: int) -> int:

@@ -169,7 +169,9 @@ class Directory:
         if hit is None:
             have = sorted(m for m, roles in models.items() if role in roles)
             other = sorted(models.get(model, {}))
-            why = (f"{model!r} is a {' and '.join(other)} model, not a {role} model" if other
+            kinds = " and ".join(other)
+            why = (f"{model!r} is {'an' if kinds[:1] in 'aeiou' else 'a'} {kinds} model, not "
+                   f"{'an' if role[:1] in 'aeiou' else 'a'} {role} model" if other
                    else f"no model {model!r} is deployed")
             raise HTTPError(404, "NotFound", f"{why}; {role} models: "
                             f"{', '.join(have) or f'none (declare one with @gpufn.{role}_model)'}",

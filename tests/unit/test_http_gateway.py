@@ -891,7 +891,7 @@ def test_openai_models_are_named_by_their_declared_names() -> None:
         with pytest.raises(HTTPError) as wrong_role:
             await d.openai_target("e5", "chat")
         assert wrong_role.value.status == 404 and wrong_role.value.code == "model_not_found"
-        assert wrong_role.value.message == ("'e5' is a embedding model, not a chat model; "
+        assert wrong_role.value.message == ("'e5' is an embedding model, not a chat model; "
                                             "chat models: a/llama, b/llama")
         with pytest.raises(HTTPError) as none:
             await d.openai_target("gone", "completion")

@@ -143,7 +143,7 @@ def test_models_are_listed_and_looked_up_with_their_roles_and_params() -> None:
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}, "temperature",
      "from 0 to 2"),
     ({"model": "enc", "messages": [{"role": "user", "content": "hi"}]}, "model",
-     "'enc' is a embedding model, not a chat model"),
+     "'enc' is an embedding model, not a chat model"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream_options": 3},
      "stream_options", "stream_options must be an object"),
 ])

@@ -233,9 +233,16 @@ class FunctionCall(Generic[R]):
         state = "done" if self._future.done() else "pending"
         return f"<FunctionCall {self._name} {self._id} {state}>"
 
-    def _get(self, timeout: float | None = None) -> R:
+    def _wait_check(self, timeout: float | None) -> None:
         if self._items is not None:
             raise InvalidSpec(f"{self._name} is a generator function: iterate call.stream()")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout >= 0):
+            raise InvalidSpec(f"get(timeout={timeout!r}): give seconds >= 0 (0: only look), "
+                              "or None to wait for the result")
+
+    def _get(self, timeout: float | None = None) -> R:
+        self._wait_check(timeout)
         try:
             res = self._future.result(timeout)
         except FutureTimeout:
@@ -256,8 +263,7 @@ class FunctionCall(Generic[R]):
         return value
 
     async def _get_aio(self, timeout: float | None = None) -> R:
-        if self._items is not None:
-            raise InvalidSpec(f"{self._name} is a generator function: iterate call.stream()")
+        self._wait_check(timeout)
         try:
             # Shielded: an await that times out or is cancelled leaves the call's own
             # future alone (else asyncio cancels it too: a later get() raised

@@ -138,3 +138,19 @@ def test_a_failing_callback_is_logged_and_the_others_still_run(
     g.set_result(4)
     g.add_done_callback(lambda _: 1 / 0)  # added after the end: run at once, logged too
     assert "exception calling callback" in caplog.text
+
+
+def test_get_refuses_a_timeout_that_is_not_seconds() -> None:
+    """`.get(timeout=-1)` said "no result after -1s"; now a bad timeout names the fix, and
+    0 only looks."""
+    from gpufn.api.calls import FunctionCall
+    from gpufn.exceptions import InvalidSpec, Timeout
+
+    call: FunctionCall[int] = FunctionCall("inv-1", Future(), "f", None)  # type: ignore[arg-type]
+    for bad in (-1, "3", True, float("nan")):
+        with pytest.raises(InvalidSpec, match=r"give seconds >= 0"):
+            call.get(timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidSpec, match=r"give seconds >= 0"):
+            asyncio.run(call.get.aio(timeout=bad))  # type: ignore[arg-type]
+    with pytest.raises(Timeout, match="has no result after 0s"):
+        call.get(timeout=0)

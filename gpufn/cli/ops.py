@@ -69,7 +69,7 @@ def _status(client: Any, timeout: float) -> dict[str, Any]:
 
 
 def logs(
-    target: str = typer.Argument(..., help="APP, APP.FN for a deployed app, or an ad-hoc function's name."),
+    target: str = typer.Argument(..., help="APP, APP.FN for a deployed app, an ad-hoc function's name, or a call's id."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new output."),
     since: str | None = typer.Option(None, help="Only output newer than this, e.g. 10m, 2h, 1d."),
     address: str | None = _ADDRESS, token: str | None = _TOKEN, as_json: bool = _JSON,
@@ -82,7 +82,8 @@ def logs(
         res = _query(client, "logs", {"target": target, "since": window}, timeout)
         if not res["found"]:
             known = ", ".join(res.get("known", [])) or "none yet"
-            fail(f"unknown app or function {target!r}; known: {known}")
+            fail(f"no app, function or call {target!r} has output kept; functions with "
+                 f"output: {known}")
         if as_json and not follow:
             common.print_json(res["lines"])
             return

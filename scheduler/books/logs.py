@@ -134,18 +134,24 @@ class LogStore:
     def query(self, target: str, now: float, since: float | None = None, after: int = 0,
               limit: int = 10_000, user: str | None = None) -> dict[str, Any]:
         """Lines of matching functions newer than `since` seconds ago and after seq `after`,
-        oldest first (at most `limit`, the newest ones); with `user`, only that user's."""
+        oldest first (at most `limit`, the newest ones); with `user`, only that user's.
+        A target that names no function is taken for a call's id: that call's lines."""
+        by_id = not any(matches(target, app, fn) for app, fn in self._rings)
         found = False
         out: list[Line] = []
         keys: dict[int, tuple[str, str]] = {}
         for (app, fn), ring in self._rings.items():
-            if not matches(target, app, fn):
+            if by_id:
+                if not any(line.invocation_id == target for line in ring.lines):
+                    continue
+            elif not matches(target, app, fn):
                 continue
             found = True
             for line in reversed(ring.lines):
                 if line.seq <= after or (since is not None and now - line.at > since):
                     break
-                if user is not None and line.user != user:
+                if (user is not None and line.user != user) or (
+                        by_id and line.invocation_id != target):
                     continue
                 out.append(line)
                 keys[line.seq] = (app, fn)

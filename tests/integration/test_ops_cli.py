@@ -96,8 +96,11 @@ def test_detached_server_operated_from_the_cli(tmp_path: Path) -> None:
 
         logs = _gpufn(tmp_path, "logs", "greet", "--since", "10m")
         assert logs.returncode == 0 and "[greet " in logs.stdout and "hi ann 1" in logs.stdout
+        call_id = logs.stdout.split("[greet ", 1)[1].split("]", 1)[0]
+        one = _gpufn(tmp_path, "logs", call_id)  # one call's lines, by the id they carry
+        assert one.returncode == 0 and "hi ann 1" in one.stdout, one.stderr
         unknown = _gpufn(tmp_path, "logs", "nope")
-        assert unknown.returncode == 1 and "unknown app or function 'nope'" in unknown.stderr
+        assert unknown.returncode == 1 and "no app, function or call 'nope' has output kept" in unknown.stderr
         assert "Traceback" not in unknown.stderr
 
         use = json.loads(_gpufn(tmp_path, "usage", "--by", "user", "--json").stdout)

@@ -112,7 +112,8 @@ def test_logs_usage_shutdown_parse_and_render(fake: FakeClient) -> None:
     r = runner.invoke(app, ["logs", "shop", "--json"])
     assert json.loads(r.output)[0]["invocation_id"] == "0123456789ab"
     r = runner.invoke(app, ["logs", "nope"])
-    assert r.exit_code == 1 and r.output.strip() == "error: unknown app or function 'nope'; known: shop"
+    assert r.exit_code == 1 and r.output.strip() == ("error: no app, function or call 'nope' has output kept; "
+                                                "functions with output: shop")
     r = runner.invoke(app, ["logs", "shop", "--since", "soon"])
     assert r.exit_code == 2 and "not a duration" in r.output
 

@@ -40,6 +40,23 @@ def test_log_store_since_after_and_targets() -> None:
     assert s.query("adhoc", 110.0)["lines"][0]["age"] == pytest.approx(10.0)
 
 
+def test_log_store_finds_one_calls_lines_by_its_id() -> None:
+    """`gpufn logs ID`: the id `gpufn status` and FunctionCall.id show, and each line's
+    prefix; only that call's lines, with `since`, `after` and the user's filter kept."""
+    s = LogStore()
+    s.add("app", "fn", "call-1", "stdout", "one", 100.0, user="ann")
+    s.add("app", "fn", "call-2", "stdout", "two", 100.0, user="ann")
+    s.add("app", "fn", "call-1", "stderr", "one again", 105.0, user="ann")
+    res = s.query("call-1", 110.0)
+    assert res["found"] and [ln["text"] for ln in res["lines"]] == ["one", "one again"]
+    assert [ln["function"] for ln in res["lines"]] == ["fn", "fn"]
+    assert [ln["text"] for ln in s.query("call-1", 110.0, since=7)["lines"]] == ["one again"]
+    assert s.query("call-1", 110.0, after=res["next"])["lines"] == []
+    assert s.query("call-1", 110.0, user="bob")["lines"] == []
+    assert s.query("call-3", 110.0)["found"] is False
+    assert [ln["text"] for ln in s.query("app", 110.0)["lines"]] == ["one", "two", "one again"]
+
+
 def test_usage_meter_splits_device_time_over_minutes_and_counts_gangs() -> None:
     m = UsageMeter()
     k = Key("app", "train", 1, "ann")

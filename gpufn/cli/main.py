@@ -88,7 +88,7 @@ def _print_serving(started: Any, workers: bool) -> None:
     console.print(f"the token is in {started.token_file} (readable by you only); give it to "
                   "clients and workers as GPUFN_TOKEN over a channel you trust", soft_wrap=True)
     kept = {"kept": "the same token as the last start (a new one: --new-token)",
-            "new": "a new token: clients and worker hosts with an older one are refused",
+            "new": "a new token, made now (one from an earlier start, if any, is refused)",
             "given": "the token given by --token or GPUFN_TOKEN"}[started.token_source]
     console.print(f"token: {kept}; users get their own with `gpufn token create NAME`",
                   soft_wrap=True, markup=False)

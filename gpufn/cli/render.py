@@ -187,11 +187,9 @@ def status_view(status: dict[str, Any]) -> Group:
     you = status.get("you")
     who = (f" · you: {you['user']}" + (" (admin: every call)" if you["admin"] else
                                        " (your calls only)")) if you else ""
-    parts.append(Text(
-        f"queued {status.get('queued', 0)} · running {status.get('running', 0)} · clients "
-        f"{status.get('clients', 0)} · " + " · ".join(f"{k} {v}" for k, v in c.items() if v)
-        + who
-    ))
+    fields = [f"queued {status.get('queued', 0)}", f"running {status.get('running', 0)}",
+              f"clients {status.get('clients', 0)}", *(f"{k} {v}" for k, v in c.items() if v)]
+    parts.append(Text(" · ".join(fields) + who))
     return Group(*parts)
 
 

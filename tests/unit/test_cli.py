@@ -103,6 +103,10 @@ def test_status_of_deployed_apps_has_app_and_version_columns() -> None:
     rows = [ln.split("│")[1:4] for ln in fns if "embed" in ln]
     assert [[c.strip() for c in r] for r in rows] == [["embed", "demo", "v1"], ["embed", "demo", "v2"]]
     assert "demo v1" in text[text.index("model pool"):text.index("functions")]
+    footer = render.status_view({**STATUS, "counters": {"succeeded": 0}, "clients": 1,
+                                 "queued": 0, "running": 0,
+                                 "you": {"user": "admin", "admin": True}}).renderables[-1]
+    assert str(footer) == "queued 0 · running 0 · clients 1 · you: admin (admin: every call)"
 
 
 def test_logs_usage_shutdown_parse_and_render(fake: FakeClient) -> None:

@@ -319,6 +319,12 @@ def run(
         typer.echo(value if isinstance(value, str) else repr(value))
 
 
+def stop(args: list[str] | None = typer.Argument(None, hidden=True)) -> None:
+    """(Not a command: says which one stops what.)"""
+    fail("there is no `gpufn stop`: `gpufn shutdown` stops the server (running calls "
+         "finish first), `gpufn app stop APP` stops a deployed app", 2)
+
+
 def register(app: typer.Typer) -> None:
     """Add these commands to the `gpufn` app."""
     app.command()(status)
@@ -326,3 +332,4 @@ def register(app: typer.Typer) -> None:
     app.command()(usage)
     app.command(context_settings={"ignore_unknown_options": True})(run)
     app.command()(shutdown)
+    app.command(hidden=True, context_settings={"ignore_unknown_options": True})(stop)

@@ -201,3 +201,15 @@ def test_serve_options_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 def test_durations() -> None:
     assert [common.parse_duration(t) for t in ("90", "30s", "10m", "2h", "1d", "1w", "1h30m")] == [
         90, 30, 600, 7200, 86400, 604800, 5400]
+
+
+def test_gpufn_stop_says_which_command_stops_what() -> None:
+    """`gpufn stop` (Modal's and many servers' word) is no command: it says `shutdown` for
+    the server and `app stop` for an app, and is not listed in the help."""
+    from gpufn.cli.main import app
+
+    for argv in (["stop"], ["stop", "demo", "--now"]):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2 and "`gpufn shutdown` stops the server" in r.output
+        assert "`gpufn app stop APP`" in r.output
+    assert " stop " not in runner.invoke(app, ["--help"]).output

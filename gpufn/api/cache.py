@@ -364,6 +364,12 @@ class ResultCache:
                 elif not self.store.claimed(key) and self.store.claim(key):
                     self._drop_waiting(key)
                     progressed = True
+                    frames = self.store.read(key)  # stored between the look and the claim
+                    if frames is not None:
+                        self.store.release(key)
+                        self.stats.waited += 1
+                        fut.set_result(_hit(key, frames))
+                        continue
                     try:
                         self._compute(key, fut, submit)
                     except BaseException:

@@ -175,3 +175,37 @@ def test_a_waiter_behind_an_expired_same_host_claim_computes(tmp_path: Path,
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_waiter_that_wins_the_claim_after_the_result_was_stored_reads_it() -> None:
+    """The waiter looked for the result just before its owner stored it and let its claim
+    go; then it found the claim free and took it: it reads the result again before it
+    computes (it computed a second time, and in a test whose submit never answers, hung)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        owner, waiter = Store(Path(tmp)), ResultCache(tmp, "code")
+        waiter.store = Store(Path(tmp))
+        frames = ser.dumps(((3,), {}))
+        key = waiter.key(frames)
+        assert owner.claim(key)
+        submits: list[int] = []
+
+        def submit() -> tuple[str, Future[p.Result]]:
+            submits.append(1)
+            return "inv-2", Future()
+
+        real, reads = waiter.store.read, []
+
+        def read(k: str) -> list[bytes] | None:
+            reads.append(k)
+            if len(reads) == 2:  # the watch's first look: the owner finishes right after it
+                owner.write(k, _result(9).frames)
+                owner.release(k)
+                return None
+            return real(k)
+
+        waiter.store.read = read  # type: ignore[method-assign]
+        _, fut = waiter.call(frames, submit)
+        assert ser.loads(fut.result(timeout=10).frames) == 9
+        assert submits == [] and waiter.stats.computed == 0

@@ -169,10 +169,8 @@ class Directory:
         if hit is None:
             have = sorted(m for m, roles in models.items() if role in roles)
             other = sorted(models.get(model, {}))
-            kinds = " and ".join(other)
-            why = (f"{model!r} is {'an' if kinds[:1] in 'aeiou' else 'a'} {kinds} model, not "
-                   f"{'an' if role[:1] in 'aeiou' else 'a'} {role} model" if other
-                   else f"no model {model!r} is deployed")
+            why = (f"{model!r} is {_a(' and '.join(other))} model, not {_a(role)} model"
+                   if other else f"no model {model!r} is deployed")
             raise HTTPError(404, "NotFound", f"{why}; {role} models: "
                             f"{', '.join(have) or f'none (declare one with @gpufn.{role}_model)'}",
                             param="model", code="model_not_found")
@@ -187,3 +185,8 @@ def openai_roles(interface: dict[str, Any]) -> dict[str, str]:
     if not roles and interface.get("chat_model"):  # recorded before the other roles
         roles["chat"] = str(interface["chat_model"])
     return roles
+
+
+def _a(word: str) -> str:
+    """`word` with its article: "an embedding", "a chat"."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"

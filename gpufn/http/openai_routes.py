@@ -76,12 +76,12 @@ def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
         raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of "
                   f"{', '.join(ROLES)}, got {role!r}")
     if isinstance(content, list):  # OpenAI's content parts: only text ones here
-        kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__
-                 for part in content]
-        if any(k != "text" or not isinstance(part.get("text"), str)
-               for k, part in zip(kinds, content, strict=True)):
+        if not all(isinstance(part, dict) and part.get("type") == "text"
+                   and isinstance(part.get("text"), str) for part in content):
+            kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__
+                     for part in content]
             raise bad(f"messages[{i}].content", f"messages[{i}].content: only text parts "
-                      '({"type": "text", "text": ...}) are taken, got ' + repr(kinds))
+                      '({"type": "text", "text": "..."}) are taken, got ' + repr(kinds))
         return {**m, "content": "".join(part["text"] for part in content)}
     if content is None and role == "assistant":
         return m

@@ -136,6 +136,10 @@ def test_models_are_listed_and_looked_up_with_their_roles_and_params() -> None:
     ({"model": "tiny", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[1].content",
      "only text parts"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content", "only text parts"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": ["hi"]}]},
+     "messages[0].content", "got ['str']"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream",
      "stream must be true or false, got 'yes'"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0.5}, "top_p",
